@@ -1,0 +1,15 @@
+"""bivit: batch-invariant vision encoding for Kimi-K2.5/K2.6/K3.
+
+    encoder = bivit.load_encoder()            # demo model; or a checkpoint directory
+    embeddings = encoder.encode(["cat.png"])  # one [tokens, text_hidden] tensor per input
+"""
+
+from .encoder import Encoder, load_encoder
+from .errors import BivitError, CheckpointError, ConfigError, MediaError
+from .media import MediaBatch, image_token_count
+
+__all__ = [
+    "BivitError", "CheckpointError", "ConfigError", "Encoder", "MediaBatch", "MediaError", "image_token_count",
+    "load_encoder",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,264 @@
+"""Checkpoint reading (and writing, for tests and benchmarks).
+
+A Kimi-K2.6 checkpoint is ~555 GB in 64 shards, of which the vision tower and projector are ~1 GB in the last
+two. We read `model.safetensors.index.json`, open only the shards that hold `vision_tower.*` / `mm_projector.*`
+tensors, memory-map them, and never read a language-model tensor. Layouts:
+
+* Moonshot (the published one): names as in `bivit.model`, loaded as they are.
+* transformers (re-saved by the HF port): split, RoPE-permuted q/k/v and other names; converted exactly
+  (the permutation is inverted and q/k/v packed back into `wqkv`).
+
+Every problem becomes a CheckpointError naming the key and the file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Iterable
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from .config import ModelConfig
+from .errors import CheckpointError
+from .model import VisionModel
+
+INDEX = "model.safetensors.index.json"
+VISION_PREFIXES = ("vision_tower.", "mm_projector.")
+HF_PREFIXES = ("model.vision_tower.", "model.mm_projector.")
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The Moonshot-layout keys and shapes a checkpoint for `cfg` must hold, read off the model itself."""
+    with torch.device("meta"):
+        model = VisionModel(cfg)
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+def _is_vision(key: str) -> bool:
+    return key.startswith(VISION_PREFIXES) or key.startswith(HF_PREFIXES)
+
+
+def vision_key_files(directory: Path) -> dict[str, Path]:
+    """Map every vision/projector key to the shard that holds it, opening only the shards that must be opened."""
+    index = directory / INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            if not isinstance(weight_map, dict):
+                raise TypeError("weight_map is not an object")
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index}: unreadable index ({e})") from None
+        return {k: directory / f for k, f in weight_map.items() if _is_vision(k)}
+    shards = sorted(directory.glob("*.safetensors"))
+    if not shards:
+        raise CheckpointError(f"{directory}: no {INDEX} and no *.safetensors files")
+    found: dict[str, Path] = {}
+    for shard in shards:
+        with _open(shard) as f:
+            for k in f.keys():
+                if _is_vision(k):
+                    found[k] = shard
+    return found
+
+
+def _open(path: Path):
+    if not path.is_file():
+        raise CheckpointError(f"{path}: shard file is missing")
+    try:
+        return safe_open(str(path), framework="pt", device="cpu")
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
+
+
+def read_tensors(key_files: dict[str, Path]) -> dict[str, tuple[torch.Tensor, Path]]:
+    by_file: dict[Path, list[str]] = {}
+    for k, p in key_files.items():
+        by_file.setdefault(p, []).append(k)
+    out: dict[str, tuple[torch.Tensor, Path]] = {}
+    for path, keys in sorted(by_file.items()):
+        with _open(path) as f:
+            present = set(f.keys())
+            for k in keys:
+                if k not in present:
+                    raise CheckpointError(f"{path}: index says it holds {k!r} but it does not")
+                try:
+                    out[k] = (f.get_tensor(k), path)
+                except (SafetensorError, OSError, RuntimeError, ValueError) as e:
+                    raise CheckpointError(f"{path}: cannot read {k!r} (truncated or corrupt shard: {e})") from None
+    return out
+
+
+# ------------------------------------------------------------------------------------ transformers layout
+
+_HF_RENAMES = [
+    (r"^model\.vision_tower\.patch_embed\.pos_emb\.position_embeddings$", "vision_tower.patch_embed.pos_emb.weight"),
+    (r"^model\.vision_tower\.patch_embed\.", "vision_tower.patch_embed."),
+    (r"^model\.vision_tower\.layers\.(\d+)\.norm1\.", r"vision_tower.encoder.blocks.\1.norm0."),
+    (r"^model\.vision_tower\.layers\.(\d+)\.norm2\.", r"vision_tower.encoder.blocks.\1.norm1."),
+    (r"^model\.vision_tower\.layers\.(\d+)\.mlp\.fc1\.", r"vision_tower.encoder.blocks.\1.mlp.fc0."),
+    (r"^model\.vision_tower\.layers\.(\d+)\.mlp\.fc2\.", r"vision_tower.encoder.blocks.\1.mlp.fc1."),
+    (r"^model\.vision_tower\.layers\.(\d+)\.attn\.proj\.", r"vision_tower.encoder.blocks.\1.wo."),
+    (r"^model\.vision_tower\.layers\.(\d+)\.attn\.([qkv])_proj\.", r"vision_tower.encoder.blocks.\1.\2_proj."),
+    (r"^model\.vision_tower\.final_layernorm\.", "vision_tower.encoder.final_layernorm."),
+    (r"^model\.mm_projector\.pre_norm\.", "mm_projector.pre_norm."),
+    (r"^model\.mm_projector\.in_proj\.", "mm_projector.proj.0."),
+    (r"^model\.mm_projector\.out_proj\.", "mm_projector.proj.2."),
+]
+
+
+def _unpermute_rope(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undo transformers' PermuteForRope: per head, rows (2, half) back to interleaved (half, 2)."""
+    half = t.shape[0] // heads // 2
+    return t.reshape(heads, 2, half, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
+
+
+def from_transformers_layout(tensors: dict[str, tuple[torch.Tensor, Path]], cfg: ModelConfig
+                             ) -> dict[str, tuple[torch.Tensor, Path]]:
+    if cfg.projector_type != "patchmerger" or cfg.attn_width != cfg.hidden_size:
+        raise CheckpointError("transformers-layout checkpoints exist only for Kimi-K2.5/K2.6; "
+                              f"this config is {cfg.projector_type} with attention width {cfg.attn_width}")
+    renamed: dict[str, tuple[torch.Tensor, Path]] = {}
+    for key, value in tensors.items():
+        new = key if key.startswith("model.") else "model." + key
+        for pattern, repl in _HF_RENAMES:
+            new, n = re.subn(pattern, repl, new)
+            if n:
+                break
+        else:
+            raise CheckpointError(f"{value[1]}: unexpected tensor {key!r} in a transformers-layout checkpoint")
+        renamed[new] = value
+    out: dict[str, tuple[torch.Tensor, Path]] = {}
+    for key, value in renamed.items():
+        m = re.match(r"^(vision_tower\.encoder\.blocks\.\d+)\.q_proj\.(weight|bias)$", key)
+        if m:
+            parts = []
+            for name in "qkv":
+                part_key = f"{m[1]}.{name}_proj.{m[2]}"
+                if part_key not in renamed:
+                    raise CheckpointError(f"{value[1]}: {part_key!r} missing (transformers layout, cannot "
+                                          "rebuild wqkv)")
+                t = renamed[part_key][0]
+                parts.append(_unpermute_rope(t, cfg.num_heads) if name in "qk" else t)
+            out[f"{m[1]}.wqkv.{m[2]}"] = (torch.cat(parts), value[1])
+        elif not re.search(r"\.[kv]_proj\.", key):
+            out[key] = value
+    return out
+
+
+# ------------------------------------------------------------------------------------------------- load
+
+def load_state_dict(directory: str | os.PathLike, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Read, convert and validate the vision/projector weights of a checkpoint directory."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory}: not a directory")
+    key_files = vision_key_files(directory)
+    if not key_files:
+        raise CheckpointError(f"{directory}: no vision_tower.* / mm_projector.* tensors found")
+    tensors = read_tensors(key_files)
+    if any(k.startswith(HF_PREFIXES) or ".layers." in k for k in tensors):
+        tensors = from_transformers_layout(tensors, cfg)
+    where = directory / INDEX if (directory / INDEX).is_file() else directory
+    expected = expected_shapes(cfg)
+    missing = sorted(set(expected) - set(tensors))
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise CheckpointError(f"{where}: missing vision tensor {missing[0]!r}{more}")
+    unexpected = sorted(set(tensors) - set(expected))
+    if unexpected:
+        k = unexpected[0]
+        raise CheckpointError(f"{tensors[k][1]}: unexpected vision tensor {k!r} (not part of a "
+                              f"{cfg.projector_type} model with this config)")
+    state: dict[str, torch.Tensor] = {}
+    for key, (t, path) in tensors.items():
+        if tuple(t.shape) != expected[key]:
+            raise CheckpointError(f"{path}: {key!r} has shape {tuple(t.shape)}, config expects {expected[key]}")
+        if not t.is_floating_point():
+            # Kimi's top-level quantization_config targets the language model only; quantized vision weights
+            # would mean a checkpoint we do not understand.
+            raise CheckpointError(f"{path}: {key!r} is {t.dtype}; vision weights must be floating point")
+        if not torch.isfinite(t).all():
+            raise CheckpointError(f"{path}: {key!r} contains NaN or Inf")
+        state[key] = t
+    return state
+
+
+# ------------------------------------------------------------------------------------------------ write
+
+def random_state_dict(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Deterministic random weights in the Moonshot layout (fp32): the demo model, tests, benchmarks."""
+    g = torch.Generator().manual_seed(seed)
+    state = {}
+    for key, shape in expected_shapes(cfg).items():
+        if key.endswith("norm0.weight") or key.endswith("norm1.weight") or key.endswith("norm.weight") or \
+                key.endswith("final_layernorm.weight"):
+            t = 1.0 + 0.1 * torch.randn(shape, generator=g)
+        elif key.endswith(".bias"):
+            t = 0.02 * torch.randn(shape, generator=g)
+        elif key.endswith("pos_emb.weight"):
+            t = 0.5 * torch.randn(shape, generator=g)
+        else:
+            fan_in = int(torch.tensor(shape[1:]).prod()) if len(shape) > 1 else shape[0]
+            t = torch.randn(shape, generator=g) / fan_in ** 0.5
+        state[key] = t
+    return state
+
+
+def moonshot_config_dict(cfg: ModelConfig) -> dict:
+    """A config.json in Moonshot's published layout for `cfg`."""
+    vc = {
+        "model_type": "kimi_k25_vision", "patch_size": cfg.patch_size,
+        "init_pos_emb_height": cfg.pos_emb_height, "init_pos_emb_width": cfg.pos_emb_width,
+        "init_pos_emb_time": cfg.pos_emb_time, "pos_emb_type": "divided_fixed",
+        "vt_hidden_size": cfg.hidden_size, "vt_num_hidden_layers": cfg.num_layers,
+        "vt_num_attention_heads": cfg.num_heads, "vt_intermediate_size": cfg.intermediate_size,
+        "merge_kernel_size": list(cfg.merge_kernel_size), "merge_type": "sd2_tpool",
+        "video_attn_type": "spatial_temporal", "mm_projector_type": cfg.projector_type,
+        "mm_hidden_size": cfg.projector_input_size, "text_hidden_size": cfg.text_hidden_size,
+        "projector_hidden_act": cfg.projector_hidden_act, "projector_ln_eps": cfg.projector_ln_eps,
+    }
+    if cfg.projector_type == "patchmergerv2" or cfg.norm_type != "layernorm" or cfg.qkv_hidden_size:
+        vc.update({
+            "qkv_hidden_size": cfg.attn_width, "norm_type": cfg.norm_type, "attn_bias": cfg.attn_bias,
+            "linear_bias": cfg.linear_bias, "patch_embed_proj_bias": cfg.patch_embed_bias,
+            "pos_emb_interpolation_mode": cfg.pos_emb_interpolation, "activation_func": cfg.hidden_act,
+        })
+    return {
+        "model_type": "kimi_k25", "architectures": ["KimiK25ForConditionalGeneration"], "dtype": "bfloat16",
+        "vision_config": vc, "text_config": {"hidden_size": cfg.text_hidden_size},
+        "quantization_config": {"quant_method": "compressed-tensors", "targets": ["Linear"],
+                                "ignore": ["lm_head"]},
+    }
+
+
+def save_checkpoint(directory: str | os.PathLike, cfg: ModelConfig, state: dict[str, torch.Tensor], *,
+                    dtype: torch.dtype = torch.bfloat16, shards: int = 1,
+                    extra_shards: Iterable[dict[str, torch.Tensor]] = (), config: dict | None = None) -> Path:
+    """Write a Moonshot-layout checkpoint (config.json + safetensors, indexed when sharded).
+
+    `extra_shards` are written first, as stand-ins for language-model shards, so that the vision tensors sit
+    in the last shards like in the published checkpoint.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config or moonshot_config_dict(cfg), indent=2))
+    groups = [dict(g) for g in extra_shards]
+    keys = list(state)
+    per = -(-len(keys) // shards)
+    groups += [{k: state[k].to(dtype).contiguous() for k in keys[i:i + per]} for i in range(0, len(keys), per)]
+    total = len(groups)
+    if total == 1:
+        save_file(groups[0], str(directory / "model.safetensors"))
+        return directory
+    weight_map = {}
+    for i, group in enumerate(groups, 1):
+        name = f"model-{i:05d}-of-{total:05d}.safetensors"
+        save_file(group, str(directory / name))
+        weight_map.update({k: name for k in group})
+    (directory / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
+    return directory

@@ -1,0 +1,230 @@
+"""Public API: `load_encoder` and `Encoder`.
+
+The encoder owns the three dtype decisions (tower, projector, output) and the batching policy; the model
+computes, the op layer decides how. Casts happen at three declared boundaries only: pixels -> tower dtype
+(tower input), merged tokens -> projector dtype (projector input, derived from the projector's own
+parameters), projector output -> output dtype (here).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from . import ops
+from .checkpoint import load_state_dict, random_state_dict
+from .config import PRESETS, ModelConfig, load_config
+from .errors import BivitError, ConfigError, MediaError
+from .media import MediaBatch, preprocess_images
+from .model import VisionModel, gemm_shapes
+
+log = logging.getLogger("bivit")
+
+DTYPES = {
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+DEMO_SEED = 0
+DEMO_NOTICE = "bivit: using the built-in DEMO model (tiny, seeded random weights) — its embeddings are not Kimi's"
+
+
+def parse_dtype(value: str | torch.dtype | None, option: str) -> torch.dtype | None:
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    try:
+        return DTYPES[str(value).lower().removeprefix("torch.")]
+    except KeyError:
+        raise ConfigError(f"option {option!r} = {value!r}: expected one of bfloat16, float32, float16") from None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class Encoder:
+    """Images and videos in, Kimi vision embeddings out. Not re-entrant: call it from one thread at a time."""
+
+    def __init__(self, model: VisionModel, *, model_name: str, is_demo: bool, batch_invariant: bool,
+                 output_dtype: torch.dtype, max_batch_tokens: int | None, device: torch.device) -> None:
+        self.model = model.eval()
+        self.config: ModelConfig = model.config
+        self.model_name = model_name
+        self.is_demo = is_demo
+        self.batch_invariant = batch_invariant
+        self.output_dtype = output_dtype
+        self.max_batch_tokens = max_batch_tokens
+        self.device = device
+        self._fingerprint: str | None = None
+
+    # ------------------------------------------------------------------------------------- properties
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.vision_tower.dtype
+
+    @property
+    def projector_dtype(self) -> torch.dtype:
+        return self.model.mm_projector.dtype
+
+    @property
+    def fingerprint(self) -> str:
+        """Content hash of config + weights + dtypes + mode; the same for two loads of the same weights."""
+        if self._fingerprint is None:
+            h = hashlib.sha256()
+            h.update(json.dumps(self.config.to_dict(), sort_keys=True).encode())
+            h.update(f"{self.dtype}|{self.projector_dtype}|{self.output_dtype}|{self.batch_invariant}".encode())
+            for key, t in sorted(self.model.state_dict().items()):
+                h.update(key.encode())
+                h.update(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
+            self._fingerprint = h.hexdigest()
+        return self._fingerprint
+
+    def __repr__(self) -> str:
+        return (f"Encoder({self.model_name!r}{' [DEMO weights]' if self.is_demo else ''}, "
+                f"dtype={dtype_name(self.dtype)}, projector_dtype={dtype_name(self.projector_dtype)}, "
+                f"output_dtype={dtype_name(self.output_dtype)}, batch_invariant={self.batch_invariant})")
+
+    # ---------------------------------------------------------------------------------- preprocessing
+    def preprocess(self, images: Sequence[Any]) -> MediaBatch:
+        """Images (PIL, HxWx3 uint8 arrays, paths, bytes) -> one packed MediaBatch."""
+        return preprocess_images(_as_list(images))
+
+    def preprocess_video(self, path: str | os.PathLike, **limits: Any) -> MediaBatch:
+        """A video file -> one item per chunk of (up to) 4 frames sampled at 2 fps, with chunk timestamps."""
+        from .video import preprocess_video
+
+        return preprocess_video(path, **limits)
+
+    # --------------------------------------------------------------------------------------- encoding
+    def encode(self, inputs: Sequence[Any]) -> list[torch.Tensor]:
+        """One `[tokens_i, text_hidden]` tensor per input, in input order.
+
+        Inputs are images (PIL, arrays, paths, bytes) or video paths; a video's entry is the concatenation of
+        its chunks' embeddings along the token axis (chunk boundaries: `encode_video`). All items share the
+        forward passes; in invariant mode each result is the same bits as encoding that input alone.
+        """
+        from .video import is_video_path
+
+        batches = []
+        for src in _as_list(inputs):
+            if isinstance(src, (str, os.PathLike)) and is_video_path(src):
+                batches.append(self.preprocess_video(src))
+            else:
+                batches.append(preprocess_images([src]))
+        outs = iter(self.encode_batch(MediaBatch.concat(batches)))
+        return [torch.cat([next(outs) for _ in range(len(b))]) for b in batches]
+
+    def encode_video(self, path: str | os.PathLike, **limits: Any) -> list:
+        """A video -> one `bivit.VideoChunk` (embedding, grid_thw, timestamp) per chunk, in time order."""
+        from .video import VideoChunk
+
+        batch = self.preprocess_video(path, **limits)
+        embeddings = self.encode_batch(batch)
+        return [VideoChunk(embedding=e, grid_thw=tuple(int(v) for v in g), timestamp=ts, index=i)
+                for i, (e, g, ts) in enumerate(zip(embeddings, batch.grid_thw.tolist(), batch.timestamps))]
+
+    def encode_batch(self, batch: MediaBatch) -> list[torch.Tensor]:
+        return self.encode_pixels(batch.pixel_values, batch.grid_thw)
+
+    def encode_pixels(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]:
+        """Packed patches `[L, 3, p, p]` + `grid_thw` `[n, 3]` -> one embedding per item (output dtype)."""
+        grid_thw = torch.as_tensor(grid_thw, dtype=torch.int64).reshape(-1, 3)
+        self._validate(pixel_values, grid_thw)
+        counts = [int(t * h * w) for t, h, w in grid_thw.tolist()]
+        results: list[torch.Tensor] = []
+        with torch.inference_mode(), ops.batch_invariant(self.batch_invariant):
+            for first, last in self._passes(counts):
+                start, stop = sum(counts[:first]), sum(counts[:last])
+                outs = self.model(pixel_values[start:stop].to(self.device), grid_thw[first:last])
+                results.extend(o.to(self.output_dtype) for o in outs)
+        return results
+
+    def _passes(self, counts: list[int]) -> list[tuple[int, int]]:
+        """Greedy micro-batches of consecutive items with at most `max_batch_tokens` patches each."""
+        budget = self.max_batch_tokens
+        if not budget:
+            return [(0, len(counts))] if counts else []
+        passes, first, used = [], 0, 0
+        for i, n in enumerate(counts):
+            if i > first and used + n > budget:
+                passes.append((first, i))
+                first, used = i, 0
+            used += n
+        if counts:
+            passes.append((first, len(counts)))
+        return passes
+
+    def _validate(self, pixels: torch.Tensor, grid_thw: torch.Tensor) -> None:
+        p = self.config.patch_size
+        if pixels.ndim != 4 or tuple(pixels.shape[1:]) != (3, p, p):
+            raise MediaError(f"pixel_values must be [L, 3, {p}, {p}], got {list(pixels.shape)}")
+        if (grid_thw <= 0).any():
+            raise MediaError(f"grid_thw entries must be positive, got {grid_thw.tolist()}")
+        if ((grid_thw[:, 1:] % 2) != 0).any():
+            raise MediaError(f"grid h and w must be even (2x2 merge), got {grid_thw.tolist()}")
+        if (grid_thw[:, 0] > self.config.pos_emb_time).any():
+            raise MediaError(f"chunks hold at most {self.config.pos_emb_time} frames, got {grid_thw.tolist()}")
+        total = int(grid_thw.prod(-1).sum())
+        if total != pixels.shape[0]:
+            raise MediaError(f"grid_thw describes {total} patches but pixel_values has {pixels.shape[0]}")
+
+
+def _as_list(inputs: Any) -> list:
+    if isinstance(inputs, (str, os.PathLike, bytes)) or not isinstance(inputs, Sequence):
+        return [inputs]
+    return list(inputs)
+
+
+def load_encoder(model: str | os.PathLike | None = None, *, device: str | torch.device = "cpu",
+                 dtype: str | torch.dtype = "bfloat16", batch_invariant: bool = True,
+                 projector_dtype: str | torch.dtype | None = None, output_dtype: str | torch.dtype | None = None,
+                 max_batch_tokens: int | None = None, seed: int = DEMO_SEED, **options: Any) -> Encoder:
+    """Load an encoder.
+
+    model: None (or "demo") for the built-in demo model, or a checkpoint directory (Moonshot weights, either
+    config layout). dtype: tower compute dtype; projector_dtype: defaults to dtype; output_dtype: defaults to
+    projector_dtype. max_batch_tokens: at most this many patches per forward pass (an item larger than that
+    runs alone). batch_invariant: bit-identical results per item whatever the batching (default on).
+    """
+    if options:
+        raise ConfigError(f"unknown option(s) {', '.join(map(repr, sorted(options)))}")
+    tower_dtype = parse_dtype(dtype, "dtype")
+    proj_dtype = parse_dtype(projector_dtype, "projector_dtype") or tower_dtype
+    out_dtype = parse_dtype(output_dtype, "output_dtype") or proj_dtype
+    if max_batch_tokens is not None and (not isinstance(max_batch_tokens, int) or max_batch_tokens < 1):
+        raise ConfigError(f"option 'max_batch_tokens' = {max_batch_tokens!r}: expected a positive integer")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ConfigError(f"option 'device' = {device!r}: {e}") from None
+
+    if model is None or str(model) == "demo":
+        cfg = PRESETS["demo"]
+        state = random_state_dict(cfg, seed)
+        name, is_demo = "demo", True
+        log.warning(DEMO_NOTICE)
+    else:
+        path = Path(model)
+        if not path.is_dir():
+            raise BivitError(f"{path}: model must be a checkpoint directory (or None for the demo model)")
+        cfg = load_config(path)
+        state = load_state_dict(path, cfg)
+        name, is_demo = str(path), False
+
+    with torch.device("meta"):
+        net = VisionModel(cfg)
+    net.load_state_dict(state, strict=True, assign=True)
+    net.vision_tower.to(device=device, dtype=tower_dtype)
+    net.mm_projector.to(device=device, dtype=proj_dtype)
+    if batch_invariant:
+        # Prove now, not on the first request, that the pinned GEMMs are row-position invariant here.
+        for part, dt in ((net.vision_tower, tower_dtype), (net.mm_projector, proj_dtype)):
+            ops.self_check(gemm_shapes(part), dt, device)
+    return Encoder(net, model_name=name, is_demo=is_demo, batch_invariant=batch_invariant, output_dtype=out_dtype,
+                   max_batch_tokens=max_batch_tokens, device=device)

@@ -1,0 +1,277 @@
+"""MoonViT-3D vision tower -> sd2_tpool merger -> projector, written to read like the math (spec §4).
+
+Items are packed along the row axis: `pixel_values` is `[L, 3, p, p]` and `grid_thw[i] = (t, h, w)` says item i
+owns the next t*h*w rows (frame-major, row-major). Reductions go through `bivit.ops`; this file never needs to
+know whether invariant mode is on. Module and parameter names are the Moonshot checkpoint's, so its weights
+load without renaming; other layouts are converted in `bivit.checkpoint`.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from . import ops
+from .config import ModelConfig
+
+
+class Linear(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.linear(x, self.weight, self.bias)
+
+
+class LayerNorm(nn.LayerNorm):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.layer_norm(x, self.weight, self.bias, self.eps)
+
+
+class RMSNorm(nn.RMSNorm):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.rms_norm(x, self.weight, self.eps)
+
+
+class GELU(nn.Module):
+    def __init__(self, approximate: str = "none") -> None:
+        super().__init__()
+        self.approximate = approximate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.gelu(x, self.approximate)
+
+
+def make_norm(cfg: ModelConfig, dim: int) -> nn.Module:
+    if cfg.norm_type == "rmsnorm":
+        return RMSNorm(dim, eps=cfg.norm_eps)
+    return LayerNorm(dim, eps=cfg.norm_eps)
+
+
+def grids(grid_thw: torch.Tensor) -> list[tuple[int, int, int]]:
+    return [(int(t), int(h), int(w)) for t, h, w in grid_thw.tolist()]
+
+
+# ------------------------------------------------------------------------------------------ position terms
+
+@lru_cache(maxsize=256)
+def _rope_angles(h: int, w: int, head_dim: int, theta: float) -> torch.Tensor:
+    """Angles `[h*w, head_dim/2]` (fp32) of the 2-D RoPE: complex slot 2i turns with the column, 2i+1 with the row."""
+    freqs = 1.0 / theta ** (torch.arange(0, head_dim // 4, dtype=torch.float32) * 4 / head_dim)
+    rows = torch.arange(h, dtype=torch.float32).repeat_interleave(w)
+    cols = torch.arange(w, dtype=torch.float32).repeat(h)
+    angles = torch.stack([torch.outer(cols, freqs), torch.outer(rows, freqs)], dim=-1)  # [hw, dim/4, 2]
+    return angles.flatten(1)
+
+
+def apply_rope(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs (x[2k], x[2k+1]) of `[L, heads, head_dim]` by `angles` `[L, head_dim/2]`, in fp32."""
+    xf = x.float().unflatten(-1, (-1, 2))
+    re, im = xf[..., 0], xf[..., 1]
+    cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
+    return torch.stack([re * cos - im * sin, re * sin + im * cos], dim=-1).flatten(-2).to(x.dtype)
+
+
+def temporal_embedding(t: int, dim: int) -> torch.Tensor:
+    """Frame f of a multi-frame chunk gets [sin(f*w_k), cos(f*w_k)], w_k = 10000^(-k/(dim/2)); fp32 `[t, dim]`."""
+    w = 1.0 / 10000 ** (torch.arange(0, dim // 2, dtype=torch.float32) / (dim // 2))
+    f = torch.outer(torch.arange(t, dtype=torch.float32), w)
+    return torch.cat([f.sin(), f.cos()], dim=1)
+
+
+# ------------------------------------------------------------------------------------------------- tower
+
+class PositionEmbedding(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(cfg.pos_emb_height, cfg.pos_emb_width, cfg.hidden_size))
+        self.mode = cfg.pos_emb_interpolation
+        self.max_frames = cfg.pos_emb_time
+        self._cache: dict[tuple[int, int], torch.Tensor] = {}
+
+    def spatial(self, h: int, w: int) -> torch.Tensor:
+        """The learned table resampled to an h x w grid, `[h*w, D]` in fp32 (exact when the sizes match)."""
+        key = (h, w)
+        if key not in self._cache:
+            table = self.weight.float()
+            if (h, w) != tuple(table.shape[:2]):
+                table = F.interpolate(table.permute(2, 0, 1)[None], size=(h, w), mode=self.mode,
+                                      align_corners=False)[0].permute(1, 2, 0)
+            if len(self._cache) > 256:
+                self._cache.clear()
+            self._cache[key] = table.reshape(h * w, -1)
+        return self._cache[key]
+
+    def _apply(self, fn, recurse=True):  # a dtype/device change invalidates the resampled tables
+        self._cache = {}
+        return super()._apply(fn, recurse)
+
+    def forward(self, x: torch.Tensor, grid_thw: list[tuple[int, int, int]]) -> torch.Tensor:
+        parts = []
+        for t, h, w in grid_thw:
+            pos = self.spatial(h, w)
+            if t > 1:
+                if t > self.max_frames:
+                    raise ValueError(f"a chunk of {t} frames exceeds init_pos_emb_time = {self.max_frames}")
+                pos = (pos[None] + temporal_embedding(t, pos.shape[-1])[:, None, :]).flatten(0, 1)
+            else:
+                pos = pos.repeat(t, 1)
+            parts.append(pos)
+        return x + torch.cat(parts).to(x.dtype)
+
+
+class PatchEmbed(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        p = cfg.patch_size
+        self.proj = nn.Conv2d(3, cfg.hidden_size, kernel_size=p, stride=p, bias=cfg.patch_embed_bias)
+        self.pos_emb = PositionEmbedding(cfg)
+
+    def forward(self, pixels: torch.Tensor, grid_thw: list[tuple[int, int, int]]) -> torch.Tensor:
+        return self.pos_emb(ops.patch_conv(pixels, self.proj.weight, self.proj.bias), grid_thw)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.fc0 = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.linear_bias)
+        self.act = GELU("tanh")
+        self.fc1 = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.linear_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc1(self.act(self.fc0(x)))
+
+
+class Block(nn.Module):
+    """Pre-LN transformer block; `wqkv`/`wo` sit directly on the block, as in the checkpoint."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.heads, self.head_dim, self.theta = cfg.num_heads, cfg.head_dim, cfg.rope_theta
+        self.norm0 = make_norm(cfg, cfg.hidden_size)
+        self.wqkv = Linear(cfg.hidden_size, 3 * cfg.attn_width, bias=cfg.attn_bias)
+        self.wo = Linear(cfg.attn_width, cfg.hidden_size, bias=cfg.attn_bias)
+        self.norm1 = make_norm(cfg, cfg.hidden_size)
+        self.mlp = MLP(cfg)
+
+    def attention(self, x: torch.Tensor, grid_thw: list[tuple[int, int, int]]) -> torch.Tensor:
+        q, k, v = self.wqkv(x).view(x.shape[0], 3, self.heads, self.head_dim).unbind(1)
+        # Every frame of a chunk shares the spatial table; the time axis is handled by the additive term.
+        angles = torch.cat([_rope_angles(h, w, self.head_dim, self.theta).repeat(t, 1) for t, h, w in grid_thw])
+        q, k = apply_rope(q, angles), apply_rope(k, angles)
+        return self.wo(ops.attention(q, k, v, [t * h * w for t, h, w in grid_thw]))
+
+    def forward(self, x: torch.Tensor, grid_thw: list[tuple[int, int, int]]) -> torch.Tensor:
+        x = x + self.attention(self.norm0(x), grid_thw)
+        return x + self.mlp(self.norm1(x))
+
+
+class Encoder(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.final_layernorm = make_norm(cfg, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor, grid_thw: list[tuple[int, int, int]]) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x, grid_thw)
+        return self.final_layernorm(x)
+
+
+class VisionTower(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.patch_embed = PatchEmbed(cfg)
+        self.encoder = Encoder(cfg)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.patch_embed.proj.weight.dtype
+
+    def forward(self, pixels: torch.Tensor, grid_thw: list[tuple[int, int, int]]) -> torch.Tensor:
+        """`[L, 3, p, p]` pixels -> merged sub-tokens `[N, 4, D]` in the tower dtype (sd2_tpool)."""
+        x = self.encoder(self.patch_embed(pixels.to(self.dtype), grid_thw), grid_thw)
+        merged, start = [], 0
+        for t, h, w in grid_thw:
+            item = x[start:start + t * h * w].view(t, h // 2, 2, w // 2, 2, -1)
+            start += t * h * w
+            # Mean over frames, then (h/2, w/2, 2, 2, D): sub-token order (0,0), (0,1), (1,0), (1,1).
+            merged.append(ops.temporal_mean(item).permute(0, 2, 1, 3, 4).reshape((h // 2) * (w // 2), 4, -1))
+        return torch.cat(merged)
+
+
+# --------------------------------------------------------------------------------------------- projectors
+
+class Projector(nn.Module):
+    """Base: the projector computes in the dtype of its own parameters, whatever it holds (no `pre_norm`
+    lookups), and casts its input to that dtype at its boundary. This is the whole fix for vLLM 41638."""
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.parameters()).dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.project(x.to(self.dtype))
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class PatchMerger(Projector):
+    """K2.x: LayerNorm per sub-token -> concat the 4 -> Linear -> GELU(erf) -> Linear."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        d = cfg.projector_input_size * cfg.merge_area
+        self.pre_norm = LayerNorm(cfg.projector_input_size, eps=cfg.projector_ln_eps)
+        self.proj = nn.Sequential(Linear(d, d), GELU(), Linear(d, cfg.text_hidden_size))
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.pre_norm(x).flatten(1))
+
+
+class PatchMergerV2(Projector):
+    """K3: concat the 4 -> Linear -> GELU(erf) -> Linear (no biases) -> RMSNorm `post_norm`."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        d = cfg.projector_input_size * cfg.merge_area
+        self.proj = nn.Sequential(Linear(d, d, bias=False), GELU(), Linear(d, cfg.text_hidden_size, bias=False))
+        self.post_norm = RMSNorm(cfg.text_hidden_size, eps=cfg.projector_ln_eps)
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        return self.post_norm(self.proj(x.flatten(1)))
+
+
+PROJECTORS = {"patchmerger": PatchMerger, "patchmergerv2": PatchMergerV2}
+
+
+class VisionModel(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.vision_tower = VisionTower(cfg)
+        self.mm_projector = PROJECTORS[cfg.projector_type](cfg)
+
+    def forward(self, pixels: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]:
+        """Packed items in, one `[tokens_i, text_hidden]` tensor per item out (projector dtype)."""
+        g = grids(grid_thw)
+        out = self.mm_projector(self.vision_tower(pixels, g))
+        return list(out.split([(h // 2) * (w // 2) for _, h, w in g]))
+
+
+def flops_per_item(cfg: ModelConfig, t: int, h: int, w: int) -> int:
+    """Multiply-add FLOPs (x2) of the GEMMs and attention for one item; used by benchmarks."""
+    n, d, a = t * h * w, cfg.hidden_size, cfg.attn_width
+    per_layer = 2 * n * d * (3 * a) + 2 * n * a * d + 2 * 2 * n * d * cfg.intermediate_size + 2 * 2 * n * n * a
+    tokens = (h // 2) * (w // 2)
+    proj = 2 * tokens * (4 * d) * (4 * d) + 2 * tokens * (4 * d) * cfg.text_hidden_size
+    return cfg.num_layers * per_layer + 2 * n * d * 3 * cfg.patch_size ** 2 + proj
+
+
+def gemm_shapes(module: nn.Module) -> list[tuple[int, int]]:
+    """Distinct (out, in) GEMM shapes of a module (the patch conv counts as one), for the self-check."""
+    shapes = {tuple(m.weight.shape) for m in module.modules() if isinstance(m, Linear)}
+    shapes |= {(m.weight.shape[0], m.weight[0].numel()) for m in module.modules() if isinstance(m, nn.Conv2d)}
+    return sorted(shapes)

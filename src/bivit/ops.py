@@ -1,0 +1,235 @@
+"""The op layer: the only place that knows about batch invariance.
+
+Every reduction-bearing op of the model (GEMMs, the patch conv, norms, attention, the temporal mean) is
+called through this module. One switch, `batch_invariant(True)`, makes each of them compute an item's rows
+in a way that does not depend on which other rows share the call:
+
+* GEMMs run only at pinned row counts ("tiles"). Library GEMMs pick kernels and reduction orders by shape
+  (stock CPU `F.linear` computes the same row three different ways for M = 1, M in {2, 3} and M >= 4), but
+  at one fixed shape a row's result does not depend on its position or its neighbours. The rows of a call
+  are cut into tiles of `TILE_ROWS`; the tail is zero-padded up to the smallest *proven* tile size. Which
+  tile sizes are allowed is decided by `self_check()` on this machine and library, at load: a tile size is
+  used only if it computes every row bit-identically to the largest tile. If even the largest tile is not
+  row-position invariant, every row is computed alone (M = 1 always: slow, exact) and the check says so.
+* The patch conv is the same GEMM over flattened patches.
+* Norms are row-wise kernels; attention runs per item, so its shapes depend on the item only; the temporal
+  mean adds frames in a fixed order in float32.
+
+Every op returns exactly the dtype the op it replaces returns (never a silently promoted float32): that is
+the dtype contract that vLLM's invariant `mean` broke on Kimi-K2.6 (issue 41638).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger("bivit")
+
+TILE_ROWS = 256
+CANDIDATE_TILES = (32, 64, 128, 256)
+
+_invariant: ContextVar[bool] = ContextVar("bivit_batch_invariant", default=False)
+_tracer: ContextVar["Callable[[str, torch.Tensor], None] | None"] = ContextVar("bivit_tracer", default=None)
+
+
+@contextlib.contextmanager
+def batch_invariant(enabled: bool = True) -> Iterator[None]:
+    """Run the enclosed ops in batch-invariant mode (or explicitly not). Thread- and task-local."""
+    token = _invariant.set(enabled)
+    try:
+        yield
+    finally:
+        _invariant.reset(token)
+
+
+def is_batch_invariant() -> bool:
+    return _invariant.get()
+
+
+@contextlib.contextmanager
+def trace(callback: Callable[[str, torch.Tensor], None]) -> Iterator[None]:
+    """Call `callback(op_kind, output)` after every op (used by `bivit verify --bisect`)."""
+    token = _tracer.set(callback)
+    try:
+        yield
+    finally:
+        _tracer.reset(token)
+
+
+def _emit(kind: str, out: torch.Tensor) -> torch.Tensor:
+    cb = _tracer.get()
+    if cb is not None:
+        cb(kind, out)
+    return out
+
+
+# --------------------------------------------------------------------------------------------- GEMM
+
+@dataclass
+class GemmPlan:
+    """Which row counts a GEMM of one (out, in, dtype) may run at in invariant mode, as proven by the probe."""
+
+    tiles: tuple[int, ...]  # ascending; empty means: row by row (M = 1), the exact slow path
+
+    @property
+    def exact_fallback(self) -> bool:
+        return not self.tiles
+
+
+@dataclass
+class _Plans:
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    by_shape: dict[tuple[int, int, torch.dtype, torch.device], GemmPlan] = field(default_factory=dict)
+
+
+_plans = _Plans()
+
+
+def _gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
+    """The one GEMM call of invariant mode; the probe proves facts about exactly this call."""
+    if bias is None:
+        torch.mm(x, weight.t(), out=out)
+    else:
+        torch.addmm(bias, x, weight.t(), out=out)
+
+
+def _tile(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    out = x.new_empty(x.shape[0], weight.shape[0])
+    _gemm(x, weight, bias, out)
+    return out
+
+
+def _probe(out_features: int, in_features: int, dtype: torch.dtype, device: torch.device) -> GemmPlan:
+    """Prove, on this machine and library, which tile sizes compute a row the same way as the largest tile.
+
+    Row-position invariance at the largest tile: the tile is computed, then computed again with its rows
+    reversed, and again with half of its rows moved beside other neighbours; each row must come back
+    bit-identical. Then a smaller tile is allowed only if it reproduces those rows bit for bit. Kernel
+    choice depends on shapes, not values, so one probe per GEMM shape suffices; it costs a few GEMMs.
+    """
+    g = torch.Generator(device="cpu").manual_seed(1234)
+    big = max(CANDIDATE_TILES)
+    half = big // 2
+    w = torch.randn(out_features, in_features, generator=g).to(device, dtype)
+    b = torch.randn(out_features, generator=g).to(device, dtype)
+    x = torch.randn(big, in_features, generator=g).to(device, dtype)
+    ref = _tile(x, w, b)
+    mixed = torch.randn(big, in_features, generator=g).to(device, dtype)
+    mixed[half:] = x[:half]
+    if not (torch.equal(torch.flip(_tile(torch.flip(x, [0]), w, b), [0]), ref)
+            and torch.equal(_tile(mixed, w, b)[half:], ref[:half])):
+        return GemmPlan(())
+    tiles = [t for t in CANDIDATE_TILES if t == big or torch.equal(_tile(x[:t].contiguous(), w, b), ref[:t])]
+    return GemmPlan(tuple(sorted(tiles)))
+
+
+def gemm_plan(out_features: int, in_features: int, dtype: torch.dtype, device: torch.device) -> GemmPlan:
+    key = (out_features, in_features, dtype, torch.device(device))
+    plan = _plans.by_shape.get(key)
+    if plan is None:
+        with _plans.lock:
+            plan = _plans.by_shape.get(key)
+            if plan is None:
+                plan = _probe(out_features, in_features, dtype, torch.device(device))
+                if plan.exact_fallback:
+                    log.warning("bivit: GEMM %sx%s %s is not row-position invariant on this machine; using the "
+                                "exact row-by-row path (slower)", out_features, in_features, dtype)
+                _plans.by_shape[key] = plan
+    return plan
+
+
+def self_check(shapes: Sequence[tuple[int, int]], dtype: torch.dtype, device: torch.device | str = "cpu") -> dict:
+    """Probe every GEMM shape of a model; returns {(out, in): GemmPlan}. Called at load in invariant mode."""
+    return {s: gemm_plan(s[0], s[1], dtype, torch.device(device)) for s in shapes}
+
+
+def _invariant_linear(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    m, k = x2.shape
+    plan = gemm_plan(weight.shape[0], k, weight.dtype, weight.device)
+    out = x2.new_empty(m, weight.shape[0])
+    if plan.exact_fallback:
+        for i in range(m):
+            _gemm(x2[i:i + 1], weight, bias, out[i:i + 1])
+        return out
+    big = plan.tiles[-1]
+    full = m - m % big
+    for start in range(0, full, big):
+        _gemm(x2[start:start + big], weight, bias, out[start:start + big])
+    if m > full:
+        # Zero-pad the tail up to the smallest proven tile: its rows are computed as in a full tile.
+        tile = next(t for t in plan.tiles if t >= m - full)
+        pad = x2.new_zeros(tile, k)
+        pad[:m - full] = x2[full:]
+        out[full:] = _tile(pad, weight, bias)[:m - full]
+    return out
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if not _invariant.get():
+        return _emit("linear", F.linear(x, weight, bias))
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    out = _invariant_linear(x2, weight, bias)
+    return _emit("linear", out.view(*lead, weight.shape[0]))
+
+
+def patch_conv(pixels: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """Conv2d with kernel = stride = patch size on `[L, C, p, p]` patches -> `[L, D]`."""
+    if not _invariant.get():
+        return _emit("patch_conv", F.conv2d(pixels, weight, bias, stride=weight.shape[-1]).flatten(1))
+    # A kernel-sized conv over one patch is exactly a GEMM over the flattened patch; pin it like any GEMM.
+    out = _invariant_linear(pixels.reshape(pixels.shape[0], -1).contiguous(), weight.reshape(weight.shape[0], -1),
+                            bias)
+    return _emit("patch_conv", out)
+
+
+# --------------------------------------------------------------------------------------------- row-wise ops
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+    # The CPU kernel normalises each row on its own with one code path whatever the row count (verified by
+    # the invariance tests), so both modes share it.
+    return _emit("layer_norm", F.layer_norm(x, (x.shape[-1],), weight, bias, eps))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float | None) -> torch.Tensor:
+    return _emit("rms_norm", F.rms_norm(x, (x.shape[-1],), weight, eps))
+
+
+def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    return _emit("gelu", F.gelu(x, approximate=approximate))
+
+
+# --------------------------------------------------------------------------------------------- per-item ops
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: Sequence[int]) -> torch.Tensor:
+    """Non-causal attention over packed `[L, heads, head_dim]` q/k/v where item i owns `seqlens[i]` rows.
+
+    Each item attends only to itself, so it runs alone: its kernel shapes depend on that item alone, which
+    makes attention batch-invariant in both modes (and is what the reference does on CPU too).
+    """
+    outs = []
+    start = 0
+    for n in seqlens:
+        qi, ki, vi = (t[start:start + n].transpose(0, 1) for t in (q, k, v))
+        outs.append(F.scaled_dot_product_attention(qi, ki, vi).transpose(0, 1).reshape(n, -1))
+        start += n
+    return _emit("attention", torch.cat(outs) if outs else q.new_zeros(0, q.shape[1] * q.shape[2]))
+
+
+def temporal_mean(x: torch.Tensor) -> torch.Tensor:
+    """Mean over dim 0 (the frames of one chunk), returning `x.dtype` like `torch.mean` does."""
+    if not _invariant.get():
+        return _emit("temporal_mean", x.mean(dim=0))
+    # Fixed order: frame 0 + frame 1 + ... in float32, one division, then back to the input dtype.
+    acc = x[0].to(torch.float32, copy=True)
+    for f in range(1, x.shape[0]):
+        acc += x[f]
+    return _emit("temporal_mean", (acc / x.shape[0]).to(x.dtype))
