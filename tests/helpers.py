@@ -10,9 +10,11 @@ import torch
 from bivit.checkpoint import random_state_dict, save_checkpoint
 from bivit.config import ModelConfig
 
-# Small but Kimi-shaped: head dim 72 like the real model, non-square position table interpolation.
-KIMI_SMALL = ModelConfig(pos_emb_height=8, pos_emb_width=8, hidden_size=144, num_layers=2, num_heads=2,
-                         intermediate_size=200, text_hidden_size=160)
+# Small but Kimi-shaped: head dim 72 like the real model; an 8x8 position table so that a 112x112 image
+# uses it as is and every other size interpolates. The projector input width 4*288 = 1152 is the real tower
+# width: at K = 1152 stock bf16 GEMMs take another path for a single row, which the bf16 controls need.
+KIMI_SMALL = ModelConfig(pos_emb_height=8, pos_emb_width=8, hidden_size=288, num_layers=2, num_heads=4,
+                         intermediate_size=384, text_hidden_size=512)
 K3_SMALL = ModelConfig(pos_emb_height=8, pos_emb_width=8, hidden_size=96, qkv_hidden_size=128, num_layers=2,
                        num_heads=4, intermediate_size=160, norm_type="rmsnorm", norm_eps=None, attn_bias=False,
                        linear_bias=False, patch_embed_bias=False, pos_emb_interpolation="bilinear",

@@ -1,0 +1,199 @@
+"""The invariance verifier behind `bivit verify`: does an item's embedding depend on its batch?
+
+Every item is encoded alone (the reference), then inside several random batch layouts (other items around
+it, random order, random micro-batch budgets), in invariant and default mode side by side. `bisect` names
+the first op whose output for an item differs between bs=1 and bs=N, by tracing the op layer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import numpy as np
+import torch
+from PIL import Image
+
+from . import ops
+from .encoder import Encoder
+from .media import MediaBatch
+
+# Sizes chosen to make 1, 2, 3, 4, 6 ... merged tokens: the row counts where stock GEMMs change kernels.
+SYNTHETIC_SIZES = [(28, 28), (56, 28), (84, 28), (56, 56), (84, 56), (140, 112), (224, 168), (280, 252)]
+
+
+def synthetic_images(seed: int = 0) -> list[Image.Image]:
+    rng = np.random.default_rng(seed)
+    return [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8), "RGB") for w, h in SYNTHETIC_SIZES]
+
+
+@dataclass
+class ItemReport:
+    source: str
+    tokens: int
+    max_diff: float = 0.0  # max |batched - alone| over every layout tried
+    layouts: int = 0
+
+    @property
+    def bit_equal(self) -> bool:
+        return self.max_diff == 0.0
+
+
+@dataclass
+class Report:
+    mode: str
+    items: list[ItemReport] = field(default_factory=list)
+
+    @property
+    def stable(self) -> bool:
+        return all(i.bit_equal for i in self.items)
+
+
+def _encode_with_budget(encoder: Encoder, batch: MediaBatch, budget: int | None) -> list[torch.Tensor]:
+    saved = encoder.max_batch_tokens
+    encoder.max_batch_tokens = budget
+    try:
+        return encoder.encode_batch(batch)
+    finally:
+        encoder.max_batch_tokens = saved
+
+
+def random_layouts(n: int, count: int, rng: random.Random, patch_counts: list[int]) -> list[tuple[list[int], int | None]]:
+    """`count` (order, budget) pairs: permutations of all items plus random subsets, with random budgets."""
+    total = sum(patch_counts)
+    layouts: list[tuple[list[int], int | None]] = [(list(range(n)), None), (list(reversed(range(n))), None)]
+    while len(layouts) < count:
+        order = list(range(n))
+        rng.shuffle(order)
+        if rng.random() < 0.5 and n > 2:
+            order = order[: rng.randint(2, n)]
+        budget = rng.choice([None, rng.randint(1, max(1, total)), max(patch_counts)])
+        layouts.append((order, budget))
+    return layouts[:count]
+
+
+def check(encoder: Encoder, batch: MediaBatch, layouts: list[tuple[list[int], int | None]]) -> Report:
+    n = len(batch)
+    alone = [encoder.encode_batch(batch.item(i))[0] for i in range(n)]
+    sources = batch.sources or [f"item{i}" for i in range(n)]
+    report = Report("invariant" if encoder.batch_invariant else "default",
+                    [ItemReport(sources[i], int(alone[i].shape[0])) for i in range(n)])
+    for order, budget in layouts:
+        outs = _encode_with_budget(encoder, MediaBatch.concat([batch.item(i) for i in order]), budget)
+        for i, out in zip(order, outs):
+            diff = float((out.float() - alone[i].float()).abs().max()) if out.numel() else 0.0
+            if not torch.equal(out, alone[i]) and diff == 0.0:
+                diff = float("nan")  # same values, different bits (e.g. -0.0 vs 0.0 or NaN payloads)
+            item = report.items[i]
+            item.max_diff = max(item.max_diff, diff) if not np.isnan(diff) else diff
+            item.layouts += 1
+    return report
+
+
+# ------------------------------------------------------------------------------------------------ bisect
+
+@dataclass
+class OpDiff:
+    module: str
+    kind: str
+    occurrence: int
+    max_diff: float
+
+
+@contextlib.contextmanager
+def _op_recorder(model: torch.nn.Module, sink: list) -> Iterator[None]:
+    """Record (module path, op kind, output) for every op, the module path coming from forward hooks."""
+    stack: list[str] = []
+    handles = []
+    def enter(name: str) -> Callable:
+        def hook(module, args) -> None:
+            stack.append(name)
+        return hook
+
+    def leave(module, args, output) -> None:  # returning None keeps the module's output
+        stack.pop()
+
+    for name, module in model.named_modules():
+        handles.append(module.register_forward_pre_hook(enter(name)))
+        handles.append(module.register_forward_hook(leave))
+
+    def record(kind: str, out: torch.Tensor) -> None:
+        sink.append((stack[-1] if stack else "", kind, out.detach().clone()))
+
+    try:
+        with ops.trace(record):
+            yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def bisect(encoder: Encoder, batch: MediaBatch, needle: int = 0) -> OpDiff | None:
+    """First op whose output for item `needle` differs between encoding it alone and first in a full batch.
+
+    The needle goes first in the batch, so its rows are the leading rows of every op's output in both runs.
+    Ops are matched by (module path, op kind, occurrence); per-item ops (the temporal mean) occur once per
+    item, and the needle's is the first.
+    """
+    others = [batch.item(i) for i in range(len(batch)) if i != needle]
+    alone_trace: list = []
+    batch_trace: list = []
+    with _op_recorder(encoder.model, alone_trace):
+        _encode_with_budget(encoder, batch.item(needle), None)
+    with _op_recorder(encoder.model, batch_trace):
+        _encode_with_budget(encoder, MediaBatch.concat([batch.item(needle), *others]), None)
+    index: dict[tuple[str, str, int], torch.Tensor] = {}
+    seen: dict[tuple[str, str], int] = {}
+    for module, kind, out in batch_trace:
+        k = seen.get((module, kind), 0)
+        seen[(module, kind)] = k + 1
+        index[(module, kind, k)] = out
+    seen.clear()
+    for module, kind, out in alone_trace:
+        k = seen.get((module, kind), 0)
+        seen[(module, kind)] = k + 1
+        other = index[(module, kind, k)][: out.shape[0]]
+        if not torch.equal(other, out):
+            return OpDiff(module, kind, k, float((other.float() - out.float()).abs().max()))
+    return None
+
+
+# -------------------------------------------------------------------------------------------------- plot
+
+def plot(reports: list[Report], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(6, len(reports[0].items) * 0.8), 4))
+    width = 0.8 / len(reports)
+    for j, rep in enumerate(reports):
+        xs = [i + j * width for i in range(len(rep.items))]
+        ys = [it.max_diff if it.max_diff > 0 else 1e-12 for it in rep.items]
+        ax.bar(xs, ys, width=width, label=f"{rep.mode} mode")
+        for x, it in zip(xs, rep.items):
+            if it.bit_equal:
+                ax.text(x, 1.5e-12, "=", ha="center", va="bottom", fontsize=9)
+    ax.set_yscale("log")
+    ax.set_ylim(1e-12, None)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(reports[0].items))])
+    ax.set_xticklabels([f"{it.source}\n{it.tokens} tok" for it in reports[0].items], rotation=45, ha="right",
+                       fontsize=7)
+    ax.set_ylabel("max |batched - alone| (\"=\": bit-identical)")
+    ax.set_title("bivit verify: per-item difference, batched vs alone")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def format_report(rep: Report) -> Iterator[str]:
+    for it in rep.items:
+        verdict = "bit-identical" if it.bit_equal else f"DIFFERS max |diff| = {it.max_diff:.3g}"
+        yield f"  {it.source:<40} {it.tokens:>5} tokens  {verdict}  ({it.layouts} layouts)"
+
+
+LoadFn = Callable[[bool], Encoder]

@@ -1,0 +1,38 @@
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from helpers import K3_SMALL, KIMI_SMALL, write_checkpoint  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def kimi_ckpt(tmp_path_factory):
+    """A Kimi-shaped (head dim 72) random checkpoint, Moonshot layout, fp32 on disk."""
+    return write_checkpoint(tmp_path_factory.mktemp("kimi"), KIMI_SMALL)
+
+
+@pytest.fixture(scope="session")
+def kimi_hf_ckpt(tmp_path_factory):
+    """The same weights with a transformers-layout config.json, loadable by the HF port and by bivit."""
+    return write_checkpoint(tmp_path_factory.mktemp("kimi_hf"), KIMI_SMALL, layout="hf-config")
+
+
+@pytest.fixture(scope="session")
+def k3_ckpt(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("k3"), K3_SMALL)
+
+
+def random_image(h: int, w: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed * 7919 + h * 31 + w).integers(0, 256, (h, w, 3), dtype=np.uint8)
+
+
+@pytest.fixture(autouse=True)
+def _restore_threads():
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
