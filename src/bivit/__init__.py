@@ -7,9 +7,10 @@
 from .encoder import Encoder, load_encoder
 from .errors import BivitError, CheckpointError, ConfigError, MediaError
 from .media import MediaBatch, image_token_count
+from .video import VideoChunk
 
 __all__ = [
     "BivitError", "CheckpointError", "ConfigError", "Encoder", "MediaBatch", "MediaError", "image_token_count",
-    "load_encoder",
+    "load_encoder", "VideoChunk",
 ]
 __version__ = "0.1.0"

@@ -43,18 +43,24 @@ class ModelConfig:
     projector_hidden_act: str = "gelu"
 
     def __post_init__(self) -> None:
+        # Normalise "same as hidden" so that two spellings of one model compare equal.
+        if self.qkv_hidden_size is None:
+            object.__setattr__(self, "qkv_hidden_size", self.hidden_size)
+        if self.mm_hidden_size is None:
+            object.__setattr__(self, "mm_hidden_size", self.hidden_size)
+        object.__setattr__(self, "merge_kernel_size", tuple(self.merge_kernel_size))
         _check(self.patch_size > 0, "patch_size", self.patch_size)
         _check(tuple(self.merge_kernel_size) == (2, 2), "merge_kernel_size", self.merge_kernel_size,
                "only the 2x2 sd2_tpool merger exists")
         _check(self.norm_type in ("layernorm", "rmsnorm"), "norm_type", self.norm_type)
-        _check(self.pos_emb_interpolation in ("bicubic", "bilinear"), "pos_emb_interpolation_mode",
+        _check(self.pos_emb_interpolation in ("bicubic", "bilinear"), "pos_emb_interpolation",
                self.pos_emb_interpolation)
         _check(self.hidden_act in ("gelu_pytorch_tanh",), "hidden_act", self.hidden_act)
         _check(self.projector_hidden_act in ("gelu",), "projector_hidden_act", self.projector_hidden_act)
-        _check(self.projector_type in ("patchmerger", "patchmergerv2"), "mm_projector_type", self.projector_type)
-        _check(self.num_heads > 0 and self.attn_width % self.num_heads == 0, "num_attention_heads", self.num_heads,
+        _check(self.projector_type in ("patchmerger", "patchmergerv2"), "projector_type", self.projector_type)
+        _check(self.num_heads > 0 and self.attn_width % self.num_heads == 0, "num_heads", self.num_heads,
                f"must divide the attention width {self.attn_width}")
-        _check(self.head_dim % 4 == 0, "num_attention_heads", self.num_heads,
+        _check(self.head_dim % 4 == 0, "num_heads", self.num_heads,
                f"head dim {self.head_dim} must be a multiple of 4 for 2-D RoPE")
         _check(self.hidden_size % 2 == 0, "hidden_size", self.hidden_size, "must be even (temporal sin-cos term)")
         _check(self.projector_input_size == self.hidden_size, "mm_hidden_size", self.mm_hidden_size,
@@ -65,7 +71,7 @@ class ModelConfig:
 
     @property
     def attn_width(self) -> int:
-        return self.qkv_hidden_size or self.hidden_size
+        return self.qkv_hidden_size
 
     @property
     def head_dim(self) -> int:
@@ -73,7 +79,7 @@ class ModelConfig:
 
     @property
     def projector_input_size(self) -> int:
-        return self.mm_hidden_size or self.hidden_size
+        return self.mm_hidden_size
 
     @property
     def merge_area(self) -> int:
@@ -90,7 +96,20 @@ class ModelConfig:
 
 def _check(ok: bool, key: str, value: Any, why: str = "unsupported value") -> None:
     if not ok:
-        raise ConfigError(f"config key {key!r} = {value!r}: {why}")
+        err = ConfigError(f"config key {key!r} = {value!r}: {why}")
+        err.key = key
+        raise err
+
+
+def _build(fields: dict[str, Any], source_keys: dict[str, str]) -> ModelConfig:
+    """ModelConfig(**fields), with validation errors naming the key as spelled in the file."""
+    try:
+        return ModelConfig(**fields)
+    except ConfigError as e:
+        key = getattr(e, "key", None)
+        if key in source_keys:
+            raise ConfigError(str(e).replace(f"{key!r}", repr(source_keys[key]), 1)) from None
+        raise
 
 
 PRESETS: dict[str, ModelConfig] = {
@@ -193,7 +212,12 @@ def _from_moonshot(vc: dict, raw: dict, text: dict) -> ModelConfig:
         projector_ln_eps=float(_get(vc, "projector_ln_eps", default=_get(raw, "projector_ln_eps", default=1e-5))),
         projector_hidden_act=_get(vc, "projector_hidden_act", default="gelu"),
     )
-    return ModelConfig(**fields)
+    return _build(fields, {
+        "num_heads": "vt_num_attention_heads", "hidden_size": "vt_hidden_size", "num_layers": "vt_num_hidden_layers",
+        "intermediate_size": "vt_intermediate_size", "pos_emb_height": "init_pos_emb_height",
+        "pos_emb_width": "init_pos_emb_width", "pos_emb_time": "init_pos_emb_time", "hidden_act": "activation_func",
+        "pos_emb_interpolation": "pos_emb_interpolation_mode", "projector_type": "mm_projector_type",
+    })
 
 
 def _from_hf(vc: dict, raw: dict, text: dict) -> ModelConfig:
@@ -202,7 +226,7 @@ def _from_hf(vc: dict, raw: dict, text: dict) -> ModelConfig:
     if "hidden_size" not in text:
         raise ConfigError("config key 'text_config.hidden_size' is missing (projector output width)")
     hidden = _int(vc.get("hidden_size", 1152), "vision_config.hidden_size")
-    return ModelConfig(
+    return _build(dict(
         patch_size=_int(vc.get("patch_size", 14), "vision_config.patch_size"),
         pos_emb_height=_int(vc.get("pos_emb_height", 64), "vision_config.pos_emb_height"),
         pos_emb_width=_int(vc.get("pos_emb_width", 64), "vision_config.pos_emb_width"),
@@ -217,4 +241,7 @@ def _from_hf(vc: dict, raw: dict, text: dict) -> ModelConfig:
         mm_hidden_size=raw.get("projection_hidden_size"),
         text_hidden_size=_int(text["hidden_size"], "text_config.hidden_size"),
         projector_ln_eps=float(raw.get("projection_layer_norm_eps", 1e-5)),
-    )
+    ), {"num_heads": "vision_config.num_attention_heads", "hidden_size": "vision_config.hidden_size",
+        "num_layers": "vision_config.num_hidden_layers", "mm_hidden_size": "projection_hidden_size",
+        "intermediate_size": "vision_config.intermediate_size", "hidden_act": "vision_config.hidden_act",
+        "text_hidden_size": "text_config.hidden_size", "merge_kernel_size": "vision_config.merge_kernel_size"})

@@ -122,12 +122,10 @@ class Encoder:
 
     def encode_video(self, path: str | os.PathLike, **limits: Any) -> list:
         """A video -> one `bivit.VideoChunk` (embedding, grid_thw, timestamp) per chunk, in time order."""
-        from .video import VideoChunk
+        from .video import video_chunks
 
         batch = self.preprocess_video(path, **limits)
-        embeddings = self.encode_batch(batch)
-        return [VideoChunk(embedding=e, grid_thw=tuple(int(v) for v in g), timestamp=ts, index=i)
-                for i, (e, g, ts) in enumerate(zip(embeddings, batch.grid_thw.tolist(), batch.timestamps))]
+        return video_chunks(batch, self.encode_batch(batch))
 
     def encode_batch(self, batch: MediaBatch) -> list[torch.Tensor]:
         return self.encode_pixels(batch.pixel_values, batch.grid_thw)

@@ -1,0 +1,403 @@
+"""Video input exactly as Kimi-K2.5/K2.6's processor samples, chunks and timestamps it (spec §3, Video).
+
+A video becomes one item per chunk of 4 consecutive *sampled* frames (the last chunk may be shorter):
+
+- N = the container's frame count, fps = its average frame rate (float, as FFmpeg's `av_q2d` gives it).
+  `sample_fps = min(2.0, fps)`, `n = max(round(N * sample_fps / fps), 1)` (Python round, half to even), frame
+  indices `np.linspace(0, N - 1, n).round().astype(int)`.
+- Every frame of a chunk goes through the image pipeline (`bivit.media.frames_to_item`) with a budget of 4096
+  patches per frame; the chunk's grid is `[t, h, w]`, t <= 4.
+- A chunk's timestamp is its first frame's index / fps as `HH:MM:SS.fff`, with the reference's truncation of
+  the milliseconds (frame 23 at 10 fps prints `00:00:02.299`) and its wrap of the hours past 24 h.
+
+Decisions this module makes (the reference does not say):
+
+- Frame count. We trust the container's count when it has one (mp4/mov/avi/gif). WebM/Matroska do not store
+  one, so we count by decoding: two passes, the first decodes and counts, the second decodes again and keeps
+  only the sampled frames. Holding every frame instead would need N decoded frames in memory (a 10 min 1080p
+  video is ~110 GB of RGB); decoding twice costs CPU time only, and the first pass stops as soon as a limit
+  is exceeded. If the decoder cleanly yields fewer frames than the container claimed (a lying header), the
+  decoded count wins: we resample with it and decode again. A decode error FFmpeg reports (truncated or
+  damaged data) is a MediaError, not a silently shorter video.
+- Frames are decoded sequentially (no seeking): exact frame indices for every codec, at the cost of decoding
+  frames that are not sampled. Frames are converted to RGB24 by FFmpeg's swscale (PyAV defaults: the frame's
+  own colour matrix and range tags, no HDR tone mapping); display rotation metadata is ignored. Alpha (GIF)
+  is dropped, not composited, as the image path does. The reference uses its own reader, which we could not
+  run: if it converts colours differently (chroma upsampling, range handling), pixels can differ by a level or
+  two; the sampled frame indices cannot.
+- `.gif` is always a video (`is_video_path` decides by extension only), even with a single frame: how a path
+  is encoded never depends on its content. Pass a GIF to the image path yourself to treat it as an image.
+- Still-image files (PNG/JPEG/... even when renamed `.mp4`) are refused: FFmpeg would open them as a
+  one-frame video, silently giving them the video budget and a timestamp.
+- Limits (all configurable; `None` disables one):
+  * `max_frames=1024` sampled frames: 1024 1080p frames are 256 chunks of 1032 tokens, ~264k tokens, the
+    whole of K2.5's 256k context, and ~10 GB of float32 pixels. With fps >= 2 this caps a video at 512 s.
+  * `max_duration_s=4 h`: bounds decoding work (every frame is decoded) when the frame cap does not bind
+    (sparse low-fps videos, or a raised `max_frames`); checked from metadata before decoding when possible.
+  * `max_frame_pixels=7680*4320` (8K UHD): one decoded RGB frame is then at most ~100 MB.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Optional, Sequence, Union
+
+import av
+import numpy as np
+import torch
+from PIL import Image
+
+from .errors import ConfigError, MediaError
+from .media import MediaBatch, frames_to_item
+
+SAMPLE_FPS = 2.0
+TEMPORAL_MERGE_KERNEL = 4  # frames per chunk
+IN_PATCH_LIMIT_EACH_FRAME = 4096
+MAX_FRAMES = 1024
+MAX_DURATION_S = 4 * 3600.0
+MAX_FRAME_PIXELS = 7680 * 4320
+
+VIDEO_EXTENSIONS = frozenset({
+    ".mp4", ".m4v", ".mov", ".qt", ".webm", ".mkv", ".mk3d", ".avi", ".gif", ".apng", ".mpg", ".mpeg", ".m2v",
+    ".ts", ".m2ts", ".mts", ".wmv", ".asf", ".flv", ".3gp", ".3g2", ".ogv", ".mxf", ".vob", ".y4m", ".hevc",
+    ".h264", ".h265", ".264", ".265", ".ivf", ".dv", ".nut",
+})
+
+VideoInput = Union[str, os.PathLike, bytes]
+
+
+@dataclass
+class VideoChunk:
+    """One encoded chunk of a video: its embedding `[tokens, text_hidden]`, grid, start time and position."""
+
+    embedding: torch.Tensor
+    grid_thw: tuple[int, int, int]
+    timestamp: str
+    index: int
+
+    @property
+    def token_count(self) -> int:
+        return int(self.embedding.shape[0])
+
+
+@dataclass(frozen=True)
+class VideoInfo:
+    """What the sampler needs to know about a video. `frame_count_from` is "container" or "decoding"."""
+
+    source: str
+    num_frames: int
+    fps: float
+    width: int
+    height: int
+    codec: str
+    container: str
+    frame_count_from: str
+
+    @property
+    def duration_s(self) -> float:
+        return self.num_frames / self.fps
+
+
+def is_video_path(path: Union[str, os.PathLike]) -> bool:
+    """True when the extension names a video container (case-insensitive); `.gif` always counts as video."""
+    return Path(os.fspath(path)).suffix.lower() in VIDEO_EXTENSIONS
+
+
+def _num_samples(num_frames: int, fps: float, sample_fps: float) -> int:
+    # Same expression, same evaluation order as the reference, so float rounding matches too.
+    sample_fps = min(sample_fps, fps)
+    return max(round(num_frames * sample_fps / fps), 1)
+
+
+def sample_frame_indices(num_frames: int, fps: float, sample_fps: float = SAMPLE_FPS) -> list[int]:
+    """Indices of the frames the reference samples from a video of `num_frames` frames at `fps`."""
+    fps = float(fps)
+    if num_frames < 1:
+        raise MediaError(f"video has no frames (num_frames={num_frames})")
+    if not (math.isfinite(fps) and fps > 0):
+        raise MediaError(f"video has no usable frame rate (fps={fps})")
+    _check_positive("sample_fps", sample_fps)
+    n = _num_samples(num_frames, fps, float(sample_fps))
+    return np.linspace(0, num_frames - 1, n).round().astype(int).tolist()
+
+
+def chunk_timestamp(frame_index: int, fps: float) -> str:
+    """`HH:MM:SS.fff` of a frame, exactly as the reference writes it (milliseconds truncated, hours mod 24)."""
+    t = frame_index / float(fps)
+    return time.strftime("%H:%M:%S", time.gmtime(t)) + "." + f"{int((t % 1) * 1000):03d}"
+
+
+def _check_positive(option: str, value: object, integer: bool = False, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+    if integer:
+        ok = ok and float(value).is_integer()
+    if not ok:
+        kind = "a positive integer" if integer else "a positive number"
+        raise ConfigError(f"{option} must be {kind}{' or None' if allow_none else ''}, got {value!r}")
+
+
+def _describe(src: VideoInput) -> str:
+    return f"<video {len(src)} bytes>" if isinstance(src, bytes) else os.fspath(src)
+
+
+def _reason(e: BaseException) -> str:
+    # FFmpeg errors carry the path in str(e); the strerror alone reads better after our own "name: " prefix.
+    return getattr(e, "strerror", None) or str(e) or type(e).__name__
+
+
+@contextmanager
+def _translate_errors(name: str, doing: str) -> Iterator[None]:
+    """Turn anything PyAV raises into a MediaError naming the input; bivit errors pass through."""
+    try:
+        yield
+    except (MediaError, ConfigError):
+        raise
+    except (av.FFmpegError, OSError, EOFError, ValueError, IndexError, RuntimeError) as e:
+        raise MediaError(f"{name}: {doing} failed, corrupt or unsupported video ({_reason(e)})") from None
+
+
+class _Source:
+    """An opened container and its video stream; a fresh one per decoding pass."""
+
+    def __init__(self, src: VideoInput, name: str):
+        self.name = name
+        with _translate_errors(name, "opening"):
+            target = io.BytesIO(src) if isinstance(src, bytes) else os.fspath(src)
+            self.container = av.open(target, mode="r", metadata_errors="ignore")
+        try:
+            with _translate_errors(name, "reading the stream list"):
+                fmt = self.container.format.name
+                if fmt in ("image2", "image2pipe") or fmt.endswith("_pipe"):
+                    raise MediaError(f"{name}: is a still image ({fmt}), not a video; encode it as an image")
+                # Cover art in audio files is a 'video' stream with one picture: not a video.
+                streams = [s for s in self.container.streams.video
+                           if not s.disposition & av.stream.Disposition.attached_pic]
+                if not streams:
+                    raise MediaError(f"{name}: has no video stream")
+                self.stream = streams[0]
+                self.format = fmt
+                self.codec = self.stream.codec_context.name
+                self.width = self.stream.codec_context.width
+                self.height = self.stream.codec_context.height
+                self.reported_frames = int(self.stream.frames or 0)
+                rate = self.stream.average_rate or self.stream.guessed_rate
+                if rate is None or not rate > 0:
+                    raise MediaError(f"{name}: the video stream reports no frame rate")
+                self.fps = float(rate)
+                # Keep PyAV's default slice threading: with frame threading ("AUTO"/"FRAME") FFmpeg drops the
+                # decode error of a truncated file and just ends the stream early, hiding the damage.
+        except BaseException:
+            self.close()
+            raise
+
+    def frames(self) -> Iterator[av.VideoFrame]:
+        with _translate_errors(self.name, "decoding"):
+            yield from self.container.decode(self.stream)
+
+    def close(self) -> None:
+        try:
+            self.container.close()
+        except Exception:  # closing a half-read container must never mask the real error
+            pass
+
+    def __enter__(self) -> "_Source":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _Limits:
+    def __init__(self, name: str, max_frames: Optional[int], max_duration_s: Optional[float],
+                 max_frame_pixels: Optional[int], sample_fps: float):
+        self.name, self.max_frames, self.max_duration_s = name, max_frames, max_duration_s
+        self.max_frame_pixels, self.sample_fps = max_frame_pixels, sample_fps
+
+    def check_size(self, width: int, height: int) -> None:
+        if self.max_frame_pixels is not None and width * height > self.max_frame_pixels:
+            raise MediaError(f"{self.name}: frame size {width}x{height} = {width * height} pixels exceeds "
+                             f"max_frame_pixels={self.max_frame_pixels}")
+
+    def check_length(self, num_frames: int, fps: float, at_least: bool = False) -> None:
+        """Raise if a video of `num_frames` frames (or more, when still counting) breaks a limit."""
+        more = "at least " if at_least else ""
+        seconds = num_frames / fps
+        if self.max_duration_s is not None and seconds > self.max_duration_s:
+            raise MediaError(f"{self.name}: video lasts {more}{seconds:.1f} s ({num_frames} frames at {fps:g} fps), "
+                             f"more than max_duration_s={self.max_duration_s:g}")
+        if self.max_frames is not None:
+            n = _num_samples(num_frames, fps, self.sample_fps)
+            if n > self.max_frames:
+                raise MediaError(f"{self.name}: sampling at {min(self.sample_fps, fps):g} fps gives {more}{n} frames "
+                                 f"({seconds:.1f} s of video), more than max_frames={self.max_frames}")
+
+
+def _count_frames(source: _Source, limits: _Limits) -> int:
+    """Decode the whole stream once, counting frames; stop as soon as the count breaks a limit."""
+    count = 0
+    frames = source.frames()
+    try:
+        for _ in frames:
+            count += 1
+            limits.check_length(count, source.fps, at_least=True)
+    finally:
+        frames.close()
+    return count
+
+
+def _probe(src: VideoInput, name: str, limits: _Limits) -> VideoInfo:
+    with _Source(src, name) as source:
+        limits.check_size(source.width, source.height)
+        if source.reported_frames > 0:
+            count, origin = source.reported_frames, "container"
+            limits.check_length(count, source.fps)
+        else:
+            # No count in the container: refuse an over-long video from its declared duration before decoding.
+            declared = source.container.duration  # microseconds, or None
+            if declared is not None and declared > 0 and limits.max_duration_s is not None:
+                seconds = declared / av.time_base
+                if seconds > limits.max_duration_s * 1.01 + 1:  # metadata is approximate: refuse only clear cases
+                    raise MediaError(f"{name}: video lasts {seconds:.1f} s by its metadata, more than "
+                                     f"max_duration_s={limits.max_duration_s:g}")
+            count, origin = _count_frames(source, limits), "decoding"
+        if count == 0:
+            raise MediaError(f"{name}: the video stream has no frames")
+        return VideoInfo(name, count, source.fps, source.width, source.height, source.codec, source.format, origin)
+
+
+class _ShortStream(Exception):
+    """The decoder ran out of frames before the last sampled index; carries how many it produced."""
+
+    def __init__(self, decoded: int):
+        self.decoded = decoded
+
+
+def _decode_selected(src: VideoInput, name: str, indices: Sequence[int], limits: _Limits) -> Iterator[Image.Image]:
+    """Yield the frames at `indices` (sorted, repeats allowed) as RGB images, decoding sequentially."""
+    with _Source(src, name) as source:
+        frames = source.frames()
+        try:
+            pos, decoded = 0, 0
+            for i, frame in enumerate(frames):
+                decoded = i + 1
+                if indices[pos] != i:
+                    continue
+                limits.check_size(frame.width, frame.height)
+                with _translate_errors(name, f"converting frame {i} to RGB"):
+                    image = Image.fromarray(frame.to_ndarray(format="rgb24"), "RGB")
+                while pos < len(indices) and indices[pos] == i:
+                    yield image
+                    pos += 1
+                if pos == len(indices):
+                    return  # frames past the last sampled index are never needed
+            raise _ShortStream(decoded)
+        finally:
+            frames.close()  # finish the decode generator while its container is still open
+
+
+def _chunk_items(src: VideoInput, name: str, info: VideoInfo, indices: list[int], chunk_size: int,
+                 patch_limit: int, limits: _Limits) -> list[MediaBatch]:
+    items: list[MediaBatch] = []
+    buffer: list[Image.Image] = []
+
+    def flush() -> None:
+        c = len(items)
+        try:
+            pixels, grid = frames_to_item(buffer, patch_limit)
+        except MediaError as e:  # e.g. the resolution changed inside a chunk
+            raise MediaError(f"{name}: chunk {c}: {e}") from None
+        stamp = chunk_timestamp(indices[c * chunk_size], info.fps)
+        items.append(MediaBatch(pixels, torch.tensor([grid], dtype=torch.int64), [stamp], [f"{name}#chunk{c}"]))
+        buffer.clear()  # the chunk's decoded frames are not kept once patchified
+
+    for image in _decode_selected(src, name, indices, limits):
+        buffer.append(image)
+        if len(buffer) == chunk_size:
+            flush()
+    if buffer:
+        flush()
+    return items
+
+
+def preprocess_video(path: VideoInput, *, max_frames: Optional[int] = MAX_FRAMES,
+                     max_duration_s: Optional[float] = MAX_DURATION_S,
+                     max_frame_pixels: Optional[int] = MAX_FRAME_PIXELS, sample_fps: float = SAMPLE_FPS,
+                     chunk_size: int = TEMPORAL_MERGE_KERNEL,
+                     patch_limit: int = IN_PATCH_LIMIT_EACH_FRAME) -> MediaBatch:
+    """Decode, sample and chunk a video (a path or its bytes) into a MediaBatch: one item per chunk.
+
+    `timestamps[i]` is chunk i's start (`HH:MM:SS.fff`), `sources[i]` is `"{path}#chunk{i}"`. Raises MediaError
+    naming the file for unreadable, empty or frameless videos and for videos beyond a limit; ConfigError for a
+    bad option.
+    """
+    _check_positive("chunk_size", chunk_size, integer=True)
+    _check_positive("patch_limit", patch_limit, integer=True)
+    name, limits = _prepare(path, max_frames, max_duration_s, max_frame_pixels, sample_fps)
+    info = _probe(path, name, limits)
+    for attempt in range(2):
+        indices = sample_frame_indices(info.num_frames, info.fps, sample_fps)
+        try:
+            items = _chunk_items(path, name, info, indices, chunk_size, patch_limit, limits)
+        except _ShortStream as short:
+            if short.decoded == 0:
+                raise MediaError(f"{name}: the video stream has no decodable frames") from None
+            if attempt == 1:
+                raise MediaError(f"{name}: decoding gives a different number of frames each time "
+                                 f"({info.num_frames}, then {short.decoded})") from None
+            # The container over-reported its frame count; the frames the decoder yields are the truth.
+            info = VideoInfo(name, short.decoded, info.fps, info.width, info.height, info.codec, info.container,
+                             "decoding")
+            limits.check_length(info.num_frames, info.fps)
+            continue
+        return MediaBatch.concat(items)
+    raise AssertionError("unreachable")
+
+
+def probe_video(path: VideoInput, *, max_frames: Optional[int] = MAX_FRAMES,
+                max_duration_s: Optional[float] = MAX_DURATION_S,
+                max_frame_pixels: Optional[int] = MAX_FRAME_PIXELS, sample_fps: float = SAMPLE_FPS) -> VideoInfo:
+    """Frame count, fps and size of a video, with the limits checked (decodes it when the container has no count)."""
+    name, limits = _prepare(path, max_frames, max_duration_s, max_frame_pixels, sample_fps)
+    return _probe(path, name, limits)
+
+
+def _prepare(path: VideoInput, max_frames: Optional[int], max_duration_s: Optional[float],
+             max_frame_pixels: Optional[int], sample_fps: float) -> tuple[str, _Limits]:
+    """Validate the options and the input before FFmpeg sees it: a clear message beats a demuxer's."""
+    _check_positive("sample_fps", sample_fps)
+    _check_positive("max_frames", max_frames, integer=True, allow_none=True)
+    _check_positive("max_duration_s", max_duration_s, allow_none=True)
+    _check_positive("max_frame_pixels", max_frame_pixels, integer=True, allow_none=True)
+    if not isinstance(path, (str, os.PathLike, bytes)):
+        raise MediaError(f"<{type(path).__name__}>: unsupported video input; pass a path or bytes")
+    name = _describe(path)
+    if isinstance(path, bytes):
+        if not path:
+            raise MediaError(f"{name}: video is empty")
+    else:
+        p = Path(path)
+        if not p.exists():
+            raise MediaError(f"{name}: no such file")
+        if not p.is_file():
+            raise MediaError(f"{name}: not a regular file")
+        if p.stat().st_size == 0:
+            raise MediaError(f"{name}: file is empty")
+    return name, _Limits(name, max_frames, max_duration_s, max_frame_pixels, float(sample_fps))
+
+
+def video_chunks(batch: MediaBatch, embeddings: Sequence[torch.Tensor]) -> list[VideoChunk]:
+    """Pair a video's MediaBatch (from `preprocess_video`) with one embedding per item."""
+    if batch.timestamps is None:
+        raise ValueError("batch has no timestamps: it was not made by preprocess_video")
+    if len(embeddings) != len(batch):
+        raise ValueError(f"{len(embeddings)} embeddings for {len(batch)} chunks")
+    grids = [tuple(int(v) for v in g) for g in batch.grid_thw.tolist()]
+    return [VideoChunk(e, g, s, i) for i, (e, g, s) in enumerate(zip(embeddings, grids, batch.timestamps))]

@@ -1,0 +1,107 @@
+"""The `bivit` command line, run as a real process: outputs, one-line errors, exit codes."""
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from PIL import Image
+from safetensors import safe_open
+
+import bivit
+from conftest import random_image
+from media_factory import make_video
+
+
+def run(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "bivit.cli", *map(str, args)], capture_output=True, text=True,
+                          cwd=cwd, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("files")
+    good = []
+    for i, (h, w) in enumerate([(28, 28), (60, 90), (150, 100)]):
+        p = d / f"img{i}.png"
+        Image.fromarray(random_image(h, w, seed=i)).save(p)
+        good.append(p)
+    (d / "corrupt.png").write_bytes(b"\x89PNG\r\n\x1a\nbroken")
+    (d / "empty.jpg").write_bytes(b"")
+    video = make_video(d / "clip.mp4", frames=60, fps=10, size=(84, 56))
+    return {"good": good, "corrupt": d / "corrupt.png", "empty": d / "empty.jpg", "video": video}
+
+
+def test_encode_writes_one_tensor_per_input_with_metadata(files, tmp_path):
+    out = tmp_path / "emb.safetensors"
+    r = run("encode", *files["good"], files["video"], "--out", out, "--dtype", "float32")
+    assert r.returncode == 0, r.stderr
+    assert "Traceback" not in r.stderr and "DEMO" in r.stderr
+    assert r.stdout.strip().startswith("encoded 4 of 4 inputs")
+    enc = bivit.load_encoder(dtype="float32")
+    with safe_open(str(out), "pt") as f:
+        meta = json.loads(f.metadata()["bivit"])
+        assert [i["source"] for i in meta["items"]] == [str(p) for p in files["good"] + [files["video"]]]
+        assert meta["demo"] is True and meta["dtype"] == "float32" and meta["batch_invariant"] is True
+        for i, p in enumerate(files["good"]):
+            t = f.get_tensor(str(i))
+            assert torch.equal(t, enc.encode([p])[0])  # the CLI's bits are the library's bits
+            assert meta["items"][i]["grid_thw"] == enc.preprocess([p]).grid_thw.tolist()
+        video = meta["items"][3]
+        chunks = enc.encode_video(files["video"])
+        assert len(chunks) == 3  # 6 s at 10 fps -> 12 frames sampled at 2 fps -> chunks of 4
+        assert video["timestamps"] == [c.timestamp for c in chunks] and chunks[0].timestamp == "00:00:00.000"
+        assert video["grid_thw"] == [list(c.grid_thw) for c in chunks]
+        assert video["chunk_tokens"] == [c.token_count for c in chunks]
+        assert torch.equal(f.get_tensor("3"), torch.cat([c.embedding for c in chunks]))
+
+
+def test_bad_files_are_reported_skipped_and_exit_nonzero(files, tmp_path):
+    out = tmp_path / "emb.safetensors"
+    r = run("encode", files["good"][0], files["corrupt"], files["empty"], tmp_path / "missing.png",
+            files["good"][1], "--out", out)
+    assert r.returncode == 1
+    assert "Traceback" not in r.stderr
+    for bad in ("corrupt.png", "empty.jpg", "missing.png"):
+        assert sum(bad in line for line in r.stderr.splitlines()) == 1
+    assert "encoded 2 of 5 inputs" in r.stdout and "3 failed" in r.stdout
+    with safe_open(str(out), "pt") as f:
+        assert sorted(f.keys()) == ["0", "1"]
+
+
+def test_nothing_half_written_when_everything_fails(files, tmp_path):
+    out = tmp_path / "emb.safetensors"
+    r = run("encode", files["corrupt"], "--out", out)
+    assert r.returncode == 1 and not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_user_errors_are_one_line(tmp_path):
+    r = run("encode", tmp_path, "--model", tmp_path / "nope", "--out", tmp_path / "o.safetensors")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().count("\n") == 0 and "nope" in r.stderr
+    r = run("encode", "x.png", "--dtype", "int3")
+    assert r.returncode == 2 and "int3" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_verify_demo_invariant_stable_default_differs_and_bisect(tmp_path):
+    plot = tmp_path / "v.png"
+    r = run("verify", "--dtype", "float32", "--bisect", "--plot", plot, "--layouts", "4")
+    assert r.returncode == 0, r.stdout + r.stderr
+    inv, default = r.stdout.split("default mode")
+    assert "invariant mode (float32): BIT-STABLE" in inv and "DIFFERS" not in inv
+    assert "NOT bit-stable" in default and "DIFFERS" in default
+    assert "no op differs" in inv
+    # Stock fp32 GEMMs change kernels with the row count: the first op to differ is a GEMM, named by its
+    # module path (here the 1-token item's single projector row, M = 1 alone vs M = 180 batched).
+    assert re.search(r"first difference at (vision_tower|mm_projector)\.[\w.]+ \((linear|patch_conv), call 0\)",
+                     default)
+    assert plot.stat().st_size > 1000
+    with Image.open(plot) as im:
+        assert im.format == "PNG"
+
+
+def test_verify_on_files(files):
+    r = run("verify", *files["good"], "--dtype", "float32", "--layouts", "3")
+    assert r.returncode == 0 and r.stdout.count("img") >= 6
