@@ -65,11 +65,18 @@ def _rope_angles(h: int, w: int, head_dim: int, theta: float) -> torch.Tensor:
     return angles.flatten(1)
 
 
-def apply_rope(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved pairs (x[2k], x[2k+1]) of `[L, heads, head_dim]` by `angles` `[L, head_dim/2]`, in fp32."""
+def rope_tables(grid_thw: list[tuple[int, int, int]], head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin `[L, head_dim/2]` for packed items; every frame of a chunk shares its spatial table."""
+    angles = torch.cat([_rope_angles(h, w, head_dim, theta).repeat(t, 1) for t, h, w in grid_thw])
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs (x[..., 2k], x[..., 2k+1]) of `[L, ..., head_dim]` as complex numbers, in fp32."""
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
+    cos, sin = cos.view(shape), sin.view(shape)
     xf = x.float().unflatten(-1, (-1, 2))
     re, im = xf[..., 0], xf[..., 1]
-    cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
     return torch.stack([re * cos - im * sin, re * sin + im * cos], dim=-1).flatten(-2).to(x.dtype)
 
 
@@ -148,34 +155,35 @@ class Block(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.heads, self.head_dim, self.theta = cfg.num_heads, cfg.head_dim, cfg.rope_theta
+        self.heads, self.head_dim = cfg.num_heads, cfg.head_dim
         self.norm0 = make_norm(cfg, cfg.hidden_size)
         self.wqkv = Linear(cfg.hidden_size, 3 * cfg.attn_width, bias=cfg.attn_bias)
         self.wo = Linear(cfg.attn_width, cfg.hidden_size, bias=cfg.attn_bias)
         self.norm1 = make_norm(cfg, cfg.hidden_size)
         self.mlp = MLP(cfg)
 
-    def attention(self, x: torch.Tensor, grid_thw: list[tuple[int, int, int]]) -> torch.Tensor:
-        q, k, v = self.wqkv(x).view(x.shape[0], 3, self.heads, self.head_dim).unbind(1)
-        # Every frame of a chunk shares the spatial table; the time axis is handled by the additive term.
-        angles = torch.cat([_rope_angles(h, w, self.head_dim, self.theta).repeat(t, 1) for t, h, w in grid_thw])
-        q, k = apply_rope(q, angles), apply_rope(k, angles)
-        return self.wo(ops.attention(q, k, v, [t * h * w for t, h, w in grid_thw]))
+    def attention(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], seqlens: list[int]) -> torch.Tensor:
+        qkv = self.wqkv(x).view(x.shape[0], 3, self.heads, self.head_dim)
+        qk = apply_rope(qkv[:, :2], *rope)  # q and k rotated together
+        return self.wo(ops.attention(qk[:, 0], qk[:, 1], qkv[:, 2], seqlens))
 
-    def forward(self, x: torch.Tensor, grid_thw: list[tuple[int, int, int]]) -> torch.Tensor:
-        x = x + self.attention(self.norm0(x), grid_thw)
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], seqlens: list[int]) -> torch.Tensor:
+        x = x + self.attention(self.norm0(x), rope, seqlens)
         return x + self.mlp(self.norm1(x))
 
 
 class Encoder(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
+        self.head_dim, self.theta = cfg.head_dim, cfg.rope_theta
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
         self.final_layernorm = make_norm(cfg, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor, grid_thw: list[tuple[int, int, int]]) -> torch.Tensor:
+        rope = rope_tables(grid_thw, self.head_dim, self.theta)
+        seqlens = [t * h * w for t, h, w in grid_thw]  # an item's frames attend jointly, to nothing else
         for block in self.blocks:
-            x = block(x, grid_thw)
+            x = block(x, rope, seqlens)
         return self.final_layernorm(x)
 
 
