@@ -22,7 +22,7 @@ from .checkpoint import load_state_dict, random_state_dict
 from .config import PRESETS, ModelConfig, load_config
 from .errors import BivitError, ConfigError, MediaError
 from .media import MediaBatch, preprocess_images
-from .model import VisionModel, gemm_shapes
+from .model import VisionModel, gemms
 
 log = logging.getLogger("bivit")
 
@@ -218,11 +218,11 @@ def load_encoder(model: str | os.PathLike | None = None, *, device: str | torch.
     with torch.device("meta"):
         net = VisionModel(cfg)
     net.load_state_dict(state, strict=True, assign=True)
+    net.requires_grad_(False)  # an inference engine: no autograd bookkeeping, ever
     net.vision_tower.to(device=device, dtype=tower_dtype)
     net.mm_projector.to(device=device, dtype=proj_dtype)
     if batch_invariant:
         # Prove now, not on the first request, that the pinned GEMMs are row-position invariant here.
-        for part, dt in ((net.vision_tower, tower_dtype), (net.mm_projector, proj_dtype)):
-            ops.self_check(gemm_shapes(part), dt, device)
+        ops.self_check(gemms(net))
     return Encoder(net, model_name=name, is_demo=is_demo, batch_invariant=batch_invariant, output_dtype=out_dtype,
                    max_batch_tokens=max_batch_tokens, device=device)

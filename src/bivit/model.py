@@ -278,8 +278,11 @@ def flops_per_item(cfg: ModelConfig, t: int, h: int, w: int) -> int:
     return cfg.num_layers * per_layer + 2 * n * d * 3 * cfg.patch_size ** 2 + proj
 
 
-def gemm_shapes(module: nn.Module) -> list[tuple[int, int]]:
-    """Distinct (out, in) GEMM shapes of a module (the patch conv counts as one), for the self-check."""
-    shapes = {tuple(m.weight.shape) for m in module.modules() if isinstance(m, Linear)}
-    shapes |= {(m.weight.shape[0], m.weight[0].numel()) for m in module.modules() if isinstance(m, nn.Conv2d)}
-    return sorted(shapes)
+def gemms(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """One (weight [out, in], bias) per distinct GEMM shape of the model (the patch conv counts as a GEMM)."""
+    found: dict[tuple, tuple[torch.Tensor, torch.Tensor | None]] = {}
+    for m in model.modules():
+        if isinstance(m, (Linear, nn.Conv2d)):
+            w = m.weight.reshape(m.weight.shape[0], -1)
+            found.setdefault((tuple(w.shape), w.dtype, m.bias is None), (w, m.bias))
+    return list(found.values())

@@ -89,7 +89,7 @@ class GemmPlan:
 @dataclass
 class _Plans:
     lock: threading.Lock = field(default_factory=threading.Lock)
-    by_shape: dict[tuple[int, int, torch.dtype, torch.device], GemmPlan] = field(default_factory=dict)
+    by_shape: dict[tuple, GemmPlan] = field(default_factory=dict)
 
 
 _plans = _Plans()
@@ -109,7 +109,7 @@ def _tile(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> t
     return out
 
 
-def _probe(out_features: int, in_features: int, dtype: torch.dtype, device: torch.device) -> GemmPlan:
+def _probe(weight: torch.Tensor, bias: torch.Tensor | None) -> GemmPlan:
     """Prove, on this machine and library, which tile sizes compute a row the same way as the largest tile.
 
     Row-position invariance at the largest tile: the tile is computed, then computed again with half of its
@@ -119,11 +119,10 @@ def _probe(out_features: int, in_features: int, dtype: torch.dtype, device: torc
     """
     g = torch.Generator(device="cpu").manual_seed(1234)
     big, half = CANDIDATE_TILES[-1], CANDIDATE_TILES[-1] // 2
-    w = torch.randn(out_features, in_features, generator=g).to(device, dtype)
-    b = torch.randn(out_features, generator=g).to(device, dtype)
-    x = torch.randn(big, in_features, generator=g).to(device, dtype)
+    w, b = weight, bias
+    x = torch.randn(big, w.shape[1], generator=g).to(w.device, w.dtype)
     ref = _tile(x, w, b)
-    moved = torch.randn(big, in_features, generator=g).to(device, dtype)
+    moved = torch.randn(big, w.shape[1], generator=g).to(w.device, w.dtype)
     moved[half:] = torch.flip(x[:half], [0])
     if not torch.equal(torch.flip(_tile(moved, w, b)[half:], [0]), ref[:half]):
         return GemmPlan(())
@@ -131,29 +130,31 @@ def _probe(out_features: int, in_features: int, dtype: torch.dtype, device: torc
     return GemmPlan(tuple(tiles) + (big,))
 
 
-def gemm_plan(out_features: int, in_features: int, dtype: torch.dtype, device: torch.device) -> GemmPlan:
-    key = (out_features, in_features, dtype, torch.device(device))
+def gemm_plan(weight: torch.Tensor, bias: torch.Tensor | None) -> GemmPlan:
+    """The proven plan for GEMMs of this weight's shape, dtype and device (probed once, then cached)."""
+    key = (weight.shape[0], weight.shape[1], weight.dtype, weight.device, bias is None)
     plan = _plans.by_shape.get(key)
     if plan is None:
         with _plans.lock:
             plan = _plans.by_shape.get(key)
             if plan is None:
-                plan = _probe(out_features, in_features, dtype, torch.device(device))
+                plan = _probe(weight, bias)
                 if plan.exact_fallback:
                     log.warning("bivit: GEMM %sx%s %s is not row-position invariant on this machine; using the "
-                                "exact row-by-row path (slower)", out_features, in_features, dtype)
+                                "exact row-by-row path (slower)", weight.shape[0], weight.shape[1], weight.dtype)
                 _plans.by_shape[key] = plan
     return plan
 
 
-def self_check(shapes: Sequence[tuple[int, int]], dtype: torch.dtype, device: torch.device | str = "cpu") -> dict:
-    """Probe every GEMM shape of a model; returns {(out, in): GemmPlan}. Called at load in invariant mode."""
-    return {s: gemm_plan(s[0], s[1], dtype, torch.device(device)) for s in shapes}
+def self_check(gemms: Sequence[tuple[torch.Tensor, torch.Tensor | None]]) -> list[GemmPlan]:
+    """Probe the GEMMs `(weight [out, in], bias)` of a model at load, so a failure is known (and said) up front."""
+    with torch.no_grad():
+        return [gemm_plan(w, b) for w, b in gemms]
 
 
 def _invariant_linear(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     m, k = x2.shape
-    plan = gemm_plan(weight.shape[0], k, weight.dtype, weight.device)
+    plan = gemm_plan(weight, bias)
     out = x2.new_empty(m, weight.shape[0])
     if plan.exact_fallback:
         for i in range(m):
