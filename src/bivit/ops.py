@@ -219,8 +219,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: Sequen
     outs = []
     start = 0
     for n in seqlens:
-        qi, ki, vi = (t[start:start + n].transpose(0, 1) for t in (q, k, v))
-        outs.append(F.scaled_dot_product_attention(qi, ki, vi).transpose(0, 1).reshape(n, -1))
+        # [1, heads, n, head_dim]: the 4-D form is what selects PyTorch's fused CPU (flash) kernel; 3-D
+        # inputs fall back to the unfused math path, 3x slower at Kimi's shapes.
+        qi, ki, vi = (t[start:start + n].transpose(0, 1)[None] for t in (q, k, v))
+        outs.append(F.scaled_dot_product_attention(qi, ki, vi)[0].transpose(0, 1).reshape(n, -1))
         start += n
     return _emit("attention", torch.cat(outs) if outs else q.new_zeros(0, q.shape[1] * q.shape[2]))
 
