@@ -27,6 +27,8 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 ModelOpt = typer.Option(None, "--model", help="Checkpoint directory (Moonshot weights). Default: the demo model.")
 DtypeOpt = typer.Option("bfloat16", "--dtype", help="Tower compute dtype: bfloat16, float32 or float16.")
 ProjDtypeOpt = typer.Option(None, "--projector-dtype", help="Projector dtype (default: --dtype).")
+# Patches per forward pass when `bivit encode` groups files (no effect on results in invariant mode).
+GROUP_PATCHES = 4096
 OutDtypeOpt = typer.Option(None, "--output-dtype", help="Output dtype (default: projector dtype).")
 
 
@@ -91,21 +93,35 @@ def encode(
     tensors: dict[str, torch.Tensor] = {}
     items: list[dict] = []
     failed = 0
+    pending: list[tuple[Path, MediaBatch]] = []
+
+    def flush() -> None:
+        # Files share forward passes; in invariant mode each result is the bits of encoding it alone.
+        outs = iter(enc.encode_batch(MediaBatch.concat([b for _, b in pending])))
+        for path, batch in pending:
+            chunks = [next(outs) for _ in range(len(batch))]
+            key = str(len(items))
+            tensors[key] = torch.cat(chunks)
+            entry = {"key": key, "source": str(path), "tokens": int(tensors[key].shape[0]),
+                     "grid_thw": batch.grid_thw.tolist(), "chunk_tokens": [int(c.shape[0]) for c in chunks]}
+            if batch.timestamps is not None:
+                entry["timestamps"] = batch.timestamps
+            items.append(entry)
+        pending.clear()
+
+    group_patches = max_batch_tokens or GROUP_PATCHES
     for path in tqdm(files, desc="encoding", unit="file", disable=len(files) < 2, file=sys.stderr):
         try:
             batch = _preprocess(enc, str(path))
-            chunks = enc.encode_batch(batch)
         except BivitError as e:
             failed += 1
             tqdm.write(f"bivit: skipped: {e}", file=sys.stderr)
             continue
-        key = str(len(items))
-        tensors[key] = torch.cat(chunks)
-        entry = {"key": key, "source": str(path), "tokens": int(tensors[key].shape[0]),
-                 "grid_thw": batch.grid_thw.tolist(), "chunk_tokens": [int(c.shape[0]) for c in chunks]}
-        if batch.timestamps is not None:
-            entry["timestamps"] = batch.timestamps
-        items.append(entry)
+        pending.append((path, batch))
+        if sum(sum(b.patch_counts) for _, b in pending) >= group_patches:
+            flush()
+    if pending:
+        flush()
     if tensors:
         meta = {"bivit": json.dumps({"format": "bivit.encode/1", "model": enc.model_name, "demo": enc.is_demo,
                                      "dtype": dtype_name(enc.dtype), "projector_dtype": dtype_name(enc.projector_dtype),
