@@ -65,19 +65,17 @@ def _rope_angles(h: int, w: int, head_dim: int, theta: float) -> torch.Tensor:
     return angles.flatten(1)
 
 
-def rope_tables(grid_thw: list[tuple[int, int, int]], head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin `[L, head_dim/2]` for packed items; every frame of a chunk shares its spatial table."""
+def rope_tables(grid_thw: list[tuple[int, int, int]], head_dim: int, theta: float) -> torch.Tensor:
+    """Unit complex rotations `[L, head_dim/2]` for packed items; every frame of a chunk shares its spatial table."""
     angles = torch.cat([_rope_angles(h, w, head_dim, theta).repeat(t, 1) for t, h, w in grid_thw])
-    return angles.cos(), angles.sin()
+    return torch.polar(torch.ones_like(angles), angles)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
     """Rotate interleaved pairs (x[..., 2k], x[..., 2k+1]) of `[L, ..., head_dim]` as complex numbers, in fp32."""
-    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
-    cos, sin = cos.view(shape), sin.view(shape)
-    xf = x.float().unflatten(-1, (-1, 2))
-    re, im = xf[..., 0], xf[..., 1]
-    return torch.stack([re * cos - im * sin, re * sin + im * cos], dim=-1).flatten(-2).to(x.dtype)
+    xc = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
+    rot = rot.view((x.shape[0],) + (1,) * (x.dim() - 2) + (rot.shape[-1],))
+    return torch.view_as_real(xc * rot).flatten(-2).to(x.dtype)
 
 
 def temporal_embedding(t: int, dim: int) -> torch.Tensor:
@@ -162,14 +160,15 @@ class Block(nn.Module):
         self.norm1 = make_norm(cfg, cfg.hidden_size)
         self.mlp = MLP(cfg)
 
-    def attention(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], seqlens: list[int]) -> torch.Tensor:
+    def attention(self, x: torch.Tensor, rope: torch.Tensor, seqlens: list[int]) -> torch.Tensor:
         qkv = self.wqkv(x).view(x.shape[0], 3, self.heads, self.head_dim)
-        qk = apply_rope(qkv[:, :2], *rope)  # q and k rotated together
+        qk = apply_rope(qkv[:, :2], rope)  # q and k rotated together
         return self.wo(ops.attention(qk[:, 0], qk[:, 1], qkv[:, 2], seqlens))
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], seqlens: list[int]) -> torch.Tensor:
-        x = x + self.attention(self.norm0(x), rope, seqlens)
-        return x + self.mlp(self.norm1(x))
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, seqlens: list[int]) -> torch.Tensor:
+        # In-place residual adds: the residual stream belongs to the encoder's forward, nobody else holds it.
+        x = x.add_(self.attention(self.norm0(x), rope, seqlens))
+        return x.add_(self.mlp(self.norm1(x)))
 
 
 class Encoder(nn.Module):
