@@ -143,3 +143,28 @@ def test_self_check_proves_tiles_on_this_machine():
 
     plan = ops.gemm_plan(torch.randn(96, 192), torch.randn(96))
     assert plan.tiles and plan.tiles[-1] == max(ops.CANDIDATE_TILES)
+
+
+@pytest.mark.parametrize("approximate", ["tanh", "none"])
+def test_pointwise_gelu_is_independent_of_tensor_size_and_threads(approximate):
+    """Vectorised kernels compute each thread's last elements with scalar code that rounds differently (tanh
+    GELU in fp32): stock GELU gives a row different bits depending on how many rows share the tensor. The
+    invariant op does not. 4304 is the real MLP width (not a multiple of the vector width)."""
+    from bivit import ops
+
+    x = torch.randn(130, 4304, generator=torch.Generator().manual_seed(0))
+    counts = {}
+    for invariant in (False, True):
+        with ops.batch_invariant(invariant):
+            torch.set_num_threads(2)
+            ref = ops.gelu(x, approximate)
+            diffs = 0
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                for m in (1, 2, 3, 5, 13, 34, 89):
+                    diffs += int((ops.gelu(x[:m], approximate) != ref[:m]).sum())
+                    diffs += int((ops.gelu(x[m:], approximate) != ref[m:]).sum())
+        counts[invariant] = diffs
+    assert counts[True] == 0
+    if approximate == "tanh":
+        assert counts[False] > 0  # the control: the check can fail

@@ -56,26 +56,38 @@ def grids(grid_thw: torch.Tensor) -> list[tuple[int, int, int]]:
 # ------------------------------------------------------------------------------------------ position terms
 
 @lru_cache(maxsize=256)
-def _rope_angles(h: int, w: int, head_dim: int, theta: float) -> torch.Tensor:
-    """Angles `[h*w, head_dim/2]` (fp32) of the 2-D RoPE: complex slot 2i turns with the column, 2i+1 with the row."""
+def _rope_cos_sin(h: int, w: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin `[h*w, head_dim/2]` (fp32) of the 2-D RoPE: complex slot 2i turns with the column, 2i+1 with the row.
+
+    Computed per grid, never over a packed batch: vectorised cos/sin may round the last elements of a tensor
+    (computed by scalar code) differently, and which elements those are would depend on the batch.
+    """
     freqs = 1.0 / theta ** (torch.arange(0, head_dim // 4, dtype=torch.float32) * 4 / head_dim)
     rows = torch.arange(h, dtype=torch.float32).repeat_interleave(w)
     cols = torch.arange(w, dtype=torch.float32).repeat(h)
-    angles = torch.stack([torch.outer(cols, freqs), torch.outer(rows, freqs)], dim=-1)  # [hw, dim/4, 2]
-    return angles.flatten(1)
+    angles = torch.stack([torch.outer(cols, freqs), torch.outer(rows, freqs)], dim=-1).flatten(1)  # [hw, dim/2]
+    return angles.cos(), angles.sin()
 
 
-def rope_tables(grid_thw: list[tuple[int, int, int]], head_dim: int, theta: float) -> torch.Tensor:
-    """Unit complex rotations `[L, head_dim/2]` for packed items; every frame of a chunk shares its spatial table."""
-    angles = torch.cat([_rope_angles(h, w, head_dim, theta).repeat(t, 1) for t, h, w in grid_thw])
-    return torch.polar(torch.ones_like(angles), angles)
+def rope_tables(grid_thw: list[tuple[int, int, int]], head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin `[L, head_dim/2]` for packed items; every frame of a chunk shares its spatial table."""
+    tables = [_rope_cos_sin(h, w, head_dim, theta) for _, h, w in grid_thw]
+    return (torch.cat([c.repeat(t, 1) for (c, _), (t, _, _) in zip(tables, grid_thw)]),
+            torch.cat([s.repeat(t, 1) for (_, s), (t, _, _) in zip(tables, grid_thw)]))
 
 
-def apply_rope(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved pairs (x[..., 2k], x[..., 2k+1]) of `[L, ..., head_dim]` as complex numbers, in fp32."""
-    xc = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
-    rot = rot.view((x.shape[0],) + (1,) * (x.dim() - 2) + (rot.shape[-1],))
-    return torch.view_as_real(xc * rot).flatten(-2).to(x.dtype)
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs (x[..., 2k], x[..., 2k+1]) of `[L, ..., head_dim]` as complex numbers, in fp32.
+
+    Written with real multiplies and adds, which round the same in vector and scalar code, rather than a
+    complex multiply, whose vector and scalar kernels round differently (so its result would depend on where
+    in the batch tensor an element sits).
+    """
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
+    cos, sin = cos.view(shape), sin.view(shape)
+    xf = x.float().unflatten(-1, (-1, 2))
+    re, im = xf[..., 0], xf[..., 1]
+    return torch.stack([re * cos - im * sin, re * sin + im * cos], dim=-1).flatten(-2).to(x.dtype)
 
 
 def temporal_embedding(t: int, dim: int) -> torch.Tensor:
@@ -160,12 +172,12 @@ class Block(nn.Module):
         self.norm1 = make_norm(cfg, cfg.hidden_size)
         self.mlp = MLP(cfg)
 
-    def attention(self, x: torch.Tensor, rope: torch.Tensor, seqlens: list[int]) -> torch.Tensor:
+    def attention(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], seqlens: list[int]) -> torch.Tensor:
         qkv = self.wqkv(x).view(x.shape[0], 3, self.heads, self.head_dim)
-        qk = apply_rope(qkv[:, :2], rope)  # q and k rotated together
+        qk = apply_rope(qkv[:, :2], *rope)  # q and k rotated together
         return self.wo(ops.attention(qk[:, 0], qk[:, 1], qkv[:, 2], seqlens))
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, seqlens: list[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], seqlens: list[int]) -> torch.Tensor:
         # In-place residual adds: the residual stream belongs to the encoder's forward, nobody else holds it.
         x = x.add_(self.attention(self.norm0(x), rope, seqlens))
         return x.add_(self.mlp(self.norm1(x)))

@@ -204,8 +204,33 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float | None) -> torch.
     return _emit("rms_norm", F.rms_norm(x, (x.shape[-1],), weight, eps))
 
 
+# Vectorised CPU kernels finish each thread's range with scalar code for its last (length mod 2 x vector width)
+# elements, and for some ops (tanh-GELU, complex multiply) the scalar code rounds differently from the vector
+# code. Which elements land in such a tail depends on the tensor's size and the thread count: on the batch.
+# In invariant mode those ops therefore run in calls of exactly POINTWISE_CHUNK elements: 2 x ATen's grain
+# size (32768), so a call uses at most 2 threads whatever torch.get_num_threads() says, each thread gets a
+# range of 32768 elements — a multiple of every vector width — and no element ever takes the scalar path.
+POINTWISE_CHUNK = 2 * 32768
+
+
+def _chunked_pointwise(fn: Callable[..., torch.Tensor], x: torch.Tensor, **kwargs) -> torch.Tensor:
+    flat = x.contiguous().view(-1)
+    out = torch.empty_like(flat)
+    n = flat.numel()
+    full = n - n % POINTWISE_CHUNK
+    for start in range(0, full, POINTWISE_CHUNK):
+        fn(flat[start:start + POINTWISE_CHUNK], **kwargs, out=out[start:start + POINTWISE_CHUNK])
+    if n > full:
+        pad = flat.new_zeros(POINTWISE_CHUNK)
+        pad[:n - full] = flat[full:]
+        out[full:] = fn(pad, **kwargs)[:n - full]
+    return out.view(x.shape)
+
+
 def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
-    return _emit("gelu", F.gelu(x, approximate=approximate))
+    if not _invariant.get():
+        return _emit("gelu", F.gelu(x, approximate=approximate))
+    return _emit("gelu", _chunked_pointwise(torch._C._nn.gelu, x, approximate=approximate))
 
 
 # --------------------------------------------------------------------------------------------- per-item ops
