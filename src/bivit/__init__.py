@@ -4,13 +4,15 @@
     embeddings = encoder.encode(["cat.png"])  # one [tokens, text_hidden] tensor per input
 """
 
+from .client import Client
+from .dataset import open_dataset
 from .encoder import Encoder, load_encoder
 from .errors import BivitError, CheckpointError, ConfigError, MediaError
 from .media import MediaBatch, image_token_count
 from .video import VideoChunk
 
 __all__ = [
-    "BivitError", "CheckpointError", "ConfigError", "Encoder", "MediaBatch", "MediaError", "image_token_count",
+    "BivitError", "Client", "open_dataset", "CheckpointError", "ConfigError", "Encoder", "MediaBatch", "MediaError", "image_token_count",
     "load_encoder", "VideoChunk",
 ]
 __version__ = "0.1.0"

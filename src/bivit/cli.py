@@ -83,7 +83,7 @@ def encode(
     max_batch_tokens: Optional[int] = typer.Option(None, help="At most this many patches per forward pass."),
     no_batch_invariant: bool = typer.Option(False, "--no-batch-invariant", help="Stock kernels (not invariant)."),
 ) -> None:
-    """Encode files into one safetensors file: tensor "i" is input i's [tokens, text_hidden] embedding.
+    """Encode files into one safetensors file: tensor "i" is input i's embedding, shape (tokens, text_hidden).
 
     Per-input metadata (source, grid_thw per chunk, tokens, video chunk timestamps) is stored as JSON under
     the "bivit" header key. Bad files are reported and skipped; the exit status is 1 if any failed.

@@ -1,0 +1,188 @@
+"""Python client of the encoder service (`bivit serve`).
+
+    with bivit.Client("http://127.0.0.1:8000") as client:
+        embeddings = client.encode(["cat.png", "clip.mp4"])   # list of [tokens, text_hidden] tensors
+
+Inputs are sent so that the server sees exactly what offline `Encoder.encode` would read: paths as their file
+bytes under their own file name (the extension decides image vs video, as offline), bytes as they are, PIL
+images and HxWx3 uint8 arrays as lossless PNG of their RGB pixels. The answer is the server's safetensors body,
+so the tensors arrive bit for bit, in the encoder's output dtype.
+
+Failed items: `encode` raises `EncodeError` if any item failed (its `.errors` maps input index -> the server's
+message and its `.results` still holds the tensors of the items that succeeded, None for the failed ones);
+`encode_results` never raises for item failures and returns one `EncodeResult` per input instead.
+Request-level failures (auth, size, overload, timeout, unreachable server) raise `ServerError`.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import httpx
+import numpy as np
+import torch
+from PIL import Image
+
+from .errors import BivitError, MediaError
+
+SAFETENSORS_MEDIA_TYPE = "application/vnd.bivit.safetensors"
+
+
+class ServerError(BivitError):
+    """The server refused or could not answer a request (status None: it could not be reached)."""
+
+    def __init__(self, message: str, status: Optional[int] = None, kind: Optional[str] = None,
+                 retry_after: Optional[float] = None):
+        super().__init__(message)
+        self.status, self.kind, self.retry_after = status, kind, retry_after
+
+
+class EncodeError(BivitError):
+    """One or more items failed on the server; the message lists them with the server's reasons."""
+
+    def __init__(self, message: str, errors: dict[int, str], results: list[Optional[torch.Tensor]]):
+        super().__init__(message)
+        self.errors = errors
+        self.results = results
+
+
+@dataclass
+class EncodeResult:
+    """One item of a response: its embedding (None if it failed) and the server's metadata."""
+
+    embedding: Optional[torch.Tensor]
+    name: str
+    kind: str
+    sha256: str
+    tokens: int
+    grid_thw: list[list[int]] = field(default_factory=list)
+    timestamps: Optional[list[str]] = None
+    cached: bool = False
+    error: Optional[str] = None
+    error_kind: Optional[str] = None
+
+
+def _png(img: Image.Image) -> bytes:
+    buf = io.BytesIO()
+    # The encoder converts to RGB first (alpha dropped, not composited); doing it here keeps that exact.
+    (img if img.mode == "RGB" else img.convert("RGB")).save(buf, format="PNG", compress_level=1)
+    return buf.getvalue()
+
+
+def _as_part(src: Any, i: int) -> tuple[str, bytes]:
+    if isinstance(src, (str, os.PathLike)):
+        path = Path(src)
+        if not path.is_file():
+            raise MediaError(f"{path}: no such file")
+        return path.name, path.read_bytes()
+    if isinstance(src, (bytes, bytearray, memoryview)):
+        return f"item{i}", bytes(src)
+    if isinstance(src, Image.Image):
+        return f"item{i}.png", _png(src)
+    if isinstance(src, np.ndarray):
+        if src.ndim != 3 or src.shape[2] != 3 or src.dtype != np.uint8 or 0 in src.shape:
+            raise MediaError(f"<input {i}>: numpy images must be HxWx3 uint8, got shape {src.shape} dtype {src.dtype}")
+        return f"item{i}.png", _png(Image.fromarray(np.ascontiguousarray(src), "RGB"))
+    raise MediaError(f"<input {i}>: unsupported input type {type(src).__name__}; pass a path, bytes, a PIL.Image "
+                     "or an HxWx3 uint8 array")
+
+
+def parse_response(body: bytes) -> tuple[dict, list[EncodeResult]]:
+    """Split a safetensors response body into (header metadata, one EncodeResult per input)."""
+    from safetensors.torch import load
+
+    if len(body) < 8:
+        raise ServerError(f"response of {len(body)} bytes is not a safetensors file")
+    (n,) = struct.unpack("<Q", body[:8])
+    try:
+        meta = dict(json.loads(body[8:8 + n]).get("__metadata__") or {})
+        items = json.loads(meta.pop("items"))
+    except (ValueError, KeyError) as e:
+        raise ServerError(f"response header is not bivit's ({e})") from None
+    tensors = load(body)
+    results = [EncodeResult(embedding=tensors.get(m["tensor"]) if m.get("tensor") is not None else None,
+                            name=m["name"], kind=m["kind"], sha256=m["sha256"], tokens=m["tokens"],
+                            grid_thw=m["grid_thw"], timestamps=m["timestamps"], cached=m["cached"],
+                            error=m["error"], error_kind=m["error_kind"]) for m in items]
+    return meta, results
+
+
+class Client:
+    """Synchronous client of one bivit server. Thread-safe (one connection pool shared by all threads)."""
+
+    def __init__(self, url: str = "http://127.0.0.1:8000", api_key: Optional[str] = None, timeout: float = 120.0):
+        self.url = url.rstrip("/")
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _request(self, method: str, path: str, **kw: Any) -> httpx.Response:
+        try:
+            r = self._http.request(method, path, **kw)
+        except httpx.TimeoutException as e:
+            raise ServerError(f"{self.url}{path}: no answer in time ({type(e).__name__})") from None
+        except httpx.TransportError as e:
+            raise ServerError(f"{self.url}{path}: cannot reach the server ({e})") from None
+        if r.status_code >= 400 and r.status_code != 422:
+            try:
+                err = r.json()["error"]
+                kind, message = err["kind"], err["message"]
+            except (ValueError, KeyError, TypeError):
+                kind, message = None, r.text[:500]
+            retry = r.headers.get("retry-after")
+            raise ServerError(f"{self.url}{path}: HTTP {r.status_code}: {message}", r.status_code, kind,
+                              float(retry) if retry and retry.replace(".", "", 1).isdigit() else None)
+        return r
+
+    def encode_results(self, inputs: Sequence[Any]) -> list[EncodeResult]:
+        """Encode; one EncodeResult per input (failed items carry `.error`, no embedding). Never raises for items."""
+        if isinstance(inputs, (str, os.PathLike, bytes, Image.Image, np.ndarray)):
+            inputs = [inputs]
+        parts = [_as_part(src, i) for i, src in enumerate(inputs)]
+        if not parts:
+            return []
+        files = [("file", (name, data, "application/octet-stream")) for name, data in parts]
+        r = self._request("POST", "/v1/encode", files=files)
+        if r.status_code == 422:  # every item failed; the JSON body lists them
+            items = r.json().get("items") or []
+            return [EncodeResult(None, m["name"], m["kind"], m["sha256"], 0, [], None, False, m["error"],
+                                 m["error_kind"]) for m in items]
+        _, results = parse_response(r.content)
+        if len(results) != len(parts):
+            raise ServerError(f"server answered {len(results)} items for {len(parts)} inputs")
+        return results
+
+    def encode(self, inputs: Sequence[Any]) -> list[torch.Tensor]:
+        """One `[tokens, text_hidden]` tensor per input, bit-identical to offline `Encoder.encode`.
+
+        Raises EncodeError (with the server's messages and the partial results) if any item failed.
+        """
+        results = self.encode_results(inputs)
+        errors = {i: r.error for i, r in enumerate(results) if r.error is not None}
+        if errors:
+            listing = "; ".join(f"[{i}] {msg}" for i, msg in errors.items())
+            raise EncodeError(f"{len(errors)} of {len(results)} items failed: {listing}", errors,
+                              [r.embedding for r in results])
+        return [r.embedding for r in results]  # type: ignore[misc]
+
+    def health(self) -> dict:
+        """GET /health (liveness; needs no API key)."""
+        return self._request("GET", "/health").json()
+
+    def ready(self) -> dict:
+        """GET /ready: model loaded and batching worker alive (raises ServerError with status 503 if not)."""
+        return self._request("GET", "/ready").json()

@@ -1,0 +1,119 @@
+"""A real `python -m bivit.server` process on a free loopback port, for tests and the load test.
+
+The server logs to a file (not a pipe: a full pipe would block the server), so tests can read its JSON lines.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+import httpx
+import numpy as np
+from PIL import Image
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def png_bytes(w: int, h: int, seed: int) -> bytes:
+    """A w x h RGB PNG of random pixels (distinct seeds give distinct bytes, so no cache hits across tests)."""
+    arr = np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(arr, "RGB").save(buf, format="PNG")
+    return buf.getvalue()
+
+
+class ServerProcess:
+    """Start with `ServerProcess(args, log_dir)`; always `stop()` (or use it as a context manager)."""
+
+    def __init__(self, args: Sequence[str], log_dir: Path, api_key: Optional[str] = None,
+                 ready_timeout: float = 60.0):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.api_key = api_key
+        self.log_path = Path(log_dir) / f"server-{self.port}.log"
+        cmd = [sys.executable, "-m", "bivit.server", "--host", "127.0.0.1", "--port", str(self.port), *args]
+        if api_key:
+            cmd += ["--api-key", api_key]
+        self._log = open(self.log_path, "wb")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env.pop("BIVIT_API_KEY", None)
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        try:
+            self._wait_ready(ready_timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_text()}")
+            try:
+                if httpx.get(f"{self.url}/ready", headers=self.headers, timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError(f"server not ready after {timeout}s:\n{self.log_text()}")
+
+    def log_text(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def log_records(self) -> list[dict]:
+        out = []
+        for line in self.log_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                pass
+        return out
+
+    def terminate(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self._log.close()
+
+    def __enter__(self) -> "ServerProcess":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def metric_values(text: str) -> dict[str, float]:
+    """Prometheus text -> {'name{label="v"}': value} (sample names as written, labels sorted)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out

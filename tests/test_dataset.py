@@ -1,0 +1,431 @@
+"""`bivit encode-dataset` / `open_dataset`: offline encoding that is resumable, crash-safe and partition-invariant.
+
+Everything runs on real files (Pillow images, PyAV videos, a corrupt/empty/mislabelled file), the tiny demo model,
+a real local Ray (one instance for the module) and real SIGKILLs of a real subprocess. Bitwise claims use
+torch.equal against `Encoder.encode` on each file alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+
+import bivit
+from bivit import BivitError
+from bivit.dataset import (
+    ERRORS,
+    HEADER,
+    MANIFEST,
+    PAUSE_ENV,
+    TMP_PREFIX,
+    DatasetWriter,
+    encode_dataset,
+    encode_dataset_command,
+    encode_prepared,
+    list_sources,
+    open_dataset,
+)
+from media_factory import make_image, make_video
+
+IMAGE_SIZES = [(28, 28), (56, 28), (56, 56), (84, 56), (112, 112), (140, 84), (28, 84), (196, 112)]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Fixtures: one folder of real media, one reference encoding of it, one local Ray for the module
+
+
+@pytest.fixture(scope="module")
+def media(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("media")
+    (d / "sub" / "deeper").mkdir(parents=True)
+    for i, (w, h) in enumerate(IMAGE_SIZES):
+        make_image(d / f"img{i}.png", (w, h), seed=i)
+    make_image(d / "photo.jpg", (84, 56), seed=99)
+    # Same bytes under other names: stored once.
+    shutil.copy(d / "img2.png", d / "sub" / "copy_of_img2.png")
+    shutil.copy(d / "img4.png", d / "sub" / "deeper" / "img4_again.png")
+    # Failures: recorded, never fatal.
+    (d / "empty.png").write_bytes(b"")
+    (d / "text.png").write_text("not an image\n")
+    (d / "truncated.png").write_bytes((d / "img5.png").read_bytes()[:80])
+    # Videos: 20 frames at 4 fps sample 10 frames -> chunks of 4, 4, 2; a GIF is a video too (bivit.video's rule).
+    make_video(d / "clip.mp4", frames=20, fps=4, size=(56, 56))
+    make_video(d / "sub" / "anim.gif", frames=3, fps=2, size=(28, 28))
+    # Not inputs: unknown extension, hidden file, hidden folder.
+    (d / "notes.txt").write_text("ignored")
+    make_image(d / ".hidden.png", (28, 28), seed=7)
+    (d / ".cache").mkdir()
+    make_image(d / ".cache" / "x.png", (28, 28), seed=8)
+    return d
+
+
+GOOD = sorted([f"img{i}.png" for i in range(len(IMAGE_SIZES))] + ["photo.jpg", "sub/copy_of_img2.png",
+              "sub/deeper/img4_again.png", "clip.mp4", "sub/anim.gif"])
+BAD = {"empty.png": "file is empty", "text.png": "not an image format", "truncated.png": "truncated"}
+
+
+@pytest.fixture(scope="module")
+def encoder():
+    return bivit.load_encoder()
+
+
+@pytest.fixture(scope="module")
+def reference(media, tmp_path_factory) -> Path:
+    """The dataset encoded once with the local engine and default settings."""
+    out = tmp_path_factory.mktemp("ref") / "out"
+    s = encode_dataset(media, out, progress=False)
+    assert (s.encoded, s.deduplicated, s.failed, s.skipped) == (len(GOOD) - 2, 2, 3, 0)
+    return out
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    ray = pytest.importorskip("ray")
+    import logging
+
+    ray.init(num_cpus=4, include_dashboard=False, object_store_memory=128 * 2**20, logging_level=logging.WARNING)
+    yield ray
+    ray.shutdown()
+
+
+def assert_same_tensors(a: Path, b: Path) -> None:
+    da, db = open_dataset(a), open_dataset(b)
+    assert sorted(da.sources) == sorted(db.sources) == GOOD
+    for rec in da:
+        other = db[rec.source]
+        assert (other.sha256, other.tokens, other.grid_thw, other.timestamps) == \
+            (rec.sha256, rec.tokens, rec.grid_thw, rec.timestamps)
+        assert torch.equal(da.tensor(rec), db.tensor(other)), rec.source
+    assert {e.source for e in da.errors} == {e.source for e in db.errors} == set(BAD)
+
+
+def shards_in(d: Path) -> set[str]:
+    return {p.name for p in d.glob("shard-*.safetensors")}
+
+
+def manifest_lines(d: Path) -> list[dict]:
+    if not (d / MANIFEST).exists():
+        return []
+    return [json.loads(line) for line in (d / MANIFEST).read_text().splitlines()]
+
+
+def assert_consistent(d: Path) -> None:
+    """What any reader may rely on at any instant: whole lines, each pointing at a complete, durable shard."""
+    data = (d / MANIFEST).read_bytes() if (d / MANIFEST).exists() else b""
+    assert data == b"" or data.endswith(b"\n")
+    for row in manifest_lines(d):
+        with safe_open(str(d / row["shard"]), framework="pt") as f:
+            assert f.get_tensor(row["key"]).shape[0] == row["tokens"]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Sources
+
+
+def test_directory_listing_is_recursive_sorted_and_skips_the_output(media):
+    out = media / "encoded"  # an output folder inside SRC is never read as input
+    out.mkdir()
+    make_image(out / "stale.png", (28, 28))
+    try:
+        got = list_sources(media, exclude=out)
+    finally:
+        shutil.rmtree(out)
+    assert [s.source for s in got] == sorted(GOOD + list(BAD))
+    kinds = {s.source: s.kind for s in got}
+    assert kinds["clip.mp4"] == kinds["sub/anim.gif"] == "video" and kinds["photo.jpg"] == "image"
+
+
+def test_manifest_listing_plain_and_jsonl(media, tmp_path):
+    m = tmp_path / "list.jsonl"
+    rel = os.path.relpath(media / "img1.png", tmp_path)
+    m.write_text(f"# comment\n\n{rel}\n" + json.dumps({"path": str(media / "clip.mp4"), "label": 3}) + "\n"
+                 + f"{rel}\n")  # a repeated line is listed once
+    got = list_sources(m)
+    assert [(s.source, s.kind) for s in got] == [(rel, "image"), (str(media / "clip.mp4"), "video")]
+    assert got[0].path.resolve() == (media / "img1.png").resolve()
+    m.write_text('{"file": "a.png"}\n')
+    with pytest.raises(BivitError, match=r"list.jsonl:1: .*'path'"):
+        list_sources(m)
+    with pytest.raises(BivitError, match="no such file"):
+        list_sources(tmp_path / "missing")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# What gets written
+
+
+def test_output_matches_encoding_each_file_alone(reference, media, encoder):
+    ds = open_dataset(reference)
+    assert len(ds) == len(GOOD)
+    for rec in ds:
+        alone = encoder.encode([media / rec.source])[0]
+        got = ds.tensor(rec.source)
+        assert got.dtype == torch.bfloat16 and got.shape == (rec.tokens, encoder.config.text_hidden_size)
+        assert torch.equal(got, alone), rec.source
+    clip = ds["clip.mp4"]
+    chunks = encoder.encode_video(media / "clip.mp4")
+    assert clip.kind == "video" and clip.grid_thw == [list(c.grid_thw) for c in chunks]
+    assert [c.grid_thw[0] for c in chunks] == [4, 4, 2]
+    assert clip.timestamps == [c.timestamp for c in chunks]
+    assert all(torch.equal(a, c.embedding) for a, c in zip(ds.chunks("clip.mp4"), chunks))
+    assert ds["sub/anim.gif"].kind == "video" and ds["sub/anim.gif"].grid_thw == [[3, 2, 2]]
+
+
+def test_identical_files_are_stored_once(reference):
+    ds = open_dataset(reference)
+    rows = manifest_lines(reference)
+    assert len(rows) == len(GOOD)
+    distinct = {r["sha256"] for r in rows}
+    stored = []
+    for name in shards_in(reference):
+        with safe_open(str(reference / name), framework="pt") as f:
+            stored += list(f.keys())
+    assert sorted(stored) == sorted(distinct) and len(distinct) == len(GOOD) - 2
+    a, b = ds["img2.png"], ds["sub/copy_of_img2.png"]
+    assert (a.shard, a.key, a.sha256) == (b.shard, b.key, b.sha256)
+    assert {r.source for r in ds.by_hash(a.sha256)} == {"img2.png", "sub/copy_of_img2.png"}
+
+
+def test_errors_are_recorded_not_fatal(reference):
+    rows = [json.loads(line) for line in (reference / ERRORS).read_text().splitlines()]
+    assert {r["source"]: r["error"] for r in rows}.keys() == BAD.keys()
+    for r in rows:
+        assert r["error"].startswith(r["source"] + ": ") and BAD[r["source"]] in r["error"]
+        assert "\n" not in r["error"]
+    assert {e.source for e in open_dataset(reference).errors} == set(BAD)
+
+
+def test_header(reference, encoder):
+    h = json.loads((reference / HEADER).read_text())
+    assert h["fingerprint"] == encoder.fingerprint and h["model_name"] == "demo" and h["is_demo"]
+    assert (h["dtype"], h["projector_dtype"], h["output_dtype"]) == ("bfloat16",) * 3
+    assert h["bivit_version"] == bivit.__version__ and h["batch_invariant"] is True
+    assert h["text_hidden_size"] == encoder.config.text_hidden_size
+
+
+def test_open_dataset_api(reference):
+    ds = open_dataset(reference)
+    assert [r.source for r in ds] == ds.sources and len(ds.records) == len(ds)
+    rec = ds["img3.png"]
+    assert ds.get("img3.png") == rec and ds.get("nope.png") is None and "img3.png" in ds
+    with pytest.raises(KeyError, match="nope.png"):
+        ds["nope.png"]
+    t, a = ds.tensor("img3.png"), ds.numpy(rec)
+    # bfloat16 has no numpy dtype: numpy() gives float32, which holds every bfloat16 exactly.
+    assert t.dtype == torch.bfloat16 and a.dtype == np.float32 and torch.equal(torch.from_numpy(a), t.float())
+    assert ds.by_hash("0" * 64) == [] and ds.dtype == torch.bfloat16
+    assert sum(c.shape[0] for c in ds.chunks("clip.mp4")) == ds["clip.mp4"].tokens
+    with pytest.raises(BivitError, match="not an encoded dataset"):
+        open_dataset(reference.parent)
+    assert getattr(bivit, "open_dataset", open_dataset) is open_dataset  # the package re-exports it
+
+
+def test_float32_output_reads_as_float32(media, tmp_path, reference):
+    src = tmp_path / "src"
+    src.mkdir()
+    shutil.copy(media / "img4.png", src / "img4.png")
+    encode_dataset(src, tmp_path / "out", output_dtype="float32", progress=False)
+    ds = open_dataset(tmp_path / "out")
+    assert ds.numpy("img4.png").dtype == np.float32 and ds.tensor("img4.png").dtype == torch.float32
+    # Same tower/projector, only the output cast differs.
+    assert torch.equal(ds.tensor("img4.png"), open_dataset(reference).tensor("img4.png").float())
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Partition invariance: however the work is cut, every item gets the same bits
+
+
+def test_batch_tokens_and_shard_size_do_not_change_results(media, reference, tmp_path):
+    # batch_tokens=1: every item in its own call; tiny shards: one shard per item.
+    s = encode_dataset(media, tmp_path / "out", batch_tokens=1, shard_mb=1e-6, progress=False)
+    assert s.encoded == len(GOOD) - 2
+    assert len(shards_in(tmp_path / "out")) == len(GOOD) - 2
+    assert_same_tensors(reference, tmp_path / "out")
+
+
+@pytest.mark.parametrize("workers,batch_tokens", [(1, 4096), (3, 7)])
+def test_ray_engine_matches_local(media, reference, tmp_path, ray_local, workers, batch_tokens):
+    s = encode_dataset(media, tmp_path / "out", engine="ray", workers=workers, batch_tokens=batch_tokens,
+                       progress=False)
+    assert (s.encoded, s.deduplicated, s.failed) == (len(GOOD) - 2, 2, 3)
+    assert_same_tensors(reference, tmp_path / "out")
+
+
+@pytest.mark.filterwarnings("ignore:The minimum number of concurrent actors")
+def test_idle_ray_workers_change_nothing(media, reference, tmp_path, ray_local):
+    """More workers than items: two of three actors never get a row (vLLM's idle-rank dtype hazard)."""
+    src = tmp_path / "one"
+    src.mkdir()
+    shutil.copy(media / "img3.png", src / "img3.png")
+    s = encode_dataset(src, tmp_path / "out", engine="ray", workers=3, progress=False)
+    assert s.encoded == 1
+    got = open_dataset(tmp_path / "out").tensor("img3.png")
+    assert got.dtype == torch.bfloat16 and torch.equal(got, open_dataset(reference).tensor("img3.png"))
+
+
+def test_encoder_stage_with_empty_batch_keeps_schema_and_dtype(media, encoder):
+    """The actor's code path, called directly: zero rows in, zero rows out, same schema as a full batch."""
+    pa = pytest.importorskip("pyarrow")
+    from bivit.dataset_ray import ENCODED_SCHEMA, PREPARED_SCHEMA, EncodeActor, decode_encoded, prepare_rows
+
+    actor = EncodeActor(None, {"dtype": "bfloat16", "projector_dtype": None, "output_dtype": None},
+                        encoder.fingerprint, threads=torch.get_num_threads(), batch_tokens=64)
+    empty = actor(prepare_rows(pa.table({"sha256": [], "kind": [], "path": [], "name": []},
+                                        schema=pa.schema([(n, pa.string()) for n in ("sha256", "kind", "path", "name")]))))
+    assert empty.num_rows == 0 and empty.schema == ENCODED_SCHEMA
+    assert encode_prepared(encoder, [], 64) == []
+    from bivit.dataset import sha256_file
+
+    path = media / "img1.png"
+    rows = prepare_rows(pa.table({"sha256": [sha256_file(path)], "kind": ["image"], "path": [str(path)],
+                                  "name": ["img1.png"]}))
+    assert rows.schema == PREPARED_SCHEMA
+    full = actor(rows)
+    assert full.schema == ENCODED_SCHEMA
+    e = decode_encoded(full.to_pylist()[0])
+    assert e.tensor.dtype == torch.bfloat16 and torch.equal(e.tensor, encoder.encode([path])[0])
+    with pytest.raises(BivitError, match="fingerprint"):
+        EncodeActor(None, {"dtype": "bfloat16", "projector_dtype": None, "output_dtype": None}, "f" * 64, 1, 64)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Resume and crash safety
+
+
+def test_rerun_skips_and_picks_up_changes(media, tmp_path, encoder):
+    src = tmp_path / "src"
+    shutil.copytree(media, src)
+    out = tmp_path / "out"
+    encode_dataset(src, out, progress=False)
+    shards = shards_in(out)
+    again = encode_dataset(src, out, progress=False)
+    # Failed inputs are retried (and fail again); nothing else is read or encoded.
+    assert (again.encoded, again.skipped, again.deduplicated, again.failed) == (0, len(GOOD), 0, 3)
+    assert shards_in(out) == shards and len(manifest_lines(out)) == len(GOOD)
+    assert len((out / ERRORS).read_text().splitlines()) == 3  # one line per failing source, not one per run
+
+    os.utime(src / "img0.png")  # touched, same bytes: rehashed, skipped
+    make_image(src / "img1.png", (56, 56), seed=1234)  # new content under an old name: re-encoded
+    shutil.copy(src / "img5.png", src / "new_copy.png")  # a new name for stored bytes: one line, no encode
+    (src / "text.png").unlink()
+    make_image(src / "text.png", (28, 56), seed=5)  # a fixed input: encoded, its error is dropped
+    s = encode_dataset(src, out, progress=False)
+    assert (s.encoded, s.deduplicated, s.failed, s.skipped) == (2, 1, 2, len(GOOD) - 1)
+    ds = open_dataset(out)
+    assert len(ds) == len(GOOD) + 2 and {e.source for e in ds.errors} == {"empty.png", "truncated.png"}
+    for name in ("img1.png", "new_copy.png", "text.png", "img0.png"):
+        assert torch.equal(ds.tensor(name), encoder.encode([src / name])[0]), name
+    assert ds["new_copy.png"].key == ds["img5.png"].key
+
+
+def _run_cli_until(src: Path, out: Path, pause: str, ready, timeout: float = 60.0) -> None:
+    """Run the real CLI in a subprocess, wait until `ready(out)` holds while it sits at a pause point, kill -9."""
+    env = dict(os.environ, **{PAUSE_ENV: pause if ":" in pause else f"{pause}:120"})
+    log_path = out.parent / "cli.log"
+    log = open(log_path, "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "bivit.dataset", str(src), "--out", str(out),
+                             "--shard-mb", "0.000001", "--no-progress"], env=env, stdout=log, stderr=log)
+    try:
+        deadline = time.monotonic() + timeout
+        while not (out.is_dir() and ready(out)):
+            assert proc.poll() is None, log_path.read_text()
+            assert time.monotonic() < deadline, "the subprocess never reached the pause point"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+        log.close()
+    assert proc.returncode == -signal.SIGKILL
+
+
+def _unreferenced_shards(out: Path) -> set[str]:
+    return shards_in(out) - {r["shard"] for r in manifest_lines(out)}
+
+
+@pytest.mark.parametrize("pause,ready", [
+    # Killed with a shard half-way (written to its temp name, not yet renamed).
+    ("before_rename", lambda d: any(p.name.startswith(TMP_PREFIX + "shard-") for p in d.iterdir())),
+    # Killed between the shard's rename and its manifest lines: a complete shard nobody references.
+    ("after_rename", lambda d: bool(shards_in(d)) and bool(_unreferenced_shards(d))),
+    # Killed a few shards in (0.3 s between shards), most likely between two of them.
+    ("after_commit:0.3", lambda d: (d / MANIFEST).exists() and (d / MANIFEST).read_bytes().count(b"\n") >= 3),
+])
+def test_sigkill_then_resume_is_bit_identical(media, reference, tmp_path, pause, ready):
+    out = tmp_path / "out"
+    _run_cli_until(media, out, pause, ready)
+    assert_consistent(out)
+    before = open_dataset(out)  # a reader sees only whole, durable items
+    assert len(before) < len(GOOD)
+    s = encode_dataset(media, out, progress=False)
+    assert s.skipped == len(before)
+    assert not [p for p in out.iterdir() if p.name.startswith(TMP_PREFIX)]
+    assert not _unreferenced_shards(out)
+    assert sorted(r["source"] for r in manifest_lines(out)) == GOOD  # every source exactly once
+    assert_consistent(out)
+    assert_same_tensors(reference, out)
+
+
+def test_cut_off_manifest_line_is_ignored_then_repaired(media, reference, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(reference, out)
+    rows = manifest_lines(out)
+    # The state a kill in the middle of an append leaves: the last line cut short, no newline.
+    cut = (out / MANIFEST).read_text().splitlines(keepends=True)
+    (out / MANIFEST).write_text("".join(cut[:-1]) + cut[-1][:40])
+    assert len(open_dataset(out)) == len(GOOD) - 1
+    s = encode_dataset(media, out, progress=False)
+    assert s.skipped == len(GOOD) - 1 and s.encoded + s.deduplicated == 1
+    assert (out / MANIFEST).read_bytes().endswith(b"\n") and len(manifest_lines(out)) == len(rows)
+    assert_same_tensors(reference, out)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Refusals
+
+
+def test_refuses_a_folder_of_another_encoder(media, reference, tmp_path, kimi_ckpt):
+    out = tmp_path / "out"
+    shutil.copytree(reference, out)
+    with pytest.raises(BivitError, match=r"dtype 'bfloat16' there vs 'float32' now"):
+        encode_dataset(media, out, dtype="float32", progress=False)
+    with pytest.raises(BivitError, match="fingerprint"):
+        encode_dataset(media, out, model=str(kimi_ckpt), progress=False)
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "x.bin").write_bytes(b"1")
+    with pytest.raises(BivitError, match="not empty and has no dataset.json"):
+        encode_dataset(media, tmp_path / "other", progress=False)
+    assert manifest_lines(out) == manifest_lines(reference)
+
+
+def test_one_writer_at_a_time(reference, tmp_path):
+    header = json.loads((reference / HEADER).read_text())
+    with DatasetWriter(tmp_path / "out", header):
+        with pytest.raises(BivitError, match="another bivit encode-dataset is writing"):
+            DatasetWriter(tmp_path / "out", header)
+    DatasetWriter(tmp_path / "out", header).close()  # released
+
+
+def test_cli_prints_a_summary_or_one_line_error(media, tmp_path):
+    import typer
+    from typer.testing import CliRunner
+
+    app = typer.Typer()
+    app.command()(encode_dataset_command)
+    r = CliRunner().invoke(app, [str(media), "--out", str(tmp_path / "out"), "--no-progress"])
+    assert r.exit_code == 0, r.output
+    assert f"encoded {len(GOOD) - 2}, skipped 0, deduplicated 2, failed 3" in r.output
+    r = CliRunner().invoke(app, [str(media), "--out", str(tmp_path / "out"), "--dtype", "int8"])
+    assert r.exit_code == 2 and r.output.strip().count("\n") == 0 and r.output.startswith("error: --dtype")
+    assert "Traceback" not in r.output
