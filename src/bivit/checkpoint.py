@@ -237,6 +237,35 @@ def moonshot_config_dict(cfg: ModelConfig) -> dict:
     }
 
 
+def transformers_config_dict(cfg: ModelConfig) -> dict:
+    """config.json in the transformers (`Kimi_K25Config`) layout for `cfg`, with a tiny stand-in DeepSeek-V3
+    text model: the transformers port can then load a Moonshot-layout checkpoint (its conversion applies on
+    load), and bivit reads this layout too, so one directory serves both (parity tests, benchmarks)."""
+    return {
+        "model_type": "kimi_k25",
+        "architectures": ["Kimi_K25ForConditionalGeneration"],
+        "vision_config": {
+            "model_type": "kimi_k25_vision", "patch_size": cfg.patch_size, "pos_emb_height": cfg.pos_emb_height,
+            "pos_emb_width": cfg.pos_emb_width, "pos_emb_time": cfg.pos_emb_time,
+            "num_attention_heads": cfg.num_heads, "num_hidden_layers": cfg.num_layers,
+            "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+            "hidden_act": cfg.hidden_act, "merge_kernel_size": list(cfg.merge_kernel_size),
+            "rope_parameters": {"rope_type": "axial", "rope_theta": cfg.rope_theta},
+        },
+        "text_config": {
+            "model_type": "deepseek_v3", "hidden_size": cfg.text_hidden_size, "num_hidden_layers": 1,
+            "intermediate_size": 32, "moe_intermediate_size": 16, "n_routed_experts": 2, "num_experts_per_tok": 1,
+            "n_shared_experts": 1, "first_k_dense_replace": 1, "num_attention_heads": 2, "num_key_value_heads": 2,
+            "q_lora_rank": None, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
+            "v_head_dim": 8, "vocab_size": 64, "n_group": 1, "topk_group": 1,
+        },
+        "projection_hidden_size": cfg.hidden_size,
+        "projection_layer_norm_eps": cfg.projector_ln_eps,
+        "image_token_id": 60, "video_token_id": 61, "vision_start_token_id": 62, "vision_end_token_id": 63,
+        "tie_word_embeddings": False,
+    }
+
+
 def save_checkpoint(directory: str | os.PathLike, cfg: ModelConfig, state: dict[str, torch.Tensor], *,
                     dtype: torch.dtype = torch.bfloat16, shards: int = 1,
                     extra_shards: Iterable[dict[str, torch.Tensor]] = (), config: dict | None = None) -> Path:
