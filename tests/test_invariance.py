@@ -141,8 +141,10 @@ def test_exact_fallback_path_is_invariant_and_exact(monkeypatch, paths):
 def test_self_check_proves_tiles_on_this_machine():
     from bivit import ops
 
-    plan = ops.gemm_plan(torch.randn(96, 192), torch.randn(96))
-    assert plan.tiles and plan.tiles[-1] == max(ops.CANDIDATE_TILES)
+    for dtype in (torch.float32, torch.bfloat16):
+        w = torch.randn(96, 192).to(dtype)
+        plan = ops.self_check([(w, torch.randn(96).to(dtype))])[0]
+        assert plan.tiles and plan.tiles[-1] == max(ops.CANDIDATE_TILES)
 
 
 @pytest.mark.parametrize("approximate", ["tanh", "none"])

@@ -290,10 +290,5 @@ def flops_per_item(cfg: ModelConfig, t: int, h: int, w: int) -> int:
 
 
 def gemms(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-    """One (weight [out, in], bias) per distinct GEMM shape of the model (the patch conv counts as a GEMM)."""
-    found: dict[tuple, tuple[torch.Tensor, torch.Tensor | None]] = {}
-    for m in model.modules():
-        if isinstance(m, (Linear, nn.Conv2d)):
-            w = m.weight.reshape(m.weight.shape[0], -1)
-            found.setdefault((tuple(w.shape), w.dtype, m.bias is None), (w, m.bias))
-    return list(found.values())
+    """(weight, bias) of every GEMM of the model (Linear layers and the patch conv)."""
+    return [(m.weight, m.bias) for m in model.modules() if isinstance(m, (Linear, nn.Conv2d))]

@@ -31,6 +31,7 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
+from torch.utils.weak import WeakIdKeyDictionary
 
 log = logging.getLogger("bivit")
 
@@ -77,7 +78,7 @@ def _emit(kind: str, out: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class GemmPlan:
-    """Which row counts a GEMM of one (out, in, dtype) may run at in invariant mode, as proven by the probe."""
+    """Which row counts a GEMM of one shape may run at in invariant mode, as proven by the probe."""
 
     tiles: tuple[int, ...]  # ascending; empty means: row by row (M = 1), the exact slow path
 
@@ -90,26 +91,51 @@ class GemmPlan:
 class _Plans:
     lock: threading.Lock = field(default_factory=threading.Lock)
     by_shape: dict[tuple, GemmPlan] = field(default_factory=dict)
+    # bf16 weights pre-packed once into oneDNN's blocked layout, per weight tensor (dropped with it).
+    packed: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)
 
 
 _plans = _Plans()
 
 
-def _gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
-    """The one GEMM call of invariant mode; the probe proves facts about exactly this call."""
-    if bias is None:
-        torch.mm(x, weight.t(), out=out)
-    else:
-        torch.addmm(bias, x, weight.t(), out=out)
+# Pre-pack bf16 weights for oneDNN (an extra packed copy of those weights in memory; same bits either way).
+PACK_BF16 = True
 
 
-def _tile(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    out = x.new_empty(x.shape[0], weight.shape[0])
-    _gemm(x, weight, bias, out)
-    return out
+def _can_pack(weight: torch.Tensor) -> bool:
+    return (PACK_BF16 and weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise") and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
-def _probe(weight: torch.Tensor, bias: torch.Tensor | None) -> GemmPlan:
+class _Gemm:
+    """The one GEMM call of invariant mode for one weight; the probe proves facts about exactly this call.
+
+    bf16 weights are packed once (oneDNN's blocked layout for the pinned tile): stock `F.linear` re-packs the
+    weight on every call, which at a 256-row tile costs about as much as the multiply itself. The packed call
+    computes the same bits as `F.linear` at the same shape; fp32 keeps MKL's GEMM.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, key: torch.Tensor) -> None:
+        self.weight, self.bias, self.packed = weight, bias, None
+        if _can_pack(weight):
+            self.packed = _plans.packed.get(key)
+            if self.packed is None:
+                try:
+                    self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, CANDIDATE_TILES[-1])
+                except RuntimeError:  # an old or odd oneDNN build: the plain GEMM is just as exact
+                    self.packed = None
+                else:
+                    _plans.packed[key] = self.packed
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if self.bias is None:
+            return torch.mm(x, self.weight.t())
+        return torch.addmm(self.bias, x, self.weight.t())
+
+
+def _probe(gemm: _Gemm) -> GemmPlan:
     """Prove, on this machine and library, which tile sizes compute a row the same way as the largest tile.
 
     Row-position invariance at the largest tile: the tile is computed, then computed again with half of its
@@ -119,57 +145,63 @@ def _probe(weight: torch.Tensor, bias: torch.Tensor | None) -> GemmPlan:
     """
     g = torch.Generator(device="cpu").manual_seed(1234)
     big, half = CANDIDATE_TILES[-1], CANDIDATE_TILES[-1] // 2
-    w, b = weight, bias
+    w = gemm.weight
     x = torch.randn(big, w.shape[1], generator=g).to(w.device, w.dtype)
-    ref = _tile(x, w, b)
+    ref = gemm(x)
     moved = torch.randn(big, w.shape[1], generator=g).to(w.device, w.dtype)
     moved[half:] = torch.flip(x[:half], [0])
-    if not torch.equal(torch.flip(_tile(moved, w, b)[half:], [0]), ref[:half]):
+    if not torch.equal(torch.flip(gemm(moved)[half:], [0]), ref[:half]):
         return GemmPlan(())
-    tiles = [t for t in CANDIDATE_TILES[:-1] if torch.equal(_tile(x[-t:].contiguous(), w, b), ref[-t:])]
+    tiles = [t for t in CANDIDATE_TILES[:-1] if torch.equal(gemm(x[-t:].contiguous()), ref[-t:])]
     return GemmPlan(tuple(tiles) + (big,))
 
 
-def gemm_plan(weight: torch.Tensor, bias: torch.Tensor | None) -> GemmPlan:
-    """The proven plan for GEMMs of this weight's shape, dtype and device (probed once, then cached)."""
-    key = (weight.shape[0], weight.shape[1], weight.dtype, weight.device, bias is None)
+def gemm_plan(gemm: _Gemm) -> GemmPlan:
+    """The proven plan for GEMMs of this weight's shape, dtype, device and kernel (probed once, then cached)."""
+    w = gemm.weight
+    key = (w.shape[0], w.shape[1], w.dtype, w.device, gemm.bias is None, gemm.packed is not None)
     plan = _plans.by_shape.get(key)
     if plan is None:
         with _plans.lock:
             plan = _plans.by_shape.get(key)
             if plan is None:
-                plan = _probe(weight, bias)
+                plan = _probe(gemm)
                 if plan.exact_fallback:
                     log.warning("bivit: GEMM %sx%s %s is not row-position invariant on this machine; using the "
-                                "exact row-by-row path (slower)", weight.shape[0], weight.shape[1], weight.dtype)
+                                "exact row-by-row path (slower)", w.shape[0], w.shape[1], w.dtype)
                 _plans.by_shape[key] = plan
     return plan
 
 
 def self_check(gemms: Sequence[tuple[torch.Tensor, torch.Tensor | None]]) -> list[GemmPlan]:
-    """Probe the GEMMs `(weight [out, in], bias)` of a model at load, so a failure is known (and said) up front."""
+    """Pack and probe the GEMMs `(weight, bias)` of a model at load, so a failure is known (and said) up front.
+
+    `weight` is a Linear weight `[out, in]` or a patch-conv weight `[out, C, p, p]`.
+    """
     with torch.no_grad():
-        return [gemm_plan(w, b) for w, b in gemms]
+        return [gemm_plan(_Gemm(w.reshape(w.shape[0], -1), b, w)) for w, b in gemms]
 
 
-def _invariant_linear(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _invariant_linear(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      key: torch.Tensor) -> torch.Tensor:
     m, k = x2.shape
-    plan = gemm_plan(weight, bias)
+    gemm = _Gemm(weight, bias, key)
+    plan = gemm_plan(gemm)
     out = x2.new_empty(m, weight.shape[0])
     if plan.exact_fallback:
         for i in range(m):
-            _gemm(x2[i:i + 1], weight, bias, out[i:i + 1])
+            out[i:i + 1] = gemm(x2[i:i + 1])
         return out
     big = plan.tiles[-1]
     full = m - m % big
     for start in range(0, full, big):
-        _gemm(x2[start:start + big], weight, bias, out[start:start + big])
+        out[start:start + big] = gemm(x2[start:start + big])
     if m > full:
         # Zero-pad the tail up to the smallest proven tile: its rows are computed as in a full tile.
         tile = next(t for t in plan.tiles if t >= m - full)
         pad = x2.new_zeros(tile, k)
         pad[:m - full] = x2[full:]
-        out[full:] = _tile(pad, weight, bias)[:m - full]
+        out[full:] = gemm(pad)[:m - full]
     return out
 
 
@@ -178,7 +210,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return _emit("linear", F.linear(x, weight, bias))
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    out = _invariant_linear(x2, weight, bias)
+    out = _invariant_linear(x2, weight, bias, weight)
     return _emit("linear", out.view(*lead, weight.shape[0]))
 
 
@@ -188,7 +220,7 @@ def patch_conv(pixels: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         return _emit("patch_conv", F.conv2d(pixels, weight, bias, stride=weight.shape[-1]).flatten(1))
     # A kernel-sized conv over one patch is exactly a GEMM over the flattened patch; pin it like any GEMM.
     out = _invariant_linear(pixels.reshape(pixels.shape[0], -1).contiguous(), weight.reshape(weight.shape[0], -1),
-                            bias)
+                            bias, weight)
     return _emit("patch_conv", out)
 
 
