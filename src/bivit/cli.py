@@ -197,6 +197,7 @@ def _register(name: str, module: str, attr: str, extra: str) -> None:
 
 _register("serve", "bivit.server", "serve_command", "serve")
 _register("encode-dataset", "bivit.dataset", "encode_dataset_command", "ray")
+_register("bench", "bivit.bench", "bench_command", "test")
 
 
 def main() -> None:

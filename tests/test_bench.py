@@ -1,0 +1,109 @@
+"""The benchmark code path on the demo model: FLOP accounting, workers, report and files. Nothing here is timed.
+
+The performance numbers themselves come from `bivit bench` on the full-size model (see benchmarks/README.md).
+"""
+
+import json
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+import bivit
+from bivit import bench
+from bivit.config import PRESETS
+from bivit.model import flops_per_item
+from helpers import KIMI_SMALL
+
+GRIDS = [(1, 8, 8), (1, 6, 10), (4, 4, 6), (2, 8, 4)]
+
+
+@pytest.mark.parametrize("cfg_name", ["demo", "kimi-k2.6", "kimi-k3"])
+def test_flops_split_adds_up(cfg_name):
+    cfg = PRESETS[cfg_name]
+    for g in GRIDS + [(1, 128, 128), (4, 48, 86)]:
+        assert bench.gemm_flops_per_item(cfg, *g) + bench.attention_flops_per_item(cfg, *g) == flops_per_item(cfg, *g)
+
+
+@pytest.mark.parametrize("grid", GRIDS)
+def test_flops_formula_counts_what_the_model_executes(kimi_ckpt, grid):
+    """flops_per_item against torch's own FLOP counter on a real forward pass (default mode: no padded tiles).
+
+    The math SDPA backend is forced so that attention's matmuls are visible to the counter (the fused CPU
+    kernel has no FLOP formula registered); it does the same two matmuls.
+    """
+    enc = bivit.load_encoder(kimi_ckpt, dtype="float32", batch_invariant=False)
+    pixels = torch.randn(grid[0] * grid[1] * grid[2], 3, 14, 14)
+    with FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH):
+        enc.encode_pixels(pixels, torch.tensor([grid]))
+    counts = {str(k): v for k, v in counter.get_flop_counts()["Global"].items()}
+    assert counter.get_total_flops() == flops_per_item(KIMI_SMALL, *grid)
+    assert counts["aten.bmm"] == bench.attention_flops_per_item(KIMI_SMALL, *grid)
+
+
+def test_standard_cases_are_the_documented_mix():
+    cases = bench.standard_cases()
+    assert [(c.items, c.patches, c.tokens) for c in cases] == [(1, 1024, 256), (1, 3072, 768), (32, 2048, 512),
+                                                               (1, 2304, 144)]
+    assert cases[3].grids() == [(4, 18, 32)]
+    assert bench.square_case(16384).grids() == [(1, 128, 128)]
+
+
+def test_in_process_run_summary_and_files(tmp_path):
+    """Every implementation (bivit both modes + the transformers port) on the same pixels and weights."""
+    pytest.importorskip("transformers")
+    cases = [bench.make_case("one 56x84", [[bench.noise_image(56, 84, 0)]]),
+             bench.make_case("two 28x28", [[bench.noise_image(28, 28, 1)], [bench.noise_image(28, 28, 2)]]),
+             bench.make_case("chunk 3x56x56", [[bench.noise_image(56, 56, 3 + f) for f in range(3)]], 4096)]
+    record = bench.run_benchmark(preset="demo", dtypes=["float32"], repeats=2, warmup=0, isolate=False, cases=cases,
+                                 log=lambda s: None)
+    run = record["runs"]["float32"]
+    assert list(run["impls"]) == list(bench.IMPLS)
+    for data in run["impls"].values():
+        assert all(len(t) == 2 and min(t) > 0 for t in data["times"].values())
+    # The same weights and pixels reach every implementation: fp32 results agree to parity precision.
+    for case in cases:
+        for pair in run["parity"][case.name].values():
+            assert pair["max_rel"] <= 1e-4
+    summary = bench.summarize(record)
+    mix = summary["float32"]["mix"]
+    assert mix["bivit-invariant"]["tokens"] == sum(c.tokens for c in cases) == 6 + 2 + 4
+    report = bench.format_report(record, summary)
+    assert "| implementation | whole mix s" in report and "hf-sdpa" in report
+    written = bench.write_outputs(record, report, summary, tmp_path / "out", "bench", "test", lambda s: None)
+    assert sorted(p.name for p in written) == ["bench.json", "bench.md", "bench.png"]
+    assert json.loads((tmp_path / "out" / "bench.json").read_text())["record"]["preset"] == "demo"
+    assert (tmp_path / "out" / "bench.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_isolated_workers_report_their_own_memory(tmp_path):
+    """The real path: one spawned process per implementation, each reporting its own RSS."""
+    cases = [bench.make_case("one 56x56", [[bench.noise_image(56, 56, 0)]])]
+    checkpoint = bench.write_checkpoint(tmp_path / "ckpt", "demo")
+    record = bench.run_benchmark(preset="demo", dtypes=["bfloat16"], impls=bench.BIVIT_IMPLS, repeats=1, warmup=0,
+                                 cases=cases, checkpoint=checkpoint, log=lambda s: None)
+    mix = bench.summarize(record)["bfloat16"]["mix"]
+    for impl in bench.BIVIT_IMPLS:
+        assert mix[impl]["minor_faults"] >= 0 and mix[impl]["cpu_s"] > 0
+        mem = mix[impl]["memory"]
+        assert mem["loaded_rss_mib"] > mem["baseline_rss_mib"] > 0
+        assert mem["peak_mib"] >= mem["loaded_rss_mib"]
+
+
+def test_transformers_comparison_only_where_the_port_implements_the_model():
+    assert bench.hf_supports(PRESETS["kimi-k2.6"]) and bench.hf_supports(PRESETS["demo"])
+    assert "K2.x" in bench.hf_unavailable_reason(PRESETS["kimi-k3"])
+
+
+def test_bench_command_user_errors_are_one_line(tmp_path):
+    import typer
+    from typer.testing import CliRunner
+
+    app = typer.Typer()
+    app.command()(bench.bench_command)
+    result = CliRunner().invoke(app, ["--dtype", "int8", "--out-dir", str(tmp_path)])
+    assert result.exit_code == 2 and "--dtype 'int8'" in result.output
+    result = CliRunner().invoke(app, ["--preset", "nope", "--skip-hf", "--out-dir", str(tmp_path)])
+    assert result.exit_code == 2 and "unknown preset 'nope'" in result.output
+    assert not (tmp_path / "bench.json").exists()
