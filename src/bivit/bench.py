@@ -737,7 +737,7 @@ def format_report(record: dict, summary: dict | None = None) -> str:
     summary = summary or summarize(record)
     env = record["env"]
     lines = [f"bivit bench: preset {record['preset']}, {env['threads']} threads, torch {env['torch']}, "
-             f"transformers {env['transformers']}, CPU {env['cpu']}; {record['repeats']} interleaved repeats "
+             f"transformers {env['transformers']}, CPU {env['cpu']}; {record['repeats']} interleaved repeat(s) "
              f"(+{record['warmup']} warm-up), medians; load average {_fmt_load(env.get('loadavg'))} -> "
              f"{_fmt_load(env.get('loadavg_end'))}"]
     for name, reason in record["skipped"].items():

@@ -185,9 +185,11 @@ def _register(name: str, module: str, attr: str, extra: str) -> None:
     """Commands whose dependencies are extras: registered when importable, else a one-line hint."""
     try:
         fn = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
+    except ImportError as e:
+        reason = str(e)  # `e` itself is unbound once the except block ends
+
         def missing() -> None:
-            fail(f"`bivit {name}` needs the {extra!r} extra: pip install 'bivit[{extra}]' ({e})")
+            fail(f"`bivit {name}` needs the {extra!r} extra: pip install 'bivit[{extra}]' ({reason})")
 
         missing.__doc__ = f"(unavailable: pip install 'bivit[{extra}]')"
         app.command(name)(missing)

@@ -8,7 +8,6 @@ load without renaming; other layouts are converted in `bivit.checkpoint`.
 
 from __future__ import annotations
 
-import math
 from functools import lru_cache
 
 import torch

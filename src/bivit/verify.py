@@ -195,5 +195,3 @@ def format_report(rep: Report) -> Iterator[str]:
         verdict = "bit-identical" if it.bit_equal else f"DIFFERS max |diff| = {it.max_diff:.3g}"
         yield f"  {it.source:<40} {it.tokens:>5} tokens  {verdict}  ({it.layouts} layouts)"
 
-
-LoadFn = Callable[[bool], Encoder]
