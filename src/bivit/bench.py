@@ -634,8 +634,8 @@ def _run_dtype(cfg, dtype, impls, cases, checkpoint, inputs, repeats, warmup, th
                     if timed:
                         out["impls"][impl]["cpu_times"][case.name].append(res["cpu_s"])
                         out["impls"][impl]["minor_faults"][case.name].append(res.get("minor_faults"))
-                line = "  ".join(f"{impl} {out['impls'][impl]['times' if timed else 'warmup_times'][case.name][-1]:7.2f}s"
-                                 for impl in impls)
+                key = "times" if timed else "warmup_times"
+                line = "  ".join(f"{impl} {out['impls'][impl][key][case.name][-1]:7.2f}s" for impl in impls)
                 log(f"[{dtype}] {'round ' + str(r - warmup + 1) if timed else 'warm-up ' + str(r + 1)}"
                     f" | {case.name:<22} | {line}")
         for impl in impls:
