@@ -112,12 +112,15 @@ def make_video(path: PathLike, frames: int = 8, fps: Union[int, float, Fraction]
         stream.width, stream.height = w, h
         stream.pix_fmt = "rgb8" if codec == "gif" else "yuv420p"
         for i in range(frames):
-            frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(content(i, size)), format="rgb24")
-            for packet in stream.encode(frame):
-                out.mux(packet)
-        for packet in stream.encode():
-            out.mux(packet)
+            _mux(out, stream, av.VideoFrame.from_ndarray(np.ascontiguousarray(content(i, size)), format="rgb24"))
+        _mux(out, stream, None)
     return path
+
+
+def _mux(out, stream, frame) -> None:
+    """Encode one frame (None: flush the encoder) and write its packets."""
+    for packet in stream.encode(frame):
+        out.mux(packet)
 
 
 def make_zero_frame_video(path: PathLike) -> Path:
@@ -132,10 +135,8 @@ def make_zero_frame_video(path: PathLike) -> Path:
         samples = np.zeros((1, 960 * 4), np.int16 if webm else np.float32)
         frame = av.AudioFrame.from_ndarray(samples, format="s16" if webm else "fltp", layout="mono")
         frame.sample_rate = 48000
-        for packet in audio.encode(frame):
-            out.mux(packet)
-        for packet in audio.encode():
-            out.mux(packet)
+        _mux(out, audio, frame)
+        _mux(out, audio, None)
     return path
 
 
@@ -147,10 +148,8 @@ def make_audio_only(path: PathLike) -> Path:
         out.start_encoding()
         frame = av.AudioFrame.from_ndarray(np.zeros((1, 1024 * 4), np.float32), format="fltp", layout="mono")
         frame.sample_rate = 48000
-        for packet in audio.encode(frame):
-            out.mux(packet)
-        for packet in audio.encode():
-            out.mux(packet)
+        _mux(out, audio, frame)
+        _mux(out, audio, None)
     return path
 
 

@@ -52,7 +52,8 @@ import numpy as np
 import torch
 import typer
 
-from .errors import BivitError, MediaError
+from .encoder import dtype_name, parse_dtype
+from .errors import BivitError, ConfigError, MediaError
 from .video import VIDEO_EXTENSIONS as VIDEO_EXTS
 
 FORMAT = "bivit-encoded-dataset"
@@ -277,8 +278,6 @@ def _pause(phase: str) -> None:
             time.sleep(float(seconds or 1))
 
 
-def _dtype_name(dtype: Optional[torch.dtype]) -> Optional[str]:
-    return None if dtype is None else str(dtype).replace("torch.", "")
 
 
 def header_for(encoder: Any, model: Optional[str]) -> dict:
@@ -293,9 +292,9 @@ def header_for(encoder: Any, model: Optional[str]) -> dict:
         "model_name": encoder.model_name,
         "is_demo": bool(encoder.is_demo),
         "fingerprint": encoder.fingerprint,
-        "dtype": _dtype_name(encoder.dtype),
-        "projector_dtype": _dtype_name(encoder.projector_dtype),
-        "output_dtype": _dtype_name(encoder.output_dtype),
+        "dtype": dtype_name(encoder.dtype),
+        "projector_dtype": dtype_name(encoder.projector_dtype),
+        "output_dtype": dtype_name(encoder.output_dtype),
         "text_hidden_size": int(encoder.config.text_hidden_size),
         "batch_invariant": bool(encoder.batch_invariant),
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -430,7 +429,7 @@ class DatasetWriter:
                                                 mtime_ns=st and st.st_mtime_ns) for s, st in zip(sources, stats)])
             return
         expected = self.header["output_dtype"]
-        if _dtype_name(tensor.dtype) != expected or tensor.ndim != 2 or tensor.shape[1] != self.header["text_hidden_size"]:
+        if dtype_name(tensor.dtype) != expected or tensor.ndim != 2 or tensor.shape[1] != self.header["text_hidden_size"]:
             # Guard against a worker returning something else (the vLLM idle-rank dtype bug, a mismatched model).
             raise BivitError(f"encoder returned {tuple(tensor.shape)} {tensor.dtype} for {sources[0].source}; "
                              f"expected [tokens, {self.header['text_hidden_size']}] {expected}")
@@ -688,13 +687,13 @@ class Summary:
 
 
 def _parse_dtype(name: Optional[str], option: str) -> Optional[str]:
+    """The dtype's canonical name (the encoder's aliases), or a one-line error naming the option."""
     if name is None:
         return None
-    aliases = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
-    name = aliases.get(name.lower(), name.lower())
-    if name not in ("bfloat16", "float16", "float32"):
-        raise BivitError(f"{option} {name!r}: expected bfloat16, float16 or float32")
-    return name
+    try:
+        return dtype_name(parse_dtype(name, option))
+    except ConfigError:
+        raise BivitError(f"{option} {name!r}: expected bfloat16, float16 or float32") from None
 
 
 def encode_dataset(src: str | os.PathLike, out: str | os.PathLike, *, model: Optional[str] = None,

@@ -23,6 +23,7 @@ from .config import PRESETS, ModelConfig, load_config
 from .errors import BivitError, ConfigError, MediaError
 from .media import MediaBatch, preprocess_images
 from .model import VisionModel, gemms
+from .video import is_video_path, preprocess_video, video_chunks
 
 log = logging.getLogger("bivit")
 
@@ -97,8 +98,6 @@ class Encoder:
 
     def preprocess_video(self, path: str | os.PathLike, **limits: Any) -> MediaBatch:
         """A video file -> one item per chunk of (up to) 4 frames sampled at 2 fps, with chunk timestamps."""
-        from .video import preprocess_video
-
         return preprocess_video(path, **limits)
 
     # --------------------------------------------------------------------------------------- encoding
@@ -109,8 +108,6 @@ class Encoder:
         its chunks' embeddings along the token axis (chunk boundaries: `encode_video`). All items share the
         forward passes; in invariant mode each result is the same bits as encoding that input alone.
         """
-        from .video import is_video_path
-
         batches = []
         for src in _as_list(inputs):
             if isinstance(src, (str, os.PathLike)) and is_video_path(src):
@@ -122,8 +119,6 @@ class Encoder:
 
     def encode_video(self, path: str | os.PathLike, **limits: Any) -> list:
         """A video -> one `bivit.VideoChunk` (embedding, grid_thw, timestamp) per chunk, in time order."""
-        from .video import video_chunks
-
         batch = self.preprocess_video(path, **limits)
         return video_chunks(batch, self.encode_batch(batch))
 
