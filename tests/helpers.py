@@ -11,7 +11,8 @@ from bivit.config import ModelConfig
 
 # Small but Kimi-shaped: head dim 72 like the real model; an 8x8 position table so that a 112x112 image
 # uses it as is and every other size interpolates. The projector input width 4*288 = 1152 is the real tower
-# width: at K = 1152 stock bf16 GEMMs take another path for a single row, which the bf16 controls need.
+# width: on AVX-512 EPYC stock bf16 GEMMs take another path for a single row at K = 1152, so the bf16 controls
+# find stock differences there (elsewhere they fall back to a deliberately row-count-dependent GEMM).
 KIMI_SMALL = ModelConfig(pos_emb_height=8, pos_emb_width=8, hidden_size=288, num_layers=2, num_heads=4,
                          intermediate_size=384, text_hidden_size=512)
 K3_SMALL = ModelConfig(pos_emb_height=8, pos_emb_width=8, hidden_size=96, qkv_hidden_size=128, num_layers=2,

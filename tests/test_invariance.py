@@ -1,6 +1,7 @@
 """Batch invariance: an item's embedding is the same bits alone or with any others, in any order, under any
 micro-batch budget and thread count. Every property has a control showing stock kernels break it."""
 
+import contextlib
 import functools
 
 import pytest
@@ -74,15 +75,69 @@ def _control_items():
     return [_item(0, s) for s in range(4)] + [_item(1, 0), _item(2, 0)] + [_item(0, s) for s in range(4, 16)]
 
 
+@contextlib.contextmanager
+def row_count_dependent_gemms():
+    """Stock `F.linear`, except that the K reduction is split into partial GEMMs whose number depends on the
+    row count (1, 2 or 3 parts for M mod 3); the partials, in the input dtype, are added in float32.
+
+    That is what library GEMMs do (they pick kernels and reduction orders by shape), made deliberate so that
+    it happens on every CPU: stock kernels differ by row count on some machines and dtypes (fp32 everywhere
+    we have run; bf16 on AVX-512 EPYC) but not on others (bf16 on AMX Xeon), and a control must show the
+    check can fail on the machine it runs on. Invariant mode never calls `F.linear` at a batch-dependent row
+    count, so it stays bit-stable under this GEMM too.
+    """
+    stock = torch.nn.functional.linear
+
+    def linear(x, weight, bias=None):
+        parts = 1 + x.reshape(-1, x.shape[-1]).shape[0] % 3
+        acc = sum(stock(xs, ws).float() for xs, ws in zip(x.tensor_split(parts, dim=-1),
+                                                          weight.tensor_split(parts, dim=-1)))
+        return (acc if bias is None else acc + bias.float()).to(x.dtype)
+
+    torch.nn.functional.linear = linear
+    try:
+        yield
+    finally:
+        torch.nn.functional.linear = stock
+
+
+def differences_found_by_check(enc, items, order, budget) -> list[int]:
+    """The control: `differing` on a default-mode encoder finds items that change with their batch.
+
+    First with stock kernels; where those happen to be row-count invariant on this CPU at these shapes,
+    with `row_count_dependent_gemms` — either way the returned list proves the check can fail here.
+    """
+    found = differing(enc, items, order, budget)
+    if not found:
+        with row_count_dependent_gemms():
+            found = differing(enc, items, order, budget)
+    return found
+
+
 @pytest.mark.parametrize("dtype,model", [("float32", "demo"), ("float32", "kimi"), ("float32", "k3"),
-                                         ("bfloat16", "kimi")])
+                                         ("bfloat16", "kimi"), ("bfloat16", "demo")])
 def test_control_default_mode_detects_differences(paths, model, dtype):
-    """The same check, stock kernels: some item changes with its batch. (bf16 differs on this CPU only for
-    single-row GEMMs at K = 1152, the real tower width, hence the Kimi-shaped model for the bf16 control.)"""
+    """The same check in default mode finds items that change with their batch; invariant mode finds none,
+    with stock kernels and with deliberately row-count-dependent GEMMs alike."""
     items = _control_items()
     order = list(range(len(items)))
-    assert differing(_encoder(model, paths[model], dtype, False), items, order, None) != []
-    assert differing(_encoder(model, paths[model], dtype, True), items, order, None) == []
+    assert differences_found_by_check(_encoder(model, paths[model], dtype, False), items, order, None) != []
+    invariant = _encoder(model, paths[model], dtype, True)
+    assert differing(invariant, items, order, None) == []
+    with row_count_dependent_gemms():
+        assert differing(invariant, items, order, None) == []
+
+
+def test_row_count_dependent_gemm_is_a_real_difference():
+    """The injected GEMM is not a strawman: it computes a row differently at different row counts, in both
+    dtypes, on any CPU (partial sums in a different order)."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(3, 1152, generator=g), torch.randn(64, 1152, generator=g)
+    for dtype in (torch.float32, torch.bfloat16):
+        xd, wd = x.to(dtype), w.to(dtype)
+        with row_count_dependent_gemms():
+            rows = [torch.nn.functional.linear(xd[:m], wd)[0] for m in (1, 2, 3)]
+        assert not (torch.equal(rows[0], rows[1]) and torch.equal(rows[1], rows[2]))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -105,21 +160,24 @@ def test_budget_splits_into_passes_of_at_most_n_patches():
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_threads_and_repeats(paths, dtype):
-    """Invariant: batched at 1 thread == alone at 2 threads == again. Control: default mode differs."""
+    """Invariant: batched at 1 thread == alone at 2 threads == again. Control: default mode differs (with
+    stock kernels, or where those are row-count invariant on this CPU, with row-count-dependent GEMMs)."""
     items = _control_items()
-    for invariant in (True, False):
-        enc = _encoder("kimi", paths["kimi"], dtype, invariant)
+
+    def same_as_alone(enc) -> bool:
         torch.set_num_threads(2)
         alone = [enc.encode_batch(it)[0] for it in items]
         torch.set_num_threads(1)
         batched = encode_layout(enc, items, None)
         again = encode_layout(enc, items, None)
         assert all(torch.equal(a, b) for a, b in zip(batched, again))  # run-to-run determinism, both modes
-        same = all(torch.equal(a, b) for a, b in zip(batched, alone))
-        if invariant:
-            assert same
-        elif dtype == "float32":
-            assert not same
+        return all(torch.equal(a, b) for a, b in zip(batched, alone))
+
+    assert same_as_alone(_encoder("kimi", paths["kimi"], dtype, True))
+    default = _encoder("kimi", paths["kimi"], dtype, False)
+    if same_as_alone(default):
+        with row_count_dependent_gemms():
+            assert not same_as_alone(default)
 
 
 def test_exact_fallback_path_is_invariant_and_exact(monkeypatch, paths):
