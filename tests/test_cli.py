@@ -11,8 +11,7 @@ from PIL import Image
 from safetensors import safe_open
 
 import bivit
-from conftest import random_image
-from media_factory import make_video
+from support.media import make_video, random_image
 
 
 def run(*args, cwd=None):
@@ -105,3 +104,37 @@ def test_verify_demo_invariant_stable_default_differs_and_bisect(tmp_path):
 def test_verify_on_files(files):
     r = run("verify", *files["good"], "--dtype", "float32", "--layouts", "3")
     assert r.returncode == 0 and r.stdout.count("img") >= 6
+
+
+def run_without(module, *args):
+    """The CLI in a process where `module` cannot be imported, as on a machine without its extra."""
+    code = (f"import sys; sys.modules[{module!r}] = None; sys.argv[0] = 'bivit'; "
+            "from bivit.cli import main; main()")
+    return subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.mark.parametrize("module,args,extra", [
+    ("fastapi", ["serve", "--port", "8123"], "serve"),
+    ("matplotlib", ["verify", "--plot", "v.png"], "plot"),
+    ("ray", ["encode-dataset", ".", "--out", "o", "--engine", "ray"], "ray"),
+])
+def test_missing_extra_is_one_line(module, args, extra):
+    r = run_without(module, *args)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.startswith("bivit: error: ") and r.stderr.strip().count("\n") == 0
+    assert f"bivit[{extra}]" in r.stderr
+
+
+def test_unavailable_device_is_one_line():
+    r = run("serve", "--device", "cuda:99", "--port", "8123")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert [ln for ln in r.stderr.splitlines() if ln.startswith("bivit: error:")] == [
+        ln for ln in r.stderr.splitlines() if "cuda:99" in ln]
+
+
+def test_import_bivit_loads_neither_torch_nor_the_service_nor_the_writer():
+    code = ("import sys, bivit; from bivit import open_dataset; "
+            "print(sorted(m for m in ('torch', 'typer', 'fcntl', 'fastapi', 'bivit.dataset.writer') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr

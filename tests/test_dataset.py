@@ -23,20 +23,12 @@ from safetensors import safe_open
 
 import bivit
 from bivit import BivitError
-from bivit.dataset import (
-    ERRORS,
-    HEADER,
-    MANIFEST,
-    PAUSE_ENV,
-    TMP_PREFIX,
-    DatasetWriter,
-    encode_dataset,
-    encode_dataset_command,
-    encode_prepared,
-    list_sources,
-    open_dataset,
-)
-from media_factory import make_image, make_video
+from bivit.dataset import ERRORS, HEADER, MANIFEST, encode_dataset, open_dataset
+from bivit.dataset.pipeline import encode_prepared
+from bivit.dataset.sources import list_sources
+from bivit.dataset.writer import PAUSE_ENV, DatasetWriter
+from bivit.fileio import TMP_PREFIX, sha256_file
+from support.media import make_image, make_video
 
 IMAGE_SIZES = [(28, 28), (56, 28), (56, 56), (84, 56), (112, 112), (140, 84), (28, 84), (196, 112)]
 
@@ -277,7 +269,7 @@ def test_idle_ray_workers_change_nothing(media, reference, tmp_path, ray_local):
 def test_encoder_stage_with_empty_batch_keeps_schema_and_dtype(media, encoder):
     """The actor's code path, called directly: zero rows in, zero rows out, same schema as a full batch."""
     pa = pytest.importorskip("pyarrow")
-    from bivit.dataset_ray import ENCODED_SCHEMA, PREPARED_SCHEMA, EncodeActor, decode_encoded, prepare_rows
+    from bivit.dataset.ray_engine import ENCODED_SCHEMA, PREPARED_SCHEMA, EncodeActor, decode_encoded, prepare_rows
 
     actor = EncodeActor(None, {"dtype": "bfloat16", "projector_dtype": None, "output_dtype": None},
                         encoder.fingerprint, threads=torch.get_num_threads(), batch_tokens=64)
@@ -285,8 +277,6 @@ def test_encoder_stage_with_empty_batch_keeps_schema_and_dtype(media, encoder):
                                         schema=pa.schema([(n, pa.string()) for n in ("sha256", "kind", "path", "name")]))))
     assert empty.num_rows == 0 and empty.schema == ENCODED_SCHEMA
     assert encode_prepared(encoder, [], 64) == []
-    from bivit.dataset import sha256_file
-
     path = media / "img1.png"
     rows = prepare_rows(pa.table({"sha256": [sha256_file(path)], "kind": ["image"], "path": [str(path)],
                                   "name": ["img1.png"]}))
@@ -334,7 +324,7 @@ def _run_cli_until(src: Path, out: Path, pause: str, ready, timeout: float = 60.
     env = dict(os.environ, **{PAUSE_ENV: pause if ":" in pause else f"{pause}:120"})
     log_path = out.parent / "cli.log"
     log = open(log_path, "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "bivit.dataset", str(src), "--out", str(out),
+    proc = subprocess.Popen([sys.executable, "-m", "bivit", "encode-dataset", str(src), "--out", str(out),
                              "--shard-mb", "0.000001", "--no-progress"], env=env, stdout=log, stderr=log)
     try:
         deadline = time.monotonic() + timeout
@@ -418,14 +408,13 @@ def test_one_writer_at_a_time(reference, tmp_path):
 
 
 def test_cli_prints_a_summary_or_one_line_error(media, tmp_path):
-    import typer
     from typer.testing import CliRunner
 
-    app = typer.Typer()
-    app.command()(encode_dataset_command)
-    r = CliRunner().invoke(app, [str(media), "--out", str(tmp_path / "out"), "--no-progress"])
+    from bivit.cli import app
+
+    r = CliRunner().invoke(app, ["encode-dataset", str(media), "--out", str(tmp_path / "out"), "--no-progress"])
     assert r.exit_code == 0, r.output
     assert f"encoded {len(GOOD) - 2}, skipped 0, deduplicated 2, failed 3" in r.output
-    r = CliRunner().invoke(app, [str(media), "--out", str(tmp_path / "out"), "--dtype", "int8"])
-    assert r.exit_code == 2 and r.output.strip().count("\n") == 0 and r.output.startswith("error: --dtype")
+    r = CliRunner().invoke(app, ["encode-dataset", str(media), "--out", str(tmp_path / "out"), "--dtype", "int8"])
+    assert r.exit_code == 2 and r.output.strip().count("\n") == 0 and r.output.startswith("bivit: error: --dtype")
     assert "Traceback" not in r.output

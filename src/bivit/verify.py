@@ -52,12 +52,8 @@ class Report:
 
 
 def _encode_with_budget(encoder: Encoder, batch: MediaBatch, budget: int | None) -> list[torch.Tensor]:
-    saved = encoder.max_batch_tokens
-    encoder.max_batch_tokens = budget
-    try:
-        return encoder.encode_batch(batch)
-    finally:
-        encoder.max_batch_tokens = saved
+    """Encode with at most `budget` patches per forward pass (None: the whole batch in one pass)."""
+    return encoder.encode_batch(batch, budget or max(1, sum(batch.patch_counts)))
 
 
 def random_layouts(n: int, count: int, rng: random.Random, patch_counts: list[int]) -> list[tuple[list[int], int | None]]:
