@@ -8,11 +8,13 @@ from .client import Client
 from .dataset import open_dataset
 from .encoder import Encoder, load_encoder
 from .errors import BivitError, CheckpointError, ConfigError, MediaError
-from .media import MediaBatch, image_token_count
+from .media import MediaBatch, Placeholder, image_token_count
+from .preprocess_config import ProcessorConfig
 from .video import VideoChunk
 
 __all__ = [
     "BivitError", "Client", "open_dataset", "CheckpointError", "ConfigError", "Encoder", "MediaBatch", "MediaError", "image_token_count",
+    "Placeholder", "ProcessorConfig",
     "load_encoder", "VideoChunk",
 ]
 __version__ = "0.1.0"

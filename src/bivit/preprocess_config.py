@@ -237,7 +237,13 @@ def processing_from_dict(raw: Any, cfg: ModelConfig, where: str = PREPROCESSOR_C
     media = raw.get("media_proc_cfg")
     if not isinstance(media, dict):
         raise ConfigError(f"{where}: key 'media_proc_cfg' is missing or not an object")
-    processor = _processor_from_auto_map(raw) or processor_for_model(cfg)
+    try:
+        return _parse_media_proc_cfg(media, _processor_from_auto_map(raw) or processor_for_model(cfg), cfg)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def _parse_media_proc_cfg(media: dict, processor: str, cfg: ModelConfig) -> ProcessorConfig:
     base = K3_PROCESSING if processor == "kimi_k3" else K25_PROCESSING
     fields = {f.name for f in dataclasses.fields(ProcessorConfig)} - {"processor"}
     values: dict[str, Any] = {"processor": processor,
@@ -246,7 +252,7 @@ def processing_from_dict(raw: Any, cfg: ModelConfig, where: str = PREPROCESSOR_C
         if key in _IGNORED_KEYS:
             continue
         if key not in fields:
-            raise ConfigError(f"{where}: preprocessing key {key!r} is not one Moonshot's processors read; "
+            raise ConfigError(f"preprocessing key {key!r} is not one Moonshot's processors read; "
                               "bivit cannot honour it")
         if key == "transparent_bg_config":
             value = None if value is None else _bg(value)
@@ -259,11 +265,9 @@ def processing_from_dict(raw: Any, cfg: ModelConfig, where: str = PREPROCESSOR_C
         values[key] = value
     try:
         out = base.replace(**values)
-    except ConfigError as e:
-        raise ConfigError(f"{where}: {e}") from None
     except TypeError as e:  # a wrongly typed value that the dataclass checks trip over
-        raise ConfigError(f"{where}: {e}") from None
-    check_against_model(out, cfg, where)
+        raise ConfigError(str(e)) from None
+    check_against_model(out, cfg, "media_proc_cfg")
     return out
 
 
