@@ -24,6 +24,7 @@ from .errors import BivitError, ConfigError, MediaError
 from .media import MediaBatch, Placeholder, batch_placeholders, image_placeholder_text, image_size, \
     image_token_count, preprocess_images
 from .model import VisionModel, gemms
+from .hub import parse_repo_ref, resolve as resolve_repo
 from .preprocess_config import ProcessorConfig, check_alpha, default_processing, load_processing, resolve_processing
 from .video import is_video_path, preprocess_video, video_chunks
 
@@ -209,11 +210,13 @@ def load_encoder(model: str | os.PathLike | None = None, *, device: str | torch.
                  dtype: str | torch.dtype = "bfloat16", batch_invariant: bool = True,
                  projector_dtype: str | torch.dtype | None = None, output_dtype: str | torch.dtype | None = None,
                  max_batch_tokens: int | None = None, seed: int = DEMO_SEED, alpha: str = "model",
-                 processing: ProcessorConfig | str | dict | None = None, **options: Any) -> Encoder:
+                 processing: ProcessorConfig | str | dict | None = None, revision: str | None = None,
+                 **options: Any) -> Encoder:
     """Load an encoder.
 
-    model: None (or "demo") for the built-in demo model, or a checkpoint directory (Moonshot weights, either
-    config layout). dtype: tower compute dtype; projector_dtype: defaults to dtype; output_dtype: defaults to
+    model: None (or "demo") for the built-in demo model, a checkpoint directory (Moonshot weights, either
+    config layout), or a Hugging Face repo id ("moonshotai/Kimi-K2.6", "org/name@rev" or `revision=`), of which
+    only the config files and the vision shards are fetched (or found in the local cache; HF_HUB_OFFLINE=1 works). dtype: tower compute dtype; projector_dtype: defaults to dtype; output_dtype: defaults to
     projector_dtype. max_batch_tokens: at most this many patches per forward pass (an item larger than that
     runs alone). batch_invariant: bit-identical results per item whatever the batching (default on).
     alpha: transparency, "model" (what the model's processor does), "drop" or "white" (vLLM's loader).
@@ -240,13 +243,17 @@ def load_encoder(model: str | os.PathLike | None = None, *, device: str | torch.
         name, is_demo = "demo", True
         log.warning(DEMO_NOTICE)
     else:
-        path = Path(model)
+        path, name = Path(model), str(model)
         if not path.is_dir():
-            raise BivitError(f"{path}: model must be a checkpoint directory (or None for the demo model)")
+            if parse_repo_ref(model, revision) is None:
+                raise BivitError(f"{path}: model must be a checkpoint directory, a hub repo id (org/name[@rev]) "
+                                 "or None for the demo model")
+            path = resolve_repo(str(model), revision)
+            name = str(model) + (f"@{revision}" if revision and "@" not in str(model) else "")
         cfg = load_config(path)
         proc = load_processing(path, cfg) if processing is None else resolve_processing(processing, cfg)
         state = load_state_dict(path, cfg)
-        name, is_demo = str(path), False
+        is_demo = False
 
     with torch.device("meta"):
         net = VisionModel(cfg)
