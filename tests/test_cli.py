@@ -56,6 +56,33 @@ def test_encode_writes_one_tensor_per_input_with_metadata(files, tmp_path):
         assert video["grid_thw"] == [list(c.grid_thw) for c in chunks]
         assert video["chunk_tokens"] == [c.token_count for c in chunks]
         assert torch.equal(f.get_tensor("3"), torch.cat([c.embedding for c in chunks]))
+        # The prompt placeholders, one per image or chunk, are the encoder's, and their rows add up.
+        got = [[bivit.Placeholder(**p) for p in item["placeholders"]] for item in meta["items"]]
+        assert got == enc.placeholders(files["good"] + [files["video"]])
+        assert [sum(p.tokens for p in ps) for ps in got] == [i["tokens"] for i in meta["items"]]
+        assert meta["alpha"] == "model" and meta["processing"]["processor"] == "kimi_k25"
+
+
+def test_encode_alpha_option(tmp_path):
+    rgba = random_image(40, 50, seed=3)
+    img = tmp_path / "t.png"
+    Image.fromarray(rgba).convert("RGBA").save(img)
+    a = Image.open(img)
+    a.putalpha(Image.fromarray((random_image(40, 50, seed=4)[..., 0] // 2).astype("uint8")))
+    a.save(img)
+    outs = {}
+    for alpha in ("model", "white"):
+        out = tmp_path / f"{alpha}.safetensors"
+        r = run("encode", img, "--out", out, "--dtype", "float32", "--alpha", alpha)
+        assert r.returncode == 0, r.stderr
+        with safe_open(str(out), "pt") as f:
+            outs[alpha] = f.get_tensor("0")
+            assert json.loads(f.metadata()["bivit"])["alpha"] == alpha
+    enc = bivit.load_encoder(dtype="float32")
+    assert torch.equal(outs["white"], enc.encode([img], alpha="white")[0])
+    assert torch.equal(outs["model"], enc.encode([img])[0]) and not torch.equal(outs["model"], outs["white"])
+    r = run("encode", img, "--alpha", "pink", "--out", tmp_path / "x.safetensors")
+    assert r.returncode == 2 and "alpha" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_bad_files_are_reported_skipped_and_exit_nonzero(files, tmp_path):

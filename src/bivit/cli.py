@@ -19,12 +19,13 @@ from tqdm import tqdm
 
 from .encoder import DEMO_NOTICE, Encoder, dtype_name, load_encoder
 from .errors import BivitError
-from .media import MediaBatch
+from .media import MediaBatch, batch_placeholders
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="bivit: batch-invariant vision encoding for Kimi-K2.5/K2.6/K3.")
 
-ModelOpt = typer.Option(None, "--model", help="Checkpoint directory (Moonshot weights). Default: the demo model.")
+ModelOpt = typer.Option(None, "--model", help="Checkpoint directory (Moonshot weights) or hub repo id "
+                        "(org/name[@revision]; only config and vision shards are fetched). Default: the demo model.")
 DtypeOpt = typer.Option("bfloat16", "--dtype", help="Tower compute dtype: bfloat16, float32 or float16.")
 ProjDtypeOpt = typer.Option(None, "--projector-dtype", help="Projector dtype (default: --dtype).")
 # Patches per forward pass when `bivit encode` groups files (no effect on results in invariant mode).
@@ -38,10 +39,10 @@ def fail(message: str, code: int = 2) -> None:
 
 
 def open_encoder(model: Optional[Path], dtype: str, projector_dtype: Optional[str], output_dtype: Optional[str],
-                 batch_invariant: bool = True, max_batch_tokens: Optional[int] = None) -> Encoder:
+                 batch_invariant: bool = True, max_batch_tokens: Optional[int] = None, alpha: str = "model") -> Encoder:
     try:
         enc = load_encoder(model, dtype=dtype, projector_dtype=projector_dtype, output_dtype=output_dtype,
-                           batch_invariant=batch_invariant, max_batch_tokens=max_batch_tokens)
+                           batch_invariant=batch_invariant, max_batch_tokens=max_batch_tokens, alpha=alpha)
     except BivitError as e:
         fail(str(e))
     if enc.is_demo:
@@ -82,13 +83,16 @@ def encode(
     output_dtype: Optional[str] = OutDtypeOpt,
     max_batch_tokens: Optional[int] = typer.Option(None, help="At most this many patches per forward pass."),
     no_batch_invariant: bool = typer.Option(False, "--no-batch-invariant", help="Stock kernels (not invariant)."),
+    alpha: str = typer.Option("model", "--alpha", help="Transparency: model (what the model's processor does), "
+                              "drop, or white (vLLM's loader: RGBA onto white)."),
 ) -> None:
     """Encode files into one safetensors file: tensor "i" is input i's embedding, shape (tokens, text_hidden).
 
-    Per-input metadata (source, grid_thw per chunk, tokens, video chunk timestamps) is stored as JSON under
-    the "bivit" header key. Bad files are reported and skipped; the exit status is 1 if any failed.
+    Per-input metadata (source, grid_thw per chunk, tokens, video chunk timestamps, and the prompt placeholders:
+    per image or chunk the text the model's processor writes and the rows that replace its <|media_pad|>) is
+    stored as JSON under the "bivit" header key. Bad files are reported and skipped; exit status 1 if any failed.
     """
-    enc = open_encoder(model, dtype, projector_dtype, output_dtype, not no_batch_invariant, max_batch_tokens)
+    enc = open_encoder(model, dtype, projector_dtype, output_dtype, not no_batch_invariant, max_batch_tokens, alpha)
     t0 = time.perf_counter()
     tensors: dict[str, torch.Tensor] = {}
     items: list[dict] = []
@@ -106,6 +110,8 @@ def encode(
                      "grid_thw": batch.grid_thw.tolist(), "chunk_tokens": [int(c.shape[0]) for c in chunks]}
             if batch.timestamps is not None:
                 entry["timestamps"] = batch.timestamps
+            entry["placeholders"] = [{"text": p.text, "tokens": p.tokens}
+                                     for p in batch_placeholders(batch, enc.processing)]
             items.append(entry)
         pending.clear()
 
@@ -126,7 +132,8 @@ def encode(
         meta = {"bivit": json.dumps({"format": "bivit.encode/1", "model": enc.model_name, "demo": enc.is_demo,
                                      "dtype": dtype_name(enc.dtype), "projector_dtype": dtype_name(enc.projector_dtype),
                                      "output_dtype": dtype_name(enc.output_dtype),
-                                     "batch_invariant": enc.batch_invariant, "items": items})}
+                                     "batch_invariant": enc.batch_invariant, "alpha": enc.alpha,
+                                     "processing": enc.processing.to_dict(), "items": items})}
         write_safetensors_atomic(out, tensors, meta)
     tokens = sum(i["tokens"] for i in items)
     where = f" -> {out}" if tensors else " (nothing written)"
