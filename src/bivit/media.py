@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 
-from .errors import MediaError
+from .errors import ConfigError, MediaError
 from .preprocess_config import K25_PROCESSING, PROCESSING_PRESETS, ProcessorConfig, TransparentBg, check_alpha
 
 PATCH_SIZE = K25_PROCESSING.patch_size
@@ -122,8 +122,8 @@ def processing_of(processing: ProcessorConfig | str | None) -> ProcessorConfig:
         return PROCESSING_PRESETS["kimi-k2.6"]
     if isinstance(processing, str):
         if processing not in PROCESSING_PRESETS:
-            raise MediaError(f"unknown model {processing!r}: expected one of {', '.join(PROCESSING_PRESETS)} "
-                             "or a ProcessorConfig")
+            raise ConfigError(f"model {processing!r}: expected one of {', '.join(PROCESSING_PRESETS)} "
+                              "or a ProcessorConfig")
         return PROCESSING_PRESETS[processing]
     return processing
 
