@@ -71,8 +71,8 @@ class _Fetcher:
             return Path(self.hub.hf_hub_download(self.repo, filename, revision=self.revision,
                                                  cache_dir=self.cache_dir))
         except (errors.RepositoryNotFoundError, errors.GatedRepoError) as e:
-            raise CheckpointError(f"{self.label}: repository not found or not accessible "
-                                  f"({type(e).__name__}); check the repo id and HF_TOKEN") from None
+            raise CheckpointError(f"{self.label}: no local directory of that name, and no accessible hub "
+                                  f"repository ({type(e).__name__}); check the path, the repo id and HF_TOKEN") from None
         except errors.RevisionNotFoundError:
             raise CheckpointError(f"{self.label}: revision {self.revision!r} not found") from None
         except errors.LocalEntryNotFoundError:  # (a subclass of EntryNotFoundError: caught first)
