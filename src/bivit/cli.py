@@ -262,8 +262,14 @@ def encode_dataset(
                                                 "on it)."),
     shard_mb: float = typer.Option(256.0, help="Target size of one safetensors shard, MiB."),
     progress: bool = typer.Option(True, help="Show a progress bar."),
+    allow_failures: bool = typer.Option(False, "--allow-failures",
+                                        help="Exit 0 even when some inputs could not be encoded."),
 ) -> None:
-    """Encode every image and video under SRC into sharded safetensors in --out (resumable, crash-safe)."""
+    """Encode every image and video under SRC into sharded safetensors in --out (resumable, crash-safe).
+
+    Inputs that cannot be encoded are listed in OUT/errors.jsonl (and `open_dataset(OUT).errors`) until they
+    are encoded; the exit status is then 1 unless --allow-failures.
+    """
     if engine == "ray":
         need_extra("encode-dataset --engine ray", "ray", "ray")
     from .dataset.format import ERRORS
@@ -279,6 +285,8 @@ def encode_dataset(
     typer.echo(summary.line())
     if summary.failed:
         typer.echo(f"{summary.failed} inputs failed; see {Path(out) / ERRORS}", err=True)
+        if not allow_failures:
+            raise typer.Exit(FAILURE)
 
 
 # ------------------------------------------------------------------------------------------------- bench

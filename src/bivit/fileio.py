@@ -1,4 +1,7 @@
-"""Durable file writes: the one way bivit replaces a file, and the one way it appends lines.
+"""Files: the one way bivit replaces a file, appends lines, and opens a file it expects to be a regular one.
+
+Reading: `open_regular` opens only regular files, without blocking, so a FIFO or a link to a device (where a
+file is expected) is refused at once instead of hanging or reading forever.
 
 A reader (or a process killed at any instant) sees either the old file or the complete new one: the data goes
 to a temp file in the same folder, is fsynced, renamed over the target, and the folder is fsynced so the
@@ -8,11 +11,12 @@ rename itself survives a crash. A replaced file keeps its permission bits; a new
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import stat
 from pathlib import Path
-from typing import Callable, Optional, Sequence, Union
+from typing import BinaryIO, Callable, Optional, Sequence, Union
 
 TMP_PREFIX = ".tmp-"
 
@@ -80,9 +84,43 @@ def append_lines(path: Union[str, os.PathLike], lines: Sequence[str]) -> None:
         os.close(fd)
 
 
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+class NotRegularFile(OSError):
+    """A path that should name a regular file names something else (a directory, FIFO, device, socket)."""
+
+
+def file_kind(mode: int) -> str:
+    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
+
+
+def check_regular(path: Union[str, os.PathLike], st: os.stat_result) -> None:
+    if not stat.S_ISREG(st.st_mode):
+        raise NotRegularFile(errno.EINVAL, f"not a regular file but {file_kind(st.st_mode)}", str(path))
+
+
+def open_regular(path: Union[str, os.PathLike]) -> BinaryIO:
+    """Open a regular file for reading (links followed); NotRegularFile for anything else, without blocking."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
+    try:
+        check_regular(path, os.fstat(fd))
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_regular(path: Union[str, os.PathLike]) -> bytes:
+    with open_regular(path) as f:
+        return f.read()
+
+
 def sha256_file(path: Union[str, os.PathLike], chunk: int = 1 << 20) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()

@@ -126,7 +126,7 @@ def encode_dataset(src: str | os.PathLike, out: str | os.PathLike, *, model: Opt
         finally:
             bar.close()
         writer.commit()
-        writer.compact_errors()
+        writer.compact_errors(folders_failing={s.source for s in sources if s.error is not None})
         summary.tokens = writer.tokens_written
     summary.seconds = time.monotonic() - t0
     return summary

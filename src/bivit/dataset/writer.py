@@ -162,11 +162,17 @@ class DatasetWriter:
         self._seq += 1
         return self._seq
 
-    def compact_errors(self) -> None:
-        """Keep one line per source that is failed now (its latest error); drop the rest."""
+    def compact_errors(self, folders_failing: Optional[set[str]] = None) -> None:
+        """Keep one line per source that is failed now (its latest error); drop the rest.
+
+        `folders_failing`: after a run that listed SRC, the folders (sources ending in "/") it could not list;
+        the error of a folder that could be listed this time is dropped (its files speak for themselves now).
+        """
         path = self.dir / ERRORS
         rows, _ = read_jsonl(path)
         _, failed = current_state(self.dir)
+        if folders_failing is not None:
+            failed = {s: e for s, e in failed.items() if not s.endswith("/") or s in folders_failing}
         if len(failed) != len(rows):
             write_atomic(path, "".join(e.to_json() + "\n" for e in failed.values()).encode("utf-8"))
 
@@ -180,10 +186,11 @@ class DatasetWriter:
             self.by_source[r.source] = (r.size, r.mtime_ns, r.sha256)
             self.by_hash.setdefault(r.sha256, r)
 
-    def add_error(self, sources: Sequence[Source], message: str, sha: Optional[str] = None) -> None:
-        """Record that `sources` could not be encoded (one line each); they stay failed until encoded again."""
-        msg = " ".join(str(message).split())  # one line
-        append_lines(self.dir / ERRORS, [ErrorRecord(s.source, msg, sha, self._next_seq()).to_json()
+    def add_error(self, sources: Sequence[Source], reason: str, sha: Optional[str] = None) -> None:
+        """Record that `sources` could not be encoded, one line `"{source}: {reason}"` each; they stay failed
+        until encoded again."""
+        reason = " ".join(str(reason).split())  # one line
+        append_lines(self.dir / ERRORS, [ErrorRecord(s.source, f"{s.source}: {reason}", sha, self._next_seq()).to_json()
                                          for s in sources])
         for s in sources:
             self.by_source.pop(s.source, None)
