@@ -1,8 +1,8 @@
 """The `bivit` command line: every command is defined here (encode, verify, serve, encode-dataset, bench).
 
-One error style for all of them: a user mistake or an unusable input prints one line `bivit: error: ...` on
-stderr and exits 2; a run that went wrong (failed inputs, a missing extra, an invariance check that failed)
-exits 1. Never a traceback. Commands import what they need when they run, so `bivit serve` without the
+One error style for all of them: a user mistake, an unusable input or output, a missing extra or an unavailable
+device prints one line `bivit: error: ...` on stderr and exits 2, before any work is done; a run that went
+wrong (inputs that failed, invariant mode not bit-stable, a write failing mid-run) exits 1. Never a traceback. Commands import what they need when they run, so `bivit serve` without the
 serve extra says which extra to install instead of "No such option".
 """
 
@@ -46,11 +46,12 @@ def need_extra(command: str, module: str, extra: str) -> None:
     """Exit with one line when an optional dependency of `command` is not installed."""
     if importlib.util.find_spec(module) is None:
         fail(f"`bivit {command}` needs the {extra!r} extra ({module} is not installed): "
-             f"pip install 'bivit[{extra}]'", FAILURE)
+             f"pip install 'bivit[{extra}]'")
 
 
 def command(name: Optional[str] = None) -> Callable:
-    """Register a command whose BivitErrors become the one-line error (exit 2)."""
+    """Register a command whose BivitErrors become the one-line error (exit 2), and whose unexpected OSErrors
+    (a disk that fills up mid-run) a one-line failure (exit 1)."""
     def register(fn: Callable) -> Callable:
         @functools.wraps(fn)
         def run(*args: Any, **kwargs: Any) -> Any:
@@ -58,8 +59,24 @@ def command(name: Optional[str] = None) -> Callable:
                 return fn(*args, **kwargs)
             except BivitError as e:
                 fail(str(e))
+            except OSError as e:
+                fail(_os_message(e), FAILURE)
         return app.command(name)(run)
     return register
+
+
+def _os_message(e: OSError) -> str:
+    return f"{e.filename}: {e.strerror or e}" if e.filename else str(e.strerror or e)
+
+
+def writable(path: Path, inputs: Any = (), option: str = "--out") -> None:
+    """Exit 2 now if the output cannot be written later (before any encoding is done)."""
+    from .fileio import check_writable
+
+    try:
+        check_writable(path, inputs)
+    except OSError as e:
+        fail(f"{option} {path}: {e.strerror or e}")
 
 
 def open_encoder(model: Optional[Path], dtype: str, projector_dtype: Optional[str], output_dtype: Optional[str],
@@ -100,6 +117,7 @@ def encode(
     from .media import MediaBatch
     from .video import is_video_path, join_chunks, split_by_input
 
+    writable(out, files)
     enc = open_encoder(model, dtype, projector_dtype, output_dtype, not no_batch_invariant, max_batch_tokens)
     t0 = time.perf_counter()
     tensors: dict[str, torch.Tensor] = {}
@@ -138,7 +156,6 @@ def encode(
                                      "dtype": dtype_name(enc.dtype), "projector_dtype": dtype_name(enc.projector_dtype),
                                      "output_dtype": dtype_name(enc.output_dtype),
                                      "batch_invariant": enc.batch_invariant, "items": items})}
-        out.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(out, lambda tmp: save_file(tensors, tmp, metadata=meta))
     tokens = sum(i["tokens"] for i in items)
     where = f" -> {out}" if tensors else " (nothing written)"
@@ -168,6 +185,7 @@ def verify(
 
     if plot is not None:
         need_extra("verify --plot", "matplotlib", "plot")
+        writable(plot, files or (), "--plot")
     encoders = [open_encoder(model, dtype, projector_dtype, None, inv) for inv in (True, False)]
     if files:
         batch = encoders[0].preprocess([str(f) for f in files])
@@ -317,6 +335,7 @@ def bench(
         fail(f"--dtype {dtype!r}: expected bfloat16, float32 or both")
     if repeats < 1 or warmup < 0 or (threads is not None and threads < 1):
         fail("--repeats and --threads must be >= 1, --warmup >= 0")
+    writable(out_dir / "bench.json", option="--out-dir")
     command_line = b.command_line()
     typer.echo(f"$ {command_line}")
     record = b.run_benchmark(preset=preset, dtypes=b.DTYPE_CHOICES[dtype], impls=b.BIVIT_IMPLS if skip_hf else b.IMPLS,

@@ -69,6 +69,26 @@ def write_atomic(path: Union[str, os.PathLike], data: Union[bytes, Callable[[str
     fsync_dir(path.parent)
 
 
+def check_writable(path: Union[str, os.PathLike], inputs: Sequence[Union[str, os.PathLike]] = ()) -> None:
+    """Fail now, before any work, if `write_atomic(path, ...)` would fail later: `path` is one of `inputs`, a
+    directory or another special file, or its folder cannot be created or written. Creates missing folders."""
+    path = Path(path)
+    for src in inputs:
+        try:
+            if os.path.samefile(src, path):
+                raise NotRegularFile(errno.EEXIST, "is one of the inputs; choose another output", str(path))
+        except FileNotFoundError:
+            continue
+    try:
+        check_regular(path, os.stat(path))
+    except FileNotFoundError:
+        pass
+    path.parent.mkdir(parents=True, exist_ok=True)
+    probe = path.parent / f"{TMP_PREFIX}{path.name}.{os.getpid()}.probe"
+    os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    os.unlink(probe)
+
+
 def append_lines(path: Union[str, os.PathLike], lines: Sequence[str]) -> None:
     """Append whole lines with one write, then fsync: a kill leaves at most a trailing partial line."""
     if not lines:

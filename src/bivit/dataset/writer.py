@@ -82,8 +82,11 @@ class DatasetWriter:
         self.flush_seconds = flush_seconds
         if self.dir.exists() and not self.dir.is_dir():
             raise BivitError(f"{out}: exists and is not a directory")
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self._lock_fd: Optional[int] = os.open(self.dir / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            self._lock_fd: Optional[int] = os.open(self.dir / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise BivitError(f"{out}: cannot write the output folder ({e.strerror or e})") from None
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
