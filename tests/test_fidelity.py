@@ -1,4 +1,4 @@
-"""Reference fidelity per model, against the transcriptions in `reference_impl`: K3's resize and token counts,
+"""Reference fidelity per model, against the transcriptions in `support.reference`: K3's resize and token counts,
 transparency (K3's chessboard, vLLM's white), the checkpoint's own preprocessor_config.json, position-term
 rounding, timestamps, prompt placeholders and the image pixel limit."""
 
@@ -16,14 +16,14 @@ import torch
 from PIL import Image
 
 import bivit
-import reference_impl as ref
 from bivit.config import ModelConfig
 from bivit.media import composite, image_size, load_image, navit_size, preprocess_images
 from bivit.model import PositionEmbedding, temporal_embedding
 from bivit.preprocess_config import K3_PROCESSING, K25_PROCESSING, load_processing, processing_from_dict
 from bivit.video import chunk_timestamp
-from helpers import K3_SMALL, KIMI_SMALL
-from media_factory import make_video
+from support import reference as ref
+from support.checkpoints import K3_SMALL, KIMI_SMALL
+from support.media import make_video
 
 ODD_SIZES = [(1, 1), (13, 7), (27, 29), (641, 479), (999, 1001), (4000, 3000), (3001, 4003), (12345, 6789),
              (20000, 30), (30, 20000), (7169, 5), (5000, 5000), (3585, 3585), (7168, 7168), (1023, 17)]

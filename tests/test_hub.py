@@ -14,7 +14,7 @@ import torch
 import bivit
 from bivit.checkpoint import INDEX
 from bivit.hub import parse_repo_ref
-from helpers import KIMI_SMALL, write_checkpoint
+from support.checkpoints import KIMI_SMALL, write_checkpoint
 
 hub_constants = pytest.importorskip("huggingface_hub.constants")
 

@@ -1,4 +1,5 @@
-"""Image preprocessing exactly as the model's media processor does it, and the prompt placeholders it writes.
+"""Image preprocessing exactly as the model's media processor does it (docs/model.md, "Images"), and the prompt
+placeholders it writes.
 
 Everything here is per item and independent of batching: pixels are a pure function of the input bytes and
 the model's `ProcessorConfig` (`bivit.preprocess_config`). Video decoding lives in `bivit.video`; it reuses
@@ -32,6 +33,8 @@ PATCH_SIZE = K25_PROCESSING.patch_size
 MERGE_KERNEL = K25_PROCESSING.merge_kernel_size
 IN_PATCH_LIMIT = K25_PROCESSING.in_patch_limit
 PATCH_LIMIT_ON_ONE_SIDE = K25_PROCESSING.patch_limit_on_one_side
+# Names that are images when a folder is listed (videos: `bivit.video.VIDEO_EXTENSIONS`; `bivit.video.media_kind`).
+IMAGE_EXTENSIONS = frozenset({".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff"})
 # Refuse images whose header claims more pixels than this before decoding them (decompression bombs).
 # K3's 65536 patches of 14x14 is ~12.8 MP after resizing; 200 MP leaves room for any real photo or scan.
 MAX_IMAGE_PIXELS = 200_000_000
@@ -64,7 +67,7 @@ class MediaBatch:
 
     @property
     def token_counts(self) -> list[int]:
-        return [int(h // MERGE_KERNEL) * int(w // MERGE_KERNEL) for _, h, w in self.grid_thw.tolist()]
+        return [grid_tokens(h, w) for _, h, w in self.grid_thw.tolist()]
 
     def item(self, i: int) -> "MediaBatch":
         """Item i alone, as a batch of one."""
@@ -92,6 +95,11 @@ class MediaBatch:
             [s for b in batches for s in b.sources],
             [s for b in batches for s in (b.sizes or [None] * len(b))],
         )
+
+
+def grid_tokens(h: int, w: int) -> int:
+    """Tokens of an item with an h x w patch grid per frame: the 2x2 merger's output (frames are averaged)."""
+    return (int(h) // MERGE_KERNEL) * (int(w) // MERGE_KERNEL)
 
 
 def navit_size(width: int, height: int, patch_limit: int = IN_PATCH_LIMIT,
@@ -143,9 +151,7 @@ def image_token_count(width: int, height: int, patch_limit: int | None = None, *
     `model`: a preset name ("kimi-k2.6" by default, "kimi-k3", ...) or an encoder's `processing`;
     `patch_limit` overrides its image patch budget.
     """
-    proc = processing_of(model)
-    gh, gw = image_grid(width, height, proc, patch_limit)
-    return (gh // proc.merge_kernel_size) * (gw // proc.merge_kernel_size)
+    return grid_tokens(*image_grid(width, height, processing_of(model), patch_limit))
 
 
 # ------------------------------------------------------------------------------------------ placeholders
@@ -213,9 +219,20 @@ def _open_header(data: bytes, name: str, max_pixels: int) -> Image.Image:
     return img
 
 
-def load_image(src: ImageInput, max_pixels: int = MAX_IMAGE_PIXELS) -> Image.Image:
-    """Decode any accepted input into a PIL image in its own mode (alpha kept), or raise MediaError."""
-    name = _describe(src)
+def load_image(src: ImageInput, max_pixels: int = MAX_IMAGE_PIXELS, name: str | None = None) -> Image.Image:
+    """Decode any accepted input into a PIL image in its own mode (alpha kept), or raise MediaError.
+
+    `name` is how messages call the input (default: its path, or `<N bytes>`); it becomes `MediaError.source`.
+    """
+    name = name or _describe(src)
+    try:
+        return _load_image(src, max_pixels, name)
+    except MediaError as e:
+        e.source = name
+        raise
+
+
+def _load_image(src: ImageInput, max_pixels: int, name: str) -> Image.Image:
     if isinstance(src, Image.Image):
         img = src
         _check_pixels(img.size, name, max_pixels)
@@ -268,9 +285,9 @@ def image_size(src: ImageInput, max_pixels: int = MAX_IMAGE_PIXELS) -> tuple[int
     return load_image(src, max_pixels).size
 
 
-def open_image(src: ImageInput, max_pixels: int = MAX_IMAGE_PIXELS) -> Image.Image:
+def open_image(src: ImageInput, max_pixels: int = MAX_IMAGE_PIXELS, name: str | None = None) -> Image.Image:
     """Decode any accepted input into an RGB PIL image, alpha dropped (K2.5/K2.6's `convert("RGB")`)."""
-    img = load_image(src, max_pixels)
+    img = load_image(src, max_pixels, name)
     return img if img.mode == "RGB" else img.convert("RGB")
 
 
@@ -397,17 +414,19 @@ def image_to_item(img: Image.Image, processing: ProcessorConfig | None = None, a
     return _patchify([arr], proc)
 
 
-def preprocess_images(images: Sequence[ImageInput], max_pixels: int = MAX_IMAGE_PIXELS, *,
-                      processing: ProcessorConfig | str | None = None, alpha: str = "model") -> MediaBatch:
-    """Preprocess images into one packed MediaBatch (input order) under the model's `processing` rules."""
+def preprocess_images(images: Sequence[ImageInput], max_pixels: int = MAX_IMAGE_PIXELS,
+                      names: Sequence[str] | None = None, *, processing: ProcessorConfig | str | None = None,
+                      alpha: str = "model") -> MediaBatch:
+    """Preprocess images into one packed MediaBatch (input order) under the model's `processing` rules;
+    `names` label them (see `load_image`)."""
     proc = processing_of(processing)
     items = []
-    for src in images:
-        img = load_image(src, max_pixels)
+    for i, src in enumerate(images):
+        name = names[i] if names is not None else _describe(src)
+        img = load_image(src, max_pixels, name)
         try:
             pixels, grid = image_to_item(img, proc, alpha)
         except MediaError as e:
-            raise MediaError(f"{_describe(src)}: {e}") from None
-        items.append(MediaBatch(pixels, torch.tensor([grid], dtype=torch.int64), None, [_describe(src)],
-                                [img.size]))
+            raise MediaError(f"{name}: {e}", source=name) from None
+        items.append(MediaBatch(pixels, torch.tensor([grid], dtype=torch.int64), None, [name], [img.size]))
     return MediaBatch.concat(items)

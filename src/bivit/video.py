@@ -1,4 +1,4 @@
-"""Video input exactly as Kimi-K2.5/K2.6's processor samples, chunks and timestamps it.
+"""Video input exactly as Kimi-K2.5/K2.6's processor samples, chunks and timestamps it (docs/model.md, "Video").
 
 The numbers come from the model's `ProcessorConfig` (`bivit.preprocess_config`); K2.5/K2.6 publish
 `sample_fps` 2, `temporal_merge_kernel_size` 4, `in_patch_limit_each_frame` 4096. A video becomes one item per
@@ -59,7 +59,7 @@ import torch
 from PIL import Image
 
 from .errors import ConfigError, MediaError
-from .media import MediaBatch, frames_to_item, processing_of
+from .media import IMAGE_EXTENSIONS, MediaBatch, frames_to_item, processing_of
 from .preprocess_config import K25_PROCESSING, ProcessorConfig
 
 SAMPLE_FPS = K25_PROCESSING.sample_fps
@@ -111,6 +111,54 @@ class VideoInfo:
 def is_video_path(path: Union[str, os.PathLike]) -> bool:
     """True when the extension names a video container (case-insensitive); `.gif` always counts as video."""
     return Path(os.fspath(path)).suffix.lower() in VIDEO_EXTENSIONS
+
+
+# ISO BMFF brands that are still images (an `ftyp` box does not by itself mean video).
+_STILL_IMAGE_BRANDS = {b"avif", b"avis", b"heic", b"heix", b"heim", b"heis", b"hevc", b"hevx", b"mif1", b"msf1"}
+
+
+def looks_like_video(data: bytes) -> bool:
+    """True when the bytes start like a video container (decided from the bytes alone, so it is cache-safe)."""
+    if len(data) >= 12 and data[4:8] == b"ftyp":
+        return data[8:12] not in _STILL_IMAGE_BRANDS
+    return (data[:4] == b"\x1a\x45\xdf\xa3"  # Matroska / WebM
+            or (data[:4] == b"RIFF" and data[8:12] == b"AVI ")
+            or data[:3] == b"FLV"
+            or data[:4] == b"\x00\x00\x01\xba"  # MPEG program stream
+            or (len(data) > 376 and data[0] == data[188] == data[376] == 0x47))  # MPEG transport stream
+
+
+def media_kind(name: Union[str, os.PathLike], data: Optional[bytes] = None) -> Optional[str]:
+    """"video", "image" or None (unknown): the one rule for what an input is.
+
+    By extension first (`is_video_path`: how `Encoder.encode` treats a path, `.gif` included); an unknown
+    extension is a video when `data` starts like a video container, else unknown.
+    """
+    if is_video_path(name):
+        return "video"
+    if Path(os.fspath(name)).suffix.lower() in IMAGE_EXTENSIONS:
+        return "image"
+    if data is not None and looks_like_video(data):
+        return "video"
+    return None
+
+
+def join_chunks(chunks: Sequence[torch.Tensor]) -> torch.Tensor:
+    """A video's embedding is its chunks' embeddings concatenated along the token axis (an image: its one item).
+
+    Always a fresh tensor, never a view into a batch's output buffer (which it would keep alive, and which
+    safetensors refuses to save twice).
+    """
+    return torch.cat(list(chunks))
+
+
+def split_by_input(outputs: Sequence[torch.Tensor], items_per_input: Sequence[int]) -> list[list[torch.Tensor]]:
+    """Cut a flat list of per-item outputs (images and video chunks in order) back into one list per input."""
+    out, i = [], 0
+    for n in items_per_input:
+        out.append(list(outputs[i:i + n]))
+        i += n
+    return out
 
 
 def _num_samples(num_frames: int, fps: float, sample_fps: float) -> int:
@@ -350,23 +398,30 @@ def preprocess_video(path: VideoInput, *, max_frames: Optional[int] = MAX_FRAMES
                      max_duration_s: Optional[float] = MAX_DURATION_S,
                      max_frame_pixels: Optional[int] = MAX_FRAME_PIXELS, sample_fps: Optional[float] = None,
                      chunk_size: Optional[int] = None, patch_limit: Optional[int] = None,
-                     processing: ProcessorConfig | str | None = None) -> MediaBatch:
+                     processing: ProcessorConfig | str | None = None, name: Optional[str] = None) -> MediaBatch:
     """Decode, sample and chunk a video (a path or its bytes) into a MediaBatch: one item per chunk.
 
     `processing` is the model's preprocessing (default K2.x's); `sample_fps`, `chunk_size` (frames per chunk)
     and `patch_limit` (per frame) override its values. `timestamps[i]` is chunk i's start, `sources[i]` is
-    `"{path}#chunk{i}"`. Raises MediaError naming the file for unreadable, empty or frameless videos, for videos
-    beyond a limit and for a model whose processor takes images only; ConfigError for a bad option.
+    `"{path}#chunk{i}"`. Raises MediaError naming the file (or `name`, how messages call the input) for
+    unreadable, empty or frameless videos, for videos beyond a limit and for a model whose processor takes images
+    only; ConfigError for a bad option.
     """
     proc = processing_of(processing)
     sample_fps = proc.sample_fps if sample_fps is None else sample_fps
     chunk_size = proc.temporal_merge_kernel_size if chunk_size is None else chunk_size
     _check_positive("chunk_size", chunk_size, integer=True)
     _check_positive("patch_limit", patch_limit, integer=True, allow_none=True)
-    name, limits = _prepare(path, max_frames, max_duration_s, max_frame_pixels, sample_fps)
+    name, limits = _prepare(path, max_frames, max_duration_s, max_frame_pixels, sample_fps, name)
     if not proc.accepts_video:
         raise MediaError(f"{name}: this model's processor ({proc.processor}) accepts images only, as its published "
-                         "code does; videos cannot be encoded for it")
+                         "code does; videos cannot be encoded for it", name)
+    with _naming(name):
+        return _preprocess(path, name, limits, sample_fps, chunk_size, patch_limit, proc)
+
+
+def _preprocess(path: VideoInput, name: str, limits: _Limits, sample_fps: float, chunk_size: int,
+                patch_limit: Optional[int], proc: ProcessorConfig) -> MediaBatch:
     info = _probe(path, name, limits)
     for attempt in range(2):
         indices = sample_frame_indices(info.num_frames, info.fps, sample_fps)
@@ -392,11 +447,21 @@ def probe_video(path: VideoInput, *, max_frames: Optional[int] = MAX_FRAMES,
                 max_frame_pixels: Optional[int] = MAX_FRAME_PIXELS, sample_fps: float = SAMPLE_FPS) -> VideoInfo:
     """Frame count, fps and size of a video, with the limits checked (decodes it when the container has no count)."""
     name, limits = _prepare(path, max_frames, max_duration_s, max_frame_pixels, sample_fps)
-    return _probe(path, name, limits)
+    with _naming(name):
+        return _probe(path, name, limits)
+
+
+@contextmanager
+def _naming(name: str) -> Iterator[None]:
+    try:
+        yield
+    except MediaError as e:
+        e.source = name
+        raise
 
 
 def _prepare(path: VideoInput, max_frames: Optional[int], max_duration_s: Optional[float],
-             max_frame_pixels: Optional[int], sample_fps: float) -> tuple[str, _Limits]:
+             max_frame_pixels: Optional[int], sample_fps: float, name: Optional[str] = None) -> tuple[str, _Limits]:
     """Validate the options and the input before FFmpeg sees it: a clear message beats a demuxer's."""
     _check_positive("sample_fps", sample_fps)
     _check_positive("max_frames", max_frames, integer=True, allow_none=True)
@@ -404,18 +469,18 @@ def _prepare(path: VideoInput, max_frames: Optional[int], max_duration_s: Option
     _check_positive("max_frame_pixels", max_frame_pixels, integer=True, allow_none=True)
     if not isinstance(path, (str, os.PathLike, bytes)):
         raise MediaError(f"<{type(path).__name__}>: unsupported video input; pass a path or bytes")
-    name = _describe(path)
+    name = name or _describe(path)
     if isinstance(path, bytes):
         if not path:
-            raise MediaError(f"{name}: video is empty")
+            raise MediaError(f"{name}: video is empty", name)
     else:
         p = Path(path)
         if not p.exists():
-            raise MediaError(f"{name}: no such file")
+            raise MediaError(f"{name}: no such file", name)
         if not p.is_file():
-            raise MediaError(f"{name}: not a regular file")
+            raise MediaError(f"{name}: not a regular file", name)
         if p.stat().st_size == 0:
-            raise MediaError(f"{name}: file is empty")
+            raise MediaError(f"{name}: file is empty", name)
     return name, _Limits(name, max_frames, max_duration_s, max_frame_pixels, float(sample_fps))
 
 
