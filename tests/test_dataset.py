@@ -517,3 +517,37 @@ def test_manifest_names_are_read_as_normalised(tmp_path):
     s = encode_dataset(manifest, tmp_path / "out", progress=False)
     assert (s.encoded, s.failed) == (1, 0)
     assert open_dataset(tmp_path / "out").sources == ["a.png"]
+
+
+# ------------------------------------------------------------------------------ model preprocessing and alpha
+def _transparent_png(path: Path, w: int = 50, h: int = 40) -> Path:
+    from PIL import Image
+
+    rgba = np.random.default_rng(w * h).integers(0, 256, (h, w, 4), np.uint8)
+    Image.fromarray(rgba, "RGBA").save(path)
+    return path
+
+
+@pytest.mark.parametrize("engine", ["local", "ray"])
+def test_dataset_follows_the_models_preprocessing_and_alpha(tmp_path, k3_ckpt, engine, request):
+    if engine == "ray":
+        request.getfixturevalue("ray_local")
+    src = tmp_path / "src"
+    src.mkdir()
+    _transparent_png(src / "t.png")
+    make_image(src / "odd.png", (333, 517), seed=3)
+    make_video(src / "clip.mp4", frames=8, fps=4, size=(56, 56))
+    out = tmp_path / "out"
+    s = encode_dataset(src, out, model=str(k3_ckpt), dtype="float32", alpha="white", engine=engine, progress=False)
+    assert (s.encoded, s.failed) == (2, 1)  # K3's processor takes images only: the video is an error
+    enc = bivit.load_encoder(k3_ckpt, dtype="float32", alpha="white")
+    ds = open_dataset(out)
+    for name in ("t.png", "odd.png"):
+        assert torch.equal(ds.tensor(name), enc.encode([src / name])[0]), name
+    assert ds["odd.png"].tokens == enc.image_token_count(333, 517)
+    assert [e.source for e in ds.errors] == ["clip.mp4"] and "accepts images only" in ds.errors[0].error
+    header = json.loads((out / HEADER).read_text())
+    assert header["alpha"] == "white" and header["processing"]["processor"] == "kimi_k3"
+    if engine == "local":  # resuming with another alpha would mix two preprocessings: refused
+        with pytest.raises(BivitError, match="alpha"):
+            encode_dataset(src, out, model=str(k3_ckpt), dtype="float32", progress=False)

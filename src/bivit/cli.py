@@ -226,7 +226,8 @@ def verify(
 
 @command()
 def serve(
-    model: Optional[str] = typer.Option(None, "--model", help="Checkpoint directory (default: demo model)"),
+    model: Optional[str] = typer.Option(None, "--model", help="Checkpoint directory or hub repo id (default: demo "
+                                        "model)"),
     host: str = typer.Option("127.0.0.1", help="Interface to bind; loopback by default"),
     port: int = typer.Option(8000, help="TCP port"),
     dtype: str = typer.Option("bfloat16", help="Tower dtype: bfloat16 or float32"),
@@ -243,6 +244,7 @@ def serve(
     request_timeout_s: float = typer.Option(120.0, help="Per-request timeout (504 after)"),
     cache_mb: float = typer.Option(256.0, help="Exact embedding cache size; 0 disables"),
     log_level: str = typer.Option("info", help="debug, info, warning or error"),
+    alpha: str = AlphaOpt,
 ) -> None:
     """Serve the encoder over HTTP: POST /v1/encode, GET /health, /ready, /metrics (needs the serve extra)."""
     for module in ("fastapi", "uvicorn", "prometheus_client", "multipart"):
@@ -259,7 +261,7 @@ def serve(
 
     configure_logging(log_level)  # the service logs JSON lines, its demo warning included
     encoder = load_encoder(model, device=device, dtype=dtype, batch_invariant=batch_invariant,
-                           max_batch_tokens=max_batch_tokens)
+                           max_batch_tokens=max_batch_tokens, alpha=alpha)
     settings = ServerSettings(api_key=api_key or None, max_batch_tokens=max_batch_tokens, max_wait_ms=max_wait_ms,
                               max_queue=max_queue, max_body_mb=max_body_mb, request_timeout_s=request_timeout_s,
                               cache_mb=cache_mb)
@@ -275,7 +277,8 @@ def encode_dataset(
                                     "or JSONL with a 'path' field)."),
     out: Path = typer.Option(..., "--out", "-o", show_default=False,
                              help="Output folder (created; re-running resumes it)."),
-    model: Optional[str] = typer.Option(None, help="Checkpoint folder; default: the tiny built-in demo model."),
+    model: Optional[str] = typer.Option(None, help="Checkpoint folder or hub repo id; default: the tiny built-in "
+                                                   "demo model."),
     dtype: str = typer.Option("bfloat16", help="Tower dtype: bfloat16, float16 or float32."),
     projector_dtype: Optional[str] = typer.Option(None, help="Projector dtype (default: the tower dtype)."),
     output_dtype: Optional[str] = typer.Option(None, help="Stored embedding dtype (default: the projector's)."),
@@ -290,6 +293,7 @@ def encode_dataset(
     progress: bool = typer.Option(True, help="Show a progress bar."),
     allow_failures: bool = typer.Option(False, "--allow-failures",
                                         help="Exit 0 even when some inputs could not be encoded."),
+    alpha: str = AlphaOpt,
 ) -> None:
     """Encode every image and video under SRC into sharded safetensors in --out (resumable, crash-safe).
 
@@ -304,7 +308,7 @@ def encode_dataset(
     try:
         summary = run(src, out, model=model, dtype=dtype, projector_dtype=projector_dtype, output_dtype=output_dtype,
                       engine=engine, ray_address=ray_address, workers=workers, cpus_per_worker=cpus_per_worker,
-                      batch_tokens=batch_tokens, shard_mb=shard_mb, progress=progress)
+                      batch_tokens=batch_tokens, shard_mb=shard_mb, progress=progress, alpha=alpha)
     except KeyboardInterrupt:
         typer.echo(f"interrupted; everything encoded so far is in {out}, run the same command to resume", err=True)
         raise typer.Exit(130) from None

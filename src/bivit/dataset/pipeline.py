@@ -74,19 +74,21 @@ class Encoded:
     error: Optional[str] = None
 
 
-def prepare(sha: str, kind: str, path: Path, name: str) -> Prepared:
-    """Read, check and preprocess one item. Never raises for a bad input: the reason is returned."""
+def prepare(sha: str, kind: str, path: Path, name: str, processing: Any = None, alpha: str = "model") -> Prepared:
+    """Read, check and preprocess one item under the model's `processing` (a ProcessorConfig) and `alpha`.
+    Never raises for a bad input: the reason is returned."""
     changed = "file changed while the job ran (its sha256 differs from the one planned)"
     try:
         if kind == "video" and path.stat().st_size > VIDEO_BYTES_LIMIT:
             if sha256_file(path) != sha:
                 return Prepared(sha, error=changed)
-            batch = preprocess_video(path, name=name)
+            batch = preprocess_video(path, name=name, processing=processing)
         else:
             data = read_regular(path)
             if hashlib.sha256(data).hexdigest() != sha:
                 return Prepared(sha, error=changed)
-            batch = preprocess_video(data, name=name) if kind == "video" else preprocess_images([data], names=[name])
+            batch = (preprocess_video(data, name=name, processing=processing) if kind == "video" else
+                     preprocess_images([data], names=[name], processing=processing, alpha=alpha))
         if len(batch) == 0:
             return Prepared(sha, error="no frames decoded")
         return Prepared(sha, batch)

@@ -38,7 +38,7 @@ DEFAULT_FLUSH_SECONDS = 60.0
 # of every shard commit, so a test can SIGKILL the process at a chosen instant. It changes nothing else.
 PAUSE_ENV = "BIVIT_DATASET_TEST_PAUSE"
 # A folder written with other values for these keys holds tensors that are not comparable with this run's.
-_MUST_MATCH = ("format_version", "fingerprint", "dtype", "projector_dtype", "output_dtype", "batch_invariant")
+_MUST_MATCH = ("format_version", "fingerprint", "dtype", "projector_dtype", "output_dtype", "batch_invariant", "alpha")
 
 
 def _pause(phase: str) -> None:
@@ -66,6 +66,8 @@ def header_for(encoder: Any, model: Optional[str]) -> dict:
         "output_dtype": dtype_name(encoder.output_dtype),
         "text_hidden_size": int(encoder.config.text_hidden_size),
         "batch_invariant": bool(encoder.batch_invariant),
+        "alpha": encoder.alpha,  # transparency handling and preprocessing (both also in the fingerprint)
+        "processing": encoder.processing.to_dict(),
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }
 
