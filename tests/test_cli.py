@@ -1,6 +1,7 @@
 """The `bivit` command line, run as a real process: outputs, one-line errors, exit codes."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -14,9 +15,16 @@ import bivit
 from support.media import make_video, random_image
 
 
-def run(*args, cwd=None):
+def run(*args, cwd=None, **kw):
     return subprocess.run([sys.executable, "-m", "bivit.cli", *map(str, args)], capture_output=True, text=True,
-                          cwd=cwd, timeout=300)
+                          cwd=cwd, timeout=300, **kw)
+
+
+def one_error_line(r, code=2) -> str:
+    assert r.returncode == code and "Traceback" not in r.stderr, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("bivit: error: ")]
+    assert len(lines) == 1, r.stderr
+    return lines[0]
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +63,33 @@ def test_encode_writes_one_tensor_per_input_with_metadata(files, tmp_path):
         assert video["grid_thw"] == [list(c.grid_thw) for c in chunks]
         assert video["chunk_tokens"] == [c.token_count for c in chunks]
         assert torch.equal(f.get_tensor("3"), torch.cat([c.embedding for c in chunks]))
+        # The prompt placeholders, one per image or chunk, are the encoder's, and their rows add up.
+        got = [[bivit.Placeholder(**p) for p in item["placeholders"]] for item in meta["items"]]
+        assert got == enc.placeholders(files["good"] + [files["video"]])
+        assert [sum(p.tokens for p in ps) for ps in got] == [i["tokens"] for i in meta["items"]]
+        assert meta["alpha"] == "model" and meta["processing"]["processor"] == "kimi_k25"
+
+
+def test_encode_alpha_option(tmp_path):
+    rgba = random_image(40, 50, seed=3)
+    img = tmp_path / "t.png"
+    Image.fromarray(rgba).convert("RGBA").save(img)
+    a = Image.open(img)
+    a.putalpha(Image.fromarray((random_image(40, 50, seed=4)[..., 0] // 2).astype("uint8")))
+    a.save(img)
+    outs = {}
+    for alpha in ("model", "white"):
+        out = tmp_path / f"{alpha}.safetensors"
+        r = run("encode", img, "--out", out, "--dtype", "float32", "--alpha", alpha)
+        assert r.returncode == 0, r.stderr
+        with safe_open(str(out), "pt") as f:
+            outs[alpha] = f.get_tensor("0")
+            assert json.loads(f.metadata()["bivit"])["alpha"] == alpha
+    enc = bivit.load_encoder(dtype="float32")
+    assert torch.equal(outs["white"], enc.encode([img], alpha="white")[0])
+    assert torch.equal(outs["model"], enc.encode([img])[0]) and not torch.equal(outs["model"], outs["white"])
+    r = run("encode", img, "--alpha", "pink", "--out", tmp_path / "x.safetensors")
+    assert r.returncode == 2 and "alpha" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_bad_files_are_reported_skipped_and_exit_nonzero(files, tmp_path):
@@ -121,7 +156,7 @@ def run_without(module, *args):
 ])
 def test_missing_extra_is_one_line(module, args, extra):
     r = run_without(module, *args)
-    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.startswith("bivit: error: ") and r.stderr.strip().count("\n") == 0
     assert f"bivit[{extra}]" in r.stderr
 
@@ -138,3 +173,33 @@ def test_import_bivit_loads_neither_torch_nor_the_service_nor_the_writer():
             "print(sorted(m for m in ('torch', 'typer', 'fcntl', 'fastapi', 'bivit.dataset.writer') if m in sys.modules))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
+
+
+def test_output_problems_are_found_before_encoding(files, tmp_path):
+    from support.users import ordinary
+
+    image = tmp_path / "a.png"
+    image.write_bytes(files["good"][0].read_bytes())
+    r = run("encode", image, "--out", image)
+    assert "one of the inputs" in one_error_line(r) and image.read_bytes() == files["good"][0].read_bytes()
+    assert "DEMO" not in r.stderr  # refused before the model was even loaded
+    assert "a directory" in one_error_line(run("encode", image, "--out", tmp_path))
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o555)
+    r = run("encode", image, "--out", locked / "e.safetensors", preexec_fn=ordinary)
+    assert "Permission denied" in one_error_line(r) and "DEMO" not in r.stderr
+    r = run("encode-dataset", image, "--out", locked / "ds", preexec_fn=ordinary)
+    assert "Permission denied" in one_error_line(r)
+    assert "a directory" in one_error_line(run("verify", "--plot", tmp_path))
+
+
+def test_replacing_an_output_keeps_its_permissions(files, tmp_path):
+    out = tmp_path / "e.safetensors"
+    r = run("encode", files["good"][0], "--out", out, preexec_fn=lambda: os.umask(0o022))
+    assert r.returncode == 0 and out.stat().st_mode & 0o777 == 0o644, r.stderr  # a new file: 0666 & ~umask
+    out.chmod(0o640)
+    r = run("encode", files["good"][1], "--out", out)
+    assert r.returncode == 0 and out.stat().st_mode & 0o777 == 0o640
+    with safe_open(str(out), "pt") as f:
+        assert json.loads(f.metadata()["bivit"])["items"][0]["source"] == str(files["good"][1])
+    assert [p.name for p in tmp_path.iterdir()] == ["e.safetensors"]  # no temp file left behind

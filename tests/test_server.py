@@ -9,6 +9,7 @@ the exact cache and the metrics.
 from __future__ import annotations
 
 import base64
+import io
 import subprocess
 import sys
 import threading
@@ -157,6 +158,8 @@ def test_response_metadata_and_fingerprint(server, enc32):
     assert res.tokens == 48 == bivit.image_token_count(200, 150)
     assert res.grid_thw == [[1, 12, 16]] and res.kind == "image" and res.error is None
     assert torch.equal(res.embedding, enc32.encode([img])[0])
+    assert res.placeholders == [{"text": "<|media_begin|>image<|media_content|><|media_pad|><|media_end|>",
+                                 "tokens": 48}]
 
 
 def test_json_response_round_trips_exactly(server, enc32):
@@ -207,6 +210,7 @@ def test_video_item_matches_offline(client, enc32, tmp_path):
     assert vres.timestamps == [c.timestamp for c in chunks]
     assert vres.grid_thw == [list(c.grid_thw) for c in chunks]
     assert vres.tokens == sum(c.token_count for c in chunks)
+    assert vres.placeholders == [{"text": p.text, "tokens": p.tokens} for p in enc32.placeholders([path])[0]]
     assert torch.equal(ires.embedding, enc32.encode([img])[0])
 
 
@@ -420,3 +424,21 @@ def test_cli_error_is_one_line(tmp_path):
     assert "Traceback" not in r.stderr
     lines = [ln for ln in r.stderr.splitlines() if ln.startswith("bivit: error:")]
     assert len(lines) == 1 and "missing" in lines[0]
+
+
+def test_server_follows_the_models_preprocessing_and_alpha(tmp_path, k3_ckpt):
+    from support.media import random_image
+
+    rgba = np.dstack([random_image(40, 50, seed=8), random_image(40, 50, seed=9)[..., :1]])
+    buf = io.BytesIO()
+    Image.fromarray(rgba, "RGBA").save(buf, format="PNG")
+    data = buf.getvalue()
+    enc = bivit.load_encoder(k3_ckpt, dtype="float32", alpha="white")
+    with ServerProcess(["--model", str(k3_ckpt), "--dtype", "float32", "--alpha", "white"], tmp_path) as srv:
+        r = _post_files(srv, [("t.png", data)])
+        assert r.status_code == 200, r.text
+        meta, [res] = parse_response(r.content)
+        assert meta["fingerprint"] == enc.fingerprint
+        assert torch.equal(res.embedding, enc.encode([data])[0])
+        assert res.placeholders == [{"text": p.text, "tokens": p.tokens} for p in enc.placeholders([data])[0]]
+        assert res.placeholders[0]["text"].startswith("<|media_begin|>image 50x40<|media_content|>")

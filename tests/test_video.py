@@ -9,7 +9,6 @@ reference formula below and, for the cases that matter, from hand-computed const
 from __future__ import annotations
 
 import math
-import time
 from fractions import Fraction
 from pathlib import Path
 
@@ -31,6 +30,7 @@ from bivit.video import (
     sample_frame_indices,
     video_chunks,
 )
+from support import reference
 from support.media import (
     make_audio_only,
     make_image,
@@ -51,8 +51,7 @@ def reference_indices(num_frames: int, fps: float, sample_fps: float = 2.0) -> l
 
 
 def reference_timestamp(frame_index: int, fps: float) -> str:
-    t = frame_index / fps
-    return time.strftime("%H:%M:%S", time.gmtime(t)) + "." + f"{int((t % 1) * 1000):03d}"
+    return reference.timestamp(frame_index / fps)
 
 
 def decode_all(path) -> list:

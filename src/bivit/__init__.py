@@ -22,6 +22,8 @@ _LAZY = {
     "load_encoder": ".encoder",
     "MediaBatch": ".media",
     "image_token_count": ".media",
+    "Placeholder": ".media",
+    "ProcessorConfig": ".preprocess_config",
     "VideoChunk": ".video",
 }
 

@@ -39,7 +39,7 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 
-def _is_vision(key: str) -> bool:
+def is_vision_key(key: str) -> bool:
     return key.startswith(VISION_PREFIXES) or key.startswith(HF_PREFIXES)
 
 
@@ -53,7 +53,7 @@ def vision_key_files(directory: Path) -> dict[str, Path]:
                 raise TypeError("weight_map is not an object")
         except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
             raise CheckpointError(f"{index}: unreadable index ({e})") from None
-        return {k: directory / f for k, f in weight_map.items() if _is_vision(k)}
+        return {k: directory / f for k, f in weight_map.items() if is_vision_key(k)}
     shards = sorted(directory.glob("*.safetensors"))
     if not shards:
         raise CheckpointError(f"{directory}: no {INDEX} and no *.safetensors files")
@@ -61,7 +61,7 @@ def vision_key_files(directory: Path) -> dict[str, Path]:
     for shard in shards:
         with _open(shard) as f:
             for k in f.keys():
-                if _is_vision(k):
+                if is_vision_key(k):
                     found[k] = shard
     return found
 

@@ -1,8 +1,8 @@
 """The `bivit` command line: every command is defined here (encode, verify, serve, encode-dataset, bench).
 
-One error style for all of them: a user mistake or an unusable input prints one line `bivit: error: ...` on
-stderr and exits 2; a run that went wrong (failed inputs, a missing extra, an invariance check that failed)
-exits 1. Never a traceback. Commands import what they need when they run, so `bivit serve` without the
+One error style for all of them: a user mistake, an unusable input or output, a missing extra or an unavailable
+device prints one line `bivit: error: ...` on stderr and exits 2, before any work is done; a run that went
+wrong (inputs that failed, invariant mode not bit-stable, a write failing mid-run) exits 1. Never a traceback. Commands import what they need when they run, so `bivit serve` without the
 serve extra says which extra to install instead of "No such option".
 """
 
@@ -31,7 +31,10 @@ ENCODE_FORMAT = "bivit.encode/1"
 # Patches per forward pass when `bivit encode` groups files (no effect on results in invariant mode).
 GROUP_PATCHES = 4096
 
-ModelOpt = typer.Option(None, "--model", help="Checkpoint directory (Moonshot weights). Default: the demo model.")
+ModelOpt = typer.Option(None, "--model", help="Checkpoint directory (Moonshot weights) or hub repo id "
+                        "(org/name[@revision]; only config and vision shards are fetched). Default: the demo model.")
+AlphaOpt = typer.Option("model", "--alpha", help="Transparency: model (what the model's processor does), drop, "
+                        "or white (vLLM's loader: RGBA onto white).")
 DtypeOpt = typer.Option("bfloat16", "--dtype", help="Tower compute dtype: bfloat16, float32 or float16.")
 ProjDtypeOpt = typer.Option(None, "--projector-dtype", help="Projector dtype (default: --dtype).")
 OutDtypeOpt = typer.Option(None, "--output-dtype", help="Output dtype (default: projector dtype).")
@@ -46,11 +49,12 @@ def need_extra(command: str, module: str, extra: str) -> None:
     """Exit with one line when an optional dependency of `command` is not installed."""
     if importlib.util.find_spec(module) is None:
         fail(f"`bivit {command}` needs the {extra!r} extra ({module} is not installed): "
-             f"pip install 'bivit[{extra}]'", FAILURE)
+             f"pip install 'bivit[{extra}]'")
 
 
 def command(name: Optional[str] = None) -> Callable:
-    """Register a command whose BivitErrors become the one-line error (exit 2)."""
+    """Register a command whose BivitErrors become the one-line error (exit 2), and whose unexpected OSErrors
+    (a disk that fills up mid-run) a one-line failure (exit 1)."""
     def register(fn: Callable) -> Callable:
         @functools.wraps(fn)
         def run(*args: Any, **kwargs: Any) -> Any:
@@ -58,16 +62,32 @@ def command(name: Optional[str] = None) -> Callable:
                 return fn(*args, **kwargs)
             except BivitError as e:
                 fail(str(e))
+            except OSError as e:
+                fail(_os_message(e), FAILURE)
         return app.command(name)(run)
     return register
 
 
+def _os_message(e: OSError) -> str:
+    return f"{e.filename}: {e.strerror or e}" if e.filename else str(e.strerror or e)
+
+
+def writable(path: Path, inputs: Any = (), option: str = "--out") -> None:
+    """Exit 2 now if the output cannot be written later (before any encoding is done)."""
+    from .fileio import check_writable
+
+    try:
+        check_writable(path, inputs)
+    except OSError as e:
+        fail(f"{option} {path}: {e.strerror or e}")
+
+
 def open_encoder(model: Optional[Path], dtype: str, projector_dtype: Optional[str], output_dtype: Optional[str],
-                 batch_invariant: bool = True, max_batch_tokens: Optional[int] = None) -> Any:
+                 batch_invariant: bool = True, max_batch_tokens: Optional[int] = None, alpha: str = "model") -> Any:
     from .encoder import DEMO_NOTICE, load_encoder
 
     enc = load_encoder(model, dtype=dtype, projector_dtype=projector_dtype, output_dtype=output_dtype,
-                       batch_invariant=batch_invariant, max_batch_tokens=max_batch_tokens)
+                       batch_invariant=batch_invariant, max_batch_tokens=max_batch_tokens, alpha=alpha)
     if enc.is_demo:
         typer.echo(DEMO_NOTICE, err=True)
     return enc
@@ -85,11 +105,13 @@ def encode(
     output_dtype: Optional[str] = OutDtypeOpt,
     max_batch_tokens: Optional[int] = typer.Option(None, help="At most this many patches per forward pass."),
     no_batch_invariant: bool = typer.Option(False, "--no-batch-invariant", help="Stock kernels (not invariant)."),
+    alpha: str = AlphaOpt,
 ) -> None:
     """Encode files into one safetensors file: tensor "i" is input i's embedding, shape (tokens, text_hidden).
 
-    Per-input metadata (source, grid_thw per chunk, tokens, video chunk timestamps) is stored as JSON under
-    the "bivit" header key. Bad files are reported and skipped; the exit status is 1 if any failed.
+    Per-input metadata (source, grid_thw per chunk, tokens, video chunk timestamps, and the prompt placeholders:
+    per image or chunk the text the model's processor writes and the rows that replace its <|media_pad|>) is
+    stored as JSON under the "bivit" header key. Bad files are reported and skipped; exit status 1 if any failed.
     """
     import torch
     from safetensors.torch import save_file
@@ -97,10 +119,11 @@ def encode(
 
     from .encoder import dtype_name
     from .fileio import write_atomic
-    from .media import MediaBatch
+    from .media import MediaBatch, batch_placeholders
     from .video import is_video_path, join_chunks, split_by_input
 
-    enc = open_encoder(model, dtype, projector_dtype, output_dtype, not no_batch_invariant, max_batch_tokens)
+    writable(out, files)
+    enc = open_encoder(model, dtype, projector_dtype, output_dtype, not no_batch_invariant, max_batch_tokens, alpha)
     t0 = time.perf_counter()
     tensors: dict[str, torch.Tensor] = {}
     items: list[dict] = []
@@ -117,6 +140,8 @@ def encode(
                      "grid_thw": batch.grid_thw.tolist(), "chunk_tokens": [int(c.shape[0]) for c in chunks]}
             if batch.timestamps is not None:
                 entry["timestamps"] = batch.timestamps
+            entry["placeholders"] = [{"text": p.text, "tokens": p.tokens}
+                                     for p in batch_placeholders(batch, enc.processing)]
             items.append(entry)
         pending.clear()
 
@@ -137,8 +162,8 @@ def encode(
         meta = {"bivit": json.dumps({"format": ENCODE_FORMAT, "model": enc.model_name, "demo": enc.is_demo,
                                      "dtype": dtype_name(enc.dtype), "projector_dtype": dtype_name(enc.projector_dtype),
                                      "output_dtype": dtype_name(enc.output_dtype),
-                                     "batch_invariant": enc.batch_invariant, "items": items})}
-        out.parent.mkdir(parents=True, exist_ok=True)
+                                     "batch_invariant": enc.batch_invariant, "alpha": enc.alpha,
+                                     "processing": enc.processing.to_dict(), "items": items})}
         write_atomic(out, lambda tmp: save_file(tensors, tmp, metadata=meta))
     tokens = sum(i["tokens"] for i in items)
     where = f" -> {out}" if tensors else " (nothing written)"
@@ -168,6 +193,7 @@ def verify(
 
     if plot is not None:
         need_extra("verify --plot", "matplotlib", "plot")
+        writable(plot, files or (), "--plot")
     encoders = [open_encoder(model, dtype, projector_dtype, None, inv) for inv in (True, False)]
     if files:
         batch = encoders[0].preprocess([str(f) for f in files])
@@ -200,7 +226,8 @@ def verify(
 
 @command()
 def serve(
-    model: Optional[str] = typer.Option(None, "--model", help="Checkpoint directory (default: demo model)"),
+    model: Optional[str] = typer.Option(None, "--model", help="Checkpoint directory or hub repo id (default: demo "
+                                        "model)"),
     host: str = typer.Option("127.0.0.1", help="Interface to bind; loopback by default"),
     port: int = typer.Option(8000, help="TCP port"),
     dtype: str = typer.Option("bfloat16", help="Tower dtype: bfloat16 or float32"),
@@ -217,6 +244,7 @@ def serve(
     request_timeout_s: float = typer.Option(120.0, help="Per-request timeout (504 after)"),
     cache_mb: float = typer.Option(256.0, help="Exact embedding cache size; 0 disables"),
     log_level: str = typer.Option("info", help="debug, info, warning or error"),
+    alpha: str = AlphaOpt,
 ) -> None:
     """Serve the encoder over HTTP: POST /v1/encode, GET /health, /ready, /metrics (needs the serve extra)."""
     for module in ("fastapi", "uvicorn", "prometheus_client", "multipart"):
@@ -233,7 +261,7 @@ def serve(
 
     configure_logging(log_level)  # the service logs JSON lines, its demo warning included
     encoder = load_encoder(model, device=device, dtype=dtype, batch_invariant=batch_invariant,
-                           max_batch_tokens=max_batch_tokens)
+                           max_batch_tokens=max_batch_tokens, alpha=alpha)
     settings = ServerSettings(api_key=api_key or None, max_batch_tokens=max_batch_tokens, max_wait_ms=max_wait_ms,
                               max_queue=max_queue, max_body_mb=max_body_mb, request_timeout_s=request_timeout_s,
                               cache_mb=cache_mb)
@@ -249,7 +277,8 @@ def encode_dataset(
                                     "or JSONL with a 'path' field)."),
     out: Path = typer.Option(..., "--out", "-o", show_default=False,
                              help="Output folder (created; re-running resumes it)."),
-    model: Optional[str] = typer.Option(None, help="Checkpoint folder; default: the tiny built-in demo model."),
+    model: Optional[str] = typer.Option(None, help="Checkpoint folder or hub repo id; default: the tiny built-in "
+                                                   "demo model."),
     dtype: str = typer.Option("bfloat16", help="Tower dtype: bfloat16, float16 or float32."),
     projector_dtype: Optional[str] = typer.Option(None, help="Projector dtype (default: the tower dtype)."),
     output_dtype: Optional[str] = typer.Option(None, help="Stored embedding dtype (default: the projector's)."),
@@ -262,8 +291,15 @@ def encode_dataset(
                                                 "on it)."),
     shard_mb: float = typer.Option(256.0, help="Target size of one safetensors shard, MiB."),
     progress: bool = typer.Option(True, help="Show a progress bar."),
+    allow_failures: bool = typer.Option(False, "--allow-failures",
+                                        help="Exit 0 even when some inputs could not be encoded."),
+    alpha: str = AlphaOpt,
 ) -> None:
-    """Encode every image and video under SRC into sharded safetensors in --out (resumable, crash-safe)."""
+    """Encode every image and video under SRC into sharded safetensors in --out (resumable, crash-safe).
+
+    Inputs that cannot be encoded are listed in OUT/errors.jsonl (and `open_dataset(OUT).errors`) until they
+    are encoded; the exit status is then 1 unless --allow-failures.
+    """
     if engine == "ray":
         need_extra("encode-dataset --engine ray", "ray", "ray")
     from .dataset.format import ERRORS
@@ -272,13 +308,15 @@ def encode_dataset(
     try:
         summary = run(src, out, model=model, dtype=dtype, projector_dtype=projector_dtype, output_dtype=output_dtype,
                       engine=engine, ray_address=ray_address, workers=workers, cpus_per_worker=cpus_per_worker,
-                      batch_tokens=batch_tokens, shard_mb=shard_mb, progress=progress)
+                      batch_tokens=batch_tokens, shard_mb=shard_mb, progress=progress, alpha=alpha)
     except KeyboardInterrupt:
         typer.echo(f"interrupted; everything encoded so far is in {out}, run the same command to resume", err=True)
         raise typer.Exit(130) from None
     typer.echo(summary.line())
     if summary.failed:
         typer.echo(f"{summary.failed} inputs failed; see {Path(out) / ERRORS}", err=True)
+        if not allow_failures:
+            raise typer.Exit(FAILURE)
 
 
 # ------------------------------------------------------------------------------------------------- bench
@@ -309,6 +347,7 @@ def bench(
         fail(f"--dtype {dtype!r}: expected bfloat16, float32 or both")
     if repeats < 1 or warmup < 0 or (threads is not None and threads < 1):
         fail("--repeats and --threads must be >= 1, --warmup >= 0")
+    writable(out_dir / "bench.json", option="--out-dir")
     command_line = b.command_line()
     typer.echo(f"$ {command_line}")
     record = b.run_benchmark(preset=preset, dtypes=b.DTYPE_CHOICES[dtype], impls=b.BIVIT_IMPLS if skip_hf else b.IMPLS,

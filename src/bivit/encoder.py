@@ -21,8 +21,11 @@ from . import ops
 from .checkpoint import load_state_dict, random_state_dict
 from .config import PRESETS, ModelConfig, load_config
 from .errors import BivitError, ConfigError, MediaError
-from .media import MediaBatch, preprocess_images
+from .media import MediaBatch, Placeholder, batch_placeholders, image_placeholder_text, image_size, \
+    image_token_count, preprocess_images
 from .model import VisionModel, gemms
+from .hub import parse_repo_ref, resolve as resolve_repo
+from .preprocess_config import ProcessorConfig, check_alpha, default_processing, load_processing, resolve_processing
 from .video import is_video_path, join_chunks, preprocess_video, split_by_input, video_chunks
 
 log = logging.getLogger("bivit")
@@ -53,9 +56,13 @@ class Encoder:
     """Images and videos in, Kimi vision embeddings out. Not re-entrant: call it from one thread at a time."""
 
     def __init__(self, model: VisionModel, *, model_name: str, is_demo: bool, batch_invariant: bool,
-                 output_dtype: torch.dtype, max_batch_tokens: int | None, device: torch.device) -> None:
+                 output_dtype: torch.dtype, max_batch_tokens: int | None, device: torch.device,
+                 processing: ProcessorConfig | None = None, alpha: str = "model") -> None:
         self.model = model.eval()
         self.config: ModelConfig = model.config
+        self.processing: ProcessorConfig = (default_processing(model.config) if processing is None
+                                            else resolve_processing(processing, model.config))
+        self.alpha = check_alpha(alpha)
         self.model_name = model_name
         self.is_demo = is_demo
         self.batch_invariant = batch_invariant
@@ -80,6 +87,8 @@ class Encoder:
             h = hashlib.sha256()
             h.update(json.dumps(self.config.to_dict(), sort_keys=True).encode())
             h.update(f"{self.dtype}|{self.projector_dtype}|{self.output_dtype}|{self.batch_invariant}".encode())
+            # Same bytes in, same embedding out only under the same preprocessing (the server cache relies on it).
+            h.update(json.dumps([self.processing.to_dict(), self.alpha], sort_keys=True).encode())
             for key, t in sorted(self.model.state_dict().items()):
                 h.update(key.encode())
                 h.update(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
@@ -92,16 +101,39 @@ class Encoder:
                 f"output_dtype={dtype_name(self.output_dtype)}, batch_invariant={self.batch_invariant})")
 
     # ---------------------------------------------------------------------------------- preprocessing
-    def preprocess(self, images: Sequence[Any]) -> MediaBatch:
-        """Images (PIL, HxWx3 uint8 arrays, paths, bytes) -> one packed MediaBatch."""
-        return preprocess_images(_as_list(images))
+    def preprocess(self, images: Sequence[Any], *, alpha: str | None = None) -> MediaBatch:
+        """Images (PIL, HxWx3 uint8 arrays, paths, bytes) -> one packed MediaBatch, under the model's
+        preprocessing (`self.processing`); `alpha` ("model" | "drop" | "white") overrides the encoder's."""
+        return preprocess_images(_as_list(images), processing=self.processing,
+                                 alpha=self.alpha if alpha is None else alpha)
 
     def preprocess_video(self, path: str | os.PathLike, **limits: Any) -> MediaBatch:
-        """A video file -> one item per chunk of (up to) 4 frames sampled at 2 fps, with chunk timestamps."""
-        return preprocess_video(path, **limits)
+        """A video file -> one item per chunk of sampled frames (the model's `sample_fps` and
+        `temporal_merge_kernel_size`), with chunk timestamps. MediaError for an image-only model (K3)."""
+        return preprocess_video(path, processing=self.processing, **limits)
+
+    def image_token_count(self, width: int, height: int) -> int:
+        """Tokens this model produces for a `width` x `height` image, without loading it."""
+        return image_token_count(width, height, model=self.processing)
+
+    def placeholders(self, inputs: Sequence[Any]) -> list[list[Placeholder]]:
+        """Per input, one Placeholder per image or video chunk: `.text` is what the model's processor writes
+        into the prompt (with its single `<|media_pad|>`), `.tokens` the embedding rows that replace that pad.
+
+        Images are read up to their header only; a video is decoded and sampled (its chunks' sizes and
+        timestamps come from the frames themselves).
+        """
+        out = []
+        for src in _as_list(inputs):
+            if isinstance(src, (str, os.PathLike)) and is_video_path(src):
+                out.append(batch_placeholders(self.preprocess_video(src), self.processing))
+            else:
+                w, h = image_size(src)
+                out.append([Placeholder(image_placeholder_text(self.processing, w, h), self.image_token_count(w, h))])
+        return out
 
     # --------------------------------------------------------------------------------------- encoding
-    def encode(self, inputs: Sequence[Any]) -> list[torch.Tensor]:
+    def encode(self, inputs: Sequence[Any], *, alpha: str | None = None) -> list[torch.Tensor]:
         """One `[tokens_i, text_hidden]` tensor per input, in input order.
 
         Inputs are images (PIL, arrays, paths, bytes) or video paths; a video's entry is the concatenation of
@@ -113,7 +145,7 @@ class Encoder:
             if isinstance(src, (str, os.PathLike)) and is_video_path(src):
                 batches.append(self.preprocess_video(src))
             else:
-                batches.append(preprocess_images([src]))
+                batches.append(self.preprocess([src], alpha=alpha))
         outs = self.encode_batch(MediaBatch.concat(batches))
         return [join_chunks(c) for c in split_by_input(outs, [len(b) for b in batches])]
 
@@ -188,16 +220,23 @@ def _as_list(inputs: Any) -> list:
 def load_encoder(model: str | os.PathLike | None = None, *, device: str | torch.device = "cpu",
                  dtype: str | torch.dtype = "bfloat16", batch_invariant: bool = True,
                  projector_dtype: str | torch.dtype | None = None, output_dtype: str | torch.dtype | None = None,
-                 max_batch_tokens: int | None = None, seed: int = DEMO_SEED, **options: Any) -> Encoder:
+                 max_batch_tokens: int | None = None, seed: int = DEMO_SEED, alpha: str = "model",
+                 processing: ProcessorConfig | str | dict | None = None, revision: str | None = None,
+                 **options: Any) -> Encoder:
     """Load an encoder.
 
-    model: None (or "demo") for the built-in demo model, or a checkpoint directory (Moonshot weights, either
-    config layout). dtype: tower compute dtype; projector_dtype: defaults to dtype; output_dtype: defaults to
+    model: None (or "demo") for the built-in demo model, a checkpoint directory (Moonshot weights, either
+    config layout), or a Hugging Face repo id ("moonshotai/Kimi-K2.6", "org/name@rev" or `revision=`), of which
+    only the config files and the vision shards are fetched (or found in the local cache; HF_HUB_OFFLINE=1 works). dtype: tower compute dtype; projector_dtype: defaults to dtype; output_dtype: defaults to
     projector_dtype. max_batch_tokens: at most this many patches per forward pass (an item larger than that
     runs alone). batch_invariant: bit-identical results per item whatever the batching (default on).
+    alpha: transparency, "model" (what the model's processor does), "drop" or "white" (vLLM's loader).
+    processing: overrides the preprocessing (a ProcessorConfig, a preset name or a `media_proc_cfg` dict);
+    by default the checkpoint's `preprocessor_config.json`, else the published values of the model family.
     """
     if options:
         raise ConfigError(f"unknown option(s) {', '.join(map(repr, sorted(options)))}")
+    check_alpha(alpha)
     tower_dtype = parse_dtype(dtype, "dtype")
     proj_dtype = parse_dtype(projector_dtype, "projector_dtype") or tower_dtype
     out_dtype = parse_dtype(output_dtype, "output_dtype") or proj_dtype
@@ -212,15 +251,21 @@ def load_encoder(model: str | os.PathLike | None = None, *, device: str | torch.
     if model is None or str(model) == "demo":
         cfg = PRESETS["demo"]
         state = random_state_dict(cfg, seed)
+        proc = resolve_processing("demo" if processing is None else processing, cfg)
         name, is_demo = "demo", True
         log.warning(DEMO_NOTICE)
     else:
-        path = Path(model)
+        path, name = Path(model), str(model)
         if not path.is_dir():
-            raise BivitError(f"{path}: model must be a checkpoint directory (or None for the demo model)")
+            if parse_repo_ref(model, revision) is None:
+                raise BivitError(f"{path}: model must be a checkpoint directory, a hub repo id (org/name[@rev]) "
+                                 "or None for the demo model")
+            path = resolve_repo(str(model), revision)
+            name = str(model) + (f"@{revision}" if revision and "@" not in str(model) else "")
         cfg = load_config(path)
+        proc = load_processing(path, cfg) if processing is None else resolve_processing(processing, cfg)
         state = load_state_dict(path, cfg)
-        name, is_demo = str(path), False
+        is_demo = False
 
     with torch.device("meta"):
         net = VisionModel(cfg)
@@ -232,4 +277,4 @@ def load_encoder(model: str | os.PathLike | None = None, *, device: str | torch.
         # Prove now, not on the first request, that the pinned GEMMs are row-position invariant here.
         ops.self_check(gemms(net))
     return Encoder(net, model_name=name, is_demo=is_demo, batch_invariant=batch_invariant, output_dtype=out_dtype,
-                   max_batch_tokens=max_batch_tokens, device=device)
+                   max_batch_tokens=max_batch_tokens, device=device, processing=proc, alpha=alpha)

@@ -1,8 +1,14 @@
-"""Image preprocessing exactly as Moonshot's media processor does it (docs/model.md, "Images").
+"""Image preprocessing exactly as the model's media processor does it (docs/model.md, "Images"), and the prompt
+placeholders it writes.
 
-Everything here is per item and independent of batching: pixels are a pure function of the input bytes.
-Video decoding lives in `bivit.video`; it reuses `frames_to_item` so a video frame is processed the way an
-image is, with a smaller patch budget.
+Everything here is per item and independent of batching: pixels are a pure function of the input bytes and
+the model's `ProcessorConfig` (`bivit.preprocess_config`). Video decoding lives in `bivit.video`; it reuses
+`frames_to_item` so a video frame is processed the way an image is, with the per-frame budget.
+
+Transparency (`alpha`): "model" does what the model's processor does (K2.5/K2.6 drop alpha with
+`convert("RGB")`; K3 composites onto its `transparent_bg_config` background at its fill stage), "drop" always
+drops it, "white" first does what vLLM's image loader does (an RGBA image pasted onto white with its alpha as
+mask, other modes converted to RGB), then the model's processor.
 """
 
 from __future__ import annotations
@@ -10,8 +16,9 @@ from __future__ import annotations
 import io
 import math
 import os
-import warnings
+import threading
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from typing import Sequence, Union
 
@@ -19,17 +26,19 @@ import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 
-from .errors import MediaError
+from .errors import ConfigError, MediaError
+from .preprocess_config import K25_PROCESSING, PROCESSING_PRESETS, ProcessorConfig, TransparentBg, check_alpha
 
-PATCH_SIZE = 14
-MERGE_KERNEL = 2
-IN_PATCH_LIMIT = 16384
-PATCH_LIMIT_ON_ONE_SIDE = 512
+PATCH_SIZE = K25_PROCESSING.patch_size
+MERGE_KERNEL = K25_PROCESSING.merge_kernel_size
+IN_PATCH_LIMIT = K25_PROCESSING.in_patch_limit
+PATCH_LIMIT_ON_ONE_SIDE = K25_PROCESSING.patch_limit_on_one_side
 # Names that are images when a folder is listed (videos: `bivit.video.VIDEO_EXTENSIONS`; `bivit.video.media_kind`).
 IMAGE_EXTENSIONS = frozenset({".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff"})
 # Refuse images whose header claims more pixels than this before decoding them (decompression bombs).
-# 16384 patches of 14x14 is ~3.2 MP after resizing; 200 MP leaves room for any real photo or scan.
+# K3's 65536 patches of 14x14 is ~12.8 MP after resizing; 200 MP leaves room for any real photo or scan.
 MAX_IMAGE_PIXELS = 200_000_000
+MEDIA_PAD = "<|media_pad|>"
 
 ImageInput = Union[Image.Image, np.ndarray, str, os.PathLike, bytes]
 
@@ -39,13 +48,15 @@ class MediaBatch:
     """Preprocessed items, packed: `pixel_values` float32 `[L, 3, 14, 14]`, `grid_thw` int64 `[n, 3]`.
 
     Item i owns rows `offsets[i]:offsets[i+1]` of `pixel_values` (t*h*w patches, frame-major then row-major).
-    `timestamps` is set for video chunks (one `HH:MM:SS.fff` string per item), else None.
+    `timestamps` is set for video chunks (one `HH:MM:SS.fff` string per item), else None. `sizes` holds
+    each item's (width, height) before resizing (K3 writes it into the image placeholder).
     """
 
     pixel_values: torch.Tensor
     grid_thw: torch.Tensor
     timestamps: list[str] | None = None
     sources: list[str] = field(default_factory=list)
+    sizes: list[tuple[int, int] | None] = field(default_factory=list)
 
     def __len__(self) -> int:
         return int(self.grid_thw.shape[0])
@@ -67,6 +78,7 @@ class MediaBatch:
             self.grid_thw[i : i + 1].clone(),
             None if self.timestamps is None else [self.timestamps[i]],
             self.sources[i : i + 1],
+            self.sizes[i : i + 1],
         )
 
     @staticmethod
@@ -81,6 +93,7 @@ class MediaBatch:
             torch.cat([b.grid_thw for b in batches]),
             stamps,
             [s for b in batches for s in b.sources],
+            [s for b in batches for s in (b.sizes or [None] * len(b))],
         )
 
 
@@ -103,17 +116,81 @@ def navit_size(width: int, height: int, patch_limit: int = IN_PATCH_LIMIT,
 
 
 def padded_grid(width: int, height: int, patch_limit: int = IN_PATCH_LIMIT,
-                patch_size: int = PATCH_SIZE, merge: int = MERGE_KERNEL) -> tuple[int, int]:
+                patch_size: int = PATCH_SIZE, merge: int = MERGE_KERNEL,
+                side_limit: int = PATCH_LIMIT_ON_ONE_SIDE) -> tuple[int, int]:
     """Patch grid (h, w) of an image of this size after resize and padding to a multiple of patch*merge."""
-    new_w, new_h = navit_size(width, height, patch_limit, patch_size)
+    new_w, new_h = navit_size(width, height, patch_limit, patch_size, side_limit)
     unit = patch_size * merge
     return (-(-new_h // unit) * merge, -(-new_w // unit) * merge)
 
 
-def image_token_count(width: int, height: int, patch_limit: int = IN_PATCH_LIMIT) -> int:
-    """Tokens the encoder produces for a `width` x `height` image, without loading it."""
-    return grid_tokens(*padded_grid(width, height, patch_limit))
+def processing_of(processing: ProcessorConfig | str | None) -> ProcessorConfig:
+    """A ProcessorConfig, or a preset name ("kimi-k2.6", "kimi-k3", ...), or None for K2.x's."""
+    if processing is None:
+        return PROCESSING_PRESETS["kimi-k2.6"]
+    if isinstance(processing, str):
+        if processing not in PROCESSING_PRESETS:
+            raise ConfigError(f"model {processing!r}: expected one of {', '.join(PROCESSING_PRESETS)} "
+                              "or a ProcessorConfig")
+        return PROCESSING_PRESETS[processing]
+    return processing
 
+
+def image_grid(width: int, height: int, processing: ProcessorConfig, patch_limit: int | None = None
+               ) -> tuple[int, int]:
+    """Patch grid (h, w) of one image (or video frame, with its `patch_limit`) under the model's rules."""
+    p = processing
+    return padded_grid(width, height, p.in_patch_limit if patch_limit is None else patch_limit, p.patch_size,
+                       p.merge_kernel_size, p.patch_limit_on_one_side)
+
+
+def image_token_count(width: int, height: int, patch_limit: int | None = None, *,
+                      model: ProcessorConfig | str | None = None) -> int:
+    """Tokens the encoder produces for a `width` x `height` image, without loading it.
+
+    `model`: a preset name ("kimi-k2.6" by default, "kimi-k3", ...) or an encoder's `processing`;
+    `patch_limit` overrides its image patch budget.
+    """
+    return grid_tokens(*image_grid(width, height, processing_of(model), patch_limit))
+
+
+# ------------------------------------------------------------------------------------------ placeholders
+
+@dataclass(frozen=True)
+class Placeholder:
+    """The text the model's processor writes for one image or video chunk, and the embedding rows that
+    replace its single `<|media_pad|>`."""
+
+    text: str
+    tokens: int
+
+
+def image_placeholder_text(processing: ProcessorConfig, width: int, height: int) -> str:
+    if processing.processor == "kimi_k3":
+        return f"<|media_begin|>image {width}x{height}<|media_content|>{MEDIA_PAD}<|media_end|>"
+    return f"<|media_begin|>image<|media_content|>{MEDIA_PAD}<|media_end|>"
+
+
+def chunk_placeholder_text(timestamp: str) -> str:
+    return f"{timestamp}<|media_begin|>video<|media_content|>{MEDIA_PAD}<|media_end|>"
+
+
+def batch_placeholders(batch: MediaBatch, processing: ProcessorConfig) -> list[Placeholder]:
+    """One Placeholder per item of a preprocessed batch (a video chunk when the item has a timestamp)."""
+    out = []
+    stamps = batch.timestamps or [None] * len(batch)
+    sizes = batch.sizes or [None] * len(batch)
+    for stamp, size, tokens in zip(stamps, sizes, batch.token_counts):
+        if stamp is not None:
+            out.append(Placeholder(chunk_placeholder_text(stamp), tokens))
+        else:
+            if size is None:
+                raise ValueError("batch has no image sizes: it was not made by bivit's preprocessing")
+            out.append(Placeholder(image_placeholder_text(processing, *size), tokens))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- decoding
 
 def _describe(src: object) -> str:
     if isinstance(src, (str, os.PathLike)):
@@ -123,20 +200,39 @@ def _describe(src: object) -> str:
     return f"<{type(src).__name__}>"
 
 
-def open_image(src: ImageInput, max_pixels: int = MAX_IMAGE_PIXELS, name: str | None = None) -> Image.Image:
-    """Decode any accepted input into an RGB PIL image, or raise MediaError saying which input and why.
+# Pillow's own bomb guard is a process-wide setting: a warning above 89.5 MP and an error above 179 MP, both
+# below bivit's documented limit. It is switched off only while a header is parsed (then bivit's own check
+# applies), under a lock so that concurrent preprocessing threads never restore the wrong value.
+_PIL_GUARD = threading.Lock()
+
+
+def _open_header(data: bytes, name: str, max_pixels: int) -> Image.Image:
+    """Parse an image's header (no pixel decoding) and refuse it above `max_pixels`."""
+    with _PIL_GUARD:
+        saved = Image.MAX_IMAGE_PIXELS
+        Image.MAX_IMAGE_PIXELS = None
+        try:
+            img = Image.open(io.BytesIO(data))
+        finally:
+            Image.MAX_IMAGE_PIXELS = saved
+    _check_pixels(img.size, name, max_pixels)
+    return img
+
+
+def load_image(src: ImageInput, max_pixels: int = MAX_IMAGE_PIXELS, name: str | None = None) -> Image.Image:
+    """Decode any accepted input into a PIL image in its own mode (alpha kept), or raise MediaError.
 
     `name` is how messages call the input (default: its path, or `<N bytes>`); it becomes `MediaError.source`.
     """
     name = name or _describe(src)
     try:
-        return _open_image(src, max_pixels, name)
+        return _load_image(src, max_pixels, name)
     except MediaError as e:
         e.source = name
         raise
 
 
-def _open_image(src: ImageInput, max_pixels: int, name: str) -> Image.Image:
+def _load_image(src: ImageInput, max_pixels: int, name: str) -> Image.Image:
     if isinstance(src, Image.Image):
         img = src
         _check_pixels(img.size, name, max_pixels)
@@ -158,15 +254,10 @@ def _open_image(src: ImageInput, max_pixels: int, name: str) -> Image.Image:
         if not data:
             raise MediaError(f"{name}: file is empty")
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("error", Image.DecompressionBombWarning)
-                img = Image.open(io.BytesIO(data))
-                _check_pixels(img.size, name, max_pixels)
-                img.load()
+            img = _open_header(data, name, max_pixels)
+            img.load()
         except MediaError:
             raise
-        except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
-            raise MediaError(f"{name}: refused as a decompression bomb ({e})") from None
         except UnidentifiedImageError:
             raise MediaError(f"{name}: not an image format Pillow can read") from None
         except (OSError, SyntaxError, ValueError) as e:
@@ -175,7 +266,28 @@ def _open_image(src: ImageInput, max_pixels: int, name: str) -> Image.Image:
         raise MediaError(f"{name}: unsupported input type; pass a PIL.Image, an HxWx3 uint8 array, bytes or a path")
     if img.width < 1 or img.height < 1:
         raise MediaError(f"{name}: image has no pixels ({img.width}x{img.height})")
-    # .convert("RGB") drops alpha without compositing, as the reference does.
+    return img
+
+
+def image_size(src: ImageInput, max_pixels: int = MAX_IMAGE_PIXELS) -> tuple[int, int]:
+    """(width, height) of an image input; files and bytes are read up to their header only."""
+    if isinstance(src, (str, os.PathLike, bytes)):
+        name = _describe(src)
+        data = src if isinstance(src, bytes) else (Path(src).read_bytes() if Path(src).is_file() else None)
+        if not data:
+            return load_image(src, max_pixels).size  # raises the right MediaError
+        try:
+            return _open_header(data, name, max_pixels).size
+        except UnidentifiedImageError:
+            raise MediaError(f"{name}: not an image format Pillow can read") from None
+        except (OSError, SyntaxError, ValueError) as e:
+            raise MediaError(f"{name}: corrupt or truncated image ({e})") from None
+    return load_image(src, max_pixels).size
+
+
+def open_image(src: ImageInput, max_pixels: int = MAX_IMAGE_PIXELS, name: str | None = None) -> Image.Image:
+    """Decode any accepted input into an RGB PIL image, alpha dropped (K2.5/K2.6's `convert("RGB")`)."""
+    img = load_image(src, max_pixels, name)
     return img if img.mode == "RGB" else img.convert("RGB")
 
 
@@ -185,46 +297,136 @@ def _check_pixels(size: tuple[int, int], name: str, max_pixels: int) -> None:
         raise MediaError(f"{name}: {w}x{h} = {w * h} pixels exceeds the limit of {max_pixels} (decompression bomb?)")
 
 
-def _resize_pad(img: Image.Image, patch_limit: int) -> np.ndarray:
-    new_w, new_h = navit_size(img.width, img.height, patch_limit)
+# ------------------------------------------------------------------------------------------ transparency
+
+@lru_cache(maxsize=64)
+def _chessboard(height: int, width: int, bg: TransparentBg) -> np.ndarray:
+    """Squares of `chessboard_square_size`; the top-left one is white unless `chessboard_square_on_top_left`."""
+    s = bg.chessboard_square_size
+    parity = (np.arange(height)[:, None] // s + np.arange(width)[None, :] // s) % 2
+    board = np.full((height, width, 3), bg.chessboard_white_value, np.uint8)
+    board[parity == (1 if bg.chessboard_square_on_top_left else 0)] = bg.chessboard_gray_value
+    board.flags.writeable = False
+    return board
+
+
+def composite(img: Image.Image, bg: TransparentBg | None) -> Image.Image:
+    """K3's `transparent_bg_config` compositing: RGB with alpha blended in float32 over the background, truncated.
+
+    `bg=None` (or an image without alpha) is a plain `convert("RGB")`.
+    """
+    if bg is None:
+        return img.convert("RGB")
+    if img.mode == "RGB":
+        return img
+    if "A" not in img.getbands() and "transparency" not in img.info:
+        return img.convert("RGB")
+    rgba = np.asarray(img.convert("RGBA"))
+    h, w = rgba.shape[:2]
+    if bg.pattern == "chessboard":
+        back = _chessboard(h, w, bg)
+    else:
+        back = np.full((h, w, 3), {"white": 255, "black": 0, "gray": 128}[bg.pattern], np.uint8)
+    a = rgba[:, :, 3:4].astype(np.float32) / 255.0
+    return Image.fromarray((a * rgba[:, :, :3] + (1 - a) * back).astype(np.uint8))
+
+
+def paste_on_white(img: Image.Image) -> Image.Image:
+    """vLLM's image loader: an RGBA image pasted onto white with its alpha as mask; other modes -> RGB."""
+    if img.mode == "RGB":
+        return img
+    if img.mode != "RGBA":
+        return img.convert("RGB")
+    out = Image.new("RGB", img.size, (255, 255, 255))
+    out.paste(img, mask=img.getchannel("A"))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ pixels
+
+def _resize_pad(img: Image.Image, patch_limit: int, processing: ProcessorConfig,
+                fill_after: TransparentBg | None | bool = False) -> np.ndarray:
+    """Resize (PIL bicubic) to the navit size and zero pad; `fill_after` (K3's after_resize stage) is the
+    background composited onto the resized image (None: plain RGB conversion), False: nothing to do."""
+    p = processing
+    new_w, new_h = navit_size(img.width, img.height, patch_limit, p.patch_size, p.patch_limit_on_one_side)
     if (new_w, new_h) != img.size:
         img = img.resize((new_w, new_h), Image.Resampling.BICUBIC)
+    if fill_after is not False:
+        img = composite(img, fill_after)
     arr = np.asarray(img, dtype=np.uint8)
-    unit = PATCH_SIZE * MERGE_KERNEL
+    unit = p.patch_size * p.merge_kernel_size
     pad_h, pad_w = (-new_h) % unit, (-new_w) % unit
-    # Zero pad in uint8, so the padding normalises to exactly -1.0 like the reference.
+    # Zero pad in uint8, so the padding normalises to exactly (0 - mean) / std like the reference.
     return np.pad(arr, ((0, pad_h), (0, pad_w), (0, 0)))
 
 
-def _normalize(frames: np.ndarray) -> np.ndarray:
-    # Bit-exact with the reference: x/255 in float64 stored as float32, then (x - mean) / std evaluated in
-    # float64 from that float32 value, stored as float32.
-    x = (frames.astype(np.float64) / 255.0).astype(np.float32)
-    return ((x.astype(np.float64) - 0.5) * (1.0 / 0.5)).astype(np.float32)
+def _normalize(frames: np.ndarray, processing: ProcessorConfig) -> np.ndarray:
+    # Bit-exact with the reference: x/255 in float64 stored as float32, then `x -= mean` and `x *= 1/std`
+    # in place (each evaluated in float64 from the float32 value, stored as float32).
+    x = (frames / 255.0).astype(np.float32)
+    x -= np.array(processing.image_mean, dtype=np.float64)
+    x *= 1.0 / np.array(processing.image_std, dtype=np.float64)
+    return x
 
 
-def frames_to_item(frames: Sequence[Image.Image], patch_limit: int = IN_PATCH_LIMIT) -> tuple[torch.Tensor, tuple[int, int, int]]:
-    """Resize, pad, normalise and patchify one item (an image, or the frames of one video chunk).
-
-    Returns pixels `[t*h*w, 3, 14, 14]` (frame-major, then row-major) and its grid `(t, h, w)`.
-    """
-    arrays = [_resize_pad(f, patch_limit) for f in frames]
+def _patchify(arrays: Sequence[np.ndarray], processing: ProcessorConfig) -> tuple[torch.Tensor, tuple[int, int, int]]:
     if len({a.shape for a in arrays}) != 1:
         raise MediaError(f"frames of one chunk differ in size: {sorted({a.shape[:2] for a in arrays})}")
-    x = _normalize(np.stack(arrays))  # [T, H, W, C]
+    x = _normalize(np.stack(arrays), processing)  # [T, H, W, C]
+    p = processing.patch_size
     t, hh, ww, c = x.shape
-    gh, gw = hh // PATCH_SIZE, ww // PATCH_SIZE
-    x = x.reshape(t, gh, PATCH_SIZE, gw, PATCH_SIZE, c).transpose(0, 1, 3, 5, 2, 4)
-    pixels = torch.from_numpy(np.ascontiguousarray(x).reshape(t * gh * gw, c, PATCH_SIZE, PATCH_SIZE))
+    gh, gw = hh // p, ww // p
+    x = x.reshape(t, gh, p, gw, p, c).transpose(0, 1, 3, 5, 2, 4)
+    pixels = torch.from_numpy(np.ascontiguousarray(x).reshape(t * gh * gw, c, p, p))
     return pixels, (t, gh, gw)
 
 
+def frames_to_item(frames: Sequence[Image.Image], patch_limit: int = IN_PATCH_LIMIT,
+                   processing: ProcessorConfig | None = None) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """Resize, pad, normalise and patchify one item (an image, or the RGB frames of one video chunk).
+
+    Returns pixels `[t*h*w, 3, p, p]` (frame-major, then row-major) and its grid `(t, h, w)`.
+    """
+    proc = processing_of(processing)
+    return _patchify([_resize_pad(f if f.mode == "RGB" else f.convert("RGB"), patch_limit, proc) for f in frames],
+                     proc)
+
+
+def image_to_item(img: Image.Image, processing: ProcessorConfig | None = None, alpha: str = "model"
+                  ) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """One decoded image (any mode) -> pixels and grid, with transparency handled as `alpha` says."""
+    proc = processing_of(processing)
+    check_alpha(alpha)
+    fill_after: TransparentBg | None | bool = False
+    if alpha == "white":
+        img = paste_on_white(img)
+    if alpha == "drop" or proc.processor == "kimi_k25":
+        img = img if img.mode == "RGB" else img.convert("RGB")
+    elif proc.transparent_bg_fill_stage == "before_resize":
+        img = composite(img, proc.transparent_bg_config)
+    else:  # K3's after_resize: the image is resized in its own mode, then composited
+        fill_after = proc.transparent_bg_config
+    try:
+        arr = _resize_pad(img, proc.in_patch_limit, proc, fill_after)
+    except (OSError, ValueError) as e:  # a mode Pillow cannot resize
+        raise MediaError(f"cannot resize a {img.mode} image ({e})") from None
+    return _patchify([arr], proc)
+
+
 def preprocess_images(images: Sequence[ImageInput], max_pixels: int = MAX_IMAGE_PIXELS,
-                      names: Sequence[str] | None = None) -> MediaBatch:
-    """Preprocess images into one packed MediaBatch (input order); `names` label them (see `open_image`)."""
+                      names: Sequence[str] | None = None, *, processing: ProcessorConfig | str | None = None,
+                      alpha: str = "model") -> MediaBatch:
+    """Preprocess images into one packed MediaBatch (input order) under the model's `processing` rules;
+    `names` label them (see `load_image`)."""
+    proc = processing_of(processing)
     items = []
     for i, src in enumerate(images):
         name = names[i] if names is not None else _describe(src)
-        pixels, grid = frames_to_item([open_image(src, max_pixels, name)])
-        items.append(MediaBatch(pixels, torch.tensor([grid], dtype=torch.int64), None, [name]))
+        img = load_image(src, max_pixels, name)
+        try:
+            pixels, grid = image_to_item(img, proc, alpha)
+        except MediaError as e:
+            raise MediaError(f"{name}: {e}", source=name) from None
+        items.append(MediaBatch(pixels, torch.tensor([grid], dtype=torch.int64), None, [name], [img.size]))
     return MediaBatch.concat(items)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -89,11 +90,18 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.stack([re * cos - im * sin, re * sin + im * cos], dim=-1).flatten(-2).to(x.dtype)
 
 
-def temporal_embedding(t: int, dim: int) -> torch.Tensor:
-    """Frame f of a multi-frame chunk gets [sin(f*w_k), cos(f*w_k)], w_k = 10000^(-k/(dim/2)); fp32 `[t, dim]`."""
-    w = 1.0 / 10000 ** (torch.arange(0, dim // 2, dtype=torch.float32) / (dim // 2))
-    f = torch.outer(torch.arange(t, dtype=torch.float32), w)
-    return torch.cat([f.sin(), f.cos()], dim=1)
+@lru_cache(maxsize=16)
+def temporal_embedding(frames: int, dim: int) -> torch.Tensor:
+    """Frame f of a multi-frame chunk gets [sin(f*w_k), cos(f*w_k)], w_k = 10000^(-k/(dim/2)); fp32 `[frames, dim]`.
+
+    Computed the way the reference computes its buffer, in numpy float32 (numpy's float32 sin/cos and power
+    round differently from torch's), for all `init_pos_emb_time` frames at once; a chunk uses the first rows.
+    """
+    omega = np.arange(dim // 2, dtype=np.float32)
+    omega /= dim / 2.0
+    omega = 1.0 / 10000 ** omega
+    angles = np.einsum("m,d->md", np.arange(frames, dtype=np.float32), omega)
+    return torch.from_numpy(np.concatenate([np.sin(angles), np.cos(angles)], axis=1))
 
 
 # ------------------------------------------------------------------------------------------------- tower
@@ -107,32 +115,37 @@ class PositionEmbedding(nn.Module):
         self._cache: dict[tuple[int, int], torch.Tensor] = {}
 
     def spatial(self, h: int, w: int) -> torch.Tensor:
-        """The learned table resampled to an h x w grid, `[h*w, D]` in fp32 (exact when the sizes match)."""
+        """The learned table resampled to an h x w grid, `[h*w, D]` in the table's dtype (exact when the sizes
+        match). Resampled in fp32 and rounded once, as the reference's GPU kernels (fp32 accumulation) do."""
         key = (h, w)
         if key not in self._cache:
-            table = self.weight.float()
+            table = self.weight
             if (h, w) != tuple(table.shape[:2]):
-                table = F.interpolate(table.permute(2, 0, 1)[None], size=(h, w), mode=self.mode,
-                                      align_corners=False)[0].permute(1, 2, 0)
+                table = F.interpolate(table.float().permute(2, 0, 1)[None], size=(h, w), mode=self.mode,
+                                      align_corners=False)[0].permute(1, 2, 0).to(self.weight.dtype)
             if len(self._cache) > 256:
                 self._cache.clear()
             self._cache[key] = table.reshape(h * w, -1)
         return self._cache[key]
+
+    def temporal(self, t: int) -> torch.Tensor:
+        """The sin-cos term of a t-frame chunk `[t, D]`, held in the table's dtype like the reference's buffer."""
+        if t > self.max_frames:
+            raise ValueError(f"a chunk of {t} frames exceeds init_pos_emb_time = {self.max_frames}")
+        table = temporal_embedding(self.max_frames, self.weight.shape[-1])
+        return table[:t].to(device=self.weight.device, dtype=self.weight.dtype)
 
     def _apply(self, fn, recurse=True):  # a dtype/device change invalidates the resampled tables
         self._cache = {}
         return super()._apply(fn, recurse)
 
     def forward(self, x: torch.Tensor, grid_thw: list[tuple[int, int, int]]) -> torch.Tensor:
+        # The reference's rounding order: table (tower dtype) + temporal term (tower dtype), then + patches.
         parts = []
         for t, h, w in grid_thw:
             pos = self.spatial(h, w)
             if t > 1:
-                if t > self.max_frames:
-                    raise ValueError(f"a chunk of {t} frames exceeds init_pos_emb_time = {self.max_frames}")
-                pos = (pos[None] + temporal_embedding(t, pos.shape[-1])[:, None, :]).flatten(0, 1)
-            else:
-                pos = pos.repeat(t, 1)
+                pos = (pos[None] + self.temporal(t)[:, None, :]).flatten(0, 1)
             parts.append(pos)
         return x + torch.cat(parts).to(x.dtype)
 

@@ -18,6 +18,7 @@ from PIL import Image
 
 from . import ops
 from .encoder import Encoder
+from .fileio import write_atomic
 from .media import MediaBatch
 
 # Sizes chosen to make 1, 2, 3, 4, 6 ... merged tokens: the row counts where stock GEMMs change kernels.
@@ -182,7 +183,7 @@ def plot(reports: list[Report], path: str) -> None:
     ax.set_title("bivit verify: per-item difference, batched vs alone")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
     plt.close(fig)
 
 

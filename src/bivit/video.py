@@ -1,14 +1,19 @@
 """Video input exactly as Kimi-K2.5/K2.6's processor samples, chunks and timestamps it (docs/model.md, "Video").
 
-A video becomes one item per chunk of 4 consecutive *sampled* frames (the last chunk may be shorter):
+The numbers come from the model's `ProcessorConfig` (`bivit.preprocess_config`); K2.5/K2.6 publish
+`sample_fps` 2, `temporal_merge_kernel_size` 4, `in_patch_limit_each_frame` 4096. A video becomes one item per
+chunk of `temporal_merge_kernel_size` consecutive *sampled* frames (the last chunk may be shorter):
 
 - N = the container's frame count, fps = its average frame rate (float, as FFmpeg's `av_q2d` gives it).
-  `sample_fps = min(2.0, fps)`, `n = max(round(N * sample_fps / fps), 1)` (Python round, half to even), frame
-  indices `np.linspace(0, N - 1, n).round().astype(int)`.
-- Every frame of a chunk goes through the image pipeline (`bivit.media.frames_to_item`) with a budget of 4096
-  patches per frame; the chunk's grid is `[t, h, w]`, t <= 4.
-- A chunk's timestamp is its first frame's index / fps as `HH:MM:SS.fff`, with the reference's truncation of
-  the milliseconds (frame 23 at 10 fps prints `00:00:02.299`) and its wrap of the hours past 24 h.
+  `sample_fps = min(sample_fps, fps)`, `n = max(round(N * sample_fps / fps), 1)` (Python round, half to even),
+  frame indices `np.linspace(0, N - 1, n).round().astype(int)`.
+- Every frame of a chunk goes through the image pipeline (`bivit.media.frames_to_item`) with the per-frame
+  budget (`in_patch_limit_each_frame`, shared by the chunk's frames when `in_patch_limit_video` is set); the
+  chunk's grid is `[t, h, w]`.
+- A chunk's timestamp is its first frame's index / fps formatted as the reference does: `datetime` (which
+  rounds to microseconds) for the clock, plus the milliseconds truncated from the float (frame 23 at 10 fps
+  prints `00:00:02.299`, frame 24000 at 24000/1001 fps `00:16:41.999`), hours wrapping past 24 h.
+- Kimi-K3's published processor takes images only; bivit refuses a video for it with a MediaError.
 
 Decisions this module makes (the reference does not say):
 
@@ -42,7 +47,7 @@ from __future__ import annotations
 import io
 import math
 import os
-import time
+from datetime import datetime, timezone
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,11 +59,10 @@ import torch
 from PIL import Image
 
 from .errors import ConfigError, MediaError
-from .media import IMAGE_EXTENSIONS, MediaBatch, frames_to_item
+from .media import IMAGE_EXTENSIONS, MediaBatch, frames_to_item, processing_of
+from .preprocess_config import K25_PROCESSING, ProcessorConfig
 
-SAMPLE_FPS = 2.0
-TEMPORAL_MERGE_KERNEL = 4  # frames per chunk
-IN_PATCH_LIMIT_EACH_FRAME = 4096
+SAMPLE_FPS = K25_PROCESSING.sample_fps
 MAX_FRAMES = 1024
 MAX_DURATION_S = 4 * 3600.0
 MAX_FRAME_PIXELS = 7680 * 4320
@@ -175,10 +179,23 @@ def sample_frame_indices(num_frames: int, fps: float, sample_fps: float = SAMPLE
     return np.linspace(0, num_frames - 1, n).round().astype(int).tolist()
 
 
-def chunk_timestamp(frame_index: int, fps: float) -> str:
-    """`HH:MM:SS.fff` of a frame, exactly as the reference writes it (milliseconds truncated, hours mod 24)."""
+def chunk_timestamp(frame_index: int, fps: float, mode: str = "hh:mm:ss.fff") -> str:
+    """Timestamp of a frame exactly as the reference writes it (`mode` is the config's `timestamp_mode`).
+
+    The clock part goes through `datetime`, which rounds the float seconds to microseconds; the milliseconds
+    are truncated from the float itself, so the two can disagree right below a whole second, as they do in
+    the reference.
+    """
     t = frame_index / float(fps)
-    return time.strftime("%H:%M:%S", time.gmtime(t)) + "." + f"{int((t % 1) * 1000):03d}"
+    clock = datetime.fromtimestamp(t, tz=timezone.utc)
+    millis = f".{int((t % 1) * 1000):03d}"
+    if mode == "hh:mm:ss.fff":
+        return clock.strftime("%H:%M:%S") + millis
+    if mode == "mm:ss.fff":
+        return clock.strftime("%M:%S") + millis
+    if mode == "mm:ss":
+        return clock.strftime("%M:%S")
+    raise ConfigError(f"timestamp_mode {mode!r}: expected hh:mm:ss.fff, mm:ss.fff or mm:ss")
 
 
 def _check_positive(option: str, value: object, integer: bool = False, allow_none: bool = False) -> None:
@@ -352,18 +369,20 @@ def _decode_selected(src: VideoInput, name: str, indices: Sequence[int], limits:
 
 
 def _chunk_items(src: VideoInput, name: str, info: VideoInfo, indices: list[int], chunk_size: int,
-                 patch_limit: int, limits: _Limits) -> list[MediaBatch]:
+                 patch_limit: Optional[int], limits: _Limits, proc: ProcessorConfig) -> list[MediaBatch]:
     items: list[MediaBatch] = []
     buffer: list[Image.Image] = []
 
     def flush() -> None:
         c = len(items)
+        limit = proc.chunk_frame_limit(len(buffer)) if patch_limit is None else patch_limit
         try:
-            pixels, grid = frames_to_item(buffer, patch_limit)
+            pixels, grid = frames_to_item(buffer, limit, proc)
         except MediaError as e:  # e.g. the resolution changed inside a chunk
             raise MediaError(f"{name}: chunk {c}: {e}") from None
-        stamp = chunk_timestamp(indices[c * chunk_size], info.fps)
-        items.append(MediaBatch(pixels, torch.tensor([grid], dtype=torch.int64), [stamp], [f"{name}#chunk{c}"]))
+        stamp = chunk_timestamp(indices[c * chunk_size], info.fps, proc.timestamp_mode)
+        items.append(MediaBatch(pixels, torch.tensor([grid], dtype=torch.int64), [stamp], [f"{name}#chunk{c}"],
+                                [buffer[0].size]))
         buffer.clear()  # the chunk's decoded frames are not kept once patchified
 
     for image in _decode_selected(src, name, indices, limits):
@@ -377,29 +396,37 @@ def _chunk_items(src: VideoInput, name: str, info: VideoInfo, indices: list[int]
 
 def preprocess_video(path: VideoInput, *, max_frames: Optional[int] = MAX_FRAMES,
                      max_duration_s: Optional[float] = MAX_DURATION_S,
-                     max_frame_pixels: Optional[int] = MAX_FRAME_PIXELS, sample_fps: float = SAMPLE_FPS,
-                     chunk_size: int = TEMPORAL_MERGE_KERNEL,
-                     patch_limit: int = IN_PATCH_LIMIT_EACH_FRAME, name: Optional[str] = None) -> MediaBatch:
+                     max_frame_pixels: Optional[int] = MAX_FRAME_PIXELS, sample_fps: Optional[float] = None,
+                     chunk_size: Optional[int] = None, patch_limit: Optional[int] = None,
+                     processing: ProcessorConfig | str | None = None, name: Optional[str] = None) -> MediaBatch:
     """Decode, sample and chunk a video (a path or its bytes) into a MediaBatch: one item per chunk.
 
-    `timestamps[i]` is chunk i's start (`HH:MM:SS.fff`), `sources[i]` is `"{path}#chunk{i}"`. Raises MediaError
-    naming the file (or `name`, how messages call the input) for unreadable, empty or frameless videos and for
-    videos beyond a limit; ConfigError for a bad option.
+    `processing` is the model's preprocessing (default K2.x's); `sample_fps`, `chunk_size` (frames per chunk)
+    and `patch_limit` (per frame) override its values. `timestamps[i]` is chunk i's start, `sources[i]` is
+    `"{path}#chunk{i}"`. Raises MediaError naming the file (or `name`, how messages call the input) for
+    unreadable, empty or frameless videos, for videos beyond a limit and for a model whose processor takes images
+    only; ConfigError for a bad option.
     """
+    proc = processing_of(processing)
+    sample_fps = proc.sample_fps if sample_fps is None else sample_fps
+    chunk_size = proc.temporal_merge_kernel_size if chunk_size is None else chunk_size
     _check_positive("chunk_size", chunk_size, integer=True)
-    _check_positive("patch_limit", patch_limit, integer=True)
+    _check_positive("patch_limit", patch_limit, integer=True, allow_none=True)
     name, limits = _prepare(path, max_frames, max_duration_s, max_frame_pixels, sample_fps, name)
+    if not proc.accepts_video:
+        raise MediaError(f"{name}: this model's processor ({proc.processor}) accepts images only, as its published "
+                         "code does; videos cannot be encoded for it", name)
     with _naming(name):
-        return _preprocess(path, name, limits, sample_fps, chunk_size, patch_limit)
+        return _preprocess(path, name, limits, sample_fps, chunk_size, patch_limit, proc)
 
 
 def _preprocess(path: VideoInput, name: str, limits: _Limits, sample_fps: float, chunk_size: int,
-                patch_limit: int) -> MediaBatch:
+                patch_limit: Optional[int], proc: ProcessorConfig) -> MediaBatch:
     info = _probe(path, name, limits)
     for attempt in range(2):
         indices = sample_frame_indices(info.num_frames, info.fps, sample_fps)
         try:
-            items = _chunk_items(path, name, info, indices, chunk_size, patch_limit, limits)
+            items = _chunk_items(path, name, info, indices, chunk_size, patch_limit, limits, proc)
         except _ShortStream as short:
             if short.decoded == 0:
                 raise MediaError(f"{name}: the video stream has no decodable frames") from None

@@ -60,7 +60,7 @@ def encode_dataset(src: str | os.PathLike, out: str | os.PathLike, *, model: Opt
                    output_dtype: Optional[str] = None, engine: str = "local", ray_address: Optional[str] = None,
                    workers: int = 1, cpus_per_worker: int = 1, batch_tokens: int = DEFAULT_BATCH_TOKENS,
                    shard_mb: float = DEFAULT_SHARD_MB, flush_seconds: float = DEFAULT_FLUSH_SECONDS,
-                   progress: bool = True) -> Summary:
+                   progress: bool = True, alpha: str = "model") -> Summary:
     """Encode every image/video named by `src` into `out` (see `bivit.dataset`). Returns the summary."""
     t0 = time.monotonic()
     if engine not in ("local", "ray"):
@@ -75,7 +75,7 @@ def encode_dataset(src: str | os.PathLike, out: str | os.PathLike, *, model: Opt
         raise BivitError("--shard-mb must be positive")
     opts = dict(dtype=_parse_dtype(dtype, "--dtype"),
                 projector_dtype=_parse_dtype(projector_dtype, "--projector-dtype"),
-                output_dtype=_parse_dtype(output_dtype, "--output-dtype"))
+                output_dtype=_parse_dtype(output_dtype, "--output-dtype"), alpha=alpha)
     out = Path(out)
     sources = list_sources(src, exclude=out)
 
@@ -108,6 +108,7 @@ def encode_dataset(src: str | os.PathLike, out: str | os.PathLike, *, model: Opt
             if engine == "local":
                 run_local(encoder, p.work, batch_tokens, sink)
             else:
+                processing = encoder.processing  # the preprocessing tasks follow the driver's model
                 del encoder  # workers load their own; free the driver's copy
                 try:
                     from .ray_engine import run_ray
@@ -117,7 +118,7 @@ def encode_dataset(src: str | os.PathLike, out: str | os.PathLike, *, model: Opt
 
                 run_ray(p.work, sink, model=model, opts=opts, fingerprint=writer.header["fingerprint"],
                         address=ray_address, workers=workers, cpus_per_worker=cpus_per_worker,
-                        batch_tokens=batch_tokens)
+                        batch_tokens=batch_tokens, processing=processing)
         except BaseException:
             # Interrupted (Ctrl-C, a Ray worker lost): keep what is already encoded, so a re-run resumes after it.
             with contextlib.suppress(Exception):
@@ -126,7 +127,7 @@ def encode_dataset(src: str | os.PathLike, out: str | os.PathLike, *, model: Opt
         finally:
             bar.close()
         writer.commit()
-        writer.compact_errors()
+        writer.compact_errors(folders_failing={s.source for s in sources if s.error is not None})
         summary.tokens = writer.tokens_written
     summary.seconds = time.monotonic() - t0
     return summary

@@ -12,16 +12,16 @@ from .pipeline import Encoded, Prepared, Work, encode_prepared, prepare
 
 def run_local(encoder: Any, work: Sequence[Work], batch_tokens: int, sink: Callable[[Encoded], None]) -> None:
     """In-process: one thread decodes ahead while this one encodes (PIL and torch both release the GIL)."""
-    for group in _prefetch(_token_groups(work, batch_tokens), depth=2):
+    for group in _prefetch(_token_groups(work, batch_tokens, encoder), depth=2):
         for e in encode_prepared(encoder, group, batch_tokens):
             sink(e)
 
 
-def _token_groups(work: Sequence[Work], batch_tokens: int) -> Iterator[list[Prepared]]:
+def _token_groups(work: Sequence[Work], batch_tokens: int, encoder: Any) -> Iterator[list[Prepared]]:
     cur: list[Prepared] = []
     n = 0
     for w in work:
-        p = prepare(w.sha256, w.kind, w.path, w.sources[0].source)
+        p = prepare(w.sha256, w.kind, w.path, w.sources[0].source, encoder.processing, encoder.alpha)
         cur.append(p)
         n += sum(p.batch.token_counts) if p.error is None else 0
         if n >= batch_tokens:

@@ -18,7 +18,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from ..errors import MediaError
-from ..fileio import sha256_file
+from ..fileio import read_regular, sha256_file
 from ..media import MediaBatch, preprocess_images
 from ..video import join_chunks, preprocess_video, split_by_input
 
@@ -29,11 +29,16 @@ VIDEO_BYTES_LIMIT = 512 * 2**20
 
 @dataclass(frozen=True)
 class Source:
-    """One input file: `source` is how it is named in the manifest, `path` where it is read from."""
+    """One input file: `source` is how it is named in the manifest, `path` where it is read from.
+
+    `error` is set when listing already found it unusable (a folder that cannot be read): it is recorded, never
+    silently dropped.
+    """
 
     source: str
     path: Path
     kind: str  # "image" | "video"
+    error: Optional[str] = None
 
 
 @dataclass
@@ -49,7 +54,11 @@ class Work:
 
 @dataclass
 class Prepared:
-    """A work item after decoding: its chunks (one for an image) as a MediaBatch, or the reason it failed."""
+    """A work item after decoding: its chunks (one for an image) as a MediaBatch, or the reason it failed.
+
+    Reasons (here and in Encoded) do not name a source: several sources may share the bytes, and each gets its
+    own line `"{source}: {reason}"` in errors.jsonl.
+    """
 
     sha256: str
     batch: Optional[MediaBatch] = None
@@ -65,28 +74,30 @@ class Encoded:
     error: Optional[str] = None
 
 
-def prepare(sha: str, kind: str, path: Path, name: str) -> Prepared:
-    """Read, check and preprocess one item. Never raises for a bad input: the error is returned."""
-    changed = f"{name}: file changed while the job ran (its sha256 differs from the one planned)"
+def prepare(sha: str, kind: str, path: Path, name: str, processing: Any = None, alpha: str = "model") -> Prepared:
+    """Read, check and preprocess one item under the model's `processing` (a ProcessorConfig) and `alpha`.
+    Never raises for a bad input: the reason is returned."""
+    changed = "file changed while the job ran (its sha256 differs from the one planned)"
     try:
         if kind == "video" and path.stat().st_size > VIDEO_BYTES_LIMIT:
             if sha256_file(path) != sha:
                 return Prepared(sha, error=changed)
-            batch = preprocess_video(path, name=name)
+            batch = preprocess_video(path, name=name, processing=processing)
         else:
-            data = path.read_bytes()
+            data = read_regular(path)
             if hashlib.sha256(data).hexdigest() != sha:
                 return Prepared(sha, error=changed)
-            batch = preprocess_video(data, name=name) if kind == "video" else preprocess_images([data], names=[name])
+            batch = (preprocess_video(data, name=name, processing=processing) if kind == "video" else
+                     preprocess_images([data], names=[name], processing=processing, alpha=alpha))
         if len(batch) == 0:
-            return Prepared(sha, error=f"{name}: no frames decoded")
+            return Prepared(sha, error="no frames decoded")
         return Prepared(sha, batch)
     except MediaError as e:
-        return Prepared(sha, error=str(e) if str(e).startswith(f"{name}: ") else f"{name}: {e.reason}")
+        return Prepared(sha, error=e.reason if e.source == name else str(e))
     except OSError as e:
-        return Prepared(sha, error=f"{name}: cannot read ({e.strerror or e})")
+        return Prepared(sha, error=f"cannot read ({e.strerror or e})")
     except Exception as e:  # a decoder bug must not stop the job; it is recorded with its type
-        return Prepared(sha, error=f"{name}: {type(e).__name__}: {e}")
+        return Prepared(sha, error=f"{type(e).__name__}: {e}")
 
 
 def group_by_tokens(items: Sequence[Prepared], batch_tokens: int) -> list[list[Prepared]]:

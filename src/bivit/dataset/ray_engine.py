@@ -54,11 +54,12 @@ LOCAL_OBJECT_STORE_BYTES = 512 * 2**20
 ROWS_PER_ACTOR_BATCH = 8
 
 
-def prepare_rows(table: pa.Table) -> pa.Table:
-    """Ray task: read + preprocess each listed file. Failures become rows with `error` set."""
+def prepare_rows(table: pa.Table, processing: Any = None, alpha: str = "model") -> pa.Table:
+    """Ray task: read + preprocess each listed file (the driver's model preprocessing and alpha). Failures become
+    rows with `error` set."""
     out = {name: [] for name in PREPARED_SCHEMA.names}
     for row in table.to_pylist():
-        p = prepare(row["sha256"], row["kind"], Path(row["path"]), row["name"])
+        p = prepare(row["sha256"], row["kind"], Path(row["path"]), row["name"], processing, alpha)
         out["sha256"].append(p.sha256)
         if p.error is not None:
             for k, v in (("pixels", None), ("patch", None), ("grid", None), ("timestamps", None), ("error", p.error)):
@@ -151,12 +152,14 @@ def _ray_session(address: Optional[str], cpus_needed: int) -> Iterator[Any]:
 
 
 def run_ray(work: Sequence[Work], sink: Callable[[Encoded], None], *, model: Optional[str], opts: dict,
-            fingerprint: str, address: Optional[str], workers: int, cpus_per_worker: int, batch_tokens: int) -> None:
+            fingerprint: str, address: Optional[str], workers: int, cpus_per_worker: int, batch_tokens: int,
+            processing: Any = None) -> None:
     """Encode `work` on a Ray actor pool and hand every result to `sink` (called in this thread only)."""
     if not work:
         return
-    if model is not None:
-        model = str(Path(model).resolve())  # workers do not share the driver's working directory
+    if model is not None and Path(model).exists():
+        model = str(Path(model).resolve())  # workers do not share the driver's working directory (a hub repo
+        # id stays as it is: each worker resolves it from its own Hugging Face cache)
     with _ray_session(address, workers * cpus_per_worker + 1) as ray:
         import ray.data
 
@@ -170,7 +173,8 @@ def run_ray(work: Sequence[Work], sink: Callable[[Encoded], None], *, model: Opt
                  for w in work]
         try:
             ds = ray.data.from_items(items, override_num_blocks=max(1, min(len(items), 4 * workers, 256)))
-            ds = ds.map_batches(prepare_rows, batch_format="pyarrow", batch_size=ROWS_PER_ACTOR_BATCH, num_cpus=1)
+            ds = ds.map_batches(prepare_rows, fn_kwargs=dict(processing=processing, alpha=opts.get("alpha", "model")),
+                                batch_format="pyarrow", batch_size=ROWS_PER_ACTOR_BATCH, num_cpus=1)
             ds = ds.map_batches(
                 EncodeActor,
                 fn_constructor_kwargs=dict(model=model, opts=opts, fingerprint=fingerprint, threads=cpus_per_worker,

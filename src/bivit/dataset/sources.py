@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from ..errors import BivitError
-from ..fileio import sha256_file
+from ..fileio import check_regular, file_kind, sha256_file
 from ..video import media_kind
 from .format import Record
 from .pipeline import Source, Work
@@ -38,14 +38,22 @@ def list_sources(src: str | os.PathLike, exclude: Optional[os.PathLike] = None) 
         return [Source(root.name, root, media_kind(root))]
     if root.is_file():
         return _list_manifest(root)
+    if root.exists():
+        raise BivitError(f"{src}: not a folder, a manifest or a media file but {file_kind(root.stat().st_mode)}")
     raise BivitError(f"{src}: no such file or directory")
 
 
 def _list_dir(root: Path, exclude: Optional[os.PathLike]) -> list[Source]:
     skip = Path(exclude).resolve() if exclude is not None else None
     out = []
+
+    def unreadable(e: OSError) -> None:  # a folder os.walk cannot list: its files must not vanish silently
+        where = Path(e.filename or root)
+        name = where.relative_to(root).as_posix() + "/" if where != root else "./"
+        out.append(Source(name, where, "image", error=f"cannot list the folder ({e.strerror or e})"))
+
     # Symlinked folders are not followed (cycles); symlinked files are listed.
-    for dirpath, dirnames, filenames in os.walk(root):
+    for dirpath, dirnames, filenames in os.walk(root, onerror=unreadable):
         here = Path(dirpath)
         if skip is not None:
             dirnames[:] = [d for d in dirnames if (here / d).resolve() != skip]
@@ -82,10 +90,10 @@ def _list_manifest(manifest: Path) -> list[Source]:
         else:
             name = line
         p = Path(name)
-        path = p if p.is_absolute() else base / p
-        # The manifest names a file relative to its folder (or absolutely): that name is the source.
-        source = p.as_posix() if not p.is_absolute() else str(p)
-        source = os.path.normpath(source).replace(os.sep, "/")
+        # The manifest names a file relative to its folder (or absolutely): that name, normalised, is the source,
+        # and the file read is the one the normalised name means (`x/../a.png` is `a.png` even without `x/`).
+        source = os.path.normpath(p.as_posix() if not p.is_absolute() else str(p)).replace(os.sep, "/")
+        path = Path(source) if p.is_absolute() else base / source
         if source in seen:
             continue
         seen.add(source)
@@ -106,10 +114,15 @@ def plan(sources: Sequence[Source], writer: DatasetWriter, hash_threads: int = 4
     result = Plan([])
     to_hash: list[tuple[Source, os.stat_result]] = []
     for s in sources:
-        try:
-            st = os.stat(s.path)
-        except OSError as e:
-            writer.add_error([s], f"{s.source}: cannot read ({e.strerror or e})")
+        reason = s.error
+        if reason is None:
+            try:
+                st = os.stat(s.path)
+                check_regular(s.path, st)  # a FIFO or a link to /dev/zero would block or never end
+            except OSError as e:
+                reason = f"cannot read ({e.strerror or e})"
+        if reason is not None:
+            writer.add_error([s], reason)
             result.failed += 1
             continue
         prev = writer.by_source.get(s.source)
@@ -129,7 +142,7 @@ def plan(sources: Sequence[Source], writer: DatasetWriter, hash_threads: int = 4
     with ThreadPoolExecutor(max(1, hash_threads)) as pool:  # hashing is I/O and hashlib releases the GIL
         for (s, st), sha in zip(to_hash, pool.map(digest, to_hash)):
             if isinstance(sha, OSError):
-                writer.add_error([s], f"{s.source}: cannot read ({sha.strerror or sha})")
+                writer.add_error([s], f"cannot read ({sha.strerror or sha})")
                 result.failed += 1
                 continue
             prev = writer.by_source.get(s.source)

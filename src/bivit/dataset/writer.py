@@ -38,7 +38,7 @@ DEFAULT_FLUSH_SECONDS = 60.0
 # of every shard commit, so a test can SIGKILL the process at a chosen instant. It changes nothing else.
 PAUSE_ENV = "BIVIT_DATASET_TEST_PAUSE"
 # A folder written with other values for these keys holds tensors that are not comparable with this run's.
-_MUST_MATCH = ("format_version", "fingerprint", "dtype", "projector_dtype", "output_dtype", "batch_invariant")
+_MUST_MATCH = ("format_version", "fingerprint", "dtype", "projector_dtype", "output_dtype", "batch_invariant", "alpha")
 
 
 def _pause(phase: str) -> None:
@@ -66,6 +66,8 @@ def header_for(encoder: Any, model: Optional[str]) -> dict:
         "output_dtype": dtype_name(encoder.output_dtype),
         "text_hidden_size": int(encoder.config.text_hidden_size),
         "batch_invariant": bool(encoder.batch_invariant),
+        "alpha": encoder.alpha,  # transparency handling and preprocessing (both also in the fingerprint)
+        "processing": encoder.processing.to_dict(),
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }
 
@@ -82,8 +84,11 @@ class DatasetWriter:
         self.flush_seconds = flush_seconds
         if self.dir.exists() and not self.dir.is_dir():
             raise BivitError(f"{out}: exists and is not a directory")
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self._lock_fd: Optional[int] = os.open(self.dir / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            self._lock_fd: Optional[int] = os.open(self.dir / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise BivitError(f"{out}: cannot write the output folder ({e.strerror or e})") from None
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -162,11 +167,17 @@ class DatasetWriter:
         self._seq += 1
         return self._seq
 
-    def compact_errors(self) -> None:
-        """Keep one line per source that is failed now (its latest error); drop the rest."""
+    def compact_errors(self, folders_failing: Optional[set[str]] = None) -> None:
+        """Keep one line per source that is failed now (its latest error); drop the rest.
+
+        `folders_failing`: after a run that listed SRC, the folders (sources ending in "/") it could not list;
+        the error of a folder that could be listed this time is dropped (its files speak for themselves now).
+        """
         path = self.dir / ERRORS
         rows, _ = read_jsonl(path)
         _, failed = current_state(self.dir)
+        if folders_failing is not None:
+            failed = {s: e for s, e in failed.items() if not s.endswith("/") or s in folders_failing}
         if len(failed) != len(rows):
             write_atomic(path, "".join(e.to_json() + "\n" for e in failed.values()).encode("utf-8"))
 
@@ -180,10 +191,11 @@ class DatasetWriter:
             self.by_source[r.source] = (r.size, r.mtime_ns, r.sha256)
             self.by_hash.setdefault(r.sha256, r)
 
-    def add_error(self, sources: Sequence[Source], message: str, sha: Optional[str] = None) -> None:
-        """Record that `sources` could not be encoded (one line each); they stay failed until encoded again."""
-        msg = " ".join(str(message).split())  # one line
-        append_lines(self.dir / ERRORS, [ErrorRecord(s.source, msg, sha, self._next_seq()).to_json()
+    def add_error(self, sources: Sequence[Source], reason: str, sha: Optional[str] = None) -> None:
+        """Record that `sources` could not be encoded, one line `"{source}: {reason}"` each; they stay failed
+        until encoded again."""
+        reason = " ".join(str(reason).split())  # one line
+        append_lines(self.dir / ERRORS, [ErrorRecord(s.source, f"{s.source}: {reason}", sha, self._next_seq()).to_json()
                                          for s in sources])
         for s in sources:
             self.by_source.pop(s.source, None)

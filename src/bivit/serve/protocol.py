@@ -67,6 +67,7 @@ class ItemResult:
     embedding: Optional[torch.Tensor] = None
     grid_thw: list = field(default_factory=list)
     timestamps: Optional[list] = None
+    placeholders: Optional[list] = None  # per image / chunk: {"text": prompt placeholder, "tokens": rows}
     cached: bool = False
     error: Optional[str] = None
     error_kind: Optional[str] = None
@@ -104,13 +105,15 @@ def parse_json_request(body: bytes) -> list[UploadItem]:
 def item_meta(i: int, r: ItemResult) -> dict:
     return {"index": i, "name": r.name, "kind": r.kind, "sha256": r.sha256,
             "tensor": str(i) if r.embedding is not None else None,
-            "tokens": r.tokens, "grid_thw": r.grid_thw, "timestamps": r.timestamps, "cached": r.cached,
+            "tokens": r.tokens, "grid_thw": r.grid_thw, "timestamps": r.timestamps,
+            "placeholders": r.placeholders, "cached": r.cached,
             "error": r.error, "error_kind": r.error_kind}
 
 
 def result_from_meta(m: dict, embedding: Optional[torch.Tensor] = None) -> ItemResult:
     return ItemResult(name=m["name"], kind=m["kind"], sha256=m["sha256"], embedding=embedding,
-                      grid_thw=m.get("grid_thw") or [], timestamps=m.get("timestamps"), cached=bool(m.get("cached")),
+                      grid_thw=m.get("grid_thw") or [], timestamps=m.get("timestamps"),
+                      placeholders=m.get("placeholders"), cached=bool(m.get("cached")),
                       error=m.get("error"), error_kind=m.get("error_kind"))
 
 

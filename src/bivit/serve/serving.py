@@ -31,7 +31,7 @@ from starlette.requests import ClientDisconnect
 
 from ..encoder import Encoder, dtype_name
 from ..errors import BivitError, MediaError
-from ..media import MediaBatch, preprocess_images
+from ..media import MediaBatch, batch_placeholders, preprocess_images
 from ..video import join_chunks, preprocess_video
 from .batcher import Batcher
 from .cache import EmbeddingCache
@@ -176,9 +176,10 @@ class Service:
     # -- encoding
     def _preprocess(self, item: UploadItem) -> MediaBatch:
         """Runs in the thread pool: bytes -> MediaBatch (one item per image, one per video chunk)."""
+        proc = self.encoder.processing  # the model's preprocessing and the server's --alpha, as offline
         if item.kind == "image":
-            return preprocess_images([item.data], names=[item.name])
-        return preprocess_video(item.data, name=item.name)  # from the bytes: no temp file
+            return preprocess_images([item.data], names=[item.name], processing=proc, alpha=self.encoder.alpha)
+        return preprocess_video(item.data, name=item.name, processing=proc)  # from the bytes: no temp file
 
     async def encode_item(self, item: UploadItem, key: tuple) -> ItemResult:
         res = ItemResult(item.name, item.kind, key[2])
@@ -211,6 +212,8 @@ class Service:
         res.embedding = join_chunks(outs)
         res.grid_thw = batch.grid_thw.tolist()
         res.timestamps = list(batch.timestamps) if batch.timestamps is not None else None
+        res.placeholders = [{"text": p.text, "tokens": p.tokens}
+                            for p in batch_placeholders(batch, self.encoder.processing)]
         return res
 
     async def encode_request(self, items: list[UploadItem]) -> list[ItemResult]:
