@@ -4,6 +4,7 @@ rounding, timestamps, prompt placeholders and the image pixel limit."""
 
 import io
 import json
+import logging
 import shutil
 import struct
 import time
@@ -193,11 +194,20 @@ BAD = [
     ({"image_mean": [0.5, 0.5]}, "image_mean"), ({"fixed_output_tokens": 256}, "fixed_output_tokens"),
     ({"transparent_bg_fill_stage": "sometime"}, "transparent_bg_fill_stage"),
     ({"transparent_bg_config": {"pattern": "stripes"}}, "pattern"),
-    ({"transparent_bg_config": {"type": "white"}}, "type"), ({"bogus_key": 1}, "bogus_key"),
+    ({"transparent_bg_config": {"type": "white"}}, "type"),
     ({"temporal_merge_kernel_size": 8}, "temporal_merge_kernel_size"),
     ({"patch_limit_on_one_side": 511}, "patch_limit_on_one_side"),
     ({"in_patch_limit_each_frame": -4}, "in_patch_limit_each_frame"),
 ]
+
+
+def test_unknown_preprocessor_key_is_ignored_with_a_warning_naming_it(tmp_path, kimi_ckpt, caplog):
+    """The processors ignore keys they do not read; bivit does too (a real checkpoint must load), but says so."""
+    d = _ckpt_with(tmp_path, kimi_ckpt, _cfg(ref.K25_MEDIA_PROC_CFG, bogus_key=1))
+    with caplog.at_level(logging.WARNING, logger="bivit"):
+        enc = bivit.load_encoder(d, dtype="float32")
+    assert "bogus_key" in caplog.text
+    assert enc.processing == bivit.load_encoder(kimi_ckpt, dtype="float32").processing
 
 
 @pytest.mark.parametrize("change,key", BAD)

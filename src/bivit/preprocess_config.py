@@ -23,14 +23,16 @@ Moonshot's processors take every preprocessing number from `media_proc_cfg` in t
 
 Which processor runs is part of the config too: Kimi-K2.5/K2.6's (`kimi_k25`: images and video chunks, alpha
 dropped) or Kimi-K3's (`kimi_k3`: images only, transparency composited, size in the image placeholder).
-A key the processors do not read, a value they cannot honour, or one that contradicts the model's config.json
-raises ConfigError naming the key.
+A value the processors cannot honour, or one that contradicts the model's config.json, raises ConfigError
+naming the key. A key they do not read is ignored, as Moonshot's processors ignore it, with a warning naming it
+(a published config may carry bookkeeping keys; a typo should still be seen).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +40,8 @@ from typing import Any, Optional
 
 from .config import ModelConfig
 from .errors import ConfigError
+
+log = logging.getLogger("bivit")
 
 PREPROCESSOR_CONFIG = "preprocessor_config.json"
 PROCESSORS = ("kimi_k25", "kimi_k3")
@@ -252,8 +256,8 @@ def _parse_media_proc_cfg(media: dict, processor: str, cfg: ModelConfig) -> Proc
         if key in _IGNORED_KEYS:
             continue
         if key not in fields:
-            raise ConfigError(f"preprocessing key {key!r} is not one Moonshot's processors read; "
-                              "bivit cannot honour it")
+            log.warning("bivit: media_proc_cfg key %r is not one Moonshot's processors read; ignored", key)
+            continue
         if key == "transparent_bg_config":
             value = None if value is None else _bg(value)
         elif key == "merge_kernel_size" and isinstance(value, list) and len(value) == 2 and value[0] == value[1]:
