@@ -232,7 +232,12 @@ def serve(
     max_wait_ms: float = typer.Option(5.0, help="Max wait for more items before a forward pass"),
     max_queue: int = typer.Option(256, help="Items in flight before 429"),
     max_body_mb: float = typer.Option(64.0, help="Request body limit (413 above)"),
-    request_timeout_s: float = typer.Option(120.0, help="Per-request timeout (504 after)"),
+    request_timeout_s: float = typer.Option(120.0, help="Per-request timeout after the body (504 after)"),
+    header_timeout_s: float = typer.Option(10.0, help="Time to send a request's headers (connection closed after)"),
+    body_timeout_s: float = typer.Option(60.0, help="Time to send a request's body (408 after)"),
+    max_request_pixels_mb: float = typer.Option(512.0, help="Decoded float32 pixels of one request (413 above)"),
+    max_queue_pixels_mb: float = typer.Option(2048.0, help="Decoded pixels of all admitted requests (429 above)"),
+    max_response_mb: float = typer.Option(256.0, help="Size of one response, every copy counted (413 above)"),
     cache_mb: float = typer.Option(256.0, help="Exact embedding cache size; 0 disables"),
     log_level: str = typer.Option("info", help="debug, info, warning or error"),
 ) -> None:
@@ -241,20 +246,18 @@ def serve(
         need_extra("serve", module, "serve")
     if log_level.lower() not in ("debug", "info", "warning", "error"):
         fail(f"--log-level must be debug, info, warning or error, got {log_level!r}")
-    for name, value in (("--max-batch-tokens", max_batch_tokens), ("--max-queue", max_queue)):
-        if value < 1:
-            fail(f"{name} must be at least 1, got {value}")
+    from .encoder import load_encoder
     from .serve.app import configure_logging, run
     from .serve.serving import ServerSettings
 
-    from .encoder import load_encoder
-
+    settings = ServerSettings(api_key=api_key or None, max_batch_tokens=max_batch_tokens, max_wait_ms=max_wait_ms,
+                              max_queue=max_queue, max_body_mb=max_body_mb, request_timeout_s=request_timeout_s,
+                              header_timeout_s=header_timeout_s, body_timeout_s=body_timeout_s,
+                              max_request_pixels_mb=max_request_pixels_mb, max_queue_pixels_mb=max_queue_pixels_mb,
+                              max_response_mb=max_response_mb, cache_mb=cache_mb)
     configure_logging(log_level)  # the service logs JSON lines, its demo warning included
     encoder = load_encoder(model, device=device, dtype=dtype, batch_invariant=batch_invariant,
                            max_batch_tokens=max_batch_tokens)
-    settings = ServerSettings(api_key=api_key or None, max_batch_tokens=max_batch_tokens, max_wait_ms=max_wait_ms,
-                              max_queue=max_queue, max_body_mb=max_body_mb, request_timeout_s=request_timeout_s,
-                              cache_mb=cache_mb)
     run(encoder, settings, host=host, port=port, log_level=log_level)
 
 

@@ -264,10 +264,16 @@ class _Source:
 
 
 class _Limits:
+    deadline: Optional[float] = None  # time.monotonic() after which decoding stops (a caller gave up waiting)
+
     def __init__(self, name: str, max_frames: Optional[int], max_duration_s: Optional[float],
                  max_frame_pixels: Optional[int], sample_fps: float):
         self.name, self.max_frames, self.max_duration_s = name, max_frames, max_duration_s
         self.max_frame_pixels, self.sample_fps = max_frame_pixels, sample_fps
+
+    def check_time(self) -> None:
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            raise MediaError(f"{self.name}: decoding stopped at its deadline (the video takes too long to decode)")
 
     def check_size(self, width: int, height: int) -> None:
         if self.max_frame_pixels is not None and width * height > self.max_frame_pixels:
@@ -296,6 +302,7 @@ def _count_frames(source: _Source, limits: _Limits) -> int:
         for _ in frames:
             count += 1
             limits.check_length(count, source.fps, at_least=True)
+            limits.check_time()
     finally:
         frames.close()
     return count
@@ -336,6 +343,7 @@ def _decode_selected(src: VideoInput, name: str, indices: Sequence[int], limits:
             pos, decoded = 0, 0
             for i, frame in enumerate(frames):
                 decoded = i + 1
+                limits.check_time()
                 if indices[pos] != i:
                     continue
                 limits.check_size(frame.width, frame.height)
@@ -379,16 +387,19 @@ def preprocess_video(path: VideoInput, *, max_frames: Optional[int] = MAX_FRAMES
                      max_duration_s: Optional[float] = MAX_DURATION_S,
                      max_frame_pixels: Optional[int] = MAX_FRAME_PIXELS, sample_fps: float = SAMPLE_FPS,
                      chunk_size: int = TEMPORAL_MERGE_KERNEL,
-                     patch_limit: int = IN_PATCH_LIMIT_EACH_FRAME, name: Optional[str] = None) -> MediaBatch:
+                     patch_limit: int = IN_PATCH_LIMIT_EACH_FRAME, name: Optional[str] = None,
+                     deadline: Optional[float] = None) -> MediaBatch:
     """Decode, sample and chunk a video (a path or its bytes) into a MediaBatch: one item per chunk.
 
     `timestamps[i]` is chunk i's start (`HH:MM:SS.fff`), `sources[i]` is `"{path}#chunk{i}"`. Raises MediaError
     naming the file (or `name`, how messages call the input) for unreadable, empty or frameless videos and for
-    videos beyond a limit; ConfigError for a bad option.
+    videos beyond a limit; ConfigError for a bad option. `deadline` (a `time.monotonic()` value): decoding stops
+    with a MediaError once it has passed, so work nobody waits for any more does not go on.
     """
     _check_positive("chunk_size", chunk_size, integer=True)
     _check_positive("patch_limit", patch_limit, integer=True)
     name, limits = _prepare(path, max_frames, max_duration_s, max_frame_pixels, sample_fps, name)
+    limits.deadline = deadline
     with _naming(name):
         return _preprocess(path, name, limits, sample_fps, chunk_size, patch_limit)
 

@@ -17,21 +17,25 @@ bit-identical whatever other items share the forward pass, so a response equals 
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import hashlib
+import io
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from fastapi import Request
+from PIL import Image
 from starlette.requests import ClientDisconnect
 
 from ..encoder import Encoder, dtype_name
-from ..errors import BivitError, MediaError
-from ..media import MediaBatch, preprocess_images
+from ..errors import BivitError, ConfigError, MediaError
+from ..media import PATCH_SIZE, MediaBatch, grid_tokens, padded_grid, preprocess_images
 from ..video import join_chunks, preprocess_video
 from .batcher import Batcher
 from .cache import EmbeddingCache
@@ -41,19 +45,53 @@ from .protocol import RESPONSE_FORMAT, ItemResult, RequestError, UploadItem, par
 log = logging.getLogger("bivit.server")
 
 
+# Bytes of preprocessed pixels per patch: float32 [3, 14, 14].
+PATCH_BYTES = 3 * PATCH_SIZE * PATCH_SIZE * 4
+# A JSON response writes each value as text: at most ~20 bytes with its separator.
+JSON_BYTES_PER_VALUE = 20
+
+
 @dataclass
 class ServerSettings:
-    """Operational limits of the service (the `bivit serve` options)."""
+    """Operational limits of the service (the `bivit serve` options); every one is checked here.
+
+    Memory the service holds for requests is bounded by `max_queue_pixels_mb` (preprocessed pixels of every
+    admitted request) plus what is being decoded (`preprocess_threads` items) plus responses being written
+    (each at most `max_response_mb`) plus the cache (`cache_mb`).
+    """
 
     api_key: Optional[str] = None
     max_batch_tokens: int = 16384  # patches per forward pass; an item larger than this runs alone
     max_wait_ms: float = 5.0  # how long the worker waits for more items once one is queued
     max_queue: int = 256  # items admitted and not yet answered, over all requests
     max_body_mb: float = 64.0
-    request_timeout_s: float = 120.0
+    request_timeout_s: float = 120.0  # from the end of the body to the answer; decoding stops at it too
+    header_timeout_s: float = 10.0  # to receive a request's headers (a connection that is slower is closed)
+    body_timeout_s: float = 60.0  # to receive a request's body (408 after)
+    max_request_pixels_mb: float = 512.0  # preprocessed float32 pixels of one request's distinct items
+    max_queue_pixels_mb: float = 2048.0  # the same over all admitted requests (429 above)
+    max_response_mb: float = 256.0  # one response, every copy of an item counted (JSON: ~20 bytes a value)
     cache_mb: float = 256.0
     preprocess_threads: int = field(default_factory=lambda: max(1, min(4, os.cpu_count() or 1)))
     retry_after_s: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch_tokens", "max_queue", "preprocess_threads", "retry_after_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} {value!r}: expected a whole number >= 1")
+        for name in ("max_body_mb", "request_timeout_s", "header_timeout_s", "body_timeout_s",
+                     "max_request_pixels_mb", "max_queue_pixels_mb", "max_response_mb", "max_wait_ms", "cache_mb"):
+            value = getattr(self, name)
+            zero_ok = name in ("max_wait_ms", "cache_mb")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or value < 0 or (value == 0 and not zero_ok):
+                raise ConfigError(f"--{name.replace('_', '-')} {value!r}: expected a finite number "
+                                  f"{'>= 0' if zero_ok else '> 0'}")
+
+    @staticmethod
+    def mb(value: float) -> int:
+        return int(value * 2**20)
 
 
 def content_type(request: Request) -> str:
@@ -78,6 +116,7 @@ class Service:
         self.batcher = Batcher(encoder, settings.max_batch_tokens, settings.max_wait_ms / 1000.0, self.metrics)
         self.pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self.inflight = 0  # items admitted and not yet answered; touched only on the event loop
+        self.pixels_held = 0  # preprocessed pixel bytes of admitted requests (see _Budget); event loop only
         self.draining = False
         # Hashes every weight: do it once here, never on the event loop during a request.
         self.fingerprint = encoder.fingerprint
@@ -98,7 +137,7 @@ class Service:
 
     # -- request parsing
     async def read_body(self, request: Request) -> bytes:
-        limit = int(self.settings.max_body_mb * 2**20)
+        limit = self.settings.mb(self.settings.max_body_mb)
         declared = request.headers.get("content-length")
         if declared is not None:
             try:
@@ -109,6 +148,14 @@ class Service:
                 await self._discard_body(request, n)
                 raise RequestError(413, "too_large", f"request body of {n} bytes exceeds --max-body-mb "
                                    f"{self.settings.max_body_mb:g} ({limit} bytes)")
+        try:
+            return await asyncio.wait_for(self._read(request, limit), self.settings.body_timeout_s)
+        except asyncio.TimeoutError:
+            # A client sending slower than this holds a connection and a buffer: drop it (408 closes it).
+            raise RequestError(408, "body_timeout", f"request body not received within --body-timeout-s "
+                               f"{self.settings.body_timeout_s:g}", {"Connection": "close"}) from None
+
+    async def _read(self, request: Request, limit: int) -> bytes:
         chunks, size = [], 0
         try:
             async for chunk in request.stream():
@@ -128,7 +175,7 @@ class Service:
         # A client that sent `Expect: 100-continue` has not sent the body; reading would invite it to.
         if "100-continue" in request.headers.get("expect", "").lower():
             return
-        budget = min(up_to, int(self.settings.max_body_mb * 2**20) + 64 * 2**20)
+        budget = min(up_to, self.settings.mb(self.settings.max_body_mb) + 64 * 2**20)
         deadline = time.monotonic() + 5.0
         seen = 0
         with contextlib.suppress(Exception):
@@ -174,26 +221,43 @@ class Service:
         return items
 
     # -- encoding
-    def _preprocess(self, item: UploadItem) -> MediaBatch:
+    def _preprocess(self, item: UploadItem, deadline: float) -> MediaBatch:
         """Runs in the thread pool: bytes -> MediaBatch (one item per image, one per video chunk)."""
         if item.kind == "image":
             return preprocess_images([item.data], names=[item.name])
-        return preprocess_video(item.data, name=item.name)  # from the bytes: no temp file
+        # From the bytes (no temp file); decoding stops at the request's deadline, so a request that timed out
+        # does not keep a preprocessing thread from the next one.
+        return preprocess_video(item.data, name=item.name, deadline=deadline)
 
-    async def encode_item(self, item: UploadItem, key: tuple) -> ItemResult:
+    @staticmethod
+    def _image_cost(data: bytes) -> Optional[tuple[int, int]]:
+        """(preprocessed pixel bytes, tokens) of an image from its header alone; None if the header is unreadable
+        (decoding will then say what is wrong)."""
+        try:
+            with Image.open(io.BytesIO(data)) as im:
+                gh, gw = padded_grid(*im.size)
+        except Exception:  # noqa: BLE001 - any header Pillow refuses
+            return None
+        return gh * gw * PATCH_BYTES, grid_tokens(gh, gw)
+
+    async def encode_item(self, item: UploadItem, key: tuple, deadline: float, budget: "_Budget",
+                          paid: bool, copies: int) -> ItemResult:
+        """One distinct item of a request; errors are reasons (the caller names each copy of the item)."""
         res = ItemResult(item.name, item.kind, key[2])
         loop = asyncio.get_running_loop()
         try:
-            batch = await loop.run_in_executor(self.pool, self._preprocess, item)
+            batch = await loop.run_in_executor(self.pool, self._preprocess, item, deadline)
         except MediaError as e:
-            res.error, res.error_kind = str(e), "media"
+            res.error, res.error_kind = e.reason if e.source == item.name else str(e), "media"
             return res
         except BivitError as e:
             res.error, res.error_kind = str(e), "invalid"
             return res
         if len(batch) == 0:
-            res.error, res.error_kind = f"{item.name}: no frames to encode", "media"
+            res.error, res.error_kind = "no frames to encode", "media"
             return res
+        if not paid:  # a video (or an image whose header said nothing): counted once decoded
+            budget.take(batch.pixel_values.nbytes, sum(batch.token_counts) * copies)
         futures = [asyncio.wrap_future(self.batcher.submit(batch.item(c))) for c in range(len(batch))]
         try:
             outs = await asyncio.gather(*futures)
@@ -202,39 +266,46 @@ class Service:
                 f.cancel()
             raise
         except BivitError as e:
-            res.error, res.error_kind = f"{item.name}: {e}", "invalid"
+            res.error, res.error_kind = str(e), "invalid"
             return res
         except Exception as e:  # noqa: BLE001 - a failing forward pass fails this item only
             log.error("encode failed", exc_info=e, extra={"fields": {"item": item.name}})
-            res.error, res.error_kind = f"{item.name}: encoding failed ({type(e).__name__}: {e})", "internal"
+            res.error, res.error_kind = f"encoding failed ({type(e).__name__}: {e})", "internal"
             return res
         res.embedding = join_chunks(outs)
         res.grid_thw = batch.grid_thw.tolist()
         res.timestamps = list(batch.timestamps) if batch.timestamps is not None else None
         return res
 
-    async def encode_request(self, items: list[UploadItem]) -> list[ItemResult]:
+    async def encode_request(self, items: list[UploadItem], json_response: bool = False) -> list[ItemResult]:
+        deadline = time.monotonic() + self.settings.request_timeout_s
+        token_bytes = self.encoder.config.text_hidden_size * (
+            JSON_BYTES_PER_VALUE if json_response else self.encoder.output_dtype.itemsize)
+        budget = _Budget(self, token_bytes)
         results: list[Optional[ItemResult]] = [None] * len(items)
         todo: list[tuple[int, tuple]] = []
         fp = self.fingerprint
         for i, it in enumerate(items):
             if it.data is None:
-                results[i] = ItemResult(it.name, error=it.error, error_kind="bad_item")
+                results[i] = ItemResult(it.name, error=f"{it.name}: {it.error}", error_kind="bad_item")
                 continue
             key = (fp, it.kind, hashlib.sha256(it.data).hexdigest())
             hit = self.cache.get(key) if self.cache.max_bytes else None
             if hit is not None:
                 self.metrics.cache_hits.inc()
+                budget.take(0, hit.tokens)
                 results[i] = replace(hit, name=it.name, cached=True)
             else:
                 if self.cache.max_bytes:
                     self.metrics.cache_misses.inc()
                 todo.append((i, key))
         if todo:
-            # Identical items of one request are encoded once (exact: same bytes, same encoder, same bits).
+            # Identical items of one request are encoded once (exact: same bytes, same encoder, same bits), but
+            # every copy is answered, so every copy counts towards the response size.
             unique: dict[tuple, int] = {}
             for i, key in todo:
                 unique.setdefault(key, i)
+            copies = collections.Counter(key for _, key in todo)
             n = len(unique)
             if n > self.settings.max_queue:
                 raise RequestError(413, "too_many_items", f"request has {n} items to encode, more than --max-queue "
@@ -243,23 +314,66 @@ class Service:
                 raise RequestError(429, "queue_full", f"server busy: {self.inflight} items in flight, --max-queue "
                                    f"{self.settings.max_queue}; retry later",
                                    {"Retry-After": str(self.settings.retry_after_s)})
-            self.inflight += n
-            self.metrics.inflight_items.set(self.inflight)
+            # Images are counted from their headers, before anything is decoded.
+            cost = {key: self._image_cost(items[i].data) if items[i].kind == "image" else None
+                    for key, i in unique.items()}
             try:
-                fresh = await asyncio.wait_for(
-                    asyncio.gather(*(self.encode_item(items[i], key) for key, i in unique.items())),
-                    self.settings.request_timeout_s)
-            except asyncio.TimeoutError:
-                raise RequestError(504, "timeout", f"request not answered within --request-timeout-s "
-                                   f"{self.settings.request_timeout_s:g}") from None
-            finally:
-                self.inflight -= n
+                budget.take(sum(c[0] for c in cost.values() if c),
+                            sum(c[1] * copies[key] for key, c in cost.items() if c))
+                self.inflight += n
                 self.metrics.inflight_items.set(self.inflight)
+                tasks = [asyncio.ensure_future(self.encode_item(items[i], key, deadline, budget, cost[key] is not None,
+                                                                copies[key])) for key, i in unique.items()]
+                try:
+                    fresh = await asyncio.wait_for(asyncio.gather(*tasks), self.settings.request_timeout_s)
+                except asyncio.TimeoutError:
+                    raise RequestError(504, "timeout", f"request not answered within --request-timeout-s "
+                                       f"{self.settings.request_timeout_s:g}") from None
+                finally:
+                    for t in tasks:  # one item over a budget ends the request: stop the others
+                        t.cancel()
+                    self.inflight -= n
+                    self.metrics.inflight_items.set(self.inflight)
+            finally:
+                budget.release()
             by_key = dict(zip(unique, fresh))
             for key, r in by_key.items():
                 if r.embedding is not None and self.cache.max_bytes:
                     self.cache.put(key, r)
             for i, key in todo:
-                results[i] = replace(by_key[key], name=items[i].name)
+                r = by_key[key]
+                results[i] = replace(r, name=items[i].name, error=f"{items[i].name}: {r.error}" if r.error else None)
             self.metrics.cache_bytes.set(self.cache.nbytes)
         return results  # type: ignore[return-value]
+
+
+class _Budget:
+    """What one request holds against the limits: preprocessed pixel bytes (its own, and the service's total over
+    admitted requests) and the size its response will have. Used on the event loop only."""
+
+    def __init__(self, service: Service, token_bytes: int):
+        self.svc, self.token_bytes = service, token_bytes
+        self.pixels = 0
+        self.response = 0
+
+    def take(self, pixels: int, tokens: int) -> None:
+        s = self.svc.settings
+        if self.response + tokens * self.token_bytes > s.mb(s.max_response_mb):
+            raise RequestError(413, "response_too_large", f"the response would exceed --max-response-mb "
+                               f"{s.max_response_mb:g} ({self.response + tokens * self.token_bytes} bytes); "
+                               "send fewer items (every copy of an item is answered)")
+        if self.pixels + pixels > min(s.mb(s.max_request_pixels_mb), s.mb(s.max_queue_pixels_mb)):
+            raise RequestError(413, "too_large", f"request needs more than --max-request-pixels-mb "
+                               f"{s.max_request_pixels_mb:g} of decoded pixels; send fewer or smaller items")
+        if self.svc.pixels_held + pixels > s.mb(s.max_queue_pixels_mb):
+            raise RequestError(429, "queue_full", f"server busy: --max-queue-pixels-mb {s.max_queue_pixels_mb:g} "
+                               "of decoded pixels in flight; retry later", {"Retry-After": str(s.retry_after_s)})
+        self.pixels += pixels
+        self.response += tokens * self.token_bytes
+        self.svc.pixels_held += pixels
+        self.svc.metrics.pixel_bytes.set(self.svc.pixels_held)
+
+    def release(self) -> None:
+        self.svc.pixels_held -= self.pixels
+        self.pixels = 0
+        self.svc.metrics.pixel_bytes.set(self.svc.pixels_held)
