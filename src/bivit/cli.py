@@ -108,6 +108,7 @@ def encode(
     Per-input metadata (source, grid_thw per chunk, tokens, video chunk timestamps) is stored as JSON under
     the "bivit" header key. Bad files are reported and skipped; the exit status is 1 if any failed.
     """
+    writable(out, files)  # before anything is loaded or encoded
     import torch
     from safetensors.torch import save_file
     from tqdm import tqdm
@@ -117,7 +118,6 @@ def encode(
     from .media import MediaBatch
     from .video import is_video_path, join_chunks, split_by_input
 
-    writable(out, files)
     enc = open_encoder(model, dtype, projector_dtype, output_dtype, not no_batch_invariant, max_batch_tokens)
     t0 = time.perf_counter()
     tensors: dict[str, torch.Tensor] = {}
@@ -246,15 +246,16 @@ def serve(
         need_extra("serve", module, "serve")
     if log_level.lower() not in ("debug", "info", "warning", "error"):
         fail(f"--log-level must be debug, info, warning or error, got {log_level!r}")
-    from .encoder import load_encoder
-    from .serve.app import configure_logging, run
-    from .serve.serving import ServerSettings
+    from .serve.settings import ServerSettings
 
     settings = ServerSettings(api_key=api_key or None, max_batch_tokens=max_batch_tokens, max_wait_ms=max_wait_ms,
                               max_queue=max_queue, max_body_mb=max_body_mb, request_timeout_s=request_timeout_s,
                               header_timeout_s=header_timeout_s, body_timeout_s=body_timeout_s,
                               max_request_pixels_mb=max_request_pixels_mb, max_queue_pixels_mb=max_queue_pixels_mb,
                               max_response_mb=max_response_mb, cache_mb=cache_mb)
+    from .encoder import load_encoder
+    from .serve.app import configure_logging, run
+
     configure_logging(log_level)  # the service logs JSON lines, its demo warning included
     encoder = load_encoder(model, device=device, dtype=dtype, batch_invariant=batch_invariant,
                            max_batch_tokens=max_batch_tokens)
@@ -293,7 +294,9 @@ def encode_dataset(
     """
     if engine == "ray":
         need_extra("encode-dataset --engine ray", "ray", "ray")
-    from .dataset.format import ERRORS
+    from .dataset.format import ERRORS, HEADER
+
+    writable(out / HEADER, option="--out")  # before the model loads
     from .dataset.job import encode_dataset as run
 
     try:

@@ -377,6 +377,7 @@ def _chunk_items(src: VideoInput, name: str, info: VideoInfo, indices: list[int]
     for image in _decode_selected(src, name, indices, limits):
         buffer.append(image)
         if len(buffer) == chunk_size:
+            limits.check_time()
             flush()
     if buffer:
         flush()

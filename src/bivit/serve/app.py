@@ -26,7 +26,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from ..encoder import Encoder
 from .protocol import (SAFETENSORS_MEDIA_TYPE, RequestError, encode_json, encode_safetensors, error_body,
                        item_meta)
-from .serving import ServerSettings, Service, content_type, log
+from .serving import Service, content_type, log
+from .settings import ServerSettings
 
 
 # What a client may choose as its request id: it is echoed in a header and written to the log.

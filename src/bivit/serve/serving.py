@@ -23,10 +23,8 @@ import contextlib
 import hashlib
 import io
 import logging
-import math
-import os
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Optional
 
 from fastapi import Request
@@ -34,13 +32,14 @@ from PIL import Image
 from starlette.requests import ClientDisconnect
 
 from ..encoder import Encoder, dtype_name
-from ..errors import BivitError, ConfigError, MediaError
+from ..errors import BivitError, MediaError
 from ..media import PATCH_SIZE, MediaBatch, grid_tokens, padded_grid, preprocess_images
 from ..video import join_chunks, preprocess_video
 from .batcher import Batcher
 from .cache import EmbeddingCache
 from .metrics import Metrics
 from .protocol import RESPONSE_FORMAT, ItemResult, RequestError, UploadItem, parse_json_request
+from .settings import ServerSettings
 
 log = logging.getLogger("bivit.server")
 
@@ -49,49 +48,6 @@ log = logging.getLogger("bivit.server")
 PATCH_BYTES = 3 * PATCH_SIZE * PATCH_SIZE * 4
 # A JSON response writes each value as text: at most ~20 bytes with its separator.
 JSON_BYTES_PER_VALUE = 20
-
-
-@dataclass
-class ServerSettings:
-    """Operational limits of the service (the `bivit serve` options); every one is checked here.
-
-    Memory the service holds for requests is bounded by `max_queue_pixels_mb` (preprocessed pixels of every
-    admitted request) plus what is being decoded (`preprocess_threads` items) plus responses being written
-    (each at most `max_response_mb`) plus the cache (`cache_mb`).
-    """
-
-    api_key: Optional[str] = None
-    max_batch_tokens: int = 16384  # patches per forward pass; an item larger than this runs alone
-    max_wait_ms: float = 5.0  # how long the worker waits for more items once one is queued
-    max_queue: int = 256  # items admitted and not yet answered, over all requests
-    max_body_mb: float = 64.0
-    request_timeout_s: float = 120.0  # from the end of the body to the answer; decoding stops at it too
-    header_timeout_s: float = 10.0  # to receive a request's headers (a connection that is slower is closed)
-    body_timeout_s: float = 60.0  # to receive a request's body (408 after)
-    max_request_pixels_mb: float = 512.0  # preprocessed float32 pixels of one request's distinct items
-    max_queue_pixels_mb: float = 2048.0  # the same over all admitted requests (429 above)
-    max_response_mb: float = 256.0  # one response, every copy of an item counted (JSON: ~20 bytes a value)
-    cache_mb: float = 256.0
-    preprocess_threads: int = field(default_factory=lambda: max(1, min(4, os.cpu_count() or 1)))
-    retry_after_s: int = 1
-
-    def __post_init__(self) -> None:
-        for name in ("max_batch_tokens", "max_queue", "preprocess_threads", "retry_after_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} {value!r}: expected a whole number >= 1")
-        for name in ("max_body_mb", "request_timeout_s", "header_timeout_s", "body_timeout_s",
-                     "max_request_pixels_mb", "max_queue_pixels_mb", "max_response_mb", "max_wait_ms", "cache_mb"):
-            value = getattr(self, name)
-            zero_ok = name in ("max_wait_ms", "cache_mb")
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-                    or value < 0 or (value == 0 and not zero_ok):
-                raise ConfigError(f"--{name.replace('_', '-')} {value!r}: expected a finite number "
-                                  f"{'>= 0' if zero_ok else '> 0'}")
-
-    @staticmethod
-    def mb(value: float) -> int:
-        return int(value * 2**20)
 
 
 def content_type(request: Request) -> str:
@@ -114,7 +70,10 @@ class Service:
         # Without batch invariance a cached embedding may differ from a fresh one, so no cache at all.
         self.cache = EmbeddingCache(int(settings.cache_mb * 2**20) if encoder.batch_invariant else 0)
         self.batcher = Batcher(encoder, settings.max_batch_tokens, settings.max_wait_ms / 1000.0, self.metrics)
+        # Images and videos decode in separate pools: a video that is slow to decode (until its request's deadline)
+        # never makes an image request wait for a thread.
         self.pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self.video_pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self.inflight = 0  # items admitted and not yet answered; touched only on the event loop
         self.pixels_held = 0  # preprocessed pixel bytes of admitted requests (see _Budget); event loop only
         self.draining = False
@@ -127,13 +86,16 @@ class Service:
     def start(self) -> None:
         self.pool = concurrent.futures.ThreadPoolExecutor(self.settings.preprocess_threads,
                                                           thread_name_prefix="bivit-preprocess")
+        self.video_pool = concurrent.futures.ThreadPoolExecutor(self.settings.preprocess_threads,
+                                                                thread_name_prefix="bivit-video")
         self.batcher.start()
 
     def stop(self) -> None:
         self.draining = True
         self.batcher.stop()
-        if self.pool is not None:
-            self.pool.shutdown(wait=True)
+        for pool in (self.pool, self.video_pool):
+            if pool is not None:
+                pool.shutdown(wait=True)
 
     # -- request parsing
     async def read_body(self, request: Request) -> bytes:
@@ -246,7 +208,8 @@ class Service:
         res = ItemResult(item.name, item.kind, key[2])
         loop = asyncio.get_running_loop()
         try:
-            batch = await loop.run_in_executor(self.pool, self._preprocess, item, deadline)
+            pool = self.video_pool if item.kind == "video" else self.pool
+            batch = await loop.run_in_executor(pool, self._preprocess, item, deadline)
         except MediaError as e:
             res.error, res.error_kind = e.reason if e.source == item.name else str(e), "media"
             return res
