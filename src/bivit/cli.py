@@ -2,8 +2,9 @@
 
 One error style for all of them: a user mistake, an unusable input or output, a missing extra or an unavailable
 device prints one line `bivit: error: ...` on stderr and exits 2, before any work is done; a run that went
-wrong (inputs that failed, invariant mode not bit-stable, a write failing mid-run) exits 1. Never a traceback. Commands import what they need when they run, so `bivit serve` without the
-serve extra says which extra to install instead of "No such option".
+wrong (inputs that failed, invariant mode not bit-stable, a write failing mid-run) exits 1. Never a traceback.
+Commands import what they need when they run, so `bivit serve` without the serve extra says which extra to
+install instead of "No such option".
 """
 
 from __future__ import annotations
@@ -238,6 +239,8 @@ def serve(
     max_request_pixels_mb: float = typer.Option(512.0, help="Decoded float32 pixels of one request (413 above)"),
     max_queue_pixels_mb: float = typer.Option(2048.0, help="Decoded pixels of all admitted requests (429 above)"),
     max_response_mb: float = typer.Option(256.0, help="Size of one response, every copy counted (413 above)"),
+    max_video_mpixels: float = typer.Option(65536.0, help="Decoding work of one video, frames x frame pixels, "
+                                                          "millions (item error above)"),
     cache_mb: float = typer.Option(256.0, help="Exact embedding cache size; 0 disables"),
     log_level: str = typer.Option("info", help="debug, info, warning or error"),
 ) -> None:
@@ -252,7 +255,8 @@ def serve(
                               max_queue=max_queue, max_body_mb=max_body_mb, request_timeout_s=request_timeout_s,
                               header_timeout_s=header_timeout_s, body_timeout_s=body_timeout_s,
                               max_request_pixels_mb=max_request_pixels_mb, max_queue_pixels_mb=max_queue_pixels_mb,
-                              max_response_mb=max_response_mb, cache_mb=cache_mb)
+                              max_response_mb=max_response_mb, max_video_mpixels=max_video_mpixels,
+                              cache_mb=cache_mb)
     from .encoder import load_encoder
     from .serve.app import configure_logging, run
 

@@ -189,7 +189,8 @@ class Service:
             return preprocess_images([item.data], names=[item.name])
         # From the bytes (no temp file); decoding stops at the request's deadline, so a request that timed out
         # does not keep a preprocessing thread from the next one.
-        return preprocess_video(item.data, name=item.name, deadline=deadline)
+        return preprocess_video(item.data, name=item.name, deadline=deadline,
+                                max_decoded_pixels=int(self.settings.max_video_mpixels * 1e6))
 
     @staticmethod
     def _image_cost(data: bytes) -> Optional[tuple[int, int]]:

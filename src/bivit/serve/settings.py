@@ -32,6 +32,7 @@ class ServerSettings:
     max_request_pixels_mb: float = 512.0  # preprocessed float32 pixels of one request's distinct items
     max_queue_pixels_mb: float = 2048.0  # the same over all admitted requests (429 above)
     max_response_mb: float = 256.0  # one response, every copy of an item counted (JSON: ~20 bytes a value)
+    max_video_mpixels: float = 65536.0  # decoding work of one video: frames decoded x frame pixels, in millions
     cache_mb: float = 256.0
     preprocess_threads: int = field(default_factory=lambda: max(1, min(4, os.cpu_count() or 1)))
     retry_after_s: int = 1
@@ -42,7 +43,8 @@ class ServerSettings:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} {value!r}: expected a whole number >= 1")
         for name in ("max_body_mb", "request_timeout_s", "header_timeout_s", "body_timeout_s",
-                     "max_request_pixels_mb", "max_queue_pixels_mb", "max_response_mb", "max_wait_ms", "cache_mb"):
+                     "max_request_pixels_mb", "max_queue_pixels_mb", "max_response_mb", "max_video_mpixels",
+                     "max_wait_ms", "cache_mb"):
             value = getattr(self, name)
             zero_ok = name in ("max_wait_ms", "cache_mb")
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
