@@ -179,8 +179,7 @@ def verify(
     bisect: bool = typer.Option(False, "--bisect", help="Name the first op that differs between bs=1 and bs=N."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG of the per-item differences."),
 ) -> None:
-    """Encode items alone and in random batch layouts, invariant vs default mode; exit 1 unless invariant is
-    bit-stable."""
+    """Items alone vs in random batch layouts, invariant and default mode; exit 1 unless invariant is bit-stable."""
     from . import verify as v
     from .encoder import dtype_name
 
