@@ -27,6 +27,7 @@ import torch
 from PIL import Image, UnidentifiedImageError
 
 from .errors import ConfigError, MediaError
+from .fileio import read_regular
 from .preprocess_config import K25_PROCESSING, PROCESSING_PRESETS, ProcessorConfig, TransparentBg, check_alpha
 
 PATCH_SIZE = K25_PROCESSING.patch_size
@@ -247,10 +248,12 @@ def _load_image(src: ImageInput, max_pixels: int, name: str) -> Image.Image:
         if isinstance(src, bytes):
             data = src
         else:
-            path = Path(src)
-            if not path.is_file():
-                raise MediaError(f"{name}: no such file")
-            data = path.read_bytes()
+            try:
+                data = read_regular(src)  # a directory, FIFO or device is refused without blocking
+            except FileNotFoundError:
+                raise MediaError(f"{name}: no such file") from None
+            except OSError as e:
+                raise MediaError(f"{name}: cannot read ({e.strerror or e})") from None
         if not data:
             raise MediaError(f"{name}: file is empty")
         try:

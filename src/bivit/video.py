@@ -281,10 +281,18 @@ class _Source:
 
 
 class _Limits:
+    deadline: Optional[float] = None  # time.monotonic() after which decoding stops (a caller gave up waiting)
+    max_decoded_pixels: Optional[int] = None  # frames decoded x frame pixels (every frame is decoded)
+    frame_pixels = 0
+
     def __init__(self, name: str, max_frames: Optional[int], max_duration_s: Optional[float],
                  max_frame_pixels: Optional[int], sample_fps: float):
         self.name, self.max_frames, self.max_duration_s = name, max_frames, max_duration_s
         self.max_frame_pixels, self.sample_fps = max_frame_pixels, sample_fps
+
+    def check_time(self) -> None:
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            raise MediaError(f"{self.name}: decoding stopped at its deadline (the video takes too long to decode)")
 
     def check_size(self, width: int, height: int) -> None:
         if self.max_frame_pixels is not None and width * height > self.max_frame_pixels:
@@ -303,6 +311,10 @@ class _Limits:
             if n > self.max_frames:
                 raise MediaError(f"{self.name}: sampling at {min(self.sample_fps, fps):g} fps gives {more}{n} frames "
                                  f"({seconds:.1f} s of video), more than max_frames={self.max_frames}")
+        work = num_frames * self.frame_pixels
+        if self.max_decoded_pixels is not None and work > self.max_decoded_pixels:
+            raise MediaError(f"{self.name}: decoding {more}{num_frames} frames of {self.frame_pixels} pixels is "
+                             f"{work} pixels, more than max_decoded_pixels={self.max_decoded_pixels}")
 
 
 def _count_frames(source: _Source, limits: _Limits) -> int:
@@ -313,6 +325,7 @@ def _count_frames(source: _Source, limits: _Limits) -> int:
         for _ in frames:
             count += 1
             limits.check_length(count, source.fps, at_least=True)
+            limits.check_time()
     finally:
         frames.close()
     return count
@@ -321,6 +334,7 @@ def _count_frames(source: _Source, limits: _Limits) -> int:
 def _probe(src: VideoInput, name: str, limits: _Limits) -> VideoInfo:
     with _Source(src, name) as source:
         limits.check_size(source.width, source.height)
+        limits.frame_pixels = source.width * source.height
         if source.reported_frames > 0:
             count, origin = source.reported_frames, "container"
             limits.check_length(count, source.fps)
@@ -353,6 +367,7 @@ def _decode_selected(src: VideoInput, name: str, indices: Sequence[int], limits:
             pos, decoded = 0, 0
             for i, frame in enumerate(frames):
                 decoded = i + 1
+                limits.check_time()
                 if indices[pos] != i:
                     continue
                 limits.check_size(frame.width, frame.height)
@@ -388,6 +403,7 @@ def _chunk_items(src: VideoInput, name: str, info: VideoInfo, indices: list[int]
     for image in _decode_selected(src, name, indices, limits):
         buffer.append(image)
         if len(buffer) == chunk_size:
+            limits.check_time()
             flush()
     if buffer:
         flush()
@@ -398,14 +414,18 @@ def preprocess_video(path: VideoInput, *, max_frames: Optional[int] = MAX_FRAMES
                      max_duration_s: Optional[float] = MAX_DURATION_S,
                      max_frame_pixels: Optional[int] = MAX_FRAME_PIXELS, sample_fps: Optional[float] = None,
                      chunk_size: Optional[int] = None, patch_limit: Optional[int] = None,
-                     processing: ProcessorConfig | str | None = None, name: Optional[str] = None) -> MediaBatch:
+                     processing: ProcessorConfig | str | None = None, name: Optional[str] = None,
+                     deadline: Optional[float] = None, max_decoded_pixels: Optional[int] = None) -> MediaBatch:
     """Decode, sample and chunk a video (a path or its bytes) into a MediaBatch: one item per chunk.
 
     `processing` is the model's preprocessing (default K2.x's); `sample_fps`, `chunk_size` (frames per chunk)
     and `patch_limit` (per frame) override its values. `timestamps[i]` is chunk i's start, `sources[i]` is
     `"{path}#chunk{i}"`. Raises MediaError naming the file (or `name`, how messages call the input) for
     unreadable, empty or frameless videos, for videos beyond a limit and for a model whose processor takes images
-    only; ConfigError for a bad option.
+    only; ConfigError for a bad option. `deadline` (a `time.monotonic()` value): decoding stops with a MediaError
+    once it has passed, so work nobody waits for any more does not go on. `max_decoded_pixels` bounds the
+    decoding work (every frame is decoded, sampled or not): checked from the container's frame count before
+    decoding, else while counting.
     """
     proc = processing_of(processing)
     sample_fps = proc.sample_fps if sample_fps is None else sample_fps
@@ -416,6 +436,7 @@ def preprocess_video(path: VideoInput, *, max_frames: Optional[int] = MAX_FRAMES
     if not proc.accepts_video:
         raise MediaError(f"{name}: this model's processor ({proc.processor}) accepts images only, as its published "
                          "code does; videos cannot be encoded for it", name)
+    limits.deadline, limits.max_decoded_pixels = deadline, max_decoded_pixels
     with _naming(name):
         return _preprocess(path, name, limits, sample_fps, chunk_size, patch_limit, proc)
 
