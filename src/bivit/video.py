@@ -47,6 +47,7 @@ from __future__ import annotations
 import io
 import math
 import os
+import time
 from datetime import datetime, timezone
 from contextlib import contextmanager
 from dataclasses import dataclass
