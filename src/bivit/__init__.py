@@ -9,10 +9,11 @@ from .dataset import open_dataset
 from .encoder import Encoder, load_encoder
 from .errors import BivitError, CheckpointError, ConfigError, MediaError
 from .media import MediaBatch, image_token_count
+from .train import TrainableModel, load_model
 from .video import VideoChunk
 
 __all__ = [
     "BivitError", "Client", "open_dataset", "CheckpointError", "ConfigError", "Encoder", "MediaBatch", "MediaError", "image_token_count",
-    "load_encoder", "VideoChunk",
+    "load_encoder", "load_model", "TrainableModel", "VideoChunk",
 ]
 __version__ = "0.1.0"

@@ -154,24 +154,64 @@ class Encoder:
         return passes
 
     def _validate(self, pixels: torch.Tensor, grid_thw: torch.Tensor) -> None:
-        p = self.config.patch_size
-        if pixels.ndim != 4 or tuple(pixels.shape[1:]) != (3, p, p):
-            raise MediaError(f"pixel_values must be [L, 3, {p}, {p}], got {list(pixels.shape)}")
-        if (grid_thw <= 0).any():
-            raise MediaError(f"grid_thw entries must be positive, got {grid_thw.tolist()}")
-        if ((grid_thw[:, 1:] % 2) != 0).any():
-            raise MediaError(f"grid h and w must be even (2x2 merge), got {grid_thw.tolist()}")
-        if (grid_thw[:, 0] > self.config.pos_emb_time).any():
-            raise MediaError(f"chunks hold at most {self.config.pos_emb_time} frames, got {grid_thw.tolist()}")
-        total = int(grid_thw.prod(-1).sum())
-        if total != pixels.shape[0]:
-            raise MediaError(f"grid_thw describes {total} patches but pixel_values has {pixels.shape[0]}")
+        check_pixels(self.config, pixels, grid_thw)
+
+
+def check_pixels(config: ModelConfig, pixels: torch.Tensor, grid_thw: torch.Tensor) -> None:
+    """Raise MediaError unless `pixels` `[L, 3, p, p]` and `grid_thw` `[n, 3]` describe valid packed items."""
+    p = config.patch_size
+    if pixels.ndim != 4 or tuple(pixels.shape[1:]) != (3, p, p):
+        raise MediaError(f"pixel_values must be [L, 3, {p}, {p}], got {list(pixels.shape)}")
+    if (grid_thw <= 0).any():
+        raise MediaError(f"grid_thw entries must be positive, got {grid_thw.tolist()}")
+    if ((grid_thw[:, 1:] % 2) != 0).any():
+        raise MediaError(f"grid h and w must be even (2x2 merge), got {grid_thw.tolist()}")
+    if (grid_thw[:, 0] > config.pos_emb_time).any():
+        raise MediaError(f"chunks hold at most {config.pos_emb_time} frames, got {grid_thw.tolist()}")
+    total = int(grid_thw.prod(-1).sum())
+    if total != pixels.shape[0]:
+        raise MediaError(f"grid_thw describes {total} patches but pixel_values has {pixels.shape[0]}")
 
 
 def _as_list(inputs: Any) -> list:
     if isinstance(inputs, (str, os.PathLike, bytes)) or not isinstance(inputs, Sequence):
         return [inputs]
     return list(inputs)
+
+
+def build_model(model: str | os.PathLike | None, *, device: torch.device, dtype: torch.dtype,
+                projector_dtype: torch.dtype, seed: int = DEMO_SEED,
+                cls: type[VisionModel] = VisionModel) -> tuple[VisionModel, str, bool]:
+    """Read a checkpoint directory (or make the demo model) into `cls` -> (model, name, is_demo).
+
+    The one loading path of `load_encoder` and `bivit.load_model`: both see the same weights in the same dtypes.
+    """
+    if model is None or str(model) == "demo":
+        cfg = PRESETS["demo"]
+        state = random_state_dict(cfg, seed)
+        name, is_demo = "demo", True
+        log.warning(DEMO_NOTICE)
+    else:
+        path = Path(model)
+        if not path.is_dir():
+            raise BivitError(f"{path}: model must be a checkpoint directory (or None for the demo model)")
+        cfg = load_config(path)
+        state = load_state_dict(path, cfg)
+        name, is_demo = str(path), False
+
+    with torch.device("meta"):
+        net = cls(cfg)
+    net.load_state_dict(state, strict=True, assign=True)
+    net.vision_tower.to(device=device, dtype=dtype)
+    net.mm_projector.to(device=device, dtype=projector_dtype)
+    return net, name, is_demo
+
+
+def parse_device(device: str | torch.device) -> torch.device:
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ConfigError(f"option 'device' = {device!r}: {e}") from None
 
 
 def load_encoder(model: str | os.PathLike | None = None, *, device: str | torch.device = "cpu",
@@ -192,30 +232,9 @@ def load_encoder(model: str | os.PathLike | None = None, *, device: str | torch.
     out_dtype = parse_dtype(output_dtype, "output_dtype") or proj_dtype
     if max_batch_tokens is not None and (not isinstance(max_batch_tokens, int) or max_batch_tokens < 1):
         raise ConfigError(f"option 'max_batch_tokens' = {max_batch_tokens!r}: expected a positive integer")
-    try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise ConfigError(f"option 'device' = {device!r}: {e}") from None
-
-    if model is None or str(model) == "demo":
-        cfg = PRESETS["demo"]
-        state = random_state_dict(cfg, seed)
-        name, is_demo = "demo", True
-        log.warning(DEMO_NOTICE)
-    else:
-        path = Path(model)
-        if not path.is_dir():
-            raise BivitError(f"{path}: model must be a checkpoint directory (or None for the demo model)")
-        cfg = load_config(path)
-        state = load_state_dict(path, cfg)
-        name, is_demo = str(path), False
-
-    with torch.device("meta"):
-        net = VisionModel(cfg)
-    net.load_state_dict(state, strict=True, assign=True)
+    device = parse_device(device)
+    net, name, is_demo = build_model(model, device=device, dtype=tower_dtype, projector_dtype=proj_dtype, seed=seed)
     net.requires_grad_(False)  # an inference engine: no autograd bookkeeping, ever
-    net.vision_tower.to(device=device, dtype=tower_dtype)
-    net.mm_projector.to(device=device, dtype=proj_dtype)
     if batch_invariant:
         # Prove now, not on the first request, that the pinned GEMMs are row-position invariant here.
         ops.self_check(gemms(net))

@@ -55,6 +55,7 @@ def grids(grid_thw: torch.Tensor) -> list[tuple[int, int, int]]:
 # ------------------------------------------------------------------------------------------ position terms
 
 @lru_cache(maxsize=256)
+@torch.inference_mode(False)  # cached tables are shared with autograd forwards, which must be able to save them
 def _rope_cos_sin(h: int, w: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin `[h*w, head_dim/2]` (fp32) of the 2-D RoPE: complex slot 2i turns with the column, 2i+1 with the row.
 
@@ -108,16 +109,21 @@ class PositionEmbedding(nn.Module):
 
     def spatial(self, h: int, w: int) -> torch.Tensor:
         """The learned table resampled to an h x w grid, `[h*w, D]` in fp32 (exact when the sizes match)."""
-        key = (h, w)
+        if torch.is_grad_enabled() and self.weight.requires_grad:
+            return self._resample(h, w)  # training: recomputed, so gradients reach the table and never go stale
+        key = (h, w, self.weight._version)  # an in-place weight update invalidates the cached tables
         if key not in self._cache:
-            table = self.weight.float()
-            if (h, w) != tuple(table.shape[:2]):
-                table = F.interpolate(table.permute(2, 0, 1)[None], size=(h, w), mode=self.mode,
-                                      align_corners=False)[0].permute(1, 2, 0)
             if len(self._cache) > 256:
                 self._cache.clear()
-            self._cache[key] = table.reshape(h * w, -1)
+            self._cache[key] = self._resample(h, w)
         return self._cache[key]
+
+    def _resample(self, h: int, w: int) -> torch.Tensor:
+        table = self.weight.float()
+        if (h, w) != tuple(table.shape[:2]):
+            table = F.interpolate(table.permute(2, 0, 1)[None], size=(h, w), mode=self.mode,
+                                  align_corners=False)[0].permute(1, 2, 0)
+        return table.reshape(h * w, -1)
 
     def _apply(self, fn, recurse=True):  # a dtype/device change invalidates the resampled tables
         self._cache = {}
@@ -177,9 +183,10 @@ class Block(nn.Module):
         return self.wo(ops.attention(qk[:, 0], qk[:, 1], qkv[:, 2], seqlens))
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], seqlens: list[int]) -> torch.Tensor:
-        # In-place residual adds: the residual stream belongs to the encoder's forward, nobody else holds it.
-        x = x.add_(self.attention(self.norm0(x), rope, seqlens))
-        return x.add_(self.mlp(self.norm1(x)))
+        # Residual adds in place unless autograd records (it needs x): one allocation less per add in `encode`.
+        add = torch.add if torch.is_grad_enabled() else torch.Tensor.add_
+        x = add(x, self.attention(self.norm0(x), rope, seqlens))
+        return add(x, self.mlp(self.norm1(x)))
 
 
 class Encoder(nn.Module):
@@ -188,12 +195,16 @@ class Encoder(nn.Module):
         self.head_dim, self.theta = cfg.head_dim, cfg.rope_theta
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
         self.final_layernorm = make_norm(cfg, cfg.hidden_size)
+        self.checkpoint_blocks = False  # training: recompute each block's activations in backward
 
     def forward(self, x: torch.Tensor, grid_thw: list[tuple[int, int, int]]) -> torch.Tensor:
         rope = rope_tables(grid_thw, self.head_dim, self.theta)
         seqlens = [t * h * w for t, h, w in grid_thw]  # an item's frames attend jointly, to nothing else
         for block in self.blocks:
-            x = block(x, rope, seqlens)
+            if self.checkpoint_blocks and torch.is_grad_enabled():
+                x = ops.checkpoint(block, x, rope, seqlens)
+            else:
+                x = block(x, rope, seqlens)
         return self.final_layernorm(x)
 
 

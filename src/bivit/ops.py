@@ -18,6 +18,17 @@ in a way that does not depend on which other rows share the call:
 
 Every op returns exactly the dtype the op it replaces returns (never a silently promoted float32): that is
 the dtype contract that vLLM's invariant `mean` broke on Kimi-K2.6 (issue 41638).
+
+Every op is differentiable in both modes. Where the invariant path calls a kernel that autograd cannot see
+through (the pre-packed GEMM, the chunked GELU) or whose stock backward is not invariant (LayerNorm's weight
+gradient is summed in per-thread partials), a `torch.autograd.Function` supplies the backward, computed the
+invariant way too: the input gradient of a GEMM (`grad_x = grad_y @ W`) runs at the same pinned tiles, so an
+item's input gradient does not depend on its batch; weight gradients sum over the batch (by definition they
+depend on it) but in a fixed order, so they do not depend on the thread count. Without autograd (`encode`
+runs under `inference_mode`) the Functions are skipped: the fast path stays the fast path.
+
+Private PyTorch entry points (oneDNN's pre-packed GEMM, GELU with `out=`) are optional: if one is missing or
+raises, bivit logs it once and uses the public op, which computes the same bits at the same shape.
 """
 
 from __future__ import annotations
@@ -91,7 +102,8 @@ class GemmPlan:
 class _Plans:
     lock: threading.Lock = field(default_factory=threading.Lock)
     by_shape: dict[tuple, GemmPlan] = field(default_factory=dict)
-    # bf16 weights pre-packed once into oneDNN's blocked layout, per weight tensor (dropped with it).
+    # bf16 weights pre-packed into oneDNN's blocked layout, per (weight tensor, transposed?) -> (version, packed):
+    # dropped with the weight, re-packed when the weight is updated in place (optimizer step, update_weights).
     packed: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)
 
 
@@ -102,34 +114,74 @@ _plans = _Plans()
 PACK_BF16 = True
 
 
+def _private(namespace, name: str) -> Callable | None:
+    """A private PyTorch entry point, or None when this build lacks it or an earlier call raised."""
+    if name in _broken:
+        return None
+    fn = getattr(namespace, name, None)
+    return fn if callable(fn) else None
+
+
+_broken: set[str] = set()
+
+
+def _give_up(name: str, error: Exception) -> None:
+    if name not in _broken:
+        _broken.add(name)
+        log.warning("bivit: %s failed (%s); using the public op instead (same results, slower)", name, error)
+
+
 def _can_pack(weight: torch.Tensor) -> bool:
-    return (PACK_BF16 and weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise") and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    return (PACK_BF16 and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
+            and torch.backends.mkldnn.is_available()
+            and _private(torch.ops.mkldnn, "_linear_pointwise") is not None
+            and _private(torch.ops.mkldnn, "_reorder_linear_weight") is not None)
+
+
+def _version(t: torch.Tensor) -> int:
+    try:
+        return t._version
+    except RuntimeError:  # an inference tensor: cannot be updated in place outside inference mode
+        return -1
+
+
+class _PrivateOpFailed(Exception):
+    """A private kernel raised; the whole op is recomputed with public ones."""
 
 
 class _Gemm:
-    """The one GEMM call of invariant mode for one weight; the probe proves facts about exactly this call.
+    """The one GEMM call of invariant mode, `x @ weight.t()`; the probe proves facts about exactly this call.
 
     bf16 weights are packed once (oneDNN's blocked layout for the pinned tile): stock `F.linear` re-packs the
     weight on every call, which at a 256-row tile costs about as much as the multiply itself. The packed call
-    computes the same bits as `F.linear` at the same shape; fp32 keeps MKL's GEMM.
+    computes the same bits as `F.linear` at the same shape; fp32 keeps MKL's GEMM. `key` is the tensor the
+    packed copy belongs to (the Linear or conv weight); `transposed` says `weight` is that tensor's transpose
+    (the input-gradient GEMM), which gets its own packed copy.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, key: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, key: torch.Tensor,
+                 transposed: bool = False) -> None:
         self.weight, self.bias, self.packed = weight, bias, None
         if _can_pack(weight):
-            self.packed = _plans.packed.get(key)
-            if self.packed is None:
+            slot = _plans.packed.setdefault(key, {})
+            version, packed = slot.get(transposed, (None, None))
+            if version != _version(key):
                 try:
-                    self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, CANDIDATE_TILES[-1])
-                except RuntimeError:  # an old or odd oneDNN build: the plain GEMM is just as exact
-                    self.packed = None
-                else:
-                    _plans.packed[key] = self.packed
+                    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(),
+                                                                     CANDIDATE_TILES[-1])
+                except Exception as e:  # an old or odd oneDNN build: the plain GEMM is just as exact
+                    _give_up("_reorder_linear_weight", e)
+                    packed = None
+                slot[transposed] = (_version(key), packed)
+            self.packed = packed
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            try:
+                return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            except Exception as e:
+                _give_up("_linear_pointwise", e)
+                raise _PrivateOpFailed from e
         if self.bias is None:
             return torch.mm(x, self.weight.t())
         return torch.addmm(self.bias, x, self.weight.t())
@@ -159,7 +211,7 @@ def _probe(gemm: _Gemm) -> GemmPlan:
 def gemm_plan(gemm: _Gemm) -> GemmPlan:
     """The proven plan for GEMMs of this weight's shape, dtype, device and kernel (probed once, then cached)."""
     w = gemm.weight
-    key = (w.shape[0], w.shape[1], w.dtype, w.device, gemm.bias is None, gemm.packed is not None)
+    key = (w.shape[0], w.shape[1], w.stride(), w.dtype, w.device, gemm.bias is None, gemm.packed is not None)
     plan = _plans.by_shape.get(key)
     if plan is None:
         with _plans.lock:
@@ -182,12 +234,19 @@ def self_check(gemms: Sequence[tuple[torch.Tensor, torch.Tensor | None]]) -> lis
         return [gemm_plan(_Gemm(w.reshape(w.shape[0], -1), b, w)) for w, b in gemms]
 
 
-def _invariant_linear(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                      key: torch.Tensor) -> torch.Tensor:
+def _tiled(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, key: torch.Tensor,
+           transposed: bool = False) -> torch.Tensor:
+    """`x2 @ weight.t() + bias` computed at the pinned tile sizes only: each row's bits depend on that row alone."""
+    try:
+        return _tiled_with(_Gemm(weight, bias, key, transposed), x2)
+    except _PrivateOpFailed:  # the private kernel is now switched off: the public GEMM, probed afresh
+        return _tiled_with(_Gemm(weight, bias, key, transposed), x2)
+
+
+def _tiled_with(gemm: _Gemm, x2: torch.Tensor) -> torch.Tensor:
     m, k = x2.shape
-    gemm = _Gemm(weight, bias, key)
     plan = gemm_plan(gemm)
-    out = x2.new_empty(m, weight.shape[0])
+    out = x2.new_empty(m, gemm.weight.shape[0])
     if plan.exact_fallback:
         for i in range(m):
             out[i:i + 1] = gemm(x2[i:i + 1])
@@ -203,6 +262,40 @@ def _invariant_linear(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         pad[:m - full] = x2[full:]
         out[full:] = gemm(pad)[:m - full]
     return out
+
+
+class _InvariantLinear(torch.autograd.Function):
+    """`x2 @ weight.t() + bias` at pinned tiles, forward and input gradient; `key` owns the packed copies."""
+
+    @staticmethod
+    def forward(ctx, x2, weight, bias, key):
+        ctx.save_for_backward(x2, weight, key)
+        ctx.has_bias = bias is not None
+        return _tiled(x2, weight.detach(), None if bias is None else bias.detach(), key)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x2, weight, key = ctx.saved_tensors
+        grad = grad.contiguous()
+        gx = gw = gb = None
+        if ctx.needs_input_grad[0]:
+            gx = _tiled(grad, weight.detach().t(), None, key, transposed=True)
+        if ctx.needs_input_grad[1]:
+            gw = grad.t().mm(x2)  # sums over the batch; one GEMM of a fixed shape, whatever the threads
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            gb = grad.sum(0, dtype=torch.float32).to(grad.dtype)  # per column, rows added in order
+        return gx, gw, gb, None
+
+
+def _needs_grad(*tensors: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _invariant_linear(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      key: torch.Tensor) -> torch.Tensor:
+    if _needs_grad(x2, weight, bias):
+        return _InvariantLinear.apply(x2, weight, bias, key)
+    return _tiled(x2, weight, bias, key)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -228,8 +321,39 @@ def patch_conv(pixels: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
     # The CPU kernel normalises each row on its own with one code path whatever the row count (verified by
-    # the invariance tests), so both modes share it.
+    # the invariance tests), so both modes share its forward. Its backward sums the weight gradient in
+    # per-thread partials (different bits at 1 and 2 threads), hence the Function in invariant mode.
+    if _invariant.get() and _needs_grad(x, weight, bias):
+        return _emit("layer_norm", _InvariantLayerNorm.apply(x, weight, bias, eps))
     return _emit("layer_norm", F.layer_norm(x, (x.shape[-1],), weight, bias, eps))
+
+
+class _InvariantLayerNorm(torch.autograd.Function):
+    """LayerNorm over the last dim: the stock kernel forward and input gradient (row by row), weight and bias
+    gradients summed over rows in a fixed order in float32."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps):
+        d = x.shape[-1]
+        x2 = x.reshape(-1, d)
+        y, mean, rstd = torch.native_layer_norm(x2, (d,), weight, bias, eps)
+        ctx.save_for_backward(x2, weight, bias, mean, rstd)
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x2, weight, bias, mean, rstd = ctx.saved_tensors
+        d = x2.shape[-1]
+        g2 = grad.reshape(-1, d).contiguous()
+        gx = gw = gb = None
+        if ctx.needs_input_grad[0]:
+            gx = torch.ops.aten.native_layer_norm_backward(g2, x2, (d,), mean, rstd, weight, bias,
+                                                           [True, False, False])[0].view(grad.shape)
+        if weight is not None and ctx.needs_input_grad[1]:
+            gw = (g2.float() * ((x2.float() - mean) * rstd)).sum(0).to(weight.dtype)
+        if bias is not None and ctx.needs_input_grad[2]:
+            gb = g2.sum(0, dtype=torch.float32).to(bias.dtype)
+        return gx, gw, gb, None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float | None) -> torch.Tensor:
@@ -245,24 +369,63 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float | None) -> torch.
 POINTWISE_CHUNK = 2 * 32768
 
 
-def _chunked_pointwise(fn: Callable[..., torch.Tensor], x: torch.Tensor, **kwargs) -> torch.Tensor:
-    flat = x.contiguous().view(-1)
-    out = torch.empty_like(flat)
-    n = flat.numel()
+def _chunked_pointwise(fn: Callable[..., torch.Tensor], *xs: torch.Tensor, out_fn: Callable | None = None,
+                       **kwargs) -> torch.Tensor:
+    """`fn(*xs, **kwargs)` elementwise over same-shaped tensors, in calls of exactly POINTWISE_CHUNK elements.
+
+    `out_fn(*chunks, **kwargs, out=...)`, when given, writes full chunks in place (no temporary per chunk).
+    """
+    flats = [x.contiguous().view(-1) for x in xs]
+    out = torch.empty_like(flats[0])
+    n = out.numel()
     full = n - n % POINTWISE_CHUNK
     for start in range(0, full, POINTWISE_CHUNK):
-        fn(flat[start:start + POINTWISE_CHUNK], **kwargs, out=out[start:start + POINTWISE_CHUNK])
+        chunks = [f[start:start + POINTWISE_CHUNK] for f in flats]
+        if out_fn is not None:
+            out_fn(*chunks, **kwargs, out=out[start:start + POINTWISE_CHUNK])
+        else:
+            out[start:start + POINTWISE_CHUNK] = fn(*chunks, **kwargs)
     if n > full:
-        pad = flat.new_zeros(POINTWISE_CHUNK)
-        pad[:n - full] = flat[full:]
-        out[full:] = fn(pad, **kwargs)[:n - full]
-    return out.view(x.shape)
+        pads = []
+        for f in flats:
+            pad = f.new_zeros(POINTWISE_CHUNK)
+            pad[:n - full] = f[full:]
+            pads.append(pad)
+        out[full:] = fn(*pads, **kwargs)[:n - full]
+    return out.view(xs[0].shape)
+
+
+def _chunked_gelu(x: torch.Tensor, approximate: str) -> torch.Tensor:
+    out_fn = _private(torch._C._nn, "gelu")
+    if out_fn is not None:
+        try:
+            return _chunked_pointwise(F.gelu, x, out_fn=out_fn, approximate=approximate)
+        except Exception as e:  # recomputed whole below: F.gelu at the same chunk size gives the same bits
+            _give_up("torch._C._nn.gelu", e)
+    return _chunked_pointwise(F.gelu, x, approximate=approximate)
+
+
+class _InvariantGelu(torch.autograd.Function):
+    """GELU in fixed-size chunks, forward and backward (both have vector/scalar rounding differences)."""
+
+    @staticmethod
+    def forward(ctx, x, approximate):
+        ctx.save_for_backward(x)
+        ctx.approximate = approximate
+        return _chunked_gelu(x, approximate)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return _chunked_pointwise(torch.ops.aten.gelu_backward, grad, x, approximate=ctx.approximate), None
 
 
 def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     if not _invariant.get():
         return _emit("gelu", F.gelu(x, approximate=approximate))
-    return _emit("gelu", _chunked_pointwise(torch._C._nn.gelu, x, approximate=approximate))
+    if _needs_grad(x):
+        return _emit("gelu", _InvariantGelu.apply(x, approximate))
+    return _emit("gelu", _chunked_gelu(x, approximate))
 
 
 # --------------------------------------------------------------------------------------------- per-item ops
@@ -295,3 +458,18 @@ def temporal_mean(x: torch.Tensor) -> torch.Tensor:
     for f in range(1, x.shape[0]):
         acc += x[f]
     return _emit("temporal_mean", (acc / x.shape[0]).to(x.dtype))
+
+
+# --------------------------------------------------------------------------------------------- training
+
+def checkpoint(fn: Callable[..., torch.Tensor], *args) -> torch.Tensor:
+    """`fn(*args)` with activation checkpointing: the recomputation in backward runs in the mode of the forward."""
+    from torch.utils.checkpoint import checkpoint as _checkpoint
+
+    mode = _invariant.get()
+
+    def run(*a):
+        with batch_invariant(mode):
+            return fn(*a)
+
+    return _checkpoint(run, *args, use_reentrant=False)
