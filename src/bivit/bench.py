@@ -494,11 +494,18 @@ def _rel_diff(a: Sequence[np.ndarray], b: Sequence[np.ndarray]) -> dict[str, flo
     return {"max_rel": float(d.max()) / scale, "mean_rel": float(d.mean()) / scale}
 
 
+# CPU features that decide which bf16 GEMM and attention kernels run (AMX tiles or AVX-512 BF16 dot products).
+CPU_FLAGS = ("amx_bf16", "amx_tile", "avx512_bf16", "avx512f")
+
+
 def environment(threads: int) -> dict:
-    cpu = platform.processor()
+    cpu, flags = platform.processor(), []
     try:
         with open("/proc/cpuinfo") as f:
-            cpu = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), cpu)
+            info = f.read().splitlines()
+        cpu = next((l.split(":", 1)[1].strip() for l in info if l.startswith("model name")), cpu)
+        present = set(next((l.split(":", 1)[1].split() for l in info if l.startswith("flags")), []))
+        flags = [f for f in CPU_FLAGS if f in present]
     except OSError:
         pass
     try:
@@ -515,8 +522,16 @@ def environment(threads: int) -> dict:
         git = None
     return {"python": platform.python_version(), "torch": torch.__version__, "transformers": tf_version,
             "git_head": git,
-            "cpu": cpu, "cpu_count": os.cpu_count(), "threads": threads,
+            "cpu": cpu, "cpu_flags": flags, "cpu_count": os.cpu_count(), "threads": threads,
             "loadavg": os.getloadavg() if hasattr(os, "getloadavg") else None}
+
+
+def cpu_flags_text(env: dict) -> str:
+    """'amx_bf16: no, avx512_bf16: yes' for a report line."""
+    have = env.get("cpu_flags")
+    if have is None:
+        return "CPU flags unknown"
+    return ", ".join(f"{f}: {'yes' if f in have else 'no'}" for f in ("amx_bf16", "avx512_bf16"))
 
 
 def command_line() -> str:
@@ -737,7 +752,7 @@ def format_report(record: dict, summary: dict | None = None) -> str:
     summary = summary or summarize(record)
     env = record["env"]
     lines = [f"bivit bench: preset {record['preset']}, {env['threads']} threads, torch {env['torch']}, "
-             f"transformers {env['transformers']}, CPU {env['cpu']}; {record['repeats']} interleaved repeat(s) "
+             f"transformers {env['transformers']}, CPU {env['cpu']} ({cpu_flags_text(env)}); {record['repeats']} interleaved repeat(s) "
              f"(+{record['warmup']} warm-up), medians; load average {_fmt_load(env.get('loadavg'))} -> "
              f"{_fmt_load(env.get('loadavg_end'))}"]
     for name, reason in record["skipped"].items():
