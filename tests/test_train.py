@@ -319,3 +319,64 @@ def test_ddp_gloo_two_processes_outputs_are_the_served_bits(kimi_ckpt, tmp_path)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
     assert r0["same"] and all(r0["same"]) and r1["same"] and all(r1["same"])
     assert all(torch.equal(r0["grads"][k], r1["grads"][k]) for k in r0["grads"])  # averaged across ranks
+
+
+# ------------------------------------------------------------------------------ weight sync
+
+def _optimizer_step(trainer, items, lr=1e-2):
+    opt = torch.optim.SGD(trainer.parameters(), lr=lr)
+    train_step(trainer, items)
+    opt.step()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_update_weights_serves_the_trainers_new_bits(paths, dtype, tmp_path):
+    from bivit.checkpoint import save_checkpoint
+
+    enc = bivit.load_encoder(paths["kimi"], dtype=dtype)
+    trainer = bivit.load_model(paths["kimi"], dtype=dtype)
+    items = [_item(4, 2), _item(5, 2), _item(0, 2)]
+    before, fp_before = [enc.encode_batch(it)[0] for it in items], enc.fingerprint
+    _optimizer_step(trainer, items)
+    fp_after = enc.update_weights(trainer.state_dict())
+    assert fp_after != fp_before and enc.fingerprint == fp_after
+    after = [enc.encode_batch(it)[0] for it in items]
+    with torch.no_grad():
+        trained = trainer(MediaBatch.concat(items).pixel_values, MediaBatch.concat(items).grid_thw)
+    assert all(torch.equal(a, t) for a, t in zip(after, trained))  # packed copies and tables were refreshed
+    assert all(not torch.equal(a, b) for a, b in zip(after, before))
+    # A fresh load of the same weights: the same bits and the same fingerprint.
+    save_checkpoint(tmp_path, enc.config, trainer.state_dict(), dtype=enc.dtype)
+    fresh = bivit.load_encoder(tmp_path, dtype=dtype)
+    assert fresh.fingerprint == fp_after
+    assert all(torch.equal(fresh.encode_batch(it)[0], a) for it, a in zip(items, after))
+
+
+def _bad_updates(state):
+    key = "vision_tower.encoder.blocks.1.mlp.fc0.weight"
+    extra = dict(state, **{"vision_tower.extra.weight": torch.zeros(3)})
+    missing = {k: v for k, v in state.items() if k != key}
+    nan, inf = state[key].clone(), state[key].clone()
+    nan[3, 5], inf[0, 0] = float("nan"), float("-inf")
+    return {
+        "missing": (missing, key), "extra": (extra, "vision_tower.extra.weight"),
+        "shape": (dict(state, **{key: state[key][:, :-1]}), key),
+        "dtype": (dict(state, **{key: state[key].to(torch.float16)}), key),
+        "nan": (dict(state, **{key: nan}), key), "inf": (dict(state, **{key: inf}), key),
+        "not a tensor": (dict(state, **{key: state[key].tolist()}), key),
+    }
+
+
+@pytest.mark.parametrize("case", ["missing", "extra", "shape", "dtype", "nan", "inf", "not a tensor"])
+def test_bad_weight_update_is_refused_whole_and_names_the_key(paths, case):
+    enc = bivit.load_encoder(paths["kimi"], dtype="bfloat16")
+    trainer = bivit.load_model(paths["kimi"], dtype="bfloat16")
+    _optimizer_step(trainer, [_item(3, 0)])
+    item = _item(4, 0)
+    before, fp = enc.encode_batch(item)[0], enc.fingerprint
+    weights = {k: v.clone() for k, v in enc.model.state_dict().items()}
+    bad, key = _bad_updates(trainer.state_dict())[case]
+    with pytest.raises(bivit.CheckpointError, match=key.replace(".", r"\.")):
+        enc.update_weights(bad)
+    assert enc.fingerprint == fp and torch.equal(enc.encode_batch(item)[0], before)
+    assert all(torch.equal(v, weights[k]) for k, v in enc.model.state_dict().items())  # nothing half-copied
