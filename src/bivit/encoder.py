@@ -13,14 +13,14 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
 from . import ops
-from .checkpoint import load_state_dict, random_state_dict
+from .checkpoint import all_finite, load_state_dict, random_state_dict
 from .config import PRESETS, ModelConfig, load_config
-from .errors import BivitError, ConfigError, MediaError
+from .errors import BivitError, CheckpointError, ConfigError, MediaError
 from .media import MediaBatch, preprocess_images
 from .model import VisionModel, gemms
 from .video import is_video_path, preprocess_video, video_chunks
@@ -90,6 +90,43 @@ class Encoder:
         return (f"Encoder({self.model_name!r}{' [DEMO weights]' if self.is_demo else ''}, "
                 f"dtype={dtype_name(self.dtype)}, projector_dtype={dtype_name(self.projector_dtype)}, "
                 f"output_dtype={dtype_name(self.output_dtype)}, batch_invariant={self.batch_invariant})")
+
+    # ----------------------------------------------------------------------------------- weight sync
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor], *, source: str = "weight update") -> str:
+        """Replace every vision/projector weight at once (e.g. from a trainer's `state_dict()`) -> new fingerprint.
+
+        All or nothing: the update must hold exactly the model's tensors, by checkpoint name, each with the
+        model's shape and dtype (no silent casts: the served bits must be the trainer's) and finite; otherwise
+        a CheckpointError names `source` and the first offending key and the old weights stay. Not re-entrant
+        with `encode`: call it between forward passes (the server serialises both).
+        """
+        current = self.model.state_dict()
+        missing = sorted(set(current) - set(state_dict))
+        if missing:
+            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+            raise CheckpointError(f"{source}: missing tensor {missing[0]!r}{more}; an update replaces every weight")
+        unexpected = sorted(set(state_dict) - set(current))
+        if unexpected:
+            raise CheckpointError(f"{source}: unexpected tensor {unexpected[0]!r} (not a weight of this model)")
+        for key, old in current.items():
+            new = state_dict[key]
+            if not isinstance(new, torch.Tensor):
+                raise CheckpointError(f"{source}: {key!r} is a {type(new).__name__}, not a tensor")
+            if new.shape != old.shape:
+                raise CheckpointError(f"{source}: {key!r} has shape {tuple(new.shape)}, the model's is "
+                                      f"{tuple(old.shape)}")
+            if new.dtype != old.dtype:
+                raise CheckpointError(f"{source}: {key!r} is {dtype_name(new.dtype)}, the model computes it in "
+                                      f"{dtype_name(old.dtype)}")
+            if not all_finite(new):
+                raise CheckpointError(f"{source}: {key!r} contains NaN or Inf")
+        with torch.no_grad():
+            for key, old in current.items():
+                old.copy_(state_dict[key])  # in place: bumps the version that packed copies and tables key on
+        self._fingerprint = None
+        if self.batch_invariant:
+            ops.self_check(gemms(self.model))  # re-pack now rather than on the next request
+        return self.fingerprint
 
     # ---------------------------------------------------------------------------------- preprocessing
     def preprocess(self, images: Sequence[Any]) -> MediaBatch:

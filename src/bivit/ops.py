@@ -38,13 +38,14 @@ import logging
 import threading
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, Sequence, TypeVar
 
 import torch
 import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
 log = logging.getLogger("bivit")
+T = TypeVar("T")
 
 # Row counts GEMMs may run at in invariant mode, ascending; the last is the main tile. 256 rows reach the
 # GEMM's full speed on our CPUs (128 rows are ~13% slower in bf16); 64 keeps tail padding small.
@@ -231,16 +232,21 @@ def self_check(gemms: Sequence[tuple[torch.Tensor, torch.Tensor | None]]) -> lis
     `weight` is a Linear weight `[out, in]` or a patch-conv weight `[out, C, p, p]`.
     """
     with torch.no_grad():
-        return [gemm_plan(_Gemm(w.reshape(w.shape[0], -1), b, w)) for w, b in gemms]
+        return [_retrying(lambda: gemm_plan(_Gemm(w.reshape(w.shape[0], -1), b, w))) for w, b in gemms]
+
+
+def _retrying(call: Callable[[], T]) -> T:
+    """`call()`, and once more if a private kernel failed in it (it is switched off by then: public ops)."""
+    try:
+        return call()
+    except _PrivateOpFailed:
+        return call()
 
 
 def _tiled(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, key: torch.Tensor,
            transposed: bool = False) -> torch.Tensor:
     """`x2 @ weight.t() + bias` computed at the pinned tile sizes only: each row's bits depend on that row alone."""
-    try:
-        return _tiled_with(_Gemm(weight, bias, key, transposed), x2)
-    except _PrivateOpFailed:  # the private kernel is now switched off: the public GEMM, probed afresh
-        return _tiled_with(_Gemm(weight, bias, key, transposed), x2)
+    return _retrying(lambda: _tiled_with(_Gemm(weight, bias, key, transposed), x2))
 
 
 def _tiled_with(gemm: _Gemm, x2: torch.Tensor) -> torch.Tensor:
@@ -453,8 +459,8 @@ def temporal_mean(x: torch.Tensor) -> torch.Tensor:
     """Mean over dim 0 (the frames of one chunk), returning `x.dtype` like `torch.mean` does."""
     if not _invariant.get():
         return _emit("temporal_mean", x.mean(dim=0))
-    # Fixed order: frame 0 + frame 1 + ... in float32, one division, then back to the input dtype.
-    acc = x[0].to(torch.float32, copy=True)
+    # Fixed order: frame 0 + frame 1 + ... in float32 (or wider), one division, then back to the input dtype.
+    acc = x[0].to(torch.promote_types(x.dtype, torch.float32), copy=True)
     for f in range(1, x.shape[0]):
         acc += x[f]
     return _emit("temporal_mean", (acc / x.shape[0]).to(x.dtype))
