@@ -19,8 +19,14 @@ from .config import ModelConfig
 
 
 class Linear(nn.Linear):
+    """nn.Linear, optionally followed by GELU (`gelu` = its approximation), which bivit.ops may fuse into the GEMM."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, gelu: str | None = None) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.gelu = gelu
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(x, self.weight, self.bias)
+        return ops.linear(x, self.weight, self.bias, gelu=self.gelu)
 
 
 class LayerNorm(nn.LayerNorm):
@@ -31,15 +37,6 @@ class LayerNorm(nn.LayerNorm):
 class RMSNorm(nn.RMSNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.rms_norm(x, self.weight, self.eps)
-
-
-class GELU(nn.Module):
-    def __init__(self, approximate: str = "none") -> None:
-        super().__init__()
-        self.approximate = approximate
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.gelu(x, self.approximate)
 
 
 def make_norm(cfg: ModelConfig, dim: int) -> nn.Module:
@@ -157,12 +154,11 @@ class PatchEmbed(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.fc0 = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.linear_bias)
-        self.act = GELU("tanh")
+        self.fc0 = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.linear_bias, gelu="tanh")
         self.fc1 = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.linear_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc1(self.act(self.fc0(x)))
+        return self.fc1(self.fc0(x))  # fc1(gelu_tanh(fc0(x)))
 
 
 class Block(nn.Module):
@@ -254,7 +250,8 @@ class PatchMerger(Projector):
         super().__init__()
         d = cfg.projector_input_size * cfg.merge_area
         self.pre_norm = LayerNorm(cfg.projector_input_size, eps=cfg.projector_ln_eps)
-        self.proj = nn.Sequential(Linear(d, d), GELU(), Linear(d, cfg.text_hidden_size))
+        # proj.0 ends in GELU(erf); the parameter-less slot proj.1 keeps the checkpoint's indices.
+        self.proj = nn.Sequential(Linear(d, d, gelu="none"), nn.Identity(), Linear(d, cfg.text_hidden_size))
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(self.pre_norm(x).flatten(1))
@@ -266,7 +263,8 @@ class PatchMergerV2(Projector):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         d = cfg.projector_input_size * cfg.merge_area
-        self.proj = nn.Sequential(Linear(d, d, bias=False), GELU(), Linear(d, cfg.text_hidden_size, bias=False))
+        self.proj = nn.Sequential(Linear(d, d, bias=False, gelu="none"), nn.Identity(),
+                                  Linear(d, cfg.text_hidden_size, bias=False))
         self.post_norm = RMSNorm(cfg.text_hidden_size, eps=cfg.projector_ln_eps)
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
@@ -299,6 +297,7 @@ def flops_per_item(cfg: ModelConfig, t: int, h: int, w: int) -> int:
     return cfg.num_layers * per_layer + 2 * n * d * 3 * cfg.patch_size ** 2 + proj
 
 
-def gemms(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-    """(weight, bias) of every GEMM of the model (Linear layers and the patch conv)."""
-    return [(m.weight, m.bias) for m in model.modules() if isinstance(m, (Linear, nn.Conv2d))]
+def gemms(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor | None, str | None]]:
+    """(weight, bias, GELU after it) of every GEMM of the model (Linear layers and the patch conv)."""
+    return [(m.weight, m.bias, getattr(m, "gelu", None)) for m in model.modules()
+            if isinstance(m, (Linear, nn.Conv2d))]

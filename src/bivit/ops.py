@@ -6,12 +6,13 @@ in a way that does not depend on which other rows share the call:
 
 * GEMMs run only at pinned row counts ("tiles"). Library GEMMs pick kernels and reduction orders by shape
   (stock CPU `F.linear` computes the same row three different ways for M = 1, M in {2, 3} and M >= 4), but
-  at one fixed shape a row's result does not depend on its position or its neighbours. The rows of a call
-  are cut into tiles of the largest size in `CANDIDATE_TILES`; the tail is zero-padded up to the smallest
-  *proven* tile size. Which
-  tile sizes are allowed is decided by `self_check()` on this machine and library, at load: a tile size is
-  used only if it computes every row bit-identically to the largest tile. If even the largest tile is not
-  row-position invariant, every row is computed alone (M = 1 always: slow, exact) and the check says so.
+  at one fixed shape a row's result does not depend on its position or its neighbours. Which row counts
+  ("tiles", `CANDIDATE_TILES`) are allowed is decided by `self_check()` on this machine and library, at load:
+  the reference tile must compute moved rows bit-identically, and every other size is used only if it
+  computes every row bit-identically to the reference tile. The rows of a call are then cut into the largest
+  proven tiles, the remainder zero-padded up to a proven size. If even the reference tile is not row-position
+  invariant, every row is computed alone (M = 1 always: slow, exact) and the check says so.
+* GELU after a GEMM is fused into it (a oneDNN post-op) where available; the probe proves the fused call.
 * The patch conv is the same GEMM over flattened patches.
 * Norms are row-wise kernels; attention runs per item, so its shapes depend on the item only; the temporal
   mean adds frames in a fixed order in float32.
@@ -47,9 +48,12 @@ from torch.utils.weak import WeakIdKeyDictionary
 log = logging.getLogger("bivit")
 T = TypeVar("T")
 
-# Row counts GEMMs may run at in invariant mode, ascending; the last is the main tile. 256 rows reach the
-# GEMM's full speed on our CPUs (128 rows are ~13% slower in bf16); 64 keeps tail padding small.
-CANDIDATE_TILES = (64, 256)
+# Row counts GEMMs may run at in invariant mode, ascending. REFERENCE_TILE is the tile whose row-position
+# invariance the probe proves directly; every other size is used only if it computes each row bit-identically
+# to it. Large tiles mean few calls (each call is one OpenMP fork/join, which is what hurts on a busy machine,
+# and one output copy less when a whole input fits one call); small ones keep the zero-padding of tails small.
+CANDIDATE_TILES = (64, 128, 256, 512, 1024, 2048)
+REFERENCE_TILE = 256
 
 _invariant: ContextVar[bool] = ContextVar("bivit_batch_invariant", default=False)
 _tracer: ContextVar["Callable[[str, torch.Tensor], None] | None"] = ContextVar("bivit_tracer", default=None)
@@ -111,8 +115,10 @@ class _Plans:
 _plans = _Plans()
 
 
-# Pre-pack bf16 weights for oneDNN (an extra packed copy of those weights in memory; same bits either way).
-PACK_BF16 = True
+# Weights of these dtypes are pre-packed for oneDNN in invariant mode (an extra packed copy of the GEMM weights
+# in memory). Without packing, bf16 computes the same bits slower (stock `F.linear` packs on every call); fp32
+# falls back to MKL's GEMM, slower here and different bits (still invariant); neither fuses GELU.
+PACK_DTYPES = (torch.bfloat16, torch.float32)
 
 
 def _private(namespace, name: str) -> Callable | None:
@@ -129,11 +135,11 @@ _broken: set[str] = set()
 def _give_up(name: str, error: Exception) -> None:
     if name not in _broken:
         _broken.add(name)
-        log.warning("bivit: %s failed (%s); using the public op instead (same results, slower)", name, error)
+        log.warning("bivit: %s failed (%s); using public ops instead (still batch-invariant, slower)", name, error)
 
 
 def _can_pack(weight: torch.Tensor) -> bool:
-    return (PACK_BF16 and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
+    return (weight.dtype in PACK_DTYPES and weight.device.type == "cpu"
             and torch.backends.mkldnn.is_available()
             and _private(torch.ops.mkldnn, "_linear_pointwise") is not None
             and _private(torch.ops.mkldnn, "_reorder_linear_weight") is not None)
@@ -151,88 +157,114 @@ class _PrivateOpFailed(Exception):
 
 
 class _Gemm:
-    """The one GEMM call of invariant mode, `x @ weight.t()`; the probe proves facts about exactly this call.
+    """The one GEMM call of invariant mode, `x @ weight.t() + bias` (then GELU when `gelu` names its
+    approximation); the probe proves facts about exactly this call.
 
-    bf16 weights are packed once (oneDNN's blocked layout for the pinned tile): stock `F.linear` re-packs the
-    weight on every call, which at a 256-row tile costs about as much as the multiply itself. The packed call
-    computes the same bits as `F.linear` at the same shape; fp32 keeps MKL's GEMM. `key` is the tensor the
-    packed copy belongs to (the Linear or conv weight); `transposed` says `weight` is that tensor's transpose
-    (the input-gradient GEMM), which gets its own packed copy.
+    Weights are packed once (oneDNN's blocked layout): stock bf16 `F.linear` re-packs the weight on every
+    call, which at a 256-row tile costs about as much as the multiply itself (the packed call computes the same
+    bits); in fp32 oneDNN's packed GEMM is faster than MKL's here. With a packed weight, GELU runs as oneDNN's
+    post-op on the float32 accumulator, inside the GEMM: no second pass over the output, no separate kernel
+    calls (its bits differ from GELU of the rounded bf16 output, within rounding; both are exact per row).
+    Without one, `fuses` is False and the caller applies GELU itself. `key` is the tensor the packed copy
+    belongs to (the Linear or conv weight); `transposed` says `weight` is that tensor's transpose (the
+    input-gradient GEMM), which gets its own packed copy.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, key: torch.Tensor,
-                 transposed: bool = False) -> None:
+                 transposed: bool = False, gelu: str | None = None, pack: bool = True) -> None:
         self.weight, self.bias, self.packed = weight, bias, None
-        if _can_pack(weight):
+        if pack and _can_pack(weight):
             slot = _plans.packed.setdefault(key, {})
             version, packed = slot.get(transposed, (None, None))
             if version != _version(key):
                 try:
                     packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(),
-                                                                     CANDIDATE_TILES[-1])
+                                                                     REFERENCE_TILE)
                 except Exception as e:  # an old or odd oneDNN build: the plain GEMM is just as exact
                     _give_up("_reorder_linear_weight", e)
                     packed = None
                 slot[transposed] = (_version(key), packed)
             self.packed = packed
+        self.gelu = gelu if self.packed is not None and "_linear_pointwise+gelu" not in _broken else None
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    @property
+    def fuses(self) -> bool:
+        return self.gelu is not None
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The GEMM of `x`'s rows, into `out` when given (else a new tensor)."""
         if self.packed is not None:
             try:
-                return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+                if self.gelu is not None:
+                    y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "gelu", [], self.gelu)
+                else:
+                    y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
             except Exception as e:
-                _give_up("_linear_pointwise", e)
+                _give_up("_linear_pointwise+gelu" if self.gelu is not None else "_linear_pointwise", e)
                 raise _PrivateOpFailed from e
+            return y if out is None else out.copy_(y)
+        # MKL writes straight into `out` (a row block of the caller's output: no temporary, no copy).
+        if out is None:
+            out = x.new_empty(x.shape[0], self.weight.shape[0])
         if self.bias is None:
-            return torch.mm(x, self.weight.t())
-        return torch.addmm(self.bias, x, self.weight.t())
+            return torch.mm(x, self.weight.t(), out=out)
+        return torch.addmm(self.bias, x, self.weight.t(), out=out)
 
 
 def _probe(gemm: _Gemm) -> GemmPlan:
-    """Prove, on this machine and library, which tile sizes compute a row the same way as the largest tile.
+    """Prove, on this machine and library, which tile sizes compute a row the same way as REFERENCE_TILE.
 
-    Row-position invariance at the largest tile: the tile is computed, then computed again with half of its
+    Row-position invariance at the reference tile: the tile is computed, then computed again with half of its
     rows moved (reversed) to other positions beside other neighbours; each moved row must come back
-    bit-identical. Then a smaller tile is allowed only if it reproduces its rows bit for bit. Kernel choice
-    depends on shapes, not values, so one probe per GEMM shape suffices; it costs three GEMMs.
+    bit-identical. Then every other candidate size is allowed only if it reproduces, bit for bit, what
+    reference tiles compute for the same rows. Kernel choice depends on shapes, not values, so one probe per
+    GEMM shape (and post-op) suffices.
     """
     g = torch.Generator(device="cpu").manual_seed(1234)
-    big, half = CANDIDATE_TILES[-1], CANDIDATE_TILES[-1] // 2
+    ref_rows, half, most = REFERENCE_TILE, REFERENCE_TILE // 2, max(CANDIDATE_TILES)
     w = gemm.weight
-    x = torch.randn(big, w.shape[1], generator=g).to(w.device, w.dtype)
-    ref = gemm(x)
-    moved = torch.randn(big, w.shape[1], generator=g).to(w.device, w.dtype)
+    x = torch.randn(max(most, ref_rows), w.shape[1], generator=g).to(w.device, w.dtype)
+    ref = torch.cat([gemm(x[i:i + ref_rows]) for i in range(0, x.shape[0] - ref_rows + 1, ref_rows)])
+    moved = torch.randn(ref_rows, w.shape[1], generator=g).to(w.device, w.dtype)
     moved[half:] = torch.flip(x[:half], [0])
     if not torch.equal(torch.flip(gemm(moved)[half:], [0]), ref[:half]):
         return GemmPlan(())
-    tiles = [t for t in CANDIDATE_TILES[:-1] if torch.equal(gemm(x[-t:].contiguous()), ref[-t:])]
-    return GemmPlan(tuple(tiles) + (big,))
+    tiles = [t for t in CANDIDATE_TILES
+             if t == ref_rows or (t <= ref.shape[0] and torch.equal(gemm(x[:t]), ref[:t]))]
+    return GemmPlan(tuple(sorted(tiles)))
 
 
 def gemm_plan(gemm: _Gemm) -> GemmPlan:
     """The proven plan for GEMMs of this weight's shape, dtype, device and kernel (probed once, then cached)."""
     w = gemm.weight
-    key = (w.shape[0], w.shape[1], w.stride(), w.dtype, w.device, gemm.bias is None, gemm.packed is not None)
+    key = (w.shape[0], w.shape[1], w.stride(), w.dtype, w.device, gemm.bias is None, gemm.packed is not None,
+           gemm.gelu)
     plan = _plans.by_shape.get(key)
     if plan is None:
         with _plans.lock:
             plan = _plans.by_shape.get(key)
             if plan is None:
                 plan = _probe(gemm)
-                if plan.exact_fallback:
+                if plan.exact_fallback and not gemm.fuses:
                     log.warning("bivit: GEMM %sx%s %s is not row-position invariant on this machine; using the "
                                 "exact row-by-row path (slower)", w.shape[0], w.shape[1], w.dtype)
                 _plans.by_shape[key] = plan
     return plan
 
 
-def self_check(gemms: Sequence[tuple[torch.Tensor, torch.Tensor | None]]) -> list[GemmPlan]:
-    """Pack and probe the GEMMs `(weight, bias)` of a model at load, so a failure is known (and said) up front.
-
-    `weight` is a Linear weight `[out, in]` or a patch-conv weight `[out, C, p, p]`.
-    """
+def self_check(gemms: Sequence[tuple]) -> list[GemmPlan]:
+    """Pack and probe the GEMMs `(weight, bias[, gelu])` of a model at load, so a failure is known (and said)
+    up front. `weight` is a Linear weight `[out, in]` or a patch-conv weight `[out, C, p, p]`; `gelu` (None,
+    "tanh" or "none") names the GELU that follows the GEMM, probed fused where it can be (and unfused too,
+    which autograd uses)."""
+    plans = []
     with torch.no_grad():
-        return [_retrying(lambda: gemm_plan(_Gemm(w.reshape(w.shape[0], -1), b, w))) for w, b in gemms]
+        for w, b, *gelu in gemms:
+            w2 = w.reshape(w.shape[0], -1)
+            plans.append(_retrying(lambda: gemm_plan(_Gemm(w2, b, w))))
+            if gelu and gelu[0] is not None:
+                _retrying(lambda: gemm_plan(_Gemm(w2, b, w, gelu=gelu[0])))
+    return plans
 
 
 def _retrying(call: Callable[[], T]) -> T:
@@ -243,54 +275,97 @@ def _retrying(call: Callable[[], T]) -> T:
         return call()
 
 
+def _calls(m: int, tiles: tuple[int, ...]) -> list[tuple[int, int, int]]:
+    """Cut m rows into GEMM calls (start, rows, tile): the largest tiles first; a remainder runs zero-padded in
+    one call when that wastes at most a quarter of it (or when it is below the smallest tile)."""
+    calls, start = [], 0
+    while start < m:
+        rest = m - start
+        up = next((t for t in tiles if t >= rest), None)
+        if up is not None and (up == tiles[0] or 4 * rest >= 3 * up):
+            calls.append((start, rest, up))
+            break
+        tile = max(t for t in tiles if t <= rest)
+        calls.append((start, tile, tile))
+        start += tile
+    return calls
+
+
 def _tiled(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, key: torch.Tensor,
-           transposed: bool = False) -> torch.Tensor:
-    """`x2 @ weight.t() + bias` computed at the pinned tile sizes only: each row's bits depend on that row alone."""
-    return _retrying(lambda: _tiled_with(_Gemm(weight, bias, key, transposed), x2))
+           transposed: bool = False, gelu: str | None = None) -> torch.Tensor:
+    """`x2 @ weight.t() + bias` (then GELU if `gelu`) at the proven tile sizes only: each row's bits depend on
+    that row alone."""
+    return _retrying(lambda: _tiled_or_unfused(x2, weight, bias, key, transposed, gelu))
+
+
+def _tiled_or_unfused(x2, weight, bias, key, transposed, gelu) -> torch.Tensor:
+    if gelu is not None:
+        fused = _Gemm(weight, bias, key, transposed, gelu)
+        if fused.fuses and not gemm_plan(fused).exact_fallback:
+            return _tiled_with(fused, x2)
+    gemm = _Gemm(weight, bias, key, transposed)
+    if gemm.packed is not None and gemm_plan(gemm).exact_fallback:
+        gemm = _Gemm(weight, bias, key, transposed, pack=False)  # row by row: the stock GEMM at M = 1
+    out = _tiled_with(gemm, x2)
+    return out if gelu is None else _chunked_gelu(out, gelu)
 
 
 def _tiled_with(gemm: _Gemm, x2: torch.Tensor) -> torch.Tensor:
     m, k = x2.shape
     plan = gemm_plan(gemm)
-    out = x2.new_empty(m, gemm.weight.shape[0])
     if plan.exact_fallback:
+        out = x2.new_empty(m, gemm.weight.shape[0])
         for i in range(m):
-            out[i:i + 1] = gemm(x2[i:i + 1])
+            gemm(x2[i:i + 1], out=out[i:i + 1])
         return out
-    big = plan.tiles[-1]
-    full = m - m % big
-    for start in range(0, full, big):
-        out[start:start + big] = gemm(x2[start:start + big])
-    if m > full:
-        # Zero-pad the tail up to the smallest proven tile: its rows are computed as in a full tile.
-        tile = next(t for t in plan.tiles if t >= m - full)
-        pad = x2.new_zeros(tile, k)
-        pad[:m - full] = x2[full:]
-        out[full:] = gemm(pad)[:m - full]
+    calls = _calls(m, plan.tiles)
+    if len(calls) == 1:  # the whole input in one call: its result is the output (no copy)
+        return gemm(x2 if m == calls[0][2] else _zero_padded(x2, calls[0][2]))[:m]
+    out = x2.new_empty(m, gemm.weight.shape[0])
+    for start, rows, tile in calls:
+        if rows == tile:
+            gemm(x2[start:start + rows], out=out[start:start + rows])
+        else:  # the zero-padded tail: its rows are computed as in a full tile
+            out[start:] = gemm(_zero_padded(x2[start:], tile))[:rows]
     return out
 
 
+def _zero_padded(x2: torch.Tensor, rows: int) -> torch.Tensor:
+    pad = x2.new_zeros(rows, x2.shape[1])
+    pad[:x2.shape[0]] = x2
+    return pad
+
+
 class _InvariantLinear(torch.autograd.Function):
-    """`x2 @ weight.t() + bias` at pinned tiles, forward and input gradient; `key` owns the packed copies."""
+    """`x2 @ weight.t() + bias` (then GELU if `gelu`) at pinned tiles, forward and input gradient; `key` owns
+    the packed copies.
+
+    The forward is the inference call itself (fused GELU included), so a trainer's outputs are the bits an
+    encoder serves. A fused GEMM keeps no pre-activation; backward recomputes it (one plain tiled GEMM of the
+    saved input) instead of storing an `[rows, out]` tensor per layer.
+    """
 
     @staticmethod
-    def forward(ctx, x2, weight, bias, key):
-        ctx.save_for_backward(x2, weight, key)
-        ctx.has_bias = bias is not None
-        return _tiled(x2, weight.detach(), None if bias is None else bias.detach(), key)
+    def forward(ctx, x2, weight, bias, key, gelu):
+        ctx.save_for_backward(x2, weight, bias, key)
+        ctx.gelu = gelu
+        return _tiled(x2, weight.detach(), None if bias is None else bias.detach(), key, gelu=gelu)
 
     @staticmethod
     def backward(ctx, grad):
-        x2, weight, key = ctx.saved_tensors
+        x2, weight, bias, key = ctx.saved_tensors
         grad = grad.contiguous()
+        if ctx.gelu is not None:
+            pre = _tiled(x2, weight.detach(), None if bias is None else bias.detach(), key)
+            grad = _chunked_pointwise(torch.ops.aten.gelu_backward, grad, pre, approximate=ctx.gelu)
         gx = gw = gb = None
         if ctx.needs_input_grad[0]:
             gx = _tiled(grad, weight.detach().t(), None, key, transposed=True)
         if ctx.needs_input_grad[1]:
             gw = grad.t().mm(x2)  # sums over the batch; one GEMM of a fixed shape, whatever the threads
-        if ctx.has_bias and ctx.needs_input_grad[2]:
+        if bias is not None and ctx.needs_input_grad[2]:
             gb = grad.sum(0, dtype=torch.float32).to(grad.dtype)  # per column, rows added in order
-        return gx, gw, gb, None
+        return gx, gw, gb, None, None
 
 
 def _needs_grad(*tensors: torch.Tensor | None) -> bool:
@@ -298,19 +373,23 @@ def _needs_grad(*tensors: torch.Tensor | None) -> bool:
 
 
 def _invariant_linear(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                      key: torch.Tensor) -> torch.Tensor:
+                      key: torch.Tensor, gelu: str | None = None) -> torch.Tensor:
     if _needs_grad(x2, weight, bias):
-        return _InvariantLinear.apply(x2, weight, bias, key)
-    return _tiled(x2, weight, bias, key)
+        return _InvariantLinear.apply(x2, weight, bias, key, gelu)
+    return _tiled(x2, weight, bias, key, gelu=gelu)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           gelu: str | None = None) -> torch.Tensor:
+    """`x @ weight.t() + bias`, then GELU when `gelu` names its approximation ("tanh" or "none" = erf)."""
+    kind = "linear" if gelu is None else "linear_gelu"
     if not _invariant.get():
-        return _emit("linear", F.linear(x, weight, bias))
+        out = F.linear(x, weight, bias)
+        return _emit(kind, out if gelu is None else F.gelu(out, approximate=gelu))
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    out = _invariant_linear(x2, weight, bias, weight)
-    return _emit("linear", out.view(*lead, weight.shape[0]))
+    out = _invariant_linear(x2, weight, bias, weight, gelu)
+    return _emit(kind, out.view(*lead, weight.shape[0]))
 
 
 def patch_conv(pixels: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
