@@ -54,7 +54,9 @@ def grids(grid_thw: torch.Tensor) -> list[tuple[int, int, int]]:
 @lru_cache(maxsize=256)
 @torch.inference_mode(False)  # cached tables are shared with autograd forwards, which must be able to save them
 def _rope_cos_sin(h: int, w: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin `[h*w, head_dim/2]` (fp32) of the 2-D RoPE: complex slot 2i turns with the column, 2i+1 with the row.
+    """The 2-D RoPE of an h x w grid as fp32 `[h*w, head_dim]` tables in the interleaved layout of `apply_rope`:
+    cos = (c0, c0, c1, c1, ...), sin = (-s0, s0, -s1, s1, ...); complex slot 2i turns with the column, 2i+1
+    with the row.
 
     Computed per grid, never over a packed batch: vectorised cos/sin may round the last elements of a tensor
     (computed by scalar code) differently, and which elements those are would depend on the batch.
@@ -63,28 +65,29 @@ def _rope_cos_sin(h: int, w: int, head_dim: int, theta: float) -> tuple[torch.Te
     rows = torch.arange(h, dtype=torch.float32).repeat_interleave(w)
     cols = torch.arange(w, dtype=torch.float32).repeat(h)
     angles = torch.stack([torch.outer(cols, freqs), torch.outer(rows, freqs)], dim=-1).flatten(1)  # [hw, dim/2]
-    return angles.cos(), angles.sin()
+    cos, sin = angles.cos(), angles.sin()
+    return cos.repeat_interleave(2, dim=-1), torch.stack([-sin, sin], dim=-1).flatten(1)
 
 
 def rope_tables(grid_thw: list[tuple[int, int, int]], head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin `[L, head_dim/2]` for packed items; every frame of a chunk shares its spatial table."""
+    """cos, sin `[L, head_dim]` for packed items; every frame of a chunk shares its spatial table."""
     tables = [_rope_cos_sin(h, w, head_dim, theta) for _, h, w in grid_thw]
     return (torch.cat([c.repeat(t, 1) for (c, _), (t, _, _) in zip(tables, grid_thw)]),
             torch.cat([s.repeat(t, 1) for (_, s), (t, _, _) in zip(tables, grid_thw)]))
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved pairs (x[..., 2k], x[..., 2k+1]) of `[L, ..., head_dim]` as complex numbers, in fp32.
+    """Rotate interleaved pairs (x[..., 2k], x[..., 2k+1]) of `[L, ..., head_dim]` as complex numbers, in fp32:
+    (re, im) -> (re*c - im*s, im*c + re*s) = x * cos + pairs_swapped(x) * sin with `rope_tables`' layout.
 
-    Written with real multiplies and adds, which round the same in vector and scalar code, rather than a
-    complex multiply, whose vector and scalar kernels round differently (so its result would depend on where
-    in the batch tensor an element sits).
+    Real multiplies and adds round the same in vector and scalar code (a complex multiply's kernels do not, so
+    its result would depend on where in the batch tensor an element sits). bf16 inputs enter the fp32 multiply
+    directly (the widening is exact): no fp32 copy of x, no stack of the halves.
     """
     shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
-    cos, sin = cos.view(shape), sin.view(shape)
-    xf = x.float().unflatten(-1, (-1, 2))
-    re, im = xf[..., 0], xf[..., 1]
-    return torch.stack([re * cos - im * sin, re * sin + im * cos], dim=-1).flatten(-2).to(x.dtype)
+    out = torch.mul(x, cos.view(shape))
+    out += torch.mul(x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2), sin.view(shape))
+    return out.to(x.dtype)
 
 
 def temporal_embedding(t: int, dim: int) -> torch.Tensor:
