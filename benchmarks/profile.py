@@ -27,27 +27,12 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bivit import bench, ops
+from bivit import bench
 from bivit.config import PRESETS
 from bivit.encoder import load_encoder
 
 MODES = ("invariant", "default")
 SDPA = "aten::_scaled_dot_product_flash_attention_for_cpu"
-
-
-def count_subnormals(enc, case) -> tuple[int, int]:
-    """(subnormal values, all values) over every op output of one forward (bivit.ops.trace)."""
-    counts = [0, 0]
-
-    def seen(kind: str, out: torch.Tensor) -> None:
-        if out.is_floating_point():
-            a = out.detach().abs()
-            counts[0] += int(((a < torch.finfo(out.dtype).tiny) & (a > 0)).sum())
-            counts[1] += out.numel()
-
-    with ops.trace(seen):
-        enc.encode_batch(case.batch)
-    return counts[0], counts[1]
 
 
 def profile_once(enc, case) -> tuple[float, dict[str, tuple[float, int]]]:
@@ -92,8 +77,9 @@ def main(argv: list[str] | None = None) -> int:
         for dtype in bench.DTYPE_CHOICES[args.dtype]:
             encs = {m: load_encoder(ckpt, dtype=dtype, batch_invariant=m == "invariant") for m in args.modes}
             for mode, enc in encs.items():
-                sub, total = count_subnormals(enc, cases[0])
-                print(f"\n[{dtype}] {mode}: subnormal values in op outputs of '{cases[0].name}': {sub} of {total}")
+                sub = bench.count_subnormals(enc.encode_batch, cases[0].batch)
+                print(f"\n[{dtype}] {mode}: subnormal values in op outputs of '{cases[0].name}': "
+                      f"{sub['subnormal']} of {sub['values']}")
             for case in cases:
                 n_attn = sum(bench.attention_flops_per_item(cfg, *g) for g in case.grids())
                 walls = {m: [] for m in encs}
