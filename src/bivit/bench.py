@@ -410,6 +410,9 @@ def _minor_faults() -> int:
 def _worker_main(conn, impl: str, checkpoint: str, dtype: str, threads: int, inputs: str) -> None:
     """Worker process: load one implementation, then serve ("run", case, want_output) requests until "close"."""
     try:
+        from .allocator import tune
+
+        tune()  # every implementation's worker alike (the port too); BIVIT_MALLOC_TUNE=0 turns it off
         torch.set_num_threads(threads)
         cases = load_cases(Path(inputs))
         mem = {"baseline": memory_snapshot()}

@@ -203,6 +203,9 @@ _register("bench", "bivit.bench", "bench_command", "test")
 
 
 def main() -> None:
+    from .allocator import tune
+
+    tune()  # this process is bivit's own: keep freed activation memory for the next forward pass
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     # The demo notice is printed once by the CLI itself; keep the library's logger quiet about it.
     logging.getLogger("bivit").setLevel(logging.ERROR)

@@ -820,6 +820,9 @@ def serve_command(
 
 
 def main() -> None:
+    from .allocator import tune
+
+    tune()
     typer.run(serve_command)
 
 
