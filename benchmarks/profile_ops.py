@@ -1,8 +1,8 @@
 """Where the time goes: `torch.profiler` over one forward per case, invariant and default mode, bf16 and fp32.
 
-    python benchmarks/profile.py                                   # full-size K2.6, the bench's 4 cases, ~10 min
-    python benchmarks/profile.py --cases 896x672 --dtype bfloat16  # one case, one dtype: ~1-2 min
-    python benchmarks/profile.py --preset demo                     # quick check of the script itself
+    python benchmarks/profile_ops.py                                   # full-size K2.6, the bench's 4 cases, ~10 min
+    python benchmarks/profile_ops.py --cases 896x672 --dtype bfloat16  # one case, one dtype: ~1-2 min
+    python benchmarks/profile_ops.py --preset demo                     # quick check of the script itself
 
 The model, weights and pixels are `bivit bench`'s: a seeded random checkpoint (weights std 1/sqrt(fan_in), so
 27 layers stay well-conditioned) written once in bf16 and loaded by `load_encoder`, and the bench's input mix
