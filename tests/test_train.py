@@ -9,15 +9,14 @@ import socket
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch.autograd import gradcheck
 
 import bivit
 from bivit import ops
 from bivit.checkpoint import from_transformers_layout
 from bivit.media import MediaBatch, preprocess_images
-from conftest import random_image
-from helpers import load_hf
+from support.media import random_image
+from support.checkpoints import load_hf
 
 # (h, w) -> 1, 2, 3 merged tokens, then larger and non-square (interpolated position table).
 SIZES = [(28, 28), (28, 56), (84, 28), (56, 56), (112, 112), (84, 140)]

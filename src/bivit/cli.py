@@ -234,9 +234,13 @@ def serve(
     max_body_mb: float = typer.Option(64.0, help="Request body limit (413 above)"),
     request_timeout_s: float = typer.Option(120.0, help="Per-request timeout (504 after)"),
     cache_mb: float = typer.Option(256.0, help="Exact embedding cache size; 0 disables"),
+    max_weights_mb: float = typer.Option(8192.0, help="POST /v1/weights body limit (413 above)"),
+    allow_weight_updates_without_key: bool = typer.Option(
+        False, "--allow-weight-updates-without-key",
+        help="Accept POST /v1/weights without --api-key (trusted machines only)"),
     log_level: str = typer.Option("info", help="debug, info, warning or error"),
 ) -> None:
-    """Serve the encoder over HTTP: POST /v1/encode, GET /health, /ready, /metrics (needs the serve extra)."""
+    """Serve the encoder over HTTP: POST /v1/encode, /v1/weights, GET /health, /ready, /metrics (serve extra)."""
     for module in ("fastapi", "uvicorn", "prometheus_client", "multipart"):
         need_extra("serve", module, "serve")
     if log_level.lower() not in ("debug", "info", "warning", "error"):
@@ -254,7 +258,8 @@ def serve(
                            max_batch_tokens=max_batch_tokens)
     settings = ServerSettings(api_key=api_key or None, max_batch_tokens=max_batch_tokens, max_wait_ms=max_wait_ms,
                               max_queue=max_queue, max_body_mb=max_body_mb, request_timeout_s=request_timeout_s,
-                              cache_mb=cache_mb)
+                              cache_mb=cache_mb, max_weights_mb=max_weights_mb,
+                              allow_weight_updates_without_key=allow_weight_updates_without_key)
     run(encoder, settings, host=host, port=port, log_level=log_level)
 
 

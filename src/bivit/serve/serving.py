@@ -8,6 +8,12 @@
    items from all concurrent requests into forward passes.
 4. The request assembles its items' embeddings in input order (a video: its chunks concatenated).
 
+Weight updates (`POST /v1/weights`) pass a gate that requests hold shared and an update holds alone: the
+update waits for the requests in flight (they finish on the old weights, none is lost), new requests wait for
+the update; the weights are swapped on the batching worker between forward passes. So every response is
+computed entirely with the weights whose fingerprint it names, and the cache (keyed by fingerprint) never
+serves an old embedding as a new one.
+
 Why coalescing is allowed to change nothing: with `batch_invariant=True` (the default) an item's embedding is
 bit-identical whatever other items share the forward pass, so a response equals offline
 `encoder.encode([same input])` alone. The exact cache relies on the same property; with
@@ -54,6 +60,8 @@ class ServerSettings:
     cache_mb: float = 256.0
     preprocess_threads: int = field(default_factory=lambda: max(1, min(4, os.cpu_count() or 1)))
     retry_after_s: int = 1
+    max_weights_mb: float = 8192.0  # body limit of POST /v1/weights (a full K2.6 vision part in fp32: ~1.9 GB)
+    allow_weight_updates_without_key: bool = False  # POST /v1/weights is refused while api_key is unset
 
 
 def content_type(request: Request) -> str:
@@ -64,6 +72,44 @@ def content_type(request: Request) -> str:
                            f"Content-Type {ctype or '(none)'!r} is not accepted; send multipart/form-data with "
                            "'file' parts or application/json {\"items\": [{\"data\": <base64>}]}")
     return ctype
+
+
+class WeightsGate:
+    """Held shared by requests, alone by a weight update; an update waiting holds back new requests."""
+
+    def __init__(self) -> None:
+        self._cond = asyncio.Condition()
+        self._readers = 0
+        self._writers = 0  # waiting or running updates
+
+    @contextlib.asynccontextmanager
+    async def shared(self):
+        async with self._cond:
+            await self._cond.wait_for(lambda: not self._writers)
+            self._readers += 1
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._readers -= 1
+                self._cond.notify_all()
+
+    @contextlib.asynccontextmanager
+    async def exclusive(self):
+        async with self._cond:
+            self._writers += 1
+            try:
+                await self._cond.wait_for(lambda: not self._readers)
+            except BaseException:
+                self._writers -= 1
+                self._cond.notify_all()
+                raise
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._writers -= 1
+                self._cond.notify_all()
 
 
 class Service:
@@ -83,6 +129,8 @@ class Service:
         self.fingerprint = encoder.fingerprint
         self.header = {"format": RESPONSE_FORMAT, "model": encoder.model_name, "fingerprint": self.fingerprint,
                        "dtype": dtype_name(encoder.output_dtype)}
+        self.gate = WeightsGate()
+        self.updating = asyncio.Lock()  # one weight update at a time
 
     # -- lifecycle
     def start(self) -> None:
@@ -97,8 +145,10 @@ class Service:
             self.pool.shutdown(wait=True)
 
     # -- request parsing
-    async def read_body(self, request: Request) -> bytes:
-        limit = int(self.settings.max_body_mb * 2**20)
+    async def read_body(self, request: Request, limit_mb: Optional[float] = None,
+                        option: str = "--max-body-mb") -> bytes:
+        limit_mb = self.settings.max_body_mb if limit_mb is None else limit_mb
+        limit = int(limit_mb * 2**20)
         declared = request.headers.get("content-length")
         if declared is not None:
             try:
@@ -107,16 +157,16 @@ class Service:
                 raise RequestError(400, "bad_request", f"invalid Content-Length {declared!r}") from None
             if n > limit:
                 await self._discard_body(request, n)
-                raise RequestError(413, "too_large", f"request body of {n} bytes exceeds --max-body-mb "
-                                   f"{self.settings.max_body_mb:g} ({limit} bytes)")
+                raise RequestError(413, "too_large", f"request body of {n} bytes exceeds {option} "
+                                   f"{limit_mb:g} ({limit} bytes)")
         chunks, size = [], 0
         try:
             async for chunk in request.stream():
                 size += len(chunk)
                 if size > limit:  # a chunked or lying body: stop at the limit, never hold more than it
                     await self._discard_body(request, limit)
-                    raise RequestError(413, "too_large", f"request body exceeds --max-body-mb "
-                                       f"{self.settings.max_body_mb:g} ({limit} bytes)")
+                    raise RequestError(413, "too_large", f"request body exceeds {option} "
+                                       f"{limit_mb:g} ({limit} bytes)")
                 chunks.append(chunk)
         except ClientDisconnect:
             raise RequestError(400, "bad_request", "client disconnected while sending the body") from None
@@ -213,7 +263,12 @@ class Service:
         res.timestamps = list(batch.timestamps) if batch.timestamps is not None else None
         return res
 
-    async def encode_request(self, items: list[UploadItem]) -> list[ItemResult]:
+    async def encode_request(self, items: list[UploadItem]) -> tuple[list[ItemResult], dict]:
+        """-> (one result per item, the response header naming the fingerprint of the weights used)."""
+        async with self.gate.shared():
+            return await self._encode_request(items), dict(self.header)
+
+    async def _encode_request(self, items: list[UploadItem]) -> list[ItemResult]:
         results: list[Optional[ItemResult]] = [None] * len(items)
         todo: list[tuple[int, tuple]] = []
         fp = self.fingerprint
@@ -263,3 +318,36 @@ class Service:
                 results[i] = replace(by_key[key], name=items[i].name)
             self.metrics.cache_bytes.set(self.cache.nbytes)
         return results  # type: ignore[return-value]
+
+    # -- weight sync
+    async def update_weights(self, body: bytes) -> dict:
+        """A safetensors body -> the encoder's new weights (all or nothing) -> {fingerprint, previous, tensors}."""
+        from safetensors import SafetensorError
+        from safetensors.torch import load
+
+        try:
+            tensors = await asyncio.get_running_loop().run_in_executor(None, load, body)
+        except (SafetensorError, ValueError, OSError) as e:
+            raise RequestError(400, "bad_weights", f"body is not a safetensors file ({e})") from None
+
+        def apply() -> str:  # on the batching worker, between forward passes
+            fingerprint = self.encoder.update_weights(tensors, source="POST /v1/weights")
+            self.fingerprint = fingerprint
+            self.header = {**self.header, "fingerprint": fingerprint}
+            self.cache.clear()  # entries are keyed by the old fingerprint: unreachable, only taking memory
+            self.metrics.cache_bytes.set(self.cache.nbytes)
+            return fingerprint
+
+        async with self.updating, self.gate.exclusive():
+            previous = self.fingerprint
+            swap = asyncio.wrap_future(self.batcher.call(apply))
+            try:
+                fingerprint = await asyncio.shield(swap)
+            except asyncio.CancelledError:  # the client hung up: keep the gate until the swap is over
+                await asyncio.wait({swap})
+                raise
+            except BivitError as e:  # refused whole: the old weights keep serving
+                raise RequestError(422, "bad_weights", str(e)) from None
+        log.info("weights updated", extra={"fields": {"fingerprint": fingerprint, "previous": previous,
+                                                      "tensors": len(tensors)}})
+        return {"fingerprint": fingerprint, "previous_fingerprint": previous, "tensors": len(tensors)}
