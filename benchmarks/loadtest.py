@@ -4,7 +4,7 @@
     python benchmarks/loadtest.py --model DIR --dtype bfloat16 --duration 30
     python benchmarks/loadtest.py --url http://host:8000 --api-key KEY   # an already running server
 
-It starts `python -m bivit.server` on a free loopback port (unless --url), then for each level runs that many
+It starts `bivit serve` on a free loopback port (unless --url), then for each level runs that many
 closed-loop clients (each sends its next request as soon as the previous one is answered) for a bounded time,
 cycling through a fixed mix of image sizes. Every answer is checked bit for bit against offline encoding of the
 same image (--no-verify to skip; needs the same --model/--dtype as the server). The server's cache is off by
@@ -14,6 +14,7 @@ default, so the numbers measure encoding, not cache hits. Client and server shar
 from __future__ import annotations
 
 import argparse
+import io
 import shlex
 import sys
 import threading
@@ -24,11 +25,17 @@ import httpx
 import torch
 from safetensors.torch import load as st_load
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from server_util import ServerProcess, metric_values, png_bytes  # noqa: E402
+from bivit.bench import noise_image
+from bivit.serve.launch import ServerProcess, metric_values
 
 # (w, h): 1 to 256 tokens; the mix every level cycles through.
 MIX = [(28, 28), (56, 56), (112, 112), (200, 150), (224, 224), (448, 448), (640, 480)]
+
+
+def png_bytes(w: int, h: int, seed: int) -> bytes:
+    buf = io.BytesIO()
+    noise_image(w, h, seed).save(buf, format="PNG")
+    return buf.getvalue()
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -132,7 +139,7 @@ def main() -> None:
             server_args += ["--model", args.model]
         server = ServerProcess(server_args, Path("/tmp"), api_key=args.api_key)
         url = server.url
-        print("server:", shlex.join(["python", "-m", "bivit.server", *server_args]))
+        print("server:", shlex.join(["bivit", "serve", *server_args]))
     else:
         url = args.url.rstrip("/")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}

@@ -1,13 +1,7 @@
-import sys
-from pathlib import Path
-
-import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from helpers import K3_SMALL, KIMI_SMALL, write_checkpoint  # noqa: E402
+from support.checkpoints import K3_SMALL, KIMI_SMALL, write_checkpoint
 
 
 @pytest.fixture(scope="session")
@@ -25,10 +19,6 @@ def kimi_hf_ckpt(tmp_path_factory):
 @pytest.fixture(scope="session")
 def k3_ckpt(tmp_path_factory):
     return write_checkpoint(tmp_path_factory.mktemp("k3"), K3_SMALL)
-
-
-def random_image(h: int, w: int, seed: int = 0) -> np.ndarray:
-    return np.random.default_rng(seed * 7919 + h * 31 + w).integers(0, 256, (h, w, 3), dtype=np.uint8)
 
 
 @pytest.fixture(autouse=True)

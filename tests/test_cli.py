@@ -1,6 +1,7 @@
 """The `bivit` command line, run as a real process: outputs, one-line errors, exit codes."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -11,13 +12,19 @@ from PIL import Image
 from safetensors import safe_open
 
 import bivit
-from conftest import random_image
-from media_factory import make_video
+from support.media import make_video, random_image
 
 
-def run(*args, cwd=None):
+def run(*args, cwd=None, **kw):
     return subprocess.run([sys.executable, "-m", "bivit.cli", *map(str, args)], capture_output=True, text=True,
-                          cwd=cwd, timeout=300)
+                          cwd=cwd, timeout=300, **kw)
+
+
+def one_error_line(r, code=2) -> str:
+    assert r.returncode == code and "Traceback" not in r.stderr, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("bivit: error: ")]
+    assert len(lines) == 1, r.stderr
+    return lines[0]
 
 
 @pytest.fixture(scope="module")
@@ -105,3 +112,67 @@ def test_verify_demo_invariant_stable_default_differs_and_bisect(tmp_path):
 def test_verify_on_files(files):
     r = run("verify", *files["good"], "--dtype", "float32", "--layouts", "3")
     assert r.returncode == 0 and r.stdout.count("img") >= 6
+
+
+def run_without(module, *args):
+    """The CLI in a process where `module` cannot be imported, as on a machine without its extra."""
+    code = (f"import sys; sys.modules[{module!r}] = None; sys.argv[0] = 'bivit'; "
+            "from bivit.cli import main; main()")
+    return subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.mark.parametrize("module,args,extra", [
+    ("fastapi", ["serve", "--port", "8123"], "serve"),
+    ("matplotlib", ["verify", "--plot", "v.png"], "plot"),
+    ("ray", ["encode-dataset", ".", "--out", "o", "--engine", "ray"], "ray"),
+])
+def test_missing_extra_is_one_line(module, args, extra):
+    r = run_without(module, *args)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.startswith("bivit: error: ") and r.stderr.strip().count("\n") == 0
+    assert f"bivit[{extra}]" in r.stderr
+
+
+def test_unavailable_device_is_one_line():
+    r = run("serve", "--device", "cuda:99", "--port", "8123")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert [ln for ln in r.stderr.splitlines() if ln.startswith("bivit: error:")] == [
+        ln for ln in r.stderr.splitlines() if "cuda:99" in ln]
+
+
+def test_import_bivit_loads_neither_torch_nor_the_service_nor_the_writer():
+    code = ("import sys, bivit; from bivit import open_dataset; "
+            "print(sorted(m for m in ('torch', 'typer', 'fcntl', 'fastapi', 'bivit.dataset.writer') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
+
+
+def test_output_problems_are_found_before_encoding(files, tmp_path):
+    from support.users import ordinary
+
+    image = tmp_path / "a.png"
+    image.write_bytes(files["good"][0].read_bytes())
+    r = run("encode", image, "--out", image)
+    assert "one of the inputs" in one_error_line(r) and image.read_bytes() == files["good"][0].read_bytes()
+    assert "DEMO" not in r.stderr  # refused before the model was even loaded
+    assert "a directory" in one_error_line(run("encode", image, "--out", tmp_path))
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o555)
+    r = run("encode", image, "--out", locked / "e.safetensors", preexec_fn=ordinary)
+    assert "Permission denied" in one_error_line(r) and "DEMO" not in r.stderr
+    r = run("encode-dataset", image, "--out", locked / "ds", preexec_fn=ordinary)
+    assert "Permission denied" in one_error_line(r)
+    assert "a directory" in one_error_line(run("verify", "--plot", tmp_path))
+
+
+def test_replacing_an_output_keeps_its_permissions(files, tmp_path):
+    out = tmp_path / "e.safetensors"
+    r = run("encode", files["good"][0], "--out", out, preexec_fn=lambda: os.umask(0o022))
+    assert r.returncode == 0 and out.stat().st_mode & 0o777 == 0o644, r.stderr  # a new file: 0666 & ~umask
+    out.chmod(0o640)
+    r = run("encode", files["good"][1], "--out", out)
+    assert r.returncode == 0 and out.stat().st_mode & 0o777 == 0o640
+    with safe_open(str(out), "pt") as f:
+        assert json.loads(f.metadata()["bivit"])["items"][0]["source"] == str(files["good"][1])
+    assert [p.name for p in tmp_path.iterdir()] == ["e.safetensors"]  # no temp file left behind

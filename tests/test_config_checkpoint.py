@@ -11,10 +11,10 @@ from safetensors.torch import save_file
 import bivit
 from bivit.checkpoint import INDEX, moonshot_config_dict, random_state_dict, save_checkpoint
 from bivit.config import PRESETS, config_from_dict, load_config
-from conftest import random_image
-from helpers import KIMI_SMALL, hf_config_dict, write_checkpoint
+from support.media import random_image
+from support.checkpoints import KIMI_SMALL, hf_config_dict, write_checkpoint
 
-PUBLISHED_K25 = {  # the shape of Moonshot's published config.json (spec §1), abridged text_config
+PUBLISHED_K25 = {  # the shape of Moonshot's published config.json (docs/model.md, "Config"), abridged text_config
     "model_type": "kimi_k25", "architectures": ["KimiK25ForConditionalGeneration"], "dtype": "bfloat16",
     "media_placeholder_token_id": 163605, "use_unified_vision_chunk": True,
     "text_config": {"model_type": "kimi_k2", "hidden_size": 7168, "num_hidden_layers": 61},

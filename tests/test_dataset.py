@@ -23,20 +23,12 @@ from safetensors import safe_open
 
 import bivit
 from bivit import BivitError
-from bivit.dataset import (
-    ERRORS,
-    HEADER,
-    MANIFEST,
-    PAUSE_ENV,
-    TMP_PREFIX,
-    DatasetWriter,
-    encode_dataset,
-    encode_dataset_command,
-    encode_prepared,
-    list_sources,
-    open_dataset,
-)
-from media_factory import make_image, make_video
+from bivit.dataset import ERRORS, HEADER, MANIFEST, encode_dataset, open_dataset
+from bivit.dataset.pipeline import encode_prepared
+from bivit.dataset.sources import list_sources
+from bivit.dataset.writer import PAUSE_ENV, DatasetWriter
+from bivit.fileio import TMP_PREFIX, sha256_file
+from support.media import make_image, make_video
 
 IMAGE_SIZES = [(28, 28), (56, 28), (56, 56), (84, 56), (112, 112), (140, 84), (28, 84), (196, 112)]
 
@@ -277,7 +269,7 @@ def test_idle_ray_workers_change_nothing(media, reference, tmp_path, ray_local):
 def test_encoder_stage_with_empty_batch_keeps_schema_and_dtype(media, encoder):
     """The actor's code path, called directly: zero rows in, zero rows out, same schema as a full batch."""
     pa = pytest.importorskip("pyarrow")
-    from bivit.dataset_ray import ENCODED_SCHEMA, PREPARED_SCHEMA, EncodeActor, decode_encoded, prepare_rows
+    from bivit.dataset.ray_engine import ENCODED_SCHEMA, PREPARED_SCHEMA, EncodeActor, decode_encoded, prepare_rows
 
     actor = EncodeActor(None, {"dtype": "bfloat16", "projector_dtype": None, "output_dtype": None},
                         encoder.fingerprint, threads=torch.get_num_threads(), batch_tokens=64)
@@ -285,8 +277,6 @@ def test_encoder_stage_with_empty_batch_keeps_schema_and_dtype(media, encoder):
                                         schema=pa.schema([(n, pa.string()) for n in ("sha256", "kind", "path", "name")]))))
     assert empty.num_rows == 0 and empty.schema == ENCODED_SCHEMA
     assert encode_prepared(encoder, [], 64) == []
-    from bivit.dataset import sha256_file
-
     path = media / "img1.png"
     rows = prepare_rows(pa.table({"sha256": [sha256_file(path)], "kind": ["image"], "path": [str(path)],
                                   "name": ["img1.png"]}))
@@ -334,7 +324,7 @@ def _run_cli_until(src: Path, out: Path, pause: str, ready, timeout: float = 60.
     env = dict(os.environ, **{PAUSE_ENV: pause if ":" in pause else f"{pause}:120"})
     log_path = out.parent / "cli.log"
     log = open(log_path, "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "bivit.dataset", str(src), "--out", str(out),
+    proc = subprocess.Popen([sys.executable, "-m", "bivit", "encode-dataset", str(src), "--out", str(out),
                              "--shard-mb", "0.000001", "--no-progress"], env=env, stdout=log, stderr=log)
     try:
         deadline = time.monotonic() + timeout
@@ -418,14 +408,112 @@ def test_one_writer_at_a_time(reference, tmp_path):
 
 
 def test_cli_prints_a_summary_or_one_line_error(media, tmp_path):
-    import typer
     from typer.testing import CliRunner
 
-    app = typer.Typer()
-    app.command()(encode_dataset_command)
-    r = CliRunner().invoke(app, [str(media), "--out", str(tmp_path / "out"), "--no-progress"])
-    assert r.exit_code == 0, r.output
+    from bivit.cli import app
+
+    r = CliRunner().invoke(app, ["encode-dataset", str(media), "--out", str(tmp_path / "out"), "--no-progress"])
+    assert r.exit_code == 1, r.output  # inputs failed
     assert f"encoded {len(GOOD) - 2}, skipped 0, deduplicated 2, failed 3" in r.output
-    r = CliRunner().invoke(app, [str(media), "--out", str(tmp_path / "out"), "--dtype", "int8"])
-    assert r.exit_code == 2 and r.output.strip().count("\n") == 0 and r.output.startswith("error: --dtype")
+    r = CliRunner().invoke(app, ["encode-dataset", str(media), "--out", str(tmp_path / "out"), "--no-progress",
+                                 "--allow-failures"])
+    assert r.exit_code == 0, r.output
+    assert f"encoded 0, skipped {len(GOOD)}, deduplicated 0, failed 3" in r.output  # the failures are retried
+    r = CliRunner().invoke(app, ["encode-dataset", str(media), "--out", str(tmp_path / "out"), "--dtype", "int8"])
+    assert r.exit_code == 2 and r.output.strip().count("\n") == 0 and r.output.startswith("bivit: error: --dtype")
     assert "Traceback" not in r.output
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Hostile and careless inputs: nothing hangs, nothing is silently lost or silently stale
+
+
+def run_cli(*args, timeout: float = 120, **kw):
+    return subprocess.run([sys.executable, "-m", "bivit", "encode-dataset", *map(str, args), "--no-progress"],
+                          capture_output=True, text=True, timeout=timeout, **kw)
+
+
+def test_replaced_bytes_fail_visibly_and_hide_the_stale_embedding(tmp_path):
+    src, out = tmp_path / "src", tmp_path / "out"
+    src.mkdir()
+    make_image(src / "a.png", (56, 28), seed=1)
+    make_image(src / "b.png", (28, 28), seed=2)
+    good = (src / "a.png").read_bytes()
+    encode_dataset(src, out, progress=False)
+    before = open_dataset(out).tensor("a.png")
+    (src / "a.png").write_bytes(b"garbage, not an image")
+    s = encode_dataset(src, out, progress=False)
+    assert s.failed == 1
+    rows = [json.loads(line) for line in (out / ERRORS).read_text().splitlines()]
+    assert [r["source"] for r in rows] == ["a.png"] and rows[0]["error"].startswith("a.png: ")
+    ds = open_dataset(out)
+    assert [e.source for e in ds.errors] == ["a.png"] and "a.png" not in ds and ds.sources == ["b.png"]
+    with pytest.raises(KeyError):
+        ds.tensor("a.png")  # the old embedding is not the file's bytes any more
+    (src / "a.png").write_bytes(good)
+    s = encode_dataset(src, out, progress=False)
+    assert (s.failed, s.encoded, s.deduplicated) == (0, 0, 1)  # its bytes are still stored
+    ds = open_dataset(out)
+    assert ds.errors == [] and torch.equal(ds.tensor("a.png"), before)
+
+
+def test_unreadable_folder_is_recorded_until_it_can_be_listed(tmp_path):
+    from support.users import ordinary
+
+    src, out = tmp_path / "src", tmp_path / "out"
+    (src / "locked").mkdir(parents=True)
+    make_image(src / "a.png", (28, 28), seed=1)
+    make_image(src / "locked" / "b.png", (28, 28), seed=2)
+    (src / "locked").chmod(0)
+    try:
+        r = run_cli(src, "--out", out, preexec_fn=ordinary)
+    finally:
+        (src / "locked").chmod(0o755)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    ds = open_dataset(out)
+    assert ds.sources == ["a.png"] and [e.source for e in ds.errors] == ["locked/"]
+    assert "cannot list the folder" in ds.errors[0].error and "ermission denied" in ds.errors[0].error
+    r = run_cli(src, "--out", out, preexec_fn=ordinary)
+    assert r.returncode == 0, r.stderr
+    ds = open_dataset(out)
+    assert sorted(ds.sources) == ["a.png", "locked/b.png"] and ds.errors == []
+
+
+def test_fifo_and_links_to_devices_are_refused_without_hanging(tmp_path):
+    src, out = tmp_path / "src", tmp_path / "out"
+    src.mkdir()
+    make_image(src / "a.png", (28, 28), seed=1)
+    os.mkfifo(src / "pipe.png")
+    (src / "zero.png").symlink_to("/dev/zero")
+    (src / "folder.png").mkdir()  # a folder named like an image is a folder: listed into, not read
+    r = run_cli(src, "--out", out, timeout=60)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    errors = {e.source: e.error for e in open_dataset(out).errors}
+    assert errors.keys() == {"pipe.png", "zero.png"}
+    assert "a FIFO" in errors["pipe.png"] and "a character device" in errors["zero.png"]
+    manifest = tmp_path / "list.txt"
+    manifest.write_text(f"{src / 'pipe.png'}\n{src / 'zero.png'}\n/dev/null\n{src / 'a.png'}\n")
+    r = run_cli(manifest, "--out", tmp_path / "out2", timeout=60)
+    assert r.returncode == 1, r.stderr
+    ds = open_dataset(tmp_path / "out2")
+    assert len(ds) == 1 and len(ds.errors) == 3 and all("not a regular file" in e.error for e in ds.errors)
+
+
+def test_each_source_with_the_same_bad_bytes_is_named_in_its_own_error(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("first.png", "second.png"):
+        (src / name).write_bytes(b"the same garbage")
+    encode_dataset(src, tmp_path / "out", progress=False)
+    errors = {e.source: e.error for e in open_dataset(tmp_path / "out").errors}
+    assert errors["first.png"].startswith("first.png: ") and errors["second.png"].startswith("second.png: ")
+    assert "first.png" not in errors["second.png"]
+
+
+def test_manifest_names_are_read_as_normalised(tmp_path):
+    make_image(tmp_path / "a.png", (28, 28), seed=1)
+    manifest = tmp_path / "list.txt"
+    manifest.write_text("nosuchdir/../a.png\na.png\n")
+    s = encode_dataset(manifest, tmp_path / "out", progress=False)
+    assert (s.encoded, s.failed) == (1, 0)
+    assert open_dataset(tmp_path / "out").sources == ["a.png"]

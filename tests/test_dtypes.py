@@ -10,8 +10,8 @@ import torch.nn.functional as F
 import bivit
 from bivit import ops
 from bivit.config import PRESETS
-from conftest import random_image
-from helpers import K3_SMALL, KIMI_SMALL, write_checkpoint
+from support.media import random_image
+from support.checkpoints import K3_SMALL, KIMI_SMALL, write_checkpoint
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -107,6 +107,21 @@ def test_bad_dtype_option_is_a_config_error():
         bivit.load_encoder(max_batch_tokens=0)
     with pytest.raises(bivit.ConfigError, match="nonsense"):
         bivit.load_encoder(nonsense=1)
+
+
+def test_unavailable_device_is_a_config_error_naming_it():
+    # No machine has a 100th GPU; without a CUDA build torch refuses "cuda" altogether.
+    with pytest.raises(bivit.ConfigError, match="'cuda:99'"):
+        bivit.load_encoder(device="cuda:99")
+
+
+def test_per_call_batch_budget_leaves_the_encoder_alone():
+    enc = bivit.load_encoder(max_batch_tokens=64)
+    batch = enc.preprocess([random_image(56, 56, 1), random_image(112, 84, 2)])
+    assert all(torch.equal(a, b) for a, b in zip(enc.encode_batch(batch, 1), enc.encode_batch(batch)))
+    assert enc.max_batch_tokens == 64
+    with pytest.raises(bivit.ConfigError, match="max_batch_tokens"):
+        enc.encode_batch(batch, 0)
 
 
 def test_demo_preset_is_the_real_architecture_small():

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 import bivit
 from bivit.media import MediaBatch, preprocess_images
-from conftest import random_image
+from support.media import random_image
 
 # (h, w): 1, 2, 3 merged tokens (the row counts where stock GEMMs switch kernels), then larger and non-square.
 SIZES = [(28, 28), (28, 56), (84, 28), (56, 56), (84, 56), (112, 112), (140, 84), (168, 196)]
@@ -35,11 +35,7 @@ def _item(index: int, seed: int) -> MediaBatch:
 
 
 def encode_layout(enc: bivit.Encoder, items: list[MediaBatch], budget: int | None) -> list[torch.Tensor]:
-    saved, enc.max_batch_tokens = enc.max_batch_tokens, budget
-    try:
-        return enc.encode_batch(MediaBatch.concat(items))
-    finally:
-        enc.max_batch_tokens = saved
+    return enc.encode_batch(MediaBatch.concat(items), budget)
 
 
 def differing(enc, items, order, budget) -> list[int]:
@@ -97,7 +93,7 @@ def test_micro_batch_budgets_and_item_larger_than_budget(paths, dtype):
 def test_budget_splits_into_passes_of_at_most_n_patches():
     enc = bivit.load_encoder(max_batch_tokens=100)
     counts = [4, 8, 200, 16, 64, 30, 1]
-    passes = enc._passes(counts)
+    passes = enc._passes(counts, enc.max_batch_tokens)
     assert [i for a, b in passes for i in range(a, b)] == list(range(len(counts)))
     for a, b in passes:
         assert sum(counts[a:b]) <= 100 or b - a == 1

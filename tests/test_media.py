@@ -1,4 +1,4 @@
-"""Image preprocessing against the formulas of Moonshot's processor (spec §3)."""
+"""Image preprocessing against the formulas of Moonshot's processor (docs/model.md, "Images")."""
 
 import io
 import math
@@ -11,7 +11,7 @@ from PIL import Image
 import bivit
 from bivit.media import frames_to_item, image_token_count, navit_size, open_image, preprocess_images
 
-SPEC_TABLE = [  # (w, h) -> (grid h, grid w, tokens), spec §3
+SPEC_TABLE = [  # (w, h) -> (grid h, grid w, tokens), docs/model.md "Images"
     ((224, 224), (16, 16, 64)), ((448, 448), (32, 32, 256)), ((640, 480), (36, 46, 414)),
     ((1024, 1024), (74, 74, 1369)), ((1280, 720), (52, 92, 1196)), ((1920, 1080), (78, 138, 2691)),
     ((2048, 2048), (130, 130, 4225)), ((3840, 2160), (98, 172, 4214)),
@@ -19,7 +19,7 @@ SPEC_TABLE = [  # (w, h) -> (grid h, grid w, tokens), spec §3
 
 
 def reference_size(w, h, limit=16384):
-    """The formula as written in the spec, independently of bivit's code."""
+    """The formula as docs/model.md writes it, independently of bivit's code."""
     s1 = math.sqrt(limit / (max(1, w // 14) * max(1, h // 14)))
     scale = min(1.0, s1, 512 * 14 / w, 512 * 14 / h)
     return min(max(1, int(w * scale)), 7168), min(max(1, int(h * scale)), 7168)
@@ -155,3 +155,13 @@ def test_encoder_preprocess_returns_media_batch():
     assert batch.grid_thw.tolist() == [[1, 2, 2], [1, 4, 6]]
     out = enc.encode([np.zeros((28, 28, 3), np.uint8), np.zeros((56, 84, 3), np.uint8)])
     assert [tuple(o.shape) for o in out] == [(1, 128), (6, 128)]
+
+
+def test_media_error_carries_the_name_the_caller_gave():
+    with pytest.raises(bivit.MediaError) as e:
+        preprocess_images([b"not an image"], names=["upload.png"])
+    assert e.value.source == "upload.png" and str(e.value).startswith("upload.png: ")
+    assert e.value.reason == "not an image format Pillow can read"
+    with pytest.raises(bivit.MediaError) as e:
+        open_image(b"")
+    assert e.value.source == "<0 bytes>"

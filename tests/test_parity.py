@@ -4,8 +4,8 @@ import pytest
 import torch
 
 import bivit
-from conftest import random_image
-from helpers import load_hf
+from support.media import random_image
+from support.checkpoints import load_hf
 
 # (h, w) image sizes -> grids: 112x112 is 8x8 = the position table as is; the rest interpolate, non-square.
 SIZES = [(112, 112), (84, 140), (300, 200), (28, 28), (56, 196)]

@@ -1,4 +1,4 @@
-"""The encoder service, tested as deployed: a real `python -m bivit.server` process on loopback.
+"""The encoder service, tested as deployed: a real `bivit serve` process on loopback.
 
 The central property: whatever else is in flight and however the server coalesces items into forward passes,
 every answer is bit-identical (`torch.equal`) to offline `load_encoder(same options).encode([same input])`
@@ -23,8 +23,8 @@ from safetensors.torch import load as st_load
 
 import bivit
 from bivit.client import Client, EncodeError, ServerError, parse_response
-from media_factory import make_video
-from server_util import ServerProcess, free_port, metric_values, png_bytes
+from bivit.serve.launch import ServerProcess, free_port, metric_values
+from support.media import make_video, png_bytes
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
@@ -414,9 +414,9 @@ def test_sigterm_finishes_accepted_requests(tmp_path):
 
 
 def test_cli_error_is_one_line(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "bivit.server", "--model", str(tmp_path / "missing"),
+    r = subprocess.run([sys.executable, "-m", "bivit", "serve", "--model", str(tmp_path / "missing"),
                         "--port", str(free_port())], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 1
+    assert r.returncode == 2
     assert "Traceback" not in r.stderr
-    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("bivit: error:")]
     assert len(lines) == 1 and "missing" in lines[0]

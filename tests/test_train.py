@@ -9,15 +9,14 @@ import socket
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch.autograd import gradcheck
 
 import bivit
 from bivit import ops
 from bivit.checkpoint import from_transformers_layout
 from bivit.media import MediaBatch, preprocess_images
-from conftest import random_image
-from helpers import load_hf
+from support.media import random_image
+from support.checkpoints import load_hf
 
 # (h, w) -> 1, 2, 3 merged tokens, then larger and non-square (interpolated position table).
 SIZES = [(28, 28), (28, 56), (84, 28), (56, 56), (112, 112), (84, 140)]
@@ -116,13 +115,15 @@ def test_frozen_tower_trains_projector_only(paths):
 # ------------------------------------------------------------------------------ determinism of training
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_loss_and_gradients_repeat_and_do_not_depend_on_threads(paths, dtype):
+@pytest.mark.parametrize("model", ["kimi", "k3"])
+def test_loss_and_gradients_repeat_and_do_not_depend_on_threads(paths, model, dtype):
     """Invariant: same batch -> same loss and gradients, bitwise, run to run and at 1 or 2 threads.
-    Control: default mode's LayerNorm weight gradient is summed in per-thread partials and changes."""
+    Control: default mode's LayerNorm weight gradient is summed in per-thread partials and changes (K3 has
+    RMSNorm only, whose stock backward happens to be thread-independent: no control there)."""
     items = [_item(i, 3) for i in range(len(SIZES))] + [_item(0, 4)]
     results = {}
     for invariant in (True, False):
-        trainer = bivit.load_model(paths["kimi"], dtype=dtype, batch_invariant=invariant)
+        trainer = bivit.load_model(paths[model], dtype=dtype, batch_invariant=invariant)
         runs = []
         for threads in (2, 2, 1):
             torch.set_num_threads(threads)
@@ -130,7 +131,8 @@ def test_loss_and_gradients_repeat_and_do_not_depend_on_threads(paths, dtype):
         results[invariant] = [_same_step(runs[0], runs[1]), _same_step(runs[0], runs[2])]
     assert results[True] == [True, True]
     assert results[False][0]  # run to run, stock kernels are deterministic too
-    assert not results[False][1]
+    if model == "kimi":
+        assert not results[False][1]
 
 
 def _same_step(a, b) -> bool:
@@ -141,11 +143,12 @@ def _same_step(a, b) -> bool:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_item_loss_and_pixel_gradient_do_not_depend_on_the_batch(paths, dtype):
-    items = _control_items()
+@pytest.mark.parametrize("model", ["kimi", "k3"])
+def test_item_loss_and_pixel_gradient_do_not_depend_on_the_batch(paths, model, dtype):
+    items = _control_items()[:8]
     found = {}
     for invariant in (True, False):
-        trainer = bivit.load_model(paths["kimi"], dtype=dtype, batch_invariant=invariant)
+        trainer = bivit.load_model(paths[model], dtype=dtype, batch_invariant=invariant)
         _, losses, px, _ = train_step(trainer, items)
         diffs = 0
         for i, it in enumerate(items):

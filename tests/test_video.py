@@ -1,6 +1,7 @@
-"""Video input: sampling, chunking, timestamps, decoding and limits against the reference's rules (spec §3).
+"""Video input: sampling, chunking, timestamps, decoding and limits against the reference's rules
+(docs/model.md, "Video").
 
-Every video here is a real file written by PyAV (tests/media_factory.py) whose frames carry their own index, so
+Every video here is a real file written by PyAV (tests/support/media.py) whose frames carry their own index, so
 the tests check *which* frames were sampled. Expected indices come from a literal transcription of the
 reference formula below and, for the cases that matter, from hand-computed constants.
 """
@@ -30,7 +31,7 @@ from bivit.video import (
     sample_frame_indices,
     video_chunks,
 )
-from media_factory import (
+from support.media import (
     make_audio_only,
     make_image,
     make_video,
@@ -217,7 +218,7 @@ def test_chunks_equal_frames_to_item_of_the_decoded_frames(vids, ext, frames, fp
 
 def test_1080p_frames_get_48x86_patches():
     assert padded_grid(1920, 1080, 4096) == (48, 86)
-    assert image_token_count(1920, 1080, 4096) == 1032  # per chunk, as the spec says
+    assert image_token_count(1920, 1080, 4096) == 1032  # per chunk, as docs/model.md "Video" says
     assert padded_grid(1920, 1080) == (78, 138)  # the image budget, for contrast
 
 
@@ -455,7 +456,7 @@ def test_video_chunks_are_batch_invariant(vids, demo):
 
 @pytest.fixture(scope="module")
 def hf_fp32(kimi_hf_ckpt):
-    from helpers import load_hf
+    from support.checkpoints import load_hf
 
     return load_hf(kimi_hf_ckpt, torch.float32)
 
@@ -464,8 +465,8 @@ def hf_fp32(kimi_hf_ckpt):
 def test_fp32_parity_with_hf_port_per_chunk_length(vids, kimi_hf_ckpt, hf_fp32, t):
     """Each chunk (t frames, h x w patches) against the transformers port, fp32, one chunk per call.
 
-    The port's get_video_features splits its output by t*h*w/4 and raises for t > 1 (spec §8), so the tower's
-    pooled output and the projector are called directly, as the spec prescribes.
+    The port's get_video_features splits its output by t*h*w/4 and raises for t > 1 (docs/model.md, "Known
+    defects"), so the tower's pooled output and the projector are called directly, as docs/model.md prescribes.
     """
     enc = bivit.load_encoder(kimi_hf_ckpt, dtype="float32")
     # fps 1 samples every frame: 4 + t frames give chunks of 4 and t frames; 140x112 is an 8x10 grid, which
@@ -487,3 +488,9 @@ def test_fp32_parity_with_hf_port_per_chunk_length(vids, kimi_hf_ckpt, hf_fp32, 
             # The temporal term is live: the same frames in reverse order give a clearly different chunk.
             rev = item.pixel_values.reshape(t, -1, 3, 14, 14).flip(0).reshape(-1, 3, 14, 14)
             assert float((enc.encode_pixels(rev, item.grid_thw)[0] - ref).abs().max() / ref.abs().max()) > 1e-2
+
+
+def test_media_error_names_video_bytes_as_the_caller_says():
+    with pytest.raises(MediaError) as e:
+        preprocess_video(b"\x1a\x45\xdf\xa3 not really matroska", name="clip.webm")
+    assert e.value.source == "clip.webm" and str(e.value).startswith("clip.webm: ")

@@ -2,18 +2,43 @@
 
     encoder = bivit.load_encoder()            # demo model; or a checkpoint directory
     embeddings = encoder.encode(["cat.png"])  # one [tokens, text_hidden] tensor per input
+
+The names below load their module on first use (PEP 562), so `import bivit` is cheap and
+`bivit.open_dataset` never loads torch, the dataset writer or the service.
 """
 
-from .client import Client
-from .dataset import open_dataset
-from .encoder import Encoder, load_encoder
-from .errors import BivitError, CheckpointError, ConfigError, MediaError
-from .media import MediaBatch, image_token_count
-from .train import TrainableModel, load_model
-from .video import VideoChunk
+from __future__ import annotations
 
-__all__ = [
-    "BivitError", "Client", "open_dataset", "CheckpointError", "ConfigError", "Encoder", "MediaBatch", "MediaError", "image_token_count",
-    "load_encoder", "load_model", "TrainableModel", "VideoChunk",
-]
+import importlib
+from typing import Any
+
+from .errors import BivitError, CheckpointError, ConfigError, MediaError
+
+# public name -> module that defines it
+_LAZY = {
+    "Client": ".client",
+    "open_dataset": ".dataset.reader",
+    "Encoder": ".encoder",
+    "load_encoder": ".encoder",
+    "load_model": ".train",
+    "TrainableModel": ".train",
+    "MediaBatch": ".media",
+    "image_token_count": ".media",
+    "VideoChunk": ".video",
+}
+
+__all__ = ["BivitError", "CheckpointError", "ConfigError", "MediaError", *_LAZY]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'bivit' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

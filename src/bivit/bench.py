@@ -50,19 +50,20 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import numpy as np
 import torch
 import torch.nn.functional as F
-import typer
 from PIL import Image
 
 from .config import PRESETS, ModelConfig
+from .encoder import parse_dtype
 from .errors import BivitError
+from .fileio import write_atomic
 from .media import MediaBatch, frames_to_item
-from .model import flops_per_item
+from .model import VisionModel, flops_per_item, gemms
 
 IMPLS = ("bivit-invariant", "bivit-default", "hf-sdpa")
 BIVIT_IMPLS = IMPLS[:2]
 HF_IMPL = "hf-sdpa"
 DTYPE_CHOICES = {"bfloat16": ("bfloat16",), "float32": ("float32",), "both": ("bfloat16", "float32")}
-TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+TORCH_DTYPES = {name: parse_dtype(name, "--dtype") for name in ("bfloat16", "float32")}  # what bench runs
 PEAK_ROWS = 2048
 GEMM_TRIES = 3
 
@@ -132,20 +133,15 @@ def square_case(patches: int, seed: int = 0) -> Case:
 
 # --------------------------------------------------------------------------------------------------- FLOPs
 
-def gemm_flops_per_item(cfg: ModelConfig, t: int, h: int, w: int) -> int:
-    """FLOPs of the GEMM-shaped work of one item: every linear, the patch conv, the projector."""
-    n, d, a = t * h * w, cfg.hidden_size, cfg.attn_width
-    per_layer = 2 * n * d * (3 * a) + 2 * n * a * d + 2 * 2 * n * d * cfg.intermediate_size
-    tokens = (h // 2) * (w // 2)
-    proj_in = cfg.projector_input_size * cfg.merge_area
-    proj = 2 * tokens * proj_in * proj_in + 2 * tokens * proj_in * cfg.text_hidden_size
-    return cfg.num_layers * per_layer + 2 * n * d * 3 * cfg.patch_size ** 2 + proj
-
-
 def attention_flops_per_item(cfg: ModelConfig, t: int, h: int, w: int) -> int:
     """QK^T and PV over all t*h*w patches of the item (they attend to each other, to nothing else)."""
     n = t * h * w
     return cfg.num_layers * 2 * 2 * n * n * cfg.attn_width
+
+
+def gemm_flops_per_item(cfg: ModelConfig, t: int, h: int, w: int) -> int:
+    """FLOPs of the GEMM-shaped work of one item: every linear, the patch conv, the projector."""
+    return flops_per_item(cfg, t, h, w) - attention_flops_per_item(cfg, t, h, w)
 
 
 def case_flops(cfg: ModelConfig, case: Case) -> tuple[int, int]:
@@ -155,9 +151,10 @@ def case_flops(cfg: ModelConfig, case: Case) -> tuple[int, int]:
 
 
 def gemm_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
-    """(out, in) of the tower's three big GEMMs: wqkv, mlp.fc0, mlp.fc1."""
-    return [(3 * cfg.attn_width, cfg.hidden_size), (cfg.intermediate_size, cfg.hidden_size),
-            (cfg.hidden_size, cfg.intermediate_size)]
+    """(out, in) of the GEMMs of one tower block (wqkv, wo, mlp.fc0, mlp.fc1), read off the model itself."""
+    with torch.device("meta"):
+        block = VisionModel(cfg.replace(num_layers=1)).vision_tower.encoder.blocks[0]
+    return list(dict.fromkeys(tuple(w.shape) for w, _ in gemms(block)))
 
 
 def sdpa_gflops(dtype: torch.dtype, cfg: ModelConfig, lengths: Iterable[int], tries: int = GEMM_TRIES,
@@ -953,18 +950,13 @@ def plot_report(summary: dict, path: Path, title: str) -> None:
 
 
 def save_figure(fig, path: Path) -> None:
-    """Write the PNG beside its final name, then rename: a reader never sees half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    fig.savefig(tmp, dpi=110, format="png")
-    os.replace(tmp, path)
+    write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
 
 
 def write_text_atomic(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    write_atomic(path, text.encode())
 
 
 def write_outputs(record: dict, report: str, summary: dict, out_dir: Path, stem: str, title: str,
@@ -982,62 +974,3 @@ def write_outputs(record: dict, report: str, summary: dict, out_dir: Path, stem:
     except ImportError:
         log("bivit bench: PNG chart skipped: matplotlib is not installed (pip install 'bivit[plot]')")
     return written
-
-
-# --------------------------------------------------------------------------------------------------- CLI
-
-def bench_command(
-    dtype: str = typer.Option("both", "--dtype", help="bfloat16, float32 or both."),
-    repeats: int = typer.Option(3, "--repeats", help="Timed repeats per case and implementation (median reported)."),
-    warmup: int = typer.Option(1, "--warmup", help="Untimed rounds first (kernel selection, caches)."),
-    out_dir: Path = typer.Option(Path("bench-results"), "--out-dir", help="Where bench.json/.md/.png go."),
-    skip_hf: bool = typer.Option(False, "--skip-hf", help="Do not run the transformers port."),
-    preset: str = typer.Option("kimi-k2.6", "--preset", help="Model size: kimi-k2.6 (full size), kimi-k3, demo."),
-    threads: Optional[int] = typer.Option(None, "--threads", help="torch threads per implementation (default: "
-                                                                  "torch's default here)."),
-    seed: int = typer.Option(0, "--seed", help="Seed of the random weights and images."),
-    in_process: bool = typer.Option(False, "--in-process", help="All implementations in this process (debugging; "
-                                                                "memory is then not attributable)."),
-) -> None:
-    """Throughput of bivit (invariant and default mode) vs the transformers port, against the GEMM peak.
-
-    Seeded random weights at full size (no download); a fixed mix of a 448x448 image, an 896x672 image, 32
-    images of 112x112 in one call and a 4-frame video chunk; repeats interleaved across implementations, each
-    implementation in its own process. Prints Markdown tables; writes bench.json, bench.md and bench.png.
-    """
-    if dtype not in DTYPE_CHOICES:
-        typer.echo(f"bivit: error: --dtype {dtype!r}: expected bfloat16, float32 or both", err=True)
-        raise typer.Exit(2)
-    if repeats < 1 or warmup < 0 or (threads is not None and threads < 1):
-        typer.echo("bivit: error: --repeats and --threads must be >= 1, --warmup >= 0", err=True)
-        raise typer.Exit(2)
-    impls = BIVIT_IMPLS if skip_hf else IMPLS
-    command = command_line()
-    typer.echo(f"$ {command}")
-    try:
-        record = run_benchmark(preset=preset, dtypes=DTYPE_CHOICES[dtype], impls=impls, repeats=repeats,
-                               warmup=warmup, threads=threads, seed=seed, isolate=not in_process)
-    except BivitError as e:
-        typer.echo(f"bivit: error: {e}", err=True)
-        raise typer.Exit(2)
-    record["command"] = command
-    summary = summarize(record)
-    report = f"$ {command}\n\n" + format_report(record, summary)
-    typer.echo(report.split("\n", 2)[2])
-    try:
-        written = write_outputs(record, report, summary, out_dir, "bench", command,
-                                lambda s: typer.echo(s, err=True))
-    except OSError as e:
-        typer.echo(f"bivit: error: cannot write results to {out_dir}: {e}", err=True)
-        raise typer.Exit(2)
-    typer.echo("wrote " + ", ".join(str(p) for p in written))
-
-
-def main() -> None:  # `python -m bivit.bench` without the lead's CLI registration
-    app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
-    app.command()(bench_command)
-    app()
-
-
-if __name__ == "__main__":
-    main()

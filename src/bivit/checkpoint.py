@@ -23,7 +23,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from .config import ModelConfig
+from .config import MOONSHOT_KEYS, ModelConfig
 from .errors import CheckpointError
 from .model import VisionModel
 
@@ -216,23 +216,10 @@ def random_state_dict(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor
 
 def moonshot_config_dict(cfg: ModelConfig) -> dict:
     """A config.json in Moonshot's published layout for `cfg`."""
-    vc = {
-        "model_type": "kimi_k25_vision", "patch_size": cfg.patch_size,
-        "init_pos_emb_height": cfg.pos_emb_height, "init_pos_emb_width": cfg.pos_emb_width,
-        "init_pos_emb_time": cfg.pos_emb_time, "pos_emb_type": "divided_fixed",
-        "vt_hidden_size": cfg.hidden_size, "vt_num_hidden_layers": cfg.num_layers,
-        "vt_num_attention_heads": cfg.num_heads, "vt_intermediate_size": cfg.intermediate_size,
-        "merge_kernel_size": list(cfg.merge_kernel_size), "merge_type": "sd2_tpool",
-        "video_attn_type": "spatial_temporal", "mm_projector_type": cfg.projector_type,
-        "mm_hidden_size": cfg.projector_input_size, "text_hidden_size": cfg.text_hidden_size,
-        "projector_hidden_act": cfg.projector_hidden_act, "projector_ln_eps": cfg.projector_ln_eps,
-    }
-    if cfg.projector_type == "patchmergerv2" or cfg.norm_type != "layernorm" or cfg.qkv_hidden_size:
-        vc.update({
-            "qkv_hidden_size": cfg.attn_width, "norm_type": cfg.norm_type, "attn_bias": cfg.attn_bias,
-            "linear_bias": cfg.linear_bias, "patch_embed_proj_bias": cfg.patch_embed_bias,
-            "pos_emb_interpolation_mode": cfg.pos_emb_interpolation, "activation_func": cfg.hidden_act,
-        })
+    fields = cfg.to_dict()
+    vc = {"model_type": "kimi_k25_vision", "pos_emb_type": "divided_fixed", "merge_type": "sd2_tpool",
+          "video_attn_type": "spatial_temporal",
+          **{keys[0]: fields[name] for name, keys in MOONSHOT_KEYS.items() if fields[name] is not None}}
     return {
         "model_type": "kimi_k25", "architectures": ["KimiK25ForConditionalGeneration"], "dtype": "bfloat16",
         "vision_config": vc, "text_config": {"hidden_size": cfg.text_hidden_size},

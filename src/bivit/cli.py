@@ -1,78 +1,98 @@
-"""`bivit` command line. User errors print one line (no traceback) and set a non-zero exit status."""
+"""The `bivit` command line: every command is defined here (encode, verify, serve, encode-dataset, bench).
+
+One error style for all of them: a user mistake, an unusable input or output, a missing extra or an unavailable
+device prints one line `bivit: error: ...` on stderr and exits 2, before any work is done; a run that went
+wrong (inputs that failed, invariant mode not bit-stable, a write failing mid-run) exits 1. Never a traceback. Commands import what they need when they run, so `bivit serve` without the
+serve extra says which extra to install instead of "No such option".
+"""
 
 from __future__ import annotations
 
-import importlib
+import functools
+import importlib.util
 import json
 import logging
-import os
 import random
 import sys
-import tempfile
 import time
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, Callable, List, Optional
 
-import torch
 import typer
-from tqdm import tqdm
 
-from .encoder import DEMO_NOTICE, Encoder, dtype_name, load_encoder
 from .errors import BivitError
-from .media import MediaBatch
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="bivit: batch-invariant vision encoding for Kimi-K2.5/K2.6/K3.")
 
+USAGE, FAILURE = 2, 1
+# The schema of the file `bivit encode` writes (its "bivit" header key).
+ENCODE_FORMAT = "bivit.encode/1"
+# Patches per forward pass when `bivit encode` groups files (no effect on results in invariant mode).
+GROUP_PATCHES = 4096
+
 ModelOpt = typer.Option(None, "--model", help="Checkpoint directory (Moonshot weights). Default: the demo model.")
 DtypeOpt = typer.Option("bfloat16", "--dtype", help="Tower compute dtype: bfloat16, float32 or float16.")
 ProjDtypeOpt = typer.Option(None, "--projector-dtype", help="Projector dtype (default: --dtype).")
-# Patches per forward pass when `bivit encode` groups files (no effect on results in invariant mode).
-GROUP_PATCHES = 4096
 OutDtypeOpt = typer.Option(None, "--output-dtype", help="Output dtype (default: projector dtype).")
 
 
-def fail(message: str, code: int = 2) -> None:
+def fail(message: str, code: int = USAGE) -> None:
     typer.echo(f"bivit: error: {message}", err=True)
     raise typer.Exit(code)
 
 
-def open_encoder(model: Optional[Path], dtype: str, projector_dtype: Optional[str], output_dtype: Optional[str],
-                 batch_invariant: bool = True, max_batch_tokens: Optional[int] = None) -> Encoder:
+def need_extra(command: str, module: str, extra: str) -> None:
+    """Exit with one line when an optional dependency of `command` is not installed."""
+    if importlib.util.find_spec(module) is None:
+        fail(f"`bivit {command}` needs the {extra!r} extra ({module} is not installed): "
+             f"pip install 'bivit[{extra}]'")
+
+
+def command(name: Optional[str] = None) -> Callable:
+    """Register a command whose BivitErrors become the one-line error (exit 2), and whose unexpected OSErrors
+    (a disk that fills up mid-run) a one-line failure (exit 1)."""
+    def register(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return fn(*args, **kwargs)
+            except BivitError as e:
+                fail(str(e))
+            except OSError as e:
+                fail(_os_message(e), FAILURE)
+        return app.command(name)(run)
+    return register
+
+
+def _os_message(e: OSError) -> str:
+    return f"{e.filename}: {e.strerror or e}" if e.filename else str(e.strerror or e)
+
+
+def writable(path: Path, inputs: Any = (), option: str = "--out") -> None:
+    """Exit 2 now if the output cannot be written later (before any encoding is done)."""
+    from .fileio import check_writable
+
     try:
-        enc = load_encoder(model, dtype=dtype, projector_dtype=projector_dtype, output_dtype=output_dtype,
-                           batch_invariant=batch_invariant, max_batch_tokens=max_batch_tokens)
-    except BivitError as e:
-        fail(str(e))
+        check_writable(path, inputs)
+    except OSError as e:
+        fail(f"{option} {path}: {e.strerror or e}")
+
+
+def open_encoder(model: Optional[Path], dtype: str, projector_dtype: Optional[str], output_dtype: Optional[str],
+                 batch_invariant: bool = True, max_batch_tokens: Optional[int] = None) -> Any:
+    from .encoder import DEMO_NOTICE, load_encoder
+
+    enc = load_encoder(model, dtype=dtype, projector_dtype=projector_dtype, output_dtype=output_dtype,
+                       batch_invariant=batch_invariant, max_batch_tokens=max_batch_tokens)
     if enc.is_demo:
         typer.echo(DEMO_NOTICE, err=True)
     return enc
 
 
-def _preprocess(encoder: Encoder, path: str) -> MediaBatch:
-    from .video import is_video_path
+# ------------------------------------------------------------------------------------------------ encode
 
-    return encoder.preprocess_video(path) if is_video_path(path) else encoder.preprocess([path])
-
-
-def write_safetensors_atomic(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    """Write to a temp file beside `path`, fsync, rename: a reader never sees a half-written file."""
-    from safetensors.torch import save_file
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        save_file(tensors, tmp, metadata=metadata)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-@app.command()
+@command()
 def encode(
     files: List[Path] = typer.Argument(..., help="Images and/or videos."),
     out: Path = typer.Option(Path("embeddings.safetensors"), "--out", "-o", help="Output safetensors file."),
@@ -88,6 +108,16 @@ def encode(
     Per-input metadata (source, grid_thw per chunk, tokens, video chunk timestamps) is stored as JSON under
     the "bivit" header key. Bad files are reported and skipped; the exit status is 1 if any failed.
     """
+    import torch
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+
+    from .encoder import dtype_name
+    from .fileio import write_atomic
+    from .media import MediaBatch
+    from .video import is_video_path, join_chunks, split_by_input
+
+    writable(out, files)
     enc = open_encoder(model, dtype, projector_dtype, output_dtype, not no_batch_invariant, max_batch_tokens)
     t0 = time.perf_counter()
     tensors: dict[str, torch.Tensor] = {}
@@ -97,11 +127,10 @@ def encode(
 
     def flush() -> None:
         # Files share forward passes; in invariant mode each result is the bits of encoding it alone.
-        outs = iter(enc.encode_batch(MediaBatch.concat([b for _, b in pending])))
-        for path, batch in pending:
-            chunks = [next(outs) for _ in range(len(batch))]
+        outs = enc.encode_batch(MediaBatch.concat([b for _, b in pending]))
+        for (path, batch), chunks in zip(pending, split_by_input(outs, [len(b) for _, b in pending])):
             key = str(len(items))
-            tensors[key] = torch.cat(chunks)
+            tensors[key] = join_chunks(chunks)
             entry = {"key": key, "source": str(path), "tokens": int(tensors[key].shape[0]),
                      "grid_thw": batch.grid_thw.tolist(), "chunk_tokens": [int(c.shape[0]) for c in chunks]}
             if batch.timestamps is not None:
@@ -112,7 +141,7 @@ def encode(
     group_patches = max_batch_tokens or GROUP_PATCHES
     for path in tqdm(files, desc="encoding", unit="file", disable=len(files) < 2, file=sys.stderr):
         try:
-            batch = _preprocess(enc, str(path))
+            batch = enc.preprocess_video(path) if is_video_path(path) else enc.preprocess([str(path)])
         except BivitError as e:
             failed += 1
             tqdm.write(f"bivit: skipped: {e}", file=sys.stderr)
@@ -123,20 +152,22 @@ def encode(
     if pending:
         flush()
     if tensors:
-        meta = {"bivit": json.dumps({"format": "bivit.encode/1", "model": enc.model_name, "demo": enc.is_demo,
+        meta = {"bivit": json.dumps({"format": ENCODE_FORMAT, "model": enc.model_name, "demo": enc.is_demo,
                                      "dtype": dtype_name(enc.dtype), "projector_dtype": dtype_name(enc.projector_dtype),
                                      "output_dtype": dtype_name(enc.output_dtype),
                                      "batch_invariant": enc.batch_invariant, "items": items})}
-        write_safetensors_atomic(out, tensors, meta)
+        write_atomic(out, lambda tmp: save_file(tensors, tmp, metadata=meta))
     tokens = sum(i["tokens"] for i in items)
     where = f" -> {out}" if tensors else " (nothing written)"
     typer.echo(f"encoded {len(items)} of {len(files)} inputs, {tokens} tokens in "
                f"{time.perf_counter() - t0:.2f} s{where}" + (f"; {failed} failed" if failed else ""))
     if failed:
-        raise typer.Exit(1)
+        raise typer.Exit(FAILURE)
 
 
-@app.command()
+# ------------------------------------------------------------------------------------------------ verify
+
+@command()
 def verify(
     files: List[Path] = typer.Argument(None, help="Images (default: a built-in synthetic set)."),
     model: Optional[Path] = ModelOpt,
@@ -147,18 +178,20 @@ def verify(
     bisect: bool = typer.Option(False, "--bisect", help="Name the first op that differs between bs=1 and bs=N."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG of the per-item differences."),
 ) -> None:
-    """Encode items alone and in random batch layouts, invariant vs default mode; exit 1 unless invariant is bit-stable."""
+    """Encode items alone and in random batch layouts, invariant vs default mode; exit 1 unless invariant is
+    bit-stable."""
     from . import verify as v
+    from .encoder import dtype_name
 
+    if plot is not None:
+        need_extra("verify --plot", "matplotlib", "plot")
+        writable(plot, files or (), "--plot")
     encoders = [open_encoder(model, dtype, projector_dtype, None, inv) for inv in (True, False)]
-    try:
-        if files:
-            batch = encoders[0].preprocess([str(f) for f in files])
-        else:
-            batch = encoders[0].preprocess(v.synthetic_images(seed))
-            batch.sources = [f"synthetic {w}x{h}" for w, h in v.SYNTHETIC_SIZES]
-    except BivitError as e:
-        fail(str(e))
+    if files:
+        batch = encoders[0].preprocess([str(f) for f in files])
+    else:
+        batch = encoders[0].preprocess(v.synthetic_images(seed))
+        batch.sources = [f"synthetic {w}x{h}" for w, h in v.SYNTHETIC_SIZES]
     plan = v.random_layouts(len(batch), layouts, random.Random(seed), batch.patch_counts)
     reports = []
     for enc in encoders:
@@ -178,28 +211,150 @@ def verify(
         v.plot(reports, str(plot))
         typer.echo(f"plot written to {plot}")
     if not reports[0].stable:
-        raise typer.Exit(1)
+        raise typer.Exit(FAILURE)
 
 
-def _register(name: str, module: str, attr: str, extra: str) -> None:
-    """Commands whose dependencies are extras: registered when importable, else a one-line hint."""
+# ------------------------------------------------------------------------------------------------- serve
+
+@command()
+def serve(
+    model: Optional[str] = typer.Option(None, "--model", help="Checkpoint directory (default: demo model)"),
+    host: str = typer.Option("127.0.0.1", help="Interface to bind; loopback by default"),
+    port: int = typer.Option(8000, help="TCP port"),
+    dtype: str = typer.Option("bfloat16", help="Tower dtype: bfloat16 or float32"),
+    device: str = typer.Option("cpu", help="torch device"),
+    batch_invariant: bool = typer.Option(True, "--batch-invariant/--no-batch-invariant",
+                                         help="Bit-identical answers however requests are batched (the cache is "
+                                              "off without it)"),
+    api_key: Optional[str] = typer.Option(None, envvar="BIVIT_API_KEY",
+                                          help="Require 'Authorization: Bearer KEY' (all but /health)"),
+    max_batch_tokens: int = typer.Option(16384, help="Patch budget of one forward pass"),
+    max_wait_ms: float = typer.Option(5.0, help="Max wait for more items before a forward pass"),
+    max_queue: int = typer.Option(256, help="Items in flight before 429"),
+    max_body_mb: float = typer.Option(64.0, help="Request body limit (413 above)"),
+    request_timeout_s: float = typer.Option(120.0, help="Per-request timeout (504 after)"),
+    cache_mb: float = typer.Option(256.0, help="Exact embedding cache size; 0 disables"),
+    max_weights_mb: float = typer.Option(8192.0, help="POST /v1/weights body limit (413 above)"),
+    allow_weight_updates_without_key: bool = typer.Option(
+        False, "--allow-weight-updates-without-key",
+        help="Accept POST /v1/weights without --api-key (trusted machines only)"),
+    log_level: str = typer.Option("info", help="debug, info, warning or error"),
+) -> None:
+    """Serve the encoder over HTTP: POST /v1/encode, /v1/weights, GET /health, /ready, /metrics (serve extra)."""
+    for module in ("fastapi", "uvicorn", "prometheus_client", "multipart"):
+        need_extra("serve", module, "serve")
+    if log_level.lower() not in ("debug", "info", "warning", "error"):
+        fail(f"--log-level must be debug, info, warning or error, got {log_level!r}")
+    for name, value in (("--max-batch-tokens", max_batch_tokens), ("--max-queue", max_queue)):
+        if value < 1:
+            fail(f"{name} must be at least 1, got {value}")
+    from .serve.app import configure_logging, run
+    from .serve.serving import ServerSettings
+
+    from .encoder import load_encoder
+
+    configure_logging(log_level)  # the service logs JSON lines, its demo warning included
+    encoder = load_encoder(model, device=device, dtype=dtype, batch_invariant=batch_invariant,
+                           max_batch_tokens=max_batch_tokens)
+    settings = ServerSettings(api_key=api_key or None, max_batch_tokens=max_batch_tokens, max_wait_ms=max_wait_ms,
+                              max_queue=max_queue, max_body_mb=max_body_mb, request_timeout_s=request_timeout_s,
+                              cache_mb=cache_mb, max_weights_mb=max_weights_mb,
+                              allow_weight_updates_without_key=allow_weight_updates_without_key)
+    run(encoder, settings, host=host, port=port, log_level=log_level)
+
+
+# ---------------------------------------------------------------------------------------- encode-dataset
+
+@command("encode-dataset")
+def encode_dataset(
+    src: Path = typer.Argument(..., show_default=False,
+                               help="Folder of images/videos (recursive) or a manifest file (one path per line, "
+                                    "or JSONL with a 'path' field)."),
+    out: Path = typer.Option(..., "--out", "-o", show_default=False,
+                             help="Output folder (created; re-running resumes it)."),
+    model: Optional[str] = typer.Option(None, help="Checkpoint folder; default: the tiny built-in demo model."),
+    dtype: str = typer.Option("bfloat16", help="Tower dtype: bfloat16, float16 or float32."),
+    projector_dtype: Optional[str] = typer.Option(None, help="Projector dtype (default: the tower dtype)."),
+    output_dtype: Optional[str] = typer.Option(None, help="Stored embedding dtype (default: the projector's)."),
+    engine: str = typer.Option("local", help="local (in-process) or ray (Ray Data actor pool)."),
+    ray_address: Optional[str] = typer.Option(None, help="Ray cluster to join (e.g. auto or ray://host:10001); "
+                                                         "default: start a local Ray."),
+    workers: int = typer.Option(1, help="Ray engine: encoder actors (each loads the model once)."),
+    cpus_per_worker: int = typer.Option(1, help="Ray engine: CPUs (torch threads) per encoder actor."),
+    batch_tokens: int = typer.Option(4096, help="Tokens per encode call (memory bound; results do not depend "
+                                                "on it)."),
+    shard_mb: float = typer.Option(256.0, help="Target size of one safetensors shard, MiB."),
+    progress: bool = typer.Option(True, help="Show a progress bar."),
+    allow_failures: bool = typer.Option(False, "--allow-failures",
+                                        help="Exit 0 even when some inputs could not be encoded."),
+) -> None:
+    """Encode every image and video under SRC into sharded safetensors in --out (resumable, crash-safe).
+
+    Inputs that cannot be encoded are listed in OUT/errors.jsonl (and `open_dataset(OUT).errors`) until they
+    are encoded; the exit status is then 1 unless --allow-failures.
+    """
+    if engine == "ray":
+        need_extra("encode-dataset --engine ray", "ray", "ray")
+    from .dataset.format import ERRORS
+    from .dataset.job import encode_dataset as run
+
     try:
-        fn = getattr(importlib.import_module(module), attr)
-    except ImportError as e:
-        reason = str(e)  # `e` itself is unbound once the except block ends
+        summary = run(src, out, model=model, dtype=dtype, projector_dtype=projector_dtype, output_dtype=output_dtype,
+                      engine=engine, ray_address=ray_address, workers=workers, cpus_per_worker=cpus_per_worker,
+                      batch_tokens=batch_tokens, shard_mb=shard_mb, progress=progress)
+    except KeyboardInterrupt:
+        typer.echo(f"interrupted; everything encoded so far is in {out}, run the same command to resume", err=True)
+        raise typer.Exit(130) from None
+    typer.echo(summary.line())
+    if summary.failed:
+        typer.echo(f"{summary.failed} inputs failed; see {Path(out) / ERRORS}", err=True)
+        if not allow_failures:
+            raise typer.Exit(FAILURE)
 
-        def missing() -> None:
-            fail(f"`bivit {name}` needs the {extra!r} extra: pip install 'bivit[{extra}]' ({reason})")
 
-        missing.__doc__ = f"(unavailable: pip install 'bivit[{extra}]')"
-        app.command(name)(missing)
-        return
-    app.command(name)(fn)
+# ------------------------------------------------------------------------------------------------- bench
 
+@command()
+def bench(
+    dtype: str = typer.Option("both", "--dtype", help="bfloat16, float32 or both."),
+    repeats: int = typer.Option(3, "--repeats", help="Timed repeats per case and implementation (median reported)."),
+    warmup: int = typer.Option(1, "--warmup", help="Untimed rounds first (kernel selection, caches)."),
+    out_dir: Path = typer.Option(Path("bench-results"), "--out-dir", help="Where bench.json/.md/.png go."),
+    skip_hf: bool = typer.Option(False, "--skip-hf", help="Do not run the transformers port."),
+    preset: str = typer.Option("kimi-k2.6", "--preset", help="Model size: kimi-k2.6 (full size), kimi-k3, demo."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="torch threads per implementation (default: "
+                                                                  "torch's default here)."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the random weights and images."),
+    in_process: bool = typer.Option(False, "--in-process", help="All implementations in this process (debugging; "
+                                                                "memory is then not attributable)."),
+) -> None:
+    """Throughput of bivit (invariant and default mode) vs the transformers port, against the GEMM peak.
 
-_register("serve", "bivit.server", "serve_command", "serve")
-_register("encode-dataset", "bivit.dataset", "encode_dataset_command", "ray")
-_register("bench", "bivit.bench", "bench_command", "test")
+    Seeded random weights at full size (no download); a fixed mix of a 448x448 image, an 896x672 image, 32
+    images of 112x112 in one call and a 4-frame video chunk; repeats interleaved across implementations, each
+    implementation in its own process. Prints Markdown tables; writes bench.json, bench.md and bench.png.
+    """
+    from . import bench as b
+
+    if dtype not in b.DTYPE_CHOICES:
+        fail(f"--dtype {dtype!r}: expected bfloat16, float32 or both")
+    if repeats < 1 or warmup < 0 or (threads is not None and threads < 1):
+        fail("--repeats and --threads must be >= 1, --warmup >= 0")
+    writable(out_dir / "bench.json", option="--out-dir")
+    command_line = b.command_line()
+    typer.echo(f"$ {command_line}")
+    record = b.run_benchmark(preset=preset, dtypes=b.DTYPE_CHOICES[dtype], impls=b.BIVIT_IMPLS if skip_hf else b.IMPLS,
+                             repeats=repeats, warmup=warmup, threads=threads, seed=seed, isolate=not in_process)
+    record["command"] = command_line
+    summary = b.summarize(record)
+    report = f"$ {command_line}\n\n" + b.format_report(record, summary)
+    typer.echo(report.split("\n", 2)[2])
+    try:
+        written = b.write_outputs(record, report, summary, out_dir, "bench", command_line,
+                                  lambda s: typer.echo(s, err=True))
+    except OSError as e:
+        fail(f"cannot write results to {out_dir}: {e}")
+    typer.echo("wrote " + ", ".join(str(p) for p in written))
 
 
 def main() -> None:
@@ -209,11 +364,7 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     # The demo notice is printed once by the CLI itself; keep the library's logger quiet about it.
     logging.getLogger("bivit").setLevel(logging.ERROR)
-    try:
-        app()
-    except BivitError as e:
-        typer.echo(f"bivit: error: {e}", err=True)
-        sys.exit(2)
+    app()
 
 
 if __name__ == "__main__":

@@ -17,10 +17,7 @@ Request-level failures (auth, size, overload, timeout, unreachable server) raise
 from __future__ import annotations
 
 import io
-import json
 import os
-import struct
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -30,8 +27,10 @@ import torch
 from PIL import Image
 
 from .errors import BivitError, MediaError
+from .serve.protocol import ItemResult, decode_safetensors, result_from_meta
 
-SAFETENSORS_MEDIA_TYPE = "application/vnd.bivit.safetensors"
+# One item of a response: its embedding (None if it failed) and the server's metadata.
+EncodeResult = ItemResult
 
 
 class ServerError(BivitError):
@@ -50,22 +49,6 @@ class EncodeError(BivitError):
         super().__init__(message)
         self.errors = errors
         self.results = results
-
-
-@dataclass
-class EncodeResult:
-    """One item of a response: its embedding (None if it failed) and the server's metadata."""
-
-    embedding: Optional[torch.Tensor]
-    name: str
-    kind: str
-    sha256: str
-    tokens: int
-    grid_thw: list[list[int]] = field(default_factory=list)
-    timestamps: Optional[list[str]] = None
-    cached: bool = False
-    error: Optional[str] = None
-    error_kind: Optional[str] = None
 
 
 def _png(img: Image.Image) -> bytes:
@@ -95,22 +78,10 @@ def _as_part(src: Any, i: int) -> tuple[str, bytes]:
 
 def parse_response(body: bytes) -> tuple[dict, list[EncodeResult]]:
     """Split a safetensors response body into (header metadata, one EncodeResult per input)."""
-    from safetensors.torch import load
-
-    if len(body) < 8:
-        raise ServerError(f"response of {len(body)} bytes is not a safetensors file")
-    (n,) = struct.unpack("<Q", body[:8])
     try:
-        meta = dict(json.loads(body[8:8 + n]).get("__metadata__") or {})
-        items = json.loads(meta.pop("items"))
-    except (ValueError, KeyError) as e:
-        raise ServerError(f"response header is not bivit's ({e})") from None
-    tensors = load(body)
-    results = [EncodeResult(embedding=tensors.get(m["tensor"]) if m.get("tensor") is not None else None,
-                            name=m["name"], kind=m["kind"], sha256=m["sha256"], tokens=m["tokens"],
-                            grid_thw=m["grid_thw"], timestamps=m["timestamps"], cached=m["cached"],
-                            error=m["error"], error_kind=m["error_kind"]) for m in items]
-    return meta, results
+        return decode_safetensors(body)
+    except BivitError as e:
+        raise ServerError(str(e)) from None
 
 
 class Client:
@@ -158,9 +129,7 @@ class Client:
         files = [("file", (name, data, "application/octet-stream")) for name, data in parts]
         r = self._request("POST", "/v1/encode", files=files)
         if r.status_code == 422:  # every item failed; the JSON body lists them
-            items = r.json().get("items") or []
-            return [EncodeResult(None, m["name"], m["kind"], m["sha256"], 0, [], None, False, m["error"],
-                                 m["error_kind"]) for m in items]
+            return [result_from_meta(m) for m in r.json().get("items") or []]
         _, results = parse_response(r.content)
         if len(results) != len(parts):
             raise ServerError(f"server answered {len(results)} items for {len(parts)} inputs")

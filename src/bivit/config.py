@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -101,14 +102,78 @@ def _check(ok: bool, key: str, value: Any, why: str = "unsupported value") -> No
         raise err
 
 
-def _build(fields: dict[str, Any], source_keys: dict[str, str]) -> ModelConfig:
+# The config key table, once per layout: ModelConfig field -> (key in the file, other spellings read too).
+# Reading, the key named in an error, and writing (`bivit.checkpoint.moonshot_config_dict`) all use it.
+MOONSHOT_KEYS: dict[str, tuple[str, ...]] = {
+    "patch_size": ("patch_size",),
+    "pos_emb_height": ("init_pos_emb_height",),
+    "pos_emb_width": ("init_pos_emb_width",),
+    "pos_emb_time": ("init_pos_emb_time",),
+    "hidden_size": ("vt_hidden_size", "hidden_size"),  # plain names: vLLM's spelling
+    "num_layers": ("vt_num_hidden_layers", "num_hidden_layers"),
+    "num_heads": ("vt_num_attention_heads", "num_attention_heads"),
+    "intermediate_size": ("vt_intermediate_size", "intermediate_size"),
+    "qkv_hidden_size": ("qkv_hidden_size",),
+    "merge_kernel_size": ("merge_kernel_size",),
+    "norm_type": ("norm_type",),
+    "norm_eps": ("norm_eps",),
+    "attn_bias": ("attn_bias",),
+    "linear_bias": ("linear_bias",),
+    "patch_embed_bias": ("patch_embed_proj_bias",),
+    "pos_emb_interpolation": ("pos_emb_interpolation_mode",),
+    "hidden_act": ("activation_func", "vt_hidden_act"),
+    "projector_type": ("mm_projector_type",),
+    "mm_hidden_size": ("mm_hidden_size",),
+    "text_hidden_size": ("text_hidden_size",),
+    "projector_ln_eps": ("projector_ln_eps",),
+    "projector_hidden_act": ("projector_hidden_act",),
+}
+# Moonshot fields that may also sit at the top level of config.json.
+_MOONSHOT_TOP_LEVEL = ("projector_type", "mm_hidden_size", "text_hidden_size", "projector_ln_eps")
+HF_KEYS: dict[str, str] = {  # field -> dotted path in the transformers layout
+    "patch_size": "vision_config.patch_size", "pos_emb_height": "vision_config.pos_emb_height",
+    "pos_emb_width": "vision_config.pos_emb_width", "pos_emb_time": "vision_config.pos_emb_time",
+    "hidden_size": "vision_config.hidden_size", "num_layers": "vision_config.num_hidden_layers",
+    "num_heads": "vision_config.num_attention_heads", "intermediate_size": "vision_config.intermediate_size",
+    "merge_kernel_size": "vision_config.merge_kernel_size", "hidden_act": "vision_config.hidden_act",
+    "rope_theta": "vision_config.rope_parameters.rope_theta", "mm_hidden_size": "projection_hidden_size",
+    "text_hidden_size": "text_config.hidden_size", "projector_ln_eps": "projection_layer_norm_eps",
+}
+_INTS = {"patch_size", "pos_emb_height", "pos_emb_width", "pos_emb_time", "hidden_size", "num_layers", "num_heads",
+         "intermediate_size", "qkv_hidden_size", "mm_hidden_size", "text_hidden_size"}
+_FLOATS = {"norm_eps", "projector_ln_eps", "rope_theta"}
+_BOOLS = {"attn_bias", "linear_bias", "patch_embed_bias"}
+
+
+def _typed(field: str, value: Any, key: str) -> Any:
+    """A config value checked for its field's type (sizes are whole numbers, eps finite numbers, ...)."""
+    if field in _INTS:
+        return _int(value, key)
+    if field in _FLOATS:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ConfigError(f"config key {key!r} = {value!r}: expected a finite number")
+        return float(value)
+    if field in _BOOLS:
+        if value not in (True, False):  # 0 and 1 compare equal to them
+            raise ConfigError(f"config key {key!r} = {value!r}: expected true or false")
+        return bool(value)
+    if field == "merge_kernel_size":
+        if not isinstance(value, (list, tuple)) or len(value) != 2:
+            raise ConfigError(f"config key {key!r} = {value!r}: expected two integers")
+        return tuple(_int(v, key) for v in value)
+    if not isinstance(value, str):
+        raise ConfigError(f"config key {key!r} = {value!r}: expected a string")
+    return value
+
+
+def _build(fields: dict[str, Any], key_of: dict[str, str]) -> ModelConfig:
     """ModelConfig(**fields), with validation errors naming the key as spelled in the file."""
     try:
         return ModelConfig(**fields)
     except ConfigError as e:
         key = getattr(e, "key", None)
-        if key in source_keys:
-            raise ConfigError(str(e).replace(f"{key!r}", repr(source_keys[key]), 1)) from None
+        if key in key_of:
+            raise ConfigError(str(e).replace(f"{key!r}", repr(key_of[key]), 1)) from None
         raise
 
 
@@ -139,6 +204,8 @@ def load_config(path: str | Path) -> ModelConfig:
         raise ConfigError(f"{path}: no config.json") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    except OSError as e:  # a directory, a permission problem, ...
+        raise ConfigError(f"{path}: cannot read ({e.strerror or e})") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a JSON object")
     try:
@@ -151,18 +218,10 @@ def config_from_dict(raw: dict[str, Any]) -> ModelConfig:
     vc = raw.get("vision_config")
     if not isinstance(vc, dict):
         raise ConfigError("config key 'vision_config' is missing or not an object")
-    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}
     # Moonshot's layout is recognised by its vt_* keys; plain names are accepted as a fallback (vLLM's naming).
     if any(k.startswith("vt_") for k in vc) or "mm_projector_type" in vc or "mm_projector_type" in raw:
-        return _from_moonshot(vc, raw, text)
-    return _from_hf(vc, raw, text)
-
-
-def _get(d: dict, *keys: str, default: Any = None) -> Any:
-    for k in keys:
-        if k in d and d[k] is not None:
-            return d[k]
-    return default
+        return _from_moonshot(vc, raw)
+    return _from_hf(raw)
 
 
 def _expect(d: dict, key: str, allowed: tuple, default: Any) -> None:
@@ -177,71 +236,35 @@ def _int(value: Any, key: str) -> int:
     return value
 
 
-def _from_moonshot(vc: dict, raw: dict, text: dict) -> ModelConfig:
-    base = ModelConfig()
+def _from_moonshot(vc: dict, raw: dict) -> ModelConfig:
     _expect(vc, "merge_type", ("sd2_tpool",), "sd2_tpool")
     _expect(vc, "pos_emb_type", ("divided_fixed",), "divided_fixed")
     _expect(vc, "video_attn_type", ("spatial_temporal",), "spatial_temporal")
-    projector = _get(vc, "mm_projector_type", default=_get(raw, "mm_projector_type", default="patchmerger"))
-    norm_type = vc.get("norm_type", "layernorm")
-    hidden = _int(_get(vc, "vt_hidden_size", "hidden_size", default=base.hidden_size), "vt_hidden_size")
-    fields = dict(
-        patch_size=_int(_get(vc, "patch_size", default=14), "patch_size"),
-        pos_emb_height=_int(_get(vc, "init_pos_emb_height", default=64), "init_pos_emb_height"),
-        pos_emb_width=_int(_get(vc, "init_pos_emb_width", default=64), "init_pos_emb_width"),
-        pos_emb_time=_int(_get(vc, "init_pos_emb_time", default=4), "init_pos_emb_time"),
-        hidden_size=hidden,
-        num_layers=_int(_get(vc, "vt_num_hidden_layers", "num_hidden_layers", default=27), "vt_num_hidden_layers"),
-        num_heads=_int(_get(vc, "vt_num_attention_heads", "num_attention_heads", default=16), "vt_num_attention_heads"),
-        intermediate_size=_int(_get(vc, "vt_intermediate_size", "intermediate_size", default=4304),
-                               "vt_intermediate_size"),
-        qkv_hidden_size=_get(vc, "qkv_hidden_size"),
-        merge_kernel_size=tuple(_get(vc, "merge_kernel_size", default=(2, 2))),
-        norm_type=norm_type,
-        norm_eps=_get(vc, "norm_eps", default=1e-5 if norm_type == "layernorm" else None),
-        attn_bias=bool(vc.get("attn_bias", True)),
-        linear_bias=bool(vc.get("linear_bias", True)),
-        patch_embed_bias=bool(vc.get("patch_embed_proj_bias", True)),
-        pos_emb_interpolation=vc.get("pos_emb_interpolation_mode", "bicubic"),
-        hidden_act=_get(vc, "activation_func", "vt_hidden_act", default="gelu_pytorch_tanh"),
-        projector_type=projector,
-        mm_hidden_size=_get(vc, "mm_hidden_size", default=_get(raw, "mm_hidden_size")),
-        text_hidden_size=_int(_get(vc, "text_hidden_size", default=_get(raw, "text_hidden_size",
-                                   default=_get(text, "hidden_size", default=base.text_hidden_size))),
-                              "text_hidden_size"),
-        projector_ln_eps=float(_get(vc, "projector_ln_eps", default=_get(raw, "projector_ln_eps", default=1e-5))),
-        projector_hidden_act=_get(vc, "projector_hidden_act", default="gelu"),
-    )
-    return _build(fields, {
-        "num_heads": "vt_num_attention_heads", "hidden_size": "vt_hidden_size", "num_layers": "vt_num_hidden_layers",
-        "intermediate_size": "vt_intermediate_size", "pos_emb_height": "init_pos_emb_height",
-        "pos_emb_width": "init_pos_emb_width", "pos_emb_time": "init_pos_emb_time", "hidden_act": "activation_func",
-        "pos_emb_interpolation": "pos_emb_interpolation_mode", "projector_type": "mm_projector_type",
-    })
+    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}
+    fields: dict[str, Any] = {}
+    for name, keys in MOONSHOT_KEYS.items():
+        found = [(k, vc[k]) for k in keys if vc.get(k) is not None]
+        if not found and name in _MOONSHOT_TOP_LEVEL and raw.get(keys[0]) is not None:
+            found = [(keys[0], raw[keys[0]])]
+        if not found and name == "text_hidden_size" and text.get("hidden_size") is not None:
+            found = [("text_config.hidden_size", text["hidden_size"])]
+        if found:
+            fields[name] = _typed(name, found[0][1], found[0][0])
+    if "norm_eps" not in fields and fields.get("norm_type", "layernorm") != "layernorm":
+        fields["norm_eps"] = None  # torch's RMSNorm default
+    return _build(fields, {name: keys[0] for name, keys in MOONSHOT_KEYS.items()})
 
 
-def _from_hf(vc: dict, raw: dict, text: dict) -> ModelConfig:
-    rope = vc.get("rope_parameters") or {}
-    _expect(rope, "rope_type", ("axial",), "axial")
-    if "hidden_size" not in text:
+def _from_hf(raw: dict) -> ModelConfig:
+    vc = raw["vision_config"]
+    _expect(vc.get("rope_parameters") or {}, "rope_type", ("axial",), "axial")
+    if not isinstance(raw.get("text_config"), dict) or "hidden_size" not in raw["text_config"]:
         raise ConfigError("config key 'text_config.hidden_size' is missing (projector output width)")
-    hidden = _int(vc.get("hidden_size", 1152), "vision_config.hidden_size")
-    return _build(dict(
-        patch_size=_int(vc.get("patch_size", 14), "vision_config.patch_size"),
-        pos_emb_height=_int(vc.get("pos_emb_height", 64), "vision_config.pos_emb_height"),
-        pos_emb_width=_int(vc.get("pos_emb_width", 64), "vision_config.pos_emb_width"),
-        pos_emb_time=_int(vc.get("pos_emb_time", 4), "vision_config.pos_emb_time"),
-        hidden_size=hidden,
-        num_layers=_int(vc.get("num_hidden_layers", 27), "vision_config.num_hidden_layers"),
-        num_heads=_int(vc.get("num_attention_heads", 16), "vision_config.num_attention_heads"),
-        intermediate_size=_int(vc.get("intermediate_size", 4304), "vision_config.intermediate_size"),
-        merge_kernel_size=tuple(vc.get("merge_kernel_size", (2, 2))),
-        hidden_act=vc.get("hidden_act", "gelu_pytorch_tanh"),
-        rope_theta=float(rope.get("rope_theta", 10000.0)),
-        mm_hidden_size=raw.get("projection_hidden_size"),
-        text_hidden_size=_int(text["hidden_size"], "text_config.hidden_size"),
-        projector_ln_eps=float(raw.get("projection_layer_norm_eps", 1e-5)),
-    ), {"num_heads": "vision_config.num_attention_heads", "hidden_size": "vision_config.hidden_size",
-        "num_layers": "vision_config.num_hidden_layers", "mm_hidden_size": "projection_hidden_size",
-        "intermediate_size": "vision_config.intermediate_size", "hidden_act": "vision_config.hidden_act",
-        "text_hidden_size": "text_config.hidden_size", "merge_kernel_size": "vision_config.merge_kernel_size"})
+    fields: dict[str, Any] = {}
+    for name, path in HF_KEYS.items():
+        value: Any = raw
+        for part in path.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        if value is not None:
+            fields[name] = _typed(name, value, path)
+    return _build(fields, HF_KEYS)

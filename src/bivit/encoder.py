@@ -23,7 +23,7 @@ from .config import PRESETS, ModelConfig, load_config
 from .errors import BivitError, CheckpointError, ConfigError, MediaError
 from .media import MediaBatch, preprocess_images
 from .model import VisionModel, gemms
-from .video import is_video_path, preprocess_video, video_chunks
+from .video import is_video_path, join_chunks, preprocess_video, split_by_input, video_chunks
 
 log = logging.getLogger("bivit")
 
@@ -151,33 +151,38 @@ class Encoder:
                 batches.append(self.preprocess_video(src))
             else:
                 batches.append(preprocess_images([src]))
-        outs = iter(self.encode_batch(MediaBatch.concat(batches)))
-        return [torch.cat([next(outs) for _ in range(len(b))]) for b in batches]
+        outs = self.encode_batch(MediaBatch.concat(batches))
+        return [join_chunks(c) for c in split_by_input(outs, [len(b) for b in batches])]
 
     def encode_video(self, path: str | os.PathLike, **limits: Any) -> list:
         """A video -> one `bivit.VideoChunk` (embedding, grid_thw, timestamp) per chunk, in time order."""
         batch = self.preprocess_video(path, **limits)
         return video_chunks(batch, self.encode_batch(batch))
 
-    def encode_batch(self, batch: MediaBatch) -> list[torch.Tensor]:
-        return self.encode_pixels(batch.pixel_values, batch.grid_thw)
+    def encode_batch(self, batch: MediaBatch, max_batch_tokens: int | None = None) -> list[torch.Tensor]:
+        return self.encode_pixels(batch.pixel_values, batch.grid_thw, max_batch_tokens)
 
-    def encode_pixels(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]:
-        """Packed patches `[L, 3, p, p]` + `grid_thw` `[n, 3]` -> one embedding per item (output dtype)."""
+    def encode_pixels(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor,
+                      max_batch_tokens: int | None = None) -> list[torch.Tensor]:
+        """Packed patches `[L, 3, p, p]` + `grid_thw` `[n, 3]` -> one embedding per item (output dtype).
+
+        `max_batch_tokens` bounds the patches of one forward pass for this call only (default: the encoder's).
+        """
         grid_thw = torch.as_tensor(grid_thw, dtype=torch.int64).reshape(-1, 3)
         self._validate(pixel_values, grid_thw)
+        _check_budget(max_batch_tokens)
         counts = [int(t * h * w) for t, h, w in grid_thw.tolist()]
         results: list[torch.Tensor] = []
         with torch.inference_mode(), ops.batch_invariant(self.batch_invariant):
-            for first, last in self._passes(counts):
+            for first, last in self._passes(counts, max_batch_tokens or self.max_batch_tokens):
                 start, stop = sum(counts[:first]), sum(counts[:last])
                 outs = self.model(pixel_values[start:stop].to(self.device), grid_thw[first:last])
                 results.extend(o.to(self.output_dtype) for o in outs)
         return results
 
-    def _passes(self, counts: list[int]) -> list[tuple[int, int]]:
-        """Greedy micro-batches of consecutive items with at most `max_batch_tokens` patches each."""
-        budget = self.max_batch_tokens
+    @staticmethod
+    def _passes(counts: list[int], budget: int | None) -> list[tuple[int, int]]:
+        """Greedy micro-batches of consecutive items with at most `budget` patches each."""
         if not budget:
             return [(0, len(counts))] if counts else []
         passes, first, used = [], 0, 0
@@ -208,6 +213,12 @@ def check_pixels(config: ModelConfig, pixels: torch.Tensor, grid_thw: torch.Tens
     total = int(grid_thw.prod(-1).sum())
     if total != pixels.shape[0]:
         raise MediaError(f"grid_thw describes {total} patches but pixel_values has {pixels.shape[0]}")
+
+
+def _check_budget(max_batch_tokens: Any) -> None:
+    if max_batch_tokens is not None and (isinstance(max_batch_tokens, bool) or not isinstance(max_batch_tokens, int)
+                                         or max_batch_tokens < 1):
+        raise ConfigError(f"option 'max_batch_tokens' = {max_batch_tokens!r}: expected a positive integer")
 
 
 def _as_list(inputs: Any) -> list:
@@ -246,9 +257,12 @@ def build_model(model: str | os.PathLike | None, *, device: torch.device, dtype:
 
 def parse_device(device: str | torch.device) -> torch.device:
     try:
-        return torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise ConfigError(f"option 'device' = {device!r}: {e}") from None
+        device = torch.device(device)
+        torch.empty(0, device=device)  # a device this torch build or machine lacks fails here, not mid-load
+    except (RuntimeError, TypeError, AssertionError) as e:
+        raise ConfigError(f"option 'device' = {str(device)!r} is not available here ({str(e).splitlines()[0]})") \
+            from None
+    return device
 
 
 def load_encoder(model: str | os.PathLike | None = None, *, device: str | torch.device = "cpu",
@@ -267,8 +281,7 @@ def load_encoder(model: str | os.PathLike | None = None, *, device: str | torch.
     tower_dtype = parse_dtype(dtype, "dtype")
     proj_dtype = parse_dtype(projector_dtype, "projector_dtype") or tower_dtype
     out_dtype = parse_dtype(output_dtype, "output_dtype") or proj_dtype
-    if max_batch_tokens is not None and (not isinstance(max_batch_tokens, int) or max_batch_tokens < 1):
-        raise ConfigError(f"option 'max_batch_tokens' = {max_batch_tokens!r}: expected a positive integer")
+    _check_budget(max_batch_tokens)
     device = parse_device(device)
     net, name, is_demo = build_model(model, device=device, dtype=tower_dtype, projector_dtype=proj_dtype, seed=seed)
     net.requires_grad_(False)  # an inference engine: no autograd bookkeeping, ever

@@ -1,5 +1,9 @@
 """bivit's exceptions: every user mistake surfaces as one of these, with a message naming the file, key or reason."""
 
+from __future__ import annotations
+
+from typing import Optional
+
 
 class BivitError(Exception):
     """Base class of every error bivit raises on purpose."""
@@ -14,4 +18,19 @@ class CheckpointError(BivitError):
 
 
 class MediaError(BivitError):
-    """An image or video cannot be decoded or is outside the limits; the message names the input and the reason."""
+    """An image or video cannot be decoded or is outside the limits; the message names the input and the reason.
+
+    `source` is the input's name as the message spells it (a path, an upload's name, `<N bytes>`) when known, so
+    a caller can report it without parsing the message; `reason` is the message without that name.
+    """
+
+    def __init__(self, message: str, source: Optional[str] = None):
+        super().__init__(message)
+        self.source = source
+
+    @property
+    def reason(self) -> str:
+        msg = str(self)
+        if self.source is not None and msg.startswith(f"{self.source}: "):
+            return msg[len(self.source) + 2:]
+        return msg

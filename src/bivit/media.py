@@ -1,4 +1,4 @@
-"""Image preprocessing exactly as Moonshot's media processor does it (spec §3).
+"""Image preprocessing exactly as Moonshot's media processor does it (docs/model.md, "Images").
 
 Everything here is per item and independent of batching: pixels are a pure function of the input bytes.
 Video decoding lives in `bivit.video`; it reuses `frames_to_item` so a video frame is processed the way an
@@ -25,6 +25,8 @@ PATCH_SIZE = 14
 MERGE_KERNEL = 2
 IN_PATCH_LIMIT = 16384
 PATCH_LIMIT_ON_ONE_SIDE = 512
+# Names that are images when a folder is listed (videos: `bivit.video.VIDEO_EXTENSIONS`; `bivit.video.media_kind`).
+IMAGE_EXTENSIONS = frozenset({".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff"})
 # Refuse images whose header claims more pixels than this before decoding them (decompression bombs).
 # 16384 patches of 14x14 is ~3.2 MP after resizing; 200 MP leaves room for any real photo or scan.
 MAX_IMAGE_PIXELS = 200_000_000
@@ -54,7 +56,7 @@ class MediaBatch:
 
     @property
     def token_counts(self) -> list[int]:
-        return [int(h // MERGE_KERNEL) * int(w // MERGE_KERNEL) for _, h, w in self.grid_thw.tolist()]
+        return [grid_tokens(h, w) for _, h, w in self.grid_thw.tolist()]
 
     def item(self, i: int) -> "MediaBatch":
         """Item i alone, as a batch of one."""
@@ -82,6 +84,11 @@ class MediaBatch:
         )
 
 
+def grid_tokens(h: int, w: int) -> int:
+    """Tokens of an item with an h x w patch grid per frame: the 2x2 merger's output (frames are averaged)."""
+    return (int(h) // MERGE_KERNEL) * (int(w) // MERGE_KERNEL)
+
+
 def navit_size(width: int, height: int, patch_limit: int = IN_PATCH_LIMIT,
                patch_size: int = PATCH_SIZE, side_limit: int = PATCH_LIMIT_ON_ONE_SIDE) -> tuple[int, int]:
     """Size (w, h) the reference resizes an image to: fit the patch budget and the per-side limit, never upscale."""
@@ -105,8 +112,7 @@ def padded_grid(width: int, height: int, patch_limit: int = IN_PATCH_LIMIT,
 
 def image_token_count(width: int, height: int, patch_limit: int = IN_PATCH_LIMIT) -> int:
     """Tokens the encoder produces for a `width` x `height` image, without loading it."""
-    gh, gw = padded_grid(width, height, patch_limit)
-    return (gh // MERGE_KERNEL) * (gw // MERGE_KERNEL)
+    return grid_tokens(*padded_grid(width, height, patch_limit))
 
 
 def _describe(src: object) -> str:
@@ -117,9 +123,20 @@ def _describe(src: object) -> str:
     return f"<{type(src).__name__}>"
 
 
-def open_image(src: ImageInput, max_pixels: int = MAX_IMAGE_PIXELS) -> Image.Image:
-    """Decode any accepted input into an RGB PIL image, or raise MediaError saying which input and why."""
-    name = _describe(src)
+def open_image(src: ImageInput, max_pixels: int = MAX_IMAGE_PIXELS, name: str | None = None) -> Image.Image:
+    """Decode any accepted input into an RGB PIL image, or raise MediaError saying which input and why.
+
+    `name` is how messages call the input (default: its path, or `<N bytes>`); it becomes `MediaError.source`.
+    """
+    name = name or _describe(src)
+    try:
+        return _open_image(src, max_pixels, name)
+    except MediaError as e:
+        e.source = name
+        raise
+
+
+def _open_image(src: ImageInput, max_pixels: int, name: str) -> Image.Image:
     if isinstance(src, Image.Image):
         img = src
         _check_pixels(img.size, name, max_pixels)
@@ -202,10 +219,12 @@ def frames_to_item(frames: Sequence[Image.Image], patch_limit: int = IN_PATCH_LI
     return pixels, (t, gh, gw)
 
 
-def preprocess_images(images: Sequence[ImageInput], max_pixels: int = MAX_IMAGE_PIXELS) -> MediaBatch:
-    """Preprocess images into one packed MediaBatch (input order)."""
+def preprocess_images(images: Sequence[ImageInput], max_pixels: int = MAX_IMAGE_PIXELS,
+                      names: Sequence[str] | None = None) -> MediaBatch:
+    """Preprocess images into one packed MediaBatch (input order); `names` label them (see `open_image`)."""
     items = []
-    for src in images:
-        pixels, grid = frames_to_item([open_image(src, max_pixels)])
-        items.append(MediaBatch(pixels, torch.tensor([grid], dtype=torch.int64), None, [_describe(src)]))
+    for i, src in enumerate(images):
+        name = names[i] if names is not None else _describe(src)
+        pixels, grid = frames_to_item([open_image(src, max_pixels, name)])
+        items.append(MediaBatch(pixels, torch.tensor([grid], dtype=torch.int64), None, [name]))
     return MediaBatch.concat(items)

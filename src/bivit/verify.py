@@ -18,6 +18,7 @@ from PIL import Image
 
 from . import ops
 from .encoder import Encoder
+from .fileio import write_atomic
 from .media import MediaBatch
 
 # Sizes chosen to make 1, 2, 3, 4, 6 ... merged tokens: the row counts where stock GEMMs change kernels.
@@ -52,12 +53,8 @@ class Report:
 
 
 def _encode_with_budget(encoder: Encoder, batch: MediaBatch, budget: int | None) -> list[torch.Tensor]:
-    saved = encoder.max_batch_tokens
-    encoder.max_batch_tokens = budget
-    try:
-        return encoder.encode_batch(batch)
-    finally:
-        encoder.max_batch_tokens = saved
+    """Encode with at most `budget` patches per forward pass (None: the whole batch in one pass)."""
+    return encoder.encode_batch(batch, budget or max(1, sum(batch.patch_counts)))
 
 
 def random_layouts(n: int, count: int, rng: random.Random, patch_counts: list[int]) -> list[tuple[list[int], int | None]]:
@@ -186,7 +183,7 @@ def plot(reports: list[Report], path: str) -> None:
     ax.set_title("bivit verify: per-item difference, batched vs alone")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
     plt.close(fig)
 
 

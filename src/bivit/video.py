@@ -1,4 +1,4 @@
-"""Video input exactly as Kimi-K2.5/K2.6's processor samples, chunks and timestamps it (spec §3, Video).
+"""Video input exactly as Kimi-K2.5/K2.6's processor samples, chunks and timestamps it (docs/model.md, "Video").
 
 A video becomes one item per chunk of 4 consecutive *sampled* frames (the last chunk may be shorter):
 
@@ -54,7 +54,7 @@ import torch
 from PIL import Image
 
 from .errors import ConfigError, MediaError
-from .media import MediaBatch, frames_to_item
+from .media import IMAGE_EXTENSIONS, MediaBatch, frames_to_item
 
 SAMPLE_FPS = 2.0
 TEMPORAL_MERGE_KERNEL = 4  # frames per chunk
@@ -107,6 +107,54 @@ class VideoInfo:
 def is_video_path(path: Union[str, os.PathLike]) -> bool:
     """True when the extension names a video container (case-insensitive); `.gif` always counts as video."""
     return Path(os.fspath(path)).suffix.lower() in VIDEO_EXTENSIONS
+
+
+# ISO BMFF brands that are still images (an `ftyp` box does not by itself mean video).
+_STILL_IMAGE_BRANDS = {b"avif", b"avis", b"heic", b"heix", b"heim", b"heis", b"hevc", b"hevx", b"mif1", b"msf1"}
+
+
+def looks_like_video(data: bytes) -> bool:
+    """True when the bytes start like a video container (decided from the bytes alone, so it is cache-safe)."""
+    if len(data) >= 12 and data[4:8] == b"ftyp":
+        return data[8:12] not in _STILL_IMAGE_BRANDS
+    return (data[:4] == b"\x1a\x45\xdf\xa3"  # Matroska / WebM
+            or (data[:4] == b"RIFF" and data[8:12] == b"AVI ")
+            or data[:3] == b"FLV"
+            or data[:4] == b"\x00\x00\x01\xba"  # MPEG program stream
+            or (len(data) > 376 and data[0] == data[188] == data[376] == 0x47))  # MPEG transport stream
+
+
+def media_kind(name: Union[str, os.PathLike], data: Optional[bytes] = None) -> Optional[str]:
+    """"video", "image" or None (unknown): the one rule for what an input is.
+
+    By extension first (`is_video_path`: how `Encoder.encode` treats a path, `.gif` included); an unknown
+    extension is a video when `data` starts like a video container, else unknown.
+    """
+    if is_video_path(name):
+        return "video"
+    if Path(os.fspath(name)).suffix.lower() in IMAGE_EXTENSIONS:
+        return "image"
+    if data is not None and looks_like_video(data):
+        return "video"
+    return None
+
+
+def join_chunks(chunks: Sequence[torch.Tensor]) -> torch.Tensor:
+    """A video's embedding is its chunks' embeddings concatenated along the token axis (an image: its one item).
+
+    Always a fresh tensor, never a view into a batch's output buffer (which it would keep alive, and which
+    safetensors refuses to save twice).
+    """
+    return torch.cat(list(chunks))
+
+
+def split_by_input(outputs: Sequence[torch.Tensor], items_per_input: Sequence[int]) -> list[list[torch.Tensor]]:
+    """Cut a flat list of per-item outputs (images and video chunks in order) back into one list per input."""
+    out, i = [], 0
+    for n in items_per_input:
+        out.append(list(outputs[i:i + n]))
+        i += n
+    return out
 
 
 def _num_samples(num_frames: int, fps: float, sample_fps: float) -> int:
@@ -331,16 +379,22 @@ def preprocess_video(path: VideoInput, *, max_frames: Optional[int] = MAX_FRAMES
                      max_duration_s: Optional[float] = MAX_DURATION_S,
                      max_frame_pixels: Optional[int] = MAX_FRAME_PIXELS, sample_fps: float = SAMPLE_FPS,
                      chunk_size: int = TEMPORAL_MERGE_KERNEL,
-                     patch_limit: int = IN_PATCH_LIMIT_EACH_FRAME) -> MediaBatch:
+                     patch_limit: int = IN_PATCH_LIMIT_EACH_FRAME, name: Optional[str] = None) -> MediaBatch:
     """Decode, sample and chunk a video (a path or its bytes) into a MediaBatch: one item per chunk.
 
     `timestamps[i]` is chunk i's start (`HH:MM:SS.fff`), `sources[i]` is `"{path}#chunk{i}"`. Raises MediaError
-    naming the file for unreadable, empty or frameless videos and for videos beyond a limit; ConfigError for a
-    bad option.
+    naming the file (or `name`, how messages call the input) for unreadable, empty or frameless videos and for
+    videos beyond a limit; ConfigError for a bad option.
     """
     _check_positive("chunk_size", chunk_size, integer=True)
     _check_positive("patch_limit", patch_limit, integer=True)
-    name, limits = _prepare(path, max_frames, max_duration_s, max_frame_pixels, sample_fps)
+    name, limits = _prepare(path, max_frames, max_duration_s, max_frame_pixels, sample_fps, name)
+    with _naming(name):
+        return _preprocess(path, name, limits, sample_fps, chunk_size, patch_limit)
+
+
+def _preprocess(path: VideoInput, name: str, limits: _Limits, sample_fps: float, chunk_size: int,
+                patch_limit: int) -> MediaBatch:
     info = _probe(path, name, limits)
     for attempt in range(2):
         indices = sample_frame_indices(info.num_frames, info.fps, sample_fps)
@@ -366,11 +420,21 @@ def probe_video(path: VideoInput, *, max_frames: Optional[int] = MAX_FRAMES,
                 max_frame_pixels: Optional[int] = MAX_FRAME_PIXELS, sample_fps: float = SAMPLE_FPS) -> VideoInfo:
     """Frame count, fps and size of a video, with the limits checked (decodes it when the container has no count)."""
     name, limits = _prepare(path, max_frames, max_duration_s, max_frame_pixels, sample_fps)
-    return _probe(path, name, limits)
+    with _naming(name):
+        return _probe(path, name, limits)
+
+
+@contextmanager
+def _naming(name: str) -> Iterator[None]:
+    try:
+        yield
+    except MediaError as e:
+        e.source = name
+        raise
 
 
 def _prepare(path: VideoInput, max_frames: Optional[int], max_duration_s: Optional[float],
-             max_frame_pixels: Optional[int], sample_fps: float) -> tuple[str, _Limits]:
+             max_frame_pixels: Optional[int], sample_fps: float, name: Optional[str] = None) -> tuple[str, _Limits]:
     """Validate the options and the input before FFmpeg sees it: a clear message beats a demuxer's."""
     _check_positive("sample_fps", sample_fps)
     _check_positive("max_frames", max_frames, integer=True, allow_none=True)
@@ -378,18 +442,18 @@ def _prepare(path: VideoInput, max_frames: Optional[int], max_duration_s: Option
     _check_positive("max_frame_pixels", max_frame_pixels, integer=True, allow_none=True)
     if not isinstance(path, (str, os.PathLike, bytes)):
         raise MediaError(f"<{type(path).__name__}>: unsupported video input; pass a path or bytes")
-    name = _describe(path)
+    name = name or _describe(path)
     if isinstance(path, bytes):
         if not path:
-            raise MediaError(f"{name}: video is empty")
+            raise MediaError(f"{name}: video is empty", name)
     else:
         p = Path(path)
         if not p.exists():
-            raise MediaError(f"{name}: no such file")
+            raise MediaError(f"{name}: no such file", name)
         if not p.is_file():
-            raise MediaError(f"{name}: not a regular file")
+            raise MediaError(f"{name}: not a regular file", name)
         if p.stat().st_size == 0:
-            raise MediaError(f"{name}: file is empty")
+            raise MediaError(f"{name}: file is empty", name)
     return name, _Limits(name, max_frames, max_duration_s, max_frame_pixels, float(sample_fps))
 
 

@@ -3,7 +3,8 @@
 Pipeline (Ray Data, streaming): items -> `prepare_rows` (read, check sha256, decode, preprocess) ->
 `EncodeActor` pool (`map_batches` with a callable class, one model load per actor) -> the driver, which alone
 writes shards and the manifest through `DatasetWriter` (so only the driver needs the output folder, and the
-crash-safety rules of `bivit.dataset` hold unchanged). Workers need the input files at the same absolute paths
+crash-safety rules of `bivit.dataset.writer` hold unchanged). Imports only the per-item stages
+(`bivit.dataset.pipeline`), never the writer or the job. Workers need the input files at the same absolute paths
 (a shared filesystem on a cluster) and bivit installed.
 
 Every row crosses process boundaries on its own, as raw bytes plus its stated dtype and shape, under one fixed
@@ -22,8 +23,10 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import pyarrow as pa
 import torch
 
-from .dataset import Encoded, Prepared, Work, encode_prepared, prepare
-from .errors import BivitError
+from ..encoder import dtype_name, load_encoder, parse_dtype
+from ..errors import BivitError
+from ..media import MediaBatch
+from .pipeline import Encoded, Prepared, Work, encode_prepared, prepare
 
 # Rows entering the encoders: one per distinct file.
 PREPARED_SCHEMA = pa.schema([
@@ -50,8 +53,6 @@ LOCAL_OBJECT_STORE_BYTES = 512 * 2**20
 # Rows handed to one encoder call; the actor then cuts them by --batch-tokens. Irrelevant to the results.
 ROWS_PER_ACTOR_BATCH = 8
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
 
 def prepare_rows(table: pa.Table) -> pa.Table:
     """Ray task: read + preprocess each listed file. Failures become rows with `error` set."""
@@ -73,8 +74,6 @@ def prepare_rows(table: pa.Table) -> pa.Table:
 
 
 def _unpack_prepared(row: dict) -> Prepared:
-    from .media import MediaBatch
-
     if row["error"] is not None:
         return Prepared(row["sha256"], error=row["error"])
     p = row["patch"]
@@ -88,11 +87,9 @@ class EncodeActor:
 
     def __init__(self, model: Optional[str], opts: dict, fingerprint: str, threads: int, batch_tokens: int):
         torch.set_num_threads(threads)
-        from . import load_encoder
-        from .allocator import tune
+        from ..allocator import tune
 
         tune()  # an actor process is bivit's own (see bivit.allocator)
-
         self.encoder = load_encoder(model, batch_invariant=True, **opts)
         if self.encoder.fingerprint != fingerprint:
             # Another node with other weights (or another torch/bivit build that loads them differently).
@@ -117,7 +114,7 @@ def encoded_table(results: Sequence[Encoded]) -> pa.Table:
             continue
         t = e.tensor.contiguous()
         out["data"].append(t.view(torch.uint8).numpy().tobytes())
-        out["dtype"].append(str(t.dtype).removeprefix("torch."))
+        out["dtype"].append(dtype_name(t.dtype))
         out["rows"].append(int(t.shape[0]))
         out["cols"].append(int(t.shape[1]))
         out["grid"].append([v for g in e.grid_thw for v in g])
@@ -129,7 +126,7 @@ def encoded_table(results: Sequence[Encoded]) -> pa.Table:
 def decode_encoded(row: dict) -> Encoded:
     if row["error"] is not None:
         return Encoded(row["sha256"], error=row["error"])
-    dtype = _DTYPES[row["dtype"]]
+    dtype = parse_dtype(row["dtype"], "dtype")
     raw = torch.frombuffer(bytearray(row["data"]), dtype=torch.uint8) if row["data"] else torch.zeros(0, dtype=torch.uint8)
     tensor = raw.view(dtype).reshape(row["rows"], row["cols"])
     g = row["grid"]

@@ -8,6 +8,7 @@ decoder sampled, not just how many.
 
 from __future__ import annotations
 
+import io
 import os
 from fractions import Fraction
 from pathlib import Path
@@ -35,6 +36,19 @@ def frame_pattern(index: int, size: tuple[int, int]) -> np.ndarray:
     cols = np.minimum(np.arange(w) * GRID // w, GRID - 1)
     frame = grid[rows[:, None], cols[None, :]]
     return np.repeat(frame[:, :, None], 3, axis=2)
+
+
+def random_image(h: int, w: int, seed: int = 0) -> np.ndarray:
+    """An HxWx3 uint8 array of random pixels, distinct per (h, w, seed)."""
+    return np.random.default_rng(seed * 7919 + h * 31 + w).integers(0, 256, (h, w, 3), dtype=np.uint8)
+
+
+def png_bytes(w: int, h: int, seed: int) -> bytes:
+    """A w x h RGB PNG of random pixels (distinct seeds give distinct bytes, so no cache hits across tests)."""
+    arr = np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(arr, "RGB").save(buf, format="PNG")
+    return buf.getvalue()
 
 
 def read_frame_index(frame: Union[Image.Image, np.ndarray]) -> int:

@@ -1,11 +1,10 @@
-"""A real `python -m bivit.server` process on a free loopback port, for tests and the load test.
+"""A real `bivit serve` process on a free loopback port, for tests and load tests.
 
-The server logs to a file (not a pipe: a full pipe would block the server), so tests can read its JSON lines.
+The server logs to a file (not a pipe: a full pipe would block the server), so callers can read its JSON lines.
 """
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import signal
@@ -17,22 +16,12 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import httpx
-import numpy as np
-from PIL import Image
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def png_bytes(w: int, h: int, seed: int) -> bytes:
-    """A w x h RGB PNG of random pixels (distinct seeds give distinct bytes, so no cache hits across tests)."""
-    arr = np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(arr, "RGB").save(buf, format="PNG")
-    return buf.getvalue()
 
 
 class ServerProcess:
@@ -44,7 +33,7 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
         self.log_path = Path(log_dir) / f"server-{self.port}.log"
-        cmd = [sys.executable, "-m", "bivit.server", "--host", "127.0.0.1", "--port", str(self.port), *args]
+        cmd = [sys.executable, "-m", "bivit", "serve", "--host", "127.0.0.1", "--port", str(self.port), *args]
         if api_key:
             cmd += ["--api-key", api_key]
         self._log = open(self.log_path, "wb")

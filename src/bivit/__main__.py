@@ -1,0 +1,5 @@
+"""`python -m bivit ...` is the `bivit` command."""
+
+from .cli import main
+
+main()

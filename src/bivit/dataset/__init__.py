@@ -1,0 +1,31 @@
+"""Encoded datasets: `bivit encode-dataset` writes a folder of sharded safetensors, `open_dataset` reads it.
+
+    format      file names, record types, reading the lines back (cheap to import)
+    reader      EncodedDataset / open_dataset (cheap to import; torch loads on the first tensor)
+    pipeline    the per-item stages both engines run: prepare (read, check, decode) and encode
+    sources     what SRC names, and the plan: skip, deduplicate or encode
+    writer      DatasetWriter: the folder's lock, crash recovery and durable commits
+    local       the in-process engine
+    ray_engine  the Ray Data engine (imports only `pipeline`)
+    job         encode_dataset: one whole run
+
+Identical files (same bytes) are encoded once; all their manifest lines point to the same stored tensor.
+This package imports only the reader; `encode_dataset` loads the writing side when first used.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .format import ERRORS, HEADER, MANIFEST, ErrorRecord, Record
+from .reader import EncodedDataset, open_dataset
+
+__all__ = ["ERRORS", "HEADER", "MANIFEST", "EncodedDataset", "ErrorRecord", "Record", "encode_dataset", "open_dataset"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "encode_dataset":
+        from .job import encode_dataset
+
+        return encode_dataset
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

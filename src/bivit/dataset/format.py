@@ -1,0 +1,129 @@
+"""The on-disk format of an encoded dataset folder: file names, record types, and reading them back.
+
+    DIR/dataset.json              header: format, bivit version, model name + fingerprint, dtypes, width
+    DIR/manifest.jsonl            one line per encoded input (source, sha256, shard, key, tokens, grid_thw, ...)
+    DIR/errors.jsonl              one line per input that failed (source, error, sha256 when it could be read)
+    DIR/shard-000000.safetensors  embeddings keyed by the sha256 of the input's bytes
+
+Both files of lines are append-only, and each line carries `seq`, a number that grows over the folder's life:
+for a source, whichever of its manifest or error lines has the larger `seq` says what it is now (encoded, or
+failed since). A trailing partial line (a writer killed mid-append) is not a line.
+
+Imports nothing heavy: `bivit.open_dataset` must be cheap.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from ..errors import BivitError
+
+FORMAT = "bivit-encoded-dataset"
+FORMAT_VERSION = 1
+HEADER = "dataset.json"
+MANIFEST = "manifest.jsonl"
+ERRORS = "errors.jsonl"
+LOCK = ".lock"
+SHARD_RE = re.compile(r"^shard-(\d{6,})\.safetensors$")
+
+
+@dataclass(frozen=True)
+class Record:
+    """One manifest line: `source` was encoded into tensor `key` of `shard` (both inside the dataset folder)."""
+
+    source: str
+    sha256: str
+    shard: str
+    key: str
+    tokens: int
+    grid_thw: list  # [[t, h, w], ...]: one entry for an image, one per chunk for a video
+    kind: str = "image"
+    timestamps: Optional[list] = None  # per chunk, videos only
+    size: Optional[int] = None  # file size and mtime when encoded: a re-run skips unchanged files unread
+    mtime_ns: Optional[int] = None
+    seq: int = 0  # order of this line among all manifest and error lines of the folder
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), separators=(",", ":"), ensure_ascii=False)
+
+    @staticmethod
+    def from_json(obj: dict) -> "Record":
+        names = {f.name for f in dataclasses.fields(Record)}
+        return Record(**{k: v for k, v in obj.items() if k in names})
+
+
+@dataclass(frozen=True)
+class ErrorRecord:
+    """One errors.jsonl line: `source` could not be encoded (from bytes with `sha256`, when they could be read)."""
+
+    source: str
+    error: str
+    sha256: Optional[str] = None
+    seq: int = 0
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), ensure_ascii=False)
+
+    @staticmethod
+    def from_json(obj: dict) -> "ErrorRecord":
+        return ErrorRecord(str(obj.get("source")), str(obj.get("error", "")), obj.get("sha256"), int(obj.get("seq", 0)))
+
+
+def read_jsonl(path: Path) -> tuple[list[dict], int]:
+    """Complete lines of a JSONL file and the byte length they cover (a trailing partial line is left out)."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return [], 0
+    end = data.rfind(b"\n") + 1  # 0 when no complete line
+    out = []
+    for lineno, line in enumerate(data[:end].split(b"\n")[:-1], 1):
+        if not line.strip():
+            continue
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            raise BivitError(f"{path}:{lineno}: corrupt line ({e.msg})") from None
+    return out, end
+
+
+def read_header(directory: Path) -> Optional[dict]:
+    """The folder's dataset.json, or None when there is none; BivitError when it is not bivit's."""
+    path = directory / HEADER
+    if not path.exists():
+        return None
+    try:
+        header = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise BivitError(f"{path}: unreadable dataset header ({e})") from None
+    if not isinstance(header, dict) or header.get("format") != FORMAT:
+        raise BivitError(f"{path}: not a bivit encoded dataset")
+    return header
+
+
+def current_state(directory: Path) -> tuple[dict[str, Record], dict[str, ErrorRecord]]:
+    """What each source is now: its latest manifest record, or its latest error if that came later.
+
+    Returns (encoded sources -> Record, failed sources -> ErrorRecord); a source is in exactly one of them.
+    """
+    records: dict[str, Record] = {}
+    for row in read_jsonl(directory / MANIFEST)[0]:
+        rec = Record.from_json(row)
+        records[rec.source] = rec
+    errors: dict[str, ErrorRecord] = {}
+    for row in read_jsonl(directory / ERRORS)[0]:
+        err = ErrorRecord.from_json(row)
+        errors[err.source] = err
+    for source, err in list(errors.items()):
+        rec = records.get(source)
+        if rec is not None:
+            if rec.seq >= err.seq:
+                del errors[source]
+            else:
+                del records[source]  # failed since it was encoded: its old embedding is not its bytes any more
+    return records, errors

@@ -1,0 +1,138 @@
+"""One `bivit encode-dataset` run: list the sources, plan, encode with the chosen engine, commit, summarise.
+
+Resuming is re-running the same command: sources already in the manifest with the same size and mtime are
+skipped without reading them; others are hashed, and a hash that is already stored costs a manifest line, not
+an encode. Interrupted (Ctrl-C, a lost Ray worker), the run commits what is already encoded before it stops.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from ..encoder import dtype_name, parse_dtype
+from ..errors import BivitError, ConfigError
+from .local import run_local
+from .pipeline import Encoded
+from .sources import list_sources, plan
+from .writer import DEFAULT_FLUSH_SECONDS, DEFAULT_SHARD_MB, DatasetWriter, header_for
+
+DEFAULT_BATCH_TOKENS = 4096
+
+
+@dataclass
+class Summary:
+    encoded: int = 0  # distinct contents encoded in this run
+    skipped: int = 0  # sources already in the manifest
+    deduplicated: int = 0  # sources whose bytes were already stored or listed twice
+    failed: int = 0  # sources recorded in errors.jsonl by this run
+    tokens: int = 0  # tokens written by this run
+    seconds: float = 0.0
+    engine: str = "local"
+    workers: int = 1
+
+    def line(self) -> str:
+        rate = self.encoded / self.seconds if self.seconds > 0 else 0.0
+        return (f"encoded {self.encoded}, skipped {self.skipped}, deduplicated {self.deduplicated}, "
+                f"failed {self.failed}; {self.tokens} tokens in {self.seconds:.1f} s "
+                f"({rate:.2f} items/s, engine {self.engine}"
+                + (f", {self.workers} workers)" if self.engine == "ray" else ")"))
+
+
+def _parse_dtype(name: Optional[str], option: str) -> Optional[str]:
+    """The dtype's canonical name (the encoder's aliases), or a one-line error naming the option."""
+    if name is None:
+        return None
+    try:
+        return dtype_name(parse_dtype(name, option))
+    except ConfigError:
+        raise BivitError(f"{option} {name!r}: expected bfloat16, float16 or float32") from None
+
+
+def encode_dataset(src: str | os.PathLike, out: str | os.PathLike, *, model: Optional[str] = None,
+                   dtype: str = "bfloat16", projector_dtype: Optional[str] = None,
+                   output_dtype: Optional[str] = None, engine: str = "local", ray_address: Optional[str] = None,
+                   workers: int = 1, cpus_per_worker: int = 1, batch_tokens: int = DEFAULT_BATCH_TOKENS,
+                   shard_mb: float = DEFAULT_SHARD_MB, flush_seconds: float = DEFAULT_FLUSH_SECONDS,
+                   progress: bool = True) -> Summary:
+    """Encode every image/video named by `src` into `out` (see `bivit.dataset`). Returns the summary."""
+    t0 = time.monotonic()
+    if engine not in ("local", "ray"):
+        raise BivitError(f"--engine {engine!r}: expected 'local' or 'ray'")
+    if engine == "ray" and importlib.util.find_spec("ray") is None:  # say so before any work is done
+        raise BivitError("--engine ray needs Ray Data: pip install 'bivit[ray]'")
+    if workers < 1 or cpus_per_worker < 1:
+        raise BivitError("--workers and --cpus-per-worker must be at least 1")
+    if batch_tokens < 1:
+        raise BivitError("--batch-tokens must be at least 1")
+    if shard_mb <= 0:
+        raise BivitError("--shard-mb must be positive")
+    opts = dict(dtype=_parse_dtype(dtype, "--dtype"),
+                projector_dtype=_parse_dtype(projector_dtype, "--projector-dtype"),
+                output_dtype=_parse_dtype(output_dtype, "--output-dtype"))
+    out = Path(out)
+    sources = list_sources(src, exclude=out)
+
+    from ..encoder import load_encoder
+
+    # The driver always loads the model: its fingerprint goes into (or is checked against) the header, and each
+    # Ray worker checks that it loaded the same thing.
+    encoder = load_encoder(model, batch_invariant=True, **opts)
+    summary = Summary(engine=engine, workers=workers)
+    with DatasetWriter(out, header_for(encoder, model), shard_mb=shard_mb, flush_seconds=flush_seconds) as writer:
+        p = plan(sources, writer)
+        summary.skipped, summary.deduplicated, summary.failed = p.skipped, p.deduplicated, p.failed
+        bar = _progress(len(p.work), progress)
+        works = {w.sha256: w for w in p.work}
+
+        def sink(e: Encoded) -> None:
+            w = works.pop(e.sha256, None)
+            if w is None:  # a result delivered twice (a retried Ray task): already handled
+                return
+            if e.error is not None:
+                writer.add_error(w.sources, e.error, e.sha256)
+                summary.failed += len(w.sources)
+                summary.deduplicated -= len(w.sources) - 1  # nothing was stored for them to share
+            else:
+                writer.add(e.sha256, e.tensor, e.grid_thw, e.timestamps, w.sources, w.stats)
+                summary.encoded += 1
+            bar.update(1)
+
+        try:
+            if engine == "local":
+                run_local(encoder, p.work, batch_tokens, sink)
+            else:
+                del encoder  # workers load their own; free the driver's copy
+                try:
+                    from .ray_engine import run_ray
+                except ImportError as e:
+                    raise BivitError(f"--engine ray needs Ray Data ({e.name or e} is missing): "
+                                     "pip install 'bivit[ray]'") from None
+
+                run_ray(p.work, sink, model=model, opts=opts, fingerprint=writer.header["fingerprint"],
+                        address=ray_address, workers=workers, cpus_per_worker=cpus_per_worker,
+                        batch_tokens=batch_tokens)
+        except BaseException:
+            # Interrupted (Ctrl-C, a Ray worker lost): keep what is already encoded, so a re-run resumes after it.
+            with contextlib.suppress(Exception):
+                writer.commit()
+            raise
+        finally:
+            bar.close()
+        writer.commit()
+        writer.compact_errors(folders_failing={s.source for s in sources if s.error is not None})
+        summary.tokens = writer.tokens_written
+    summary.seconds = time.monotonic() - t0
+    return summary
+
+
+def _progress(total: int, enabled: bool) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="item", desc="encoding", disable=not enabled, file=sys.stderr, dynamic_ncols=True)

@@ -1,0 +1,132 @@
+"""Reading a folder written by `bivit encode-dataset`: `open_dataset(path)` -> EncodedDataset.
+
+Cheap to import (torch and safetensors load on the first tensor read), so `import bivit` and
+`bivit.open_dataset` stay fast.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator
+
+from ..errors import BivitError
+from .format import HEADER, MANIFEST, ErrorRecord, Record, current_state, read_header
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+
+
+class EncodedDataset:
+    """A folder written by `bivit encode-dataset`, opened for reading.
+
+    `len(ds)`, `for rec in ds`, `ds[source]` / `ds.get(source)` -> Record, `ds.by_hash(sha)` -> [Record, ...],
+    `ds.tensor(source_or_record)` -> torch.Tensor `[tokens, text_hidden]` in the stored dtype,
+    `ds.numpy(source_or_record)` -> np.ndarray (bfloat16 has no numpy dtype: it is returned as float32, which
+    holds every bfloat16 value exactly; float16/float32 are returned as they are stored).
+    A source that was re-encoded after its file changed is reported with its latest record; a source whose
+    latest attempt failed is in `errors` (with the reason), not among the records.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        header = read_header(self.path)
+        if header is None:
+            raise BivitError(f"{self.path}: not an encoded dataset (no {HEADER})")
+        self.header: dict = header
+        by_source, failed = current_state(self.path)
+        self._by_source = by_source
+        self.records: list[Record] = list(by_source.values())
+        self._by_hash: dict[str, list[Record]] = {}
+        for rec in self.records:
+            self._by_hash.setdefault(rec.sha256, []).append(rec)
+        self.errors: list[ErrorRecord] = list(failed.values())
+        self._handles: dict[str, Any] = {}
+
+    @property
+    def fingerprint(self) -> str:
+        return self.header["fingerprint"]
+
+    @property
+    def dtype(self) -> "torch.dtype":
+        from ..encoder import parse_dtype
+
+        return parse_dtype(self.header["output_dtype"], "output_dtype")
+
+    @property
+    def sources(self) -> list[str]:
+        return [r.source for r in self.records]
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __iter__(self) -> Iterator[Record]:
+        return iter(self.records)
+
+    def __contains__(self, source: object) -> bool:
+        return source in self._by_source
+
+    def __getitem__(self, source: str) -> Record:
+        try:
+            return self._by_source[source]
+        except KeyError:
+            raise KeyError(f"{source!r} is not in {self.path / MANIFEST}") from None
+
+    def get(self, source: str, default: Any = None) -> Any:
+        return self._by_source.get(source, default)
+
+    def by_hash(self, sha256: str) -> list[Record]:
+        """Every record whose file had these bytes (they share one stored tensor); [] if none."""
+        return list(self._by_hash.get(sha256.lower(), []))
+
+    def tensor(self, item: "str | Record") -> "torch.Tensor":
+        rec = item if isinstance(item, Record) else self[item]
+        handle = self._handles.get(rec.shard)
+        if handle is None:
+            from safetensors import safe_open
+
+            path = self.path / rec.shard
+            if not path.is_file():
+                raise BivitError(f"{path}: shard missing (needed for {rec.source!r})")
+            handle = safe_open(str(path), framework="pt")
+            self._handles[rec.shard] = handle
+        try:
+            return handle.get_tensor(rec.key)
+        except Exception as e:
+            raise BivitError(f"{self.path / rec.shard}: no tensor {rec.key!r} for {rec.source!r} ({e})") from None
+
+    def numpy(self, item: "str | Record") -> "np.ndarray":
+        import torch
+
+        t = self.tensor(item)
+        if t.dtype == torch.bfloat16:
+            t = t.float()  # exact: every bfloat16 is a float32
+        return t.numpy()
+
+    def chunks(self, item: "str | Record") -> list["torch.Tensor"]:
+        """A video's embedding cut back into its chunks (one element for an image)."""
+        import torch
+
+        from ..media import grid_tokens
+
+        rec = item if isinstance(item, Record) else self[item]
+        return list(torch.split(self.tensor(rec), [grid_tokens(h, w) for _, h, w in rec.grid_thw]))
+
+    def close(self) -> None:
+        """Release the open shard files (also done by `with open_dataset(...) as ds:`)."""
+        self._handles.clear()
+
+    def __enter__(self) -> "EncodedDataset":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"EncodedDataset({str(self.path)!r}, {len(self)} records, {len(self.errors)} errors)"
+
+
+def open_dataset(path: str | os.PathLike) -> EncodedDataset:
+    """Open a folder written by `bivit encode-dataset` (see EncodedDataset)."""
+    return EncodedDataset(path)

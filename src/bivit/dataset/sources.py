@@ -1,0 +1,165 @@
+"""What an encode-dataset run works on: the sources named by SRC, and the plan (skip, deduplicate or encode).
+
+SRC is a folder (recursive, by extension, sorted), a manifest file (one path per line, or JSONL with a `path`
+field) or one media file. Planning reads each new or changed source once to hash it; a source already in the
+manifest with the same size and mtime is skipped unread, and bytes already stored cost a manifest line, not an
+encode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+from ..errors import BivitError
+from ..fileio import check_regular, file_kind, sha256_file
+from ..video import media_kind
+from .format import Record
+from .pipeline import Source, Work
+from .writer import DatasetWriter
+
+
+def list_sources(src: str | os.PathLike, exclude: Optional[os.PathLike] = None) -> list[Source]:
+    """The inputs named by SRC: a directory (recursive, by extension, sorted), a manifest file, or one media file.
+
+    A manifest is one path per line, or JSONL objects with a `path` field; relative paths resolve against the
+    manifest's folder. Blank lines and lines starting with `#` are ignored. A manifest may name files with any
+    extension (an unknown one is treated as an image). `exclude` (the output directory) is never listed.
+    """
+    root = Path(src)
+    if root.is_dir():
+        return _list_dir(root, exclude)
+    if root.is_file() and media_kind(root) is not None:  # a single image or video
+        return [Source(root.name, root, media_kind(root))]
+    if root.is_file():
+        return _list_manifest(root)
+    if root.exists():
+        raise BivitError(f"{src}: not a folder, a manifest or a media file but {file_kind(root.stat().st_mode)}")
+    raise BivitError(f"{src}: no such file or directory")
+
+
+def _list_dir(root: Path, exclude: Optional[os.PathLike]) -> list[Source]:
+    skip = Path(exclude).resolve() if exclude is not None else None
+    out = []
+
+    def unreadable(e: OSError) -> None:  # a folder os.walk cannot list: its files must not vanish silently
+        where = Path(e.filename or root)
+        name = where.relative_to(root).as_posix() + "/" if where != root else "./"
+        out.append(Source(name, where, "image", error=f"cannot list the folder ({e.strerror or e})"))
+
+    # Symlinked folders are not followed (cycles); symlinked files are listed.
+    for dirpath, dirnames, filenames in os.walk(root, onerror=unreadable):
+        here = Path(dirpath)
+        if skip is not None:
+            dirnames[:] = [d for d in dirnames if (here / d).resolve() != skip]
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        for name in filenames:
+            kind = media_kind(name)
+            if kind is None or name.startswith("."):
+                continue
+            path = here / name
+            out.append(Source(path.relative_to(root).as_posix(), path, kind))
+    out.sort(key=lambda s: s.source)
+    return out
+
+
+def _list_manifest(manifest: Path) -> list[Source]:
+    base = manifest.resolve().parent
+    out, seen = [], set()
+    try:
+        text = manifest.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise BivitError(f"{manifest}: cannot read the manifest ({e})") from None
+    for lineno, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.startswith("{"):
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise BivitError(f"{manifest}:{lineno}: invalid JSON ({e.msg})") from None
+            name = obj.get("path") if isinstance(obj, dict) else None
+            if not isinstance(name, str) or not name:
+                raise BivitError(f"{manifest}:{lineno}: a JSON line needs a non-empty string field 'path'")
+        else:
+            name = line
+        p = Path(name)
+        # The manifest names a file relative to its folder (or absolutely): that name, normalised, is the source,
+        # and the file read is the one the normalised name means (`x/../a.png` is `a.png` even without `x/`).
+        source = os.path.normpath(p.as_posix() if not p.is_absolute() else str(p)).replace(os.sep, "/")
+        path = Path(source) if p.is_absolute() else base / source
+        if source in seen:
+            continue
+        seen.add(source)
+        out.append(Source(source, path, media_kind(name) or "image"))
+    return out
+
+
+@dataclass
+class Plan:
+    work: list[Work]
+    skipped: int = 0
+    deduplicated: int = 0  # sources that cost no encode: same bytes as a stored or another listed source
+    failed: int = 0
+
+
+def plan(sources: Sequence[Source], writer: DatasetWriter, hash_threads: int = 4) -> Plan:
+    """Decide per source: skip (already in the manifest), dedup (bytes already stored or listed) or encode."""
+    result = Plan([])
+    to_hash: list[tuple[Source, os.stat_result]] = []
+    for s in sources:
+        reason = s.error
+        if reason is None:
+            try:
+                st = os.stat(s.path)
+                check_regular(s.path, st)  # a FIFO or a link to /dev/zero would block or never end
+            except OSError as e:
+                reason = f"cannot read ({e.strerror or e})"
+        if reason is not None:
+            writer.add_error([s], reason)
+            result.failed += 1
+            continue
+        prev = writer.by_source.get(s.source)
+        if prev is not None and prev[:2] == (st.st_size, st.st_mtime_ns):
+            result.skipped += 1  # unchanged since it was encoded: not even read
+            continue
+        to_hash.append((s, st))
+
+    def digest(item: tuple[Source, os.stat_result]) -> str | OSError:
+        try:
+            return sha256_file(item[0].path)
+        except OSError as e:
+            return e
+
+    works: dict[str, Work] = {}
+    dup_lines: list[Record] = []
+    with ThreadPoolExecutor(max(1, hash_threads)) as pool:  # hashing is I/O and hashlib releases the GIL
+        for (s, st), sha in zip(to_hash, pool.map(digest, to_hash)):
+            if isinstance(sha, OSError):
+                writer.add_error([s], f"cannot read ({sha.strerror or sha})")
+                result.failed += 1
+                continue
+            prev = writer.by_source.get(s.source)
+            if prev is not None and prev[2] == sha:
+                result.skipped += 1  # touched, same bytes
+                continue
+            stored = writer.by_hash.get(sha)
+            if stored is not None:
+                dup_lines.append(dataclasses.replace(stored, source=s.source, kind=s.kind, size=st.st_size,
+                                                     mtime_ns=st.st_mtime_ns))
+                result.deduplicated += 1
+            elif sha in works:
+                works[sha].sources.append(s)
+                works[sha].stats.append(st)
+                result.deduplicated += 1
+            else:
+                works[sha] = Work(sha, s.kind, s.path, [s], [st])
+    writer.add_lines(dup_lines)
+    result.work = list(works.values())
+    return result

@@ -1,0 +1,255 @@
+"""The single writer of an encoded dataset folder: its lock, its recovery after a crash, and durable commits.
+
+Crash safety (a SIGKILL at any instant leaves nothing half-written that a reader or the next run would take
+for data):
+  1. A shard is written to a `.tmp-*` file in DIR, fsynced, renamed to its final name, then DIR is fsynced.
+  2. Manifest lines are appended (one write, then fsync) only after their shard is durable.
+  3. The next run (holding DIR's lock) deletes `.tmp-*` files, truncates a trailing partial line and deletes
+     shards no manifest line references (renamed but killed before their lines were appended).
+Every manifest and error line carries the next `seq` (see `bivit.dataset.format`), so an error stays the
+source's state until the source is encoded again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import fcntl
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import torch
+
+from ..encoder import dtype_name
+from ..errors import BivitError
+from ..fileio import TMP_PREFIX, append_lines, fsync_dir, write_atomic
+from .format import (ERRORS, FORMAT, FORMAT_VERSION, HEADER, LOCK, MANIFEST, SHARD_RE, ErrorRecord, Record,
+                     current_state, read_header, read_jsonl)
+from .pipeline import Source
+
+DEFAULT_SHARD_MB = 256
+# A pending shard is also committed after this many seconds, so a kill loses at most this much work even when
+# shards are large and encoding is slow.
+DEFAULT_FLUSH_SECONDS = 60.0
+# Test hook, a pause point only: "PHASE:SECONDS" sleeps at PHASE (before_rename | after_rename | after_commit)
+# of every shard commit, so a test can SIGKILL the process at a chosen instant. It changes nothing else.
+PAUSE_ENV = "BIVIT_DATASET_TEST_PAUSE"
+# A folder written with other values for these keys holds tensors that are not comparable with this run's.
+_MUST_MATCH = ("format_version", "fingerprint", "dtype", "projector_dtype", "output_dtype", "batch_invariant")
+
+
+def _pause(phase: str) -> None:
+    spec = os.environ.get(PAUSE_ENV)
+    if spec:
+        want, _, seconds = spec.partition(":")
+        if want == phase:
+            time.sleep(float(seconds or 1))
+
+
+def header_for(encoder: Any, model: Optional[str]) -> dict:
+    """What a dataset folder records about the encoder that wrote it; a later run must match the checked keys."""
+    from .. import __version__
+
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "bivit_version": __version__,
+        "model": model,
+        "model_name": encoder.model_name,
+        "is_demo": bool(encoder.is_demo),
+        "fingerprint": encoder.fingerprint,
+        "dtype": dtype_name(encoder.dtype),
+        "projector_dtype": dtype_name(encoder.projector_dtype),
+        "output_dtype": dtype_name(encoder.output_dtype),
+        "text_hidden_size": int(encoder.config.text_hidden_size),
+        "batch_invariant": bool(encoder.batch_invariant),
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+class DatasetWriter:
+    """Holds DIR's lock, recovers it, and commits shards + manifest lines. Not thread-safe: one thread calls it
+    (the driver, in the Ray engine)."""
+
+    def __init__(self, out: str | os.PathLike, header: dict, *, shard_mb: float = DEFAULT_SHARD_MB,
+                 flush_seconds: float = DEFAULT_FLUSH_SECONDS):
+        self.dir = Path(out)
+        self.header = header
+        self.shard_bytes = max(1, int(shard_mb * 2**20))
+        self.flush_seconds = flush_seconds
+        if self.dir.exists() and not self.dir.is_dir():
+            raise BivitError(f"{out}: exists and is not a directory")
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            self._lock_fd: Optional[int] = os.open(self.dir / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise BivitError(f"{out}: cannot write the output folder ({e.strerror or e})") from None
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock_fd)
+            raise BivitError(f"{out}: another bivit encode-dataset is writing this folder") from None
+        try:
+            self._open_header()
+            self._recover()
+        except BaseException:
+            self.close()
+            raise
+        self._pending: dict[str, tuple[torch.Tensor, list[Record]]] = {}  # key -> (tensor, its manifest lines)
+        self._pending_bytes = 0
+        self._pending_since: Optional[float] = None
+        self.tokens_written = 0
+
+    # -- opening ---------------------------------------------------------------------------------------------
+
+    def _open_header(self) -> None:
+        old = read_header(self.dir)
+        if old is not None:
+            diff = [k for k in _MUST_MATCH if old.get(k) != self.header.get(k)]
+            if diff:
+                what = ", ".join(f"{k} {old.get(k)!r} there vs {self.header.get(k)!r} now" for k in diff)
+                raise BivitError(f"{self.dir}: written by a different encoder ({what}); choose another --out")
+            self.header = old
+        else:
+            leftovers = [p.name for p in self.dir.iterdir() if p.name != LOCK and not p.name.startswith(TMP_PREFIX)]
+            if leftovers:
+                raise BivitError(f"{self.dir}: not empty and has no {HEADER} (found {sorted(leftovers)[0]!r}); "
+                                 "choose an empty or new --out")
+            write_atomic(self.dir / HEADER, (json.dumps(self.header, indent=2) + "\n").encode())
+
+    def _recover(self) -> None:
+        for p in self.dir.iterdir():
+            if p.name.startswith(TMP_PREFIX):
+                p.unlink()  # a shard or header that was being written when a previous run died
+        seq = 0
+        for name in (MANIFEST, ERRORS):
+            path = self.dir / name
+            rows, end = read_jsonl(path)
+            seq = max([seq, *(int(r.get("seq", 0)) for r in rows)])
+            if path.exists() and path.stat().st_size != end:
+                with open(path, "r+b") as f:  # drop a line cut short by a kill
+                    f.truncate(end)
+                    os.fsync(f.fileno())
+        self._seq = seq
+        # Only what resuming needs, kept small: (size, mtime_ns, sha256) per source that is encoded now (a
+        # source that failed since is not: it must be read again), one record per stored content.
+        current, _ = current_state(self.dir)
+        self.by_source: dict[str, tuple[Optional[int], Optional[int], str]] = {
+            r.source: (r.size, r.mtime_ns, r.sha256) for r in current.values()}
+        self.by_hash: dict[str, Record] = {}
+        for row in read_jsonl(self.dir / MANIFEST)[0]:
+            rec = Record.from_json(row)
+            self.by_hash.setdefault(rec.sha256, rec)
+        referenced = {r.shard for r in self.by_hash.values()}
+        numbers = [-1]
+        for p in self.dir.iterdir():
+            m = SHARD_RE.match(p.name)
+            if not m:
+                continue
+            if p.name not in referenced:
+                p.unlink()  # committed to disk but killed before its manifest lines: its items get re-encoded
+                continue
+            numbers.append(int(m.group(1)))
+        missing = sorted(s for s in referenced if not (self.dir / s).is_file())
+        if missing:
+            raise BivitError(f"{self.dir / MANIFEST}: references shard {missing[0]!r}, which is missing "
+                             "(the folder was changed outside bivit)")
+        self._next_shard = max(numbers) + 1
+        self.compact_errors()
+        fsync_dir(self.dir)
+
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def compact_errors(self, folders_failing: Optional[set[str]] = None) -> None:
+        """Keep one line per source that is failed now (its latest error); drop the rest.
+
+        `folders_failing`: after a run that listed SRC, the folders (sources ending in "/") it could not list;
+        the error of a folder that could be listed this time is dropped (its files speak for themselves now).
+        """
+        path = self.dir / ERRORS
+        rows, _ = read_jsonl(path)
+        _, failed = current_state(self.dir)
+        if folders_failing is not None:
+            failed = {s: e for s, e in failed.items() if not s.endswith("/") or s in folders_failing}
+        if len(failed) != len(rows):
+            write_atomic(path, "".join(e.to_json() + "\n" for e in failed.values()).encode("utf-8"))
+
+    # -- writing ---------------------------------------------------------------------------------------------
+
+    def add_lines(self, records: Sequence[Record]) -> None:
+        """Manifest lines whose tensor is already durable (a duplicate of a stored item)."""
+        records = [dataclasses.replace(r, seq=self._next_seq()) for r in records]
+        append_lines(self.dir / MANIFEST, [r.to_json() for r in records])
+        for r in records:
+            self.by_source[r.source] = (r.size, r.mtime_ns, r.sha256)
+            self.by_hash.setdefault(r.sha256, r)
+
+    def add_error(self, sources: Sequence[Source], reason: str, sha: Optional[str] = None) -> None:
+        """Record that `sources` could not be encoded, one line `"{source}: {reason}"` each; they stay failed
+        until encoded again."""
+        reason = " ".join(str(reason).split())  # one line
+        append_lines(self.dir / ERRORS, [ErrorRecord(s.source, f"{s.source}: {reason}", sha, self._next_seq()).to_json()
+                                         for s in sources])
+        for s in sources:
+            self.by_source.pop(s.source, None)
+
+    def add(self, sha: str, tensor: torch.Tensor, grid_thw: list, timestamps: Optional[list],
+            sources: Sequence[Source], stats: Sequence[Optional[os.stat_result]]) -> None:
+        """One encoded item (its tensor and every source with these bytes); commits a shard when one is full."""
+        stored = self.by_hash.get(sha)
+        if stored is not None:  # bytes already durable: the sources only need lines pointing there
+            self.add_lines([dataclasses.replace(stored, source=s.source, kind=s.kind, size=st and st.st_size,
+                                                mtime_ns=st and st.st_mtime_ns) for s, st in zip(sources, stats)])
+            return
+        expected, width = self.header["output_dtype"], self.header["text_hidden_size"]
+        if dtype_name(tensor.dtype) != expected or tensor.ndim != 2 or tensor.shape[1] != width:
+            # Guard against a worker returning something else (the vLLM idle-rank dtype bug, a mismatched model).
+            raise BivitError(f"encoder returned {tuple(tensor.shape)} {tensor.dtype} for {sources[0].source}; "
+                             f"expected [tokens, {width}] {expected}")
+        lines = [Record(s.source, sha, "", sha, int(tensor.shape[0]), grid_thw, s.kind, timestamps,
+                        st.st_size if st else None, st.st_mtime_ns if st else None) for s, st in zip(sources, stats)]
+        if sha in self._pending:
+            self._pending[sha][1].extend(lines)
+            return
+        self._pending[sha] = (tensor.contiguous(), lines)
+        self._pending_bytes += tensor.numel() * tensor.element_size()
+        if self._pending_since is None:
+            self._pending_since = time.monotonic()
+        if self._pending_bytes >= self.shard_bytes or time.monotonic() - self._pending_since >= self.flush_seconds:
+            self.commit()
+
+    def commit(self) -> None:
+        """Write the pending tensors as one durable shard, then append their manifest lines."""
+        if not self._pending:
+            return
+        from safetensors.torch import save_file
+
+        name = f"shard-{self._next_shard:06d}.safetensors"
+        self._next_shard += 1
+        tensors = {k: t for k, (t, _) in self._pending.items()}
+        meta = {"format": FORMAT, "fingerprint": str(self.header["fingerprint"])}
+        write_atomic(self.dir / name, lambda tmp: save_file(tensors, tmp, metadata=meta),
+                     before_replace=lambda: _pause("before_rename"))
+        _pause("after_rename")
+        self.add_lines([dataclasses.replace(r, shard=name) for _, lines in self._pending.values() for r in lines])
+        self.tokens_written += sum(int(t.shape[0]) for t, _ in self._pending.values())
+        self._pending.clear()
+        self._pending_bytes = 0
+        self._pending_since = None
+        _pause("after_commit")
+
+    def close(self) -> None:
+        if getattr(self, "_lock_fd", None) is not None:
+            os.close(self._lock_fd)  # releases the flock
+            self._lock_fd = None
+
+    def __enter__(self) -> "DatasetWriter":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -1,0 +1,13 @@
+"""The encoder service behind `bivit serve`, split the way vLLM splits an endpoint:
+
+    protocol  request/response types and their safetensors/JSON encoding (shared with `bivit.client`;
+              imports no web framework)
+    batcher   the worker thread that owns the Encoder and coalesces queued items into forward passes
+    cache     the exact embedding cache (valid because of batch invariance)
+    metrics   the Prometheus series of one app
+    serving   one request's life: body, items, admission, preprocessing, encoding, answer
+    app       the FastAPI app: routes, auth, request log, lifecycle; `run` starts uvicorn
+    launch    a server subprocess on a free loopback port (tests, load tests)
+
+Nothing here is imported by `import bivit`; `app`, `serving` and `metrics` need the `serve` extra.
+"""

@@ -1,0 +1,204 @@
+"""The FastAPI app of the encoder service: routes, auth, request ids, the request log, lifecycle.
+
+`POST /v1/encode` (see `bivit.serve.protocol` for the wire format and `bivit.serve.serving` for what happens
+to a request), `POST /v1/weights` (a safetensors body replacing every weight; refused while no API key is
+set unless explicitly allowed), `GET /health` (liveness, no auth), `GET /ready`, `GET /metrics`. Auth guards
+every route but /health, with a constant-time compare. `run` serves an app with uvicorn (what `bivit serve` calls).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import sys
+import time
+import traceback
+import uuid
+from typing import Optional
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from ..encoder import Encoder
+from .protocol import (SAFETENSORS_MEDIA_TYPE, RequestError, encode_json, encode_safetensors, error_body,
+                       item_meta)
+from .serving import ServerSettings, Service, content_type, log
+
+
+def _bearer_ok(header: Optional[str], key: str) -> bool:
+    if not header or not header.lower().startswith("bearer "):
+        return False
+    return hmac.compare_digest(header[7:].strip().encode(), key.encode())
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: machine-readable logs for the request log and uvicorn's own messages."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out = {"ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+               "level": record.levelname.lower(), "logger": record.name, "msg": record.getMessage()}
+        out.update(getattr(record, "fields", {}))
+        if record.exc_info:
+            out["exc"] = "".join(traceback.format_exception(*record.exc_info))
+        return json.dumps(out, default=str)
+
+
+def configure_logging(level: str = "info") -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    # `bivit` CLI quiets the library logger; the service's own logs (one line per request) must still show.
+    logging.getLogger("bivit.server").setLevel(level.upper())
+    for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
+        logging.getLogger(name).handlers[:] = []
+        logging.getLogger(name).propagate = True
+
+
+def create_app(encoder: Encoder, settings: Optional[ServerSettings] = None) -> FastAPI:
+    """The service around a loaded Encoder. The app starts its worker on startup and drains it on shutdown."""
+    settings = settings or ServerSettings()
+    svc = Service(encoder, settings)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        svc.start()
+        log.info("ready", extra={"fields": {**svc.header, "max_batch_tokens": settings.max_batch_tokens,
+                                            "max_queue": settings.max_queue,
+                                            "cache_mb": settings.cache_mb if svc.cache.max_bytes else 0}})
+        try:
+            yield
+        finally:
+            # uvicorn calls this only after in-flight requests finished (graceful shutdown), so the queue is
+            # normally empty; stop() still finishes anything queued before the worker ends.
+            await asyncio.get_running_loop().run_in_executor(None, svc.stop)
+            log.info("stopped")
+
+    app = FastAPI(title="bivit encoder", version="1", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.state.service = svc
+
+    @app.exception_handler(RequestError)
+    async def _http_error(request: Request, exc: RequestError) -> JSONResponse:
+        svc.metrics.errors.labels(exc.kind).inc()
+        request.state.error = exc.message
+        return JSONResponse(error_body(exc.kind, exc.message), exc.status, headers=exc.headers)
+
+    @app.middleware("http")
+    async def _frame(request: Request, call_next):
+        # Request id, auth, structured request log. Auth guards every route except /health.
+        rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+        request.state.items = 0
+        request.state.failed = 0
+        request.state.error = None
+        t0 = time.perf_counter()
+        if settings.api_key and request.url.path != "/health" and \
+                not _bearer_ok(request.headers.get("authorization"), settings.api_key):
+            svc.metrics.errors.labels("auth").inc()
+            request.state.error = "missing or wrong API key"
+            response: Response = JSONResponse(error_body("auth", "missing or wrong API key "
+                                                          "(send 'Authorization: Bearer <key>')"), 401,
+                                              headers={"WWW-Authenticate": "Bearer"})
+        else:
+            try:
+                response = await call_next(request)
+            except Exception:  # noqa: BLE001 - a bug must still produce a 500 and a log line
+                log.exception("unhandled error", extra={"fields": {"id": rid}})
+                svc.metrics.errors.labels("internal").inc()
+                response = JSONResponse(error_body("internal", "internal server error"), 500)
+        latency = time.perf_counter() - t0
+        response.headers["X-Request-ID"] = rid
+        if request.url.path == "/v1/encode":
+            svc.metrics.latency.observe(latency)
+            svc.metrics.requests.labels(str(response.status_code)).inc()
+        if request.url.path not in ("/health", "/metrics", "/ready") or response.status_code >= 400:
+            fields = {"id": rid, "method": request.method, "path": request.url.path,
+                      "status": response.status_code, "items": request.state.items,
+                      "failed": request.state.failed, "latency_ms": round(latency * 1000, 3)}
+            if request.state.error:
+                fields["error"] = request.state.error
+            log.info("request", extra={"fields": fields})
+        return response
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        ok = svc.batcher.alive and not svc.draining
+        body = {"ready": ok, "worker_alive": svc.batcher.alive, "draining": svc.draining, **svc.header}
+        return JSONResponse(body, 200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(svc.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/encode")
+    async def encode(request: Request) -> Response:
+        fmt = request.query_params.get("format", "safetensors")
+        if fmt not in ("safetensors", "json"):
+            raise RequestError(400, "bad_request", f"format must be 'safetensors' or 'json', got {fmt!r}")
+        content_type(request)  # 415 before reading a byte of the body
+        body = await svc.read_body(request)
+        items = await svc.parse_items(request, body)
+        if not items:
+            raise RequestError(400, "bad_request", "no items: send at least one 'file' part or JSON item")
+        request.state.items = len(items)
+        results, header = await svc.encode_request(items)
+
+        failed = [r for r in results if r.error is not None]
+        request.state.failed = len(failed)
+        for r in failed:
+            svc.metrics.errors.labels(r.error_kind or "internal").inc()
+        for r in results:
+            svc.metrics.items.labels("error" if r.error else ("cached" if r.cached else "encoded")).inc()
+        if len(failed) == len(results):
+            # Nothing to return: a client error unless the server itself broke.
+            internal = any(r.error_kind == "internal" for r in failed)
+            status = 500 if internal else 422
+            request.state.error = failed[0].error
+            return JSONResponse(error_body(failed[0].error_kind or "internal",
+                                            "every item failed: " + "; ".join(str(r.error) for r in failed),
+                                            **header, items=[item_meta(i, r) for i, r in enumerate(results)]),
+                                status)
+        # Serialising can take a while for big answers (JSON above all); keep it off the event loop.
+        loop = asyncio.get_running_loop()
+        if fmt == "json":
+            return Response(await loop.run_in_executor(None, encode_json, header, results),
+                            media_type="application/json")
+        return Response(await loop.run_in_executor(None, encode_safetensors, header, results),
+                        media_type=SAFETENSORS_MEDIA_TYPE)
+
+    @app.post("/v1/weights")
+    async def weights(request: Request) -> JSONResponse:
+        if not settings.api_key and not settings.allow_weight_updates_without_key:
+            raise RequestError(403, "forbidden", "weight updates need an API key: start the server with --api-key "
+                               "(or --allow-weight-updates-without-key on a trusted machine)")
+        ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if ctype not in ("application/octet-stream", SAFETENSORS_MEDIA_TYPE):
+            raise RequestError(415, "unsupported_media_type", f"Content-Type {ctype or '(none)'!r} is not accepted; "
+                               "send the weights as a safetensors file, application/octet-stream")
+        body = await svc.read_body(request, settings.max_weights_mb, "--max-weights-mb")
+        return JSONResponse(await svc.update_weights(body))
+
+    return app
+
+
+def run(encoder: Encoder, settings: ServerSettings, *, host: str, port: int, log_level: str) -> None:
+    """Serve until SIGTERM/SIGINT; accepted requests get their answers first (bounded graceful shutdown)."""
+    import uvicorn
+
+    if encoder.is_demo:
+        log.warning("serving the built-in DEMO model (tiny, seeded random weights): its embeddings are not Kimi's")
+    if host not in ("127.0.0.1", "localhost", "::1") and not settings.api_key:
+        log.warning("serving on a non-loopback interface without --api-key", extra={"fields": {"host": host}})
+    config = uvicorn.Config(create_app(encoder, settings), host=host, port=port, log_config=None,
+                            access_log=False, log_level=log_level.lower(),
+                            timeout_graceful_shutdown=int(settings.request_timeout_s) + 10)
+    uvicorn.Server(config).run()

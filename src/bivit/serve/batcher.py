@@ -1,0 +1,154 @@
+"""The batching worker: one thread owns the Encoder (it is not re-entrant) and coalesces queued items.
+
+Anything else that touches the encoder (a weight update) runs on the same thread, between forward passes
+(`Batcher.call`), so no forward pass ever sees half-updated weights.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from ..media import MediaBatch
+from .metrics import Metrics
+
+
+@dataclass
+class _Job:
+    item: Optional[MediaBatch]  # exactly one item (an image, or one video chunk); None for a call
+    patches: int
+    future: concurrent.futures.Future
+    enqueued: float
+    call: Optional[Callable[[], Any]] = None  # run alone on the worker thread, in queue order
+
+
+class Batcher:
+    """One worker thread that owns the Encoder and coalesces queued items into forward passes.
+
+    A batch closes when the next queued item would push it past `max_patches`, or `max_wait_s` after its oldest
+    item was queued, whichever comes first. Items are taken in arrival order. An item larger than the budget runs
+    alone. If a coalesced call raises, its items are retried one by one so that one bad item fails only itself.
+    """
+
+    def __init__(self, encoder: Any, max_patches: int, max_wait_s: float, metrics: Metrics):
+        self._encoder = encoder
+        self._max_patches = max(1, int(max_patches))
+        self._max_wait = max(0.0, float(max_wait_s))
+        self._metrics = metrics
+        self._queue: collections.deque[_Job] = collections.deque()
+        self._cv = threading.Condition()
+        self._stopping = False
+        self._thread: Optional[threading.Thread] = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="bivit-batcher", daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    def submit(self, item: MediaBatch) -> concurrent.futures.Future:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cv:
+            if self._stopping:
+                raise RuntimeError("the batching worker is stopping")
+            self._queue.append(_Job(item, sum(item.patch_counts), fut, time.monotonic()))
+            self._metrics.queue_depth.set(len(self._queue))
+            self._cv.notify()
+        return fut
+
+    def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        """Run `fn()` on the worker thread after the items queued before it, alone; its result or exception."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cv:
+            if self._stopping:
+                raise RuntimeError("the batching worker is stopping")
+            self._queue.append(_Job(None, 0, fut, time.monotonic(), call=fn))
+            self._cv.notify()
+        return fut
+
+    def stop(self, timeout: Optional[float] = None) -> None:
+        """Finish every queued item, then end the worker."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            jobs = self._next_batch()
+            if jobs is None:
+                return
+            if jobs and jobs[0].call is not None:
+                self._call(jobs[0])
+            elif jobs:
+                self._encode(jobs)
+
+    def _next_batch(self) -> Optional[list[_Job]]:
+        with self._cv:
+            while not self._queue:
+                if self._stopping:
+                    return None
+                self._cv.wait()
+            jobs: list[_Job] = []
+            patches = 0
+            deadline = self._queue[0].enqueued + self._max_wait
+            while True:
+                while self._queue:
+                    job = self._queue[0]
+                    if job.call is not None:  # a call runs alone: it ends the batch before it
+                        if not jobs:
+                            self._queue.popleft()
+                            if job.future.set_running_or_notify_cancel():
+                                jobs.append(job)
+                        self._metrics.queue_depth.set(len(self._queue))
+                        return jobs
+                    if jobs and patches + job.patches > self._max_patches:
+                        self._metrics.queue_depth.set(len(self._queue))
+                        return jobs
+                    self._queue.popleft()
+                    # False when the request already gave up (timeout): do not spend a forward pass on it.
+                    if job.future.set_running_or_notify_cancel():
+                        jobs.append(job)
+                        patches += job.patches
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self._stopping or patches >= self._max_patches:
+                    break
+                self._cv.wait(remaining)
+            self._metrics.queue_depth.set(len(self._queue))
+            return jobs
+
+    @staticmethod
+    def _call(job: _Job) -> None:
+        try:
+            job.future.set_result(job.call())
+        except Exception as e:  # noqa: BLE001 - handed to the caller; the worker goes on
+            job.future.set_exception(e)
+
+    def _encode(self, jobs: list[_Job]) -> None:
+        batch = MediaBatch.concat([j.item for j in jobs])
+        t0 = time.perf_counter()
+        try:
+            outs = self._encoder.encode_batch(batch)
+        except Exception as e:  # noqa: BLE001 - the worker must survive anything one batch does
+            if len(jobs) > 1:
+                for j in jobs:  # isolate the culprit; the others still get their (identical) answers
+                    self._encode([j])
+            else:
+                jobs[0].future.set_exception(e)
+            return
+        self._metrics.batch_seconds.observe(time.perf_counter() - t0)
+        self._metrics.batch_items.observe(len(jobs))
+        self._metrics.batch_patches.observe(sum(j.patches for j in jobs))
+        self._metrics.tokens.inc(sum(int(o.shape[0]) for o in outs))
+        for j, o in zip(jobs, outs):
+            # A private host copy: outputs may be views of one buffer (safetensors refuses shared storage, and
+            # the cache must not pin a whole batch), and responses and the cache live in host memory.
+            o = o.detach()
+            j.future.set_result(o.cpu().contiguous() if o.device.type != "cpu" else o.contiguous().clone())

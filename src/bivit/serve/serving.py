@@ -1,0 +1,353 @@
+"""One request's life in the service: body, items, cache lookup, admission, preprocessing, encoding, answer.
+
+1. The event loop reads the body (bounded by `max_body_mb`), splits it into items (multipart `file` parts or
+   JSON base64 items), hashes each item and looks it up in the embedding cache.
+2. Cache misses are admitted against `max_queue` (else 429 + Retry-After) and preprocessed in a thread pool,
+   so decoding and resizing never block the event loop.
+3. Each preprocessed item (each chunk, for a video) goes to the Batcher, whose single worker coalesces queued
+   items from all concurrent requests into forward passes.
+4. The request assembles its items' embeddings in input order (a video: its chunks concatenated).
+
+Weight updates (`POST /v1/weights`) pass a gate that requests hold shared and an update holds alone: the
+update waits for the requests in flight (they finish on the old weights, none is lost), new requests wait for
+the update; the weights are swapped on the batching worker between forward passes. So every response is
+computed entirely with the weights whose fingerprint it names, and the cache (keyed by fingerprint) never
+serves an old embedding as a new one.
+
+Why coalescing is allowed to change nothing: with `batch_invariant=True` (the default) an item's embedding is
+bit-identical whatever other items share the forward pass, so a response equals offline
+`encoder.encode([same input])` alone. The exact cache relies on the same property; with
+`--no-batch-invariant` it is switched off, because a cached answer could then differ from a fresh one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import hashlib
+import logging
+import os
+import time
+from dataclasses import dataclass, field, replace
+from typing import Optional
+
+from fastapi import Request
+from starlette.requests import ClientDisconnect
+
+from ..encoder import Encoder, dtype_name
+from ..errors import BivitError, MediaError
+from ..media import MediaBatch, preprocess_images
+from ..video import join_chunks, preprocess_video
+from .batcher import Batcher
+from .cache import EmbeddingCache
+from .metrics import Metrics
+from .protocol import RESPONSE_FORMAT, ItemResult, RequestError, UploadItem, parse_json_request
+
+log = logging.getLogger("bivit.server")
+
+
+@dataclass
+class ServerSettings:
+    """Operational limits of the service (the `bivit serve` options)."""
+
+    api_key: Optional[str] = None
+    max_batch_tokens: int = 16384  # patches per forward pass; an item larger than this runs alone
+    max_wait_ms: float = 5.0  # how long the worker waits for more items once one is queued
+    max_queue: int = 256  # items admitted and not yet answered, over all requests
+    max_body_mb: float = 64.0
+    request_timeout_s: float = 120.0
+    cache_mb: float = 256.0
+    preprocess_threads: int = field(default_factory=lambda: max(1, min(4, os.cpu_count() or 1)))
+    retry_after_s: int = 1
+    max_weights_mb: float = 8192.0  # body limit of POST /v1/weights (a full K2.6 vision part in fp32: ~1.9 GB)
+    allow_weight_updates_without_key: bool = False  # POST /v1/weights is refused while api_key is unset
+
+
+def content_type(request: Request) -> str:
+    """The request's media type if the service accepts it, else RequestError 415 (before reading the body)."""
+    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if ctype not in ("multipart/form-data", "application/json"):
+        raise RequestError(415, "unsupported_media_type",
+                           f"Content-Type {ctype or '(none)'!r} is not accepted; send multipart/form-data with "
+                           "'file' parts or application/json {\"items\": [{\"data\": <base64>}]}")
+    return ctype
+
+
+class WeightsGate:
+    """Held shared by requests, alone by a weight update; an update waiting holds back new requests."""
+
+    def __init__(self) -> None:
+        self._cond = asyncio.Condition()
+        self._readers = 0
+        self._writers = 0  # waiting or running updates
+
+    @contextlib.asynccontextmanager
+    async def shared(self):
+        async with self._cond:
+            await self._cond.wait_for(lambda: not self._writers)
+            self._readers += 1
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._readers -= 1
+                self._cond.notify_all()
+
+    @contextlib.asynccontextmanager
+    async def exclusive(self):
+        async with self._cond:
+            self._writers += 1
+            try:
+                await self._cond.wait_for(lambda: not self._readers)
+            except BaseException:
+                self._writers -= 1
+                self._cond.notify_all()
+                raise
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._writers -= 1
+                self._cond.notify_all()
+
+
+class Service:
+    """State shared by the routes of one app: encoder, batcher, cache, metrics, admission counter."""
+
+    def __init__(self, encoder: Encoder, settings: ServerSettings):
+        self.encoder = encoder
+        self.settings = settings
+        self.metrics = Metrics()
+        # Without batch invariance a cached embedding may differ from a fresh one, so no cache at all.
+        self.cache = EmbeddingCache(int(settings.cache_mb * 2**20) if encoder.batch_invariant else 0)
+        self.batcher = Batcher(encoder, settings.max_batch_tokens, settings.max_wait_ms / 1000.0, self.metrics)
+        self.pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self.inflight = 0  # items admitted and not yet answered; touched only on the event loop
+        self.draining = False
+        # Hashes every weight: do it once here, never on the event loop during a request.
+        self.fingerprint = encoder.fingerprint
+        self.header = {"format": RESPONSE_FORMAT, "model": encoder.model_name, "fingerprint": self.fingerprint,
+                       "dtype": dtype_name(encoder.output_dtype)}
+        self.gate = WeightsGate()
+        self.updating = asyncio.Lock()  # one weight update at a time
+
+    # -- lifecycle
+    def start(self) -> None:
+        self.pool = concurrent.futures.ThreadPoolExecutor(self.settings.preprocess_threads,
+                                                          thread_name_prefix="bivit-preprocess")
+        self.batcher.start()
+
+    def stop(self) -> None:
+        self.draining = True
+        self.batcher.stop()
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+
+    # -- request parsing
+    async def read_body(self, request: Request, limit_mb: Optional[float] = None,
+                        option: str = "--max-body-mb") -> bytes:
+        limit_mb = self.settings.max_body_mb if limit_mb is None else limit_mb
+        limit = int(limit_mb * 2**20)
+        declared = request.headers.get("content-length")
+        if declared is not None:
+            try:
+                n = int(declared)
+            except ValueError:
+                raise RequestError(400, "bad_request", f"invalid Content-Length {declared!r}") from None
+            if n > limit:
+                await self._discard_body(request, n)
+                raise RequestError(413, "too_large", f"request body of {n} bytes exceeds {option} "
+                                   f"{limit_mb:g} ({limit} bytes)")
+        chunks, size = [], 0
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:  # a chunked or lying body: stop at the limit, never hold more than it
+                    await self._discard_body(request, limit)
+                    raise RequestError(413, "too_large", f"request body exceeds {option} "
+                                       f"{limit_mb:g} ({limit} bytes)")
+                chunks.append(chunk)
+        except ClientDisconnect:
+            raise RequestError(400, "bad_request", "client disconnected while sending the body") from None
+        return b"".join(chunks)
+
+    async def _discard_body(self, request: Request, up_to: int) -> None:
+        # Read and drop (a bounded amount of) the rest of the body before answering 413: closing a socket with
+        # unread data sends a TCP reset, and the client would see "connection reset" instead of the 413.
+        # A client that sent `Expect: 100-continue` has not sent the body; reading would invite it to.
+        if "100-continue" in request.headers.get("expect", "").lower():
+            return
+        budget = min(up_to, int(self.settings.max_body_mb * 2**20) + 64 * 2**20)
+        deadline = time.monotonic() + 5.0
+        seen = 0
+        with contextlib.suppress(Exception):
+            async for chunk in request.stream():
+                seen += len(chunk)
+                if seen > budget or time.monotonic() > deadline:
+                    return
+
+    async def parse_items(self, request: Request, body: bytes) -> list[UploadItem]:
+        if content_type(request) == "multipart/form-data":
+            return await self._parse_multipart(request, body)
+        return parse_json_request(body)
+
+    async def _parse_multipart(self, request: Request, body: bytes) -> list[UploadItem]:
+        sent = False
+
+        async def replay() -> dict:  # feed the already-bounded body to Starlette's multipart parser
+            nonlocal sent
+            if sent:
+                return {"type": "http.disconnect"}
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        try:
+            form = await Request(request.scope, replay).form(max_files=self.settings.max_queue + 1)
+        except Exception as e:  # noqa: BLE001 - malformed multipart in any of the parser's ways
+            raise RequestError(400, "bad_request", f"malformed multipart body: {getattr(e, 'detail', None) or e}") \
+                from None
+        items = []
+        try:
+            for key, value in form.multi_items():
+                if key != "file":
+                    raise RequestError(400, "bad_request", f"unexpected form field {key!r}; send each image or "
+                                       "video as a file part named 'file'")
+                if isinstance(value, str):
+                    raise RequestError(400, "bad_request",
+                                       "form field 'file' must be a file part (curl -F file=@path)")
+                data = await value.read()
+                name = value.filename or f"item{len(items)}"
+                items.append(UploadItem(name, data, (value.content_type or "").lower().startswith("video/")))
+        finally:
+            await form.close()
+        return items
+
+    # -- encoding
+    def _preprocess(self, item: UploadItem) -> MediaBatch:
+        """Runs in the thread pool: bytes -> MediaBatch (one item per image, one per video chunk)."""
+        if item.kind == "image":
+            return preprocess_images([item.data], names=[item.name])
+        return preprocess_video(item.data, name=item.name)  # from the bytes: no temp file
+
+    async def encode_item(self, item: UploadItem, key: tuple) -> ItemResult:
+        res = ItemResult(item.name, item.kind, key[2])
+        loop = asyncio.get_running_loop()
+        try:
+            batch = await loop.run_in_executor(self.pool, self._preprocess, item)
+        except MediaError as e:
+            res.error, res.error_kind = str(e), "media"
+            return res
+        except BivitError as e:
+            res.error, res.error_kind = str(e), "invalid"
+            return res
+        if len(batch) == 0:
+            res.error, res.error_kind = f"{item.name}: no frames to encode", "media"
+            return res
+        futures = [asyncio.wrap_future(self.batcher.submit(batch.item(c))) for c in range(len(batch))]
+        try:
+            outs = await asyncio.gather(*futures)
+        except asyncio.CancelledError:
+            for f in futures:  # the request timed out: drop its items that have not started
+                f.cancel()
+            raise
+        except BivitError as e:
+            res.error, res.error_kind = f"{item.name}: {e}", "invalid"
+            return res
+        except Exception as e:  # noqa: BLE001 - a failing forward pass fails this item only
+            log.error("encode failed", exc_info=e, extra={"fields": {"item": item.name}})
+            res.error, res.error_kind = f"{item.name}: encoding failed ({type(e).__name__}: {e})", "internal"
+            return res
+        res.embedding = join_chunks(outs)
+        res.grid_thw = batch.grid_thw.tolist()
+        res.timestamps = list(batch.timestamps) if batch.timestamps is not None else None
+        return res
+
+    async def encode_request(self, items: list[UploadItem]) -> tuple[list[ItemResult], dict]:
+        """-> (one result per item, the response header naming the fingerprint of the weights used)."""
+        async with self.gate.shared():
+            return await self._encode_request(items), dict(self.header)
+
+    async def _encode_request(self, items: list[UploadItem]) -> list[ItemResult]:
+        results: list[Optional[ItemResult]] = [None] * len(items)
+        todo: list[tuple[int, tuple]] = []
+        fp = self.fingerprint
+        for i, it in enumerate(items):
+            if it.data is None:
+                results[i] = ItemResult(it.name, error=it.error, error_kind="bad_item")
+                continue
+            key = (fp, it.kind, hashlib.sha256(it.data).hexdigest())
+            hit = self.cache.get(key) if self.cache.max_bytes else None
+            if hit is not None:
+                self.metrics.cache_hits.inc()
+                results[i] = replace(hit, name=it.name, cached=True)
+            else:
+                if self.cache.max_bytes:
+                    self.metrics.cache_misses.inc()
+                todo.append((i, key))
+        if todo:
+            # Identical items of one request are encoded once (exact: same bytes, same encoder, same bits).
+            unique: dict[tuple, int] = {}
+            for i, key in todo:
+                unique.setdefault(key, i)
+            n = len(unique)
+            if n > self.settings.max_queue:
+                raise RequestError(413, "too_many_items", f"request has {n} items to encode, more than --max-queue "
+                                   f"{self.settings.max_queue}; split it")
+            if self.inflight + n > self.settings.max_queue:
+                raise RequestError(429, "queue_full", f"server busy: {self.inflight} items in flight, --max-queue "
+                                   f"{self.settings.max_queue}; retry later",
+                                   {"Retry-After": str(self.settings.retry_after_s)})
+            self.inflight += n
+            self.metrics.inflight_items.set(self.inflight)
+            try:
+                fresh = await asyncio.wait_for(
+                    asyncio.gather(*(self.encode_item(items[i], key) for key, i in unique.items())),
+                    self.settings.request_timeout_s)
+            except asyncio.TimeoutError:
+                raise RequestError(504, "timeout", f"request not answered within --request-timeout-s "
+                                   f"{self.settings.request_timeout_s:g}") from None
+            finally:
+                self.inflight -= n
+                self.metrics.inflight_items.set(self.inflight)
+            by_key = dict(zip(unique, fresh))
+            for key, r in by_key.items():
+                if r.embedding is not None and self.cache.max_bytes:
+                    self.cache.put(key, r)
+            for i, key in todo:
+                results[i] = replace(by_key[key], name=items[i].name)
+            self.metrics.cache_bytes.set(self.cache.nbytes)
+        return results  # type: ignore[return-value]
+
+    # -- weight sync
+    async def update_weights(self, body: bytes) -> dict:
+        """A safetensors body -> the encoder's new weights (all or nothing) -> {fingerprint, previous, tensors}."""
+        from safetensors import SafetensorError
+        from safetensors.torch import load
+
+        try:
+            tensors = await asyncio.get_running_loop().run_in_executor(None, load, body)
+        except (SafetensorError, ValueError, OSError) as e:
+            raise RequestError(400, "bad_weights", f"body is not a safetensors file ({e})") from None
+
+        def apply() -> str:  # on the batching worker, between forward passes
+            fingerprint = self.encoder.update_weights(tensors, source="POST /v1/weights")
+            self.fingerprint = fingerprint
+            self.header = {**self.header, "fingerprint": fingerprint}
+            self.cache.clear()  # entries are keyed by the old fingerprint: unreachable, only taking memory
+            self.metrics.cache_bytes.set(self.cache.nbytes)
+            return fingerprint
+
+        async with self.updating, self.gate.exclusive():
+            previous = self.fingerprint
+            swap = asyncio.wrap_future(self.batcher.call(apply))
+            try:
+                fingerprint = await asyncio.shield(swap)
+            except asyncio.CancelledError:  # the client hung up: keep the gate until the swap is over
+                await asyncio.wait({swap})
+                raise
+            except BivitError as e:  # refused whole: the old weights keep serving
+                raise RequestError(422, "bad_weights", str(e)) from None
+        log.info("weights updated", extra={"fields": {"fingerprint": fingerprint, "previous": previous,
+                                                      "tensors": len(tensors)}})
+        return {"fingerprint": fingerprint, "previous_fingerprint": previous, "tensors": len(tensors)}
