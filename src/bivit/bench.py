@@ -154,7 +154,7 @@ def gemm_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
     """(out, in) of the GEMMs of one tower block (wqkv, wo, mlp.fc0, mlp.fc1), read off the model itself."""
     with torch.device("meta"):
         block = VisionModel(cfg.replace(num_layers=1)).vision_tower.encoder.blocks[0]
-    return list(dict.fromkeys(tuple(w.shape) for w, _ in gemms(block)))
+    return list(dict.fromkeys(tuple(w.shape) for w, *_ in gemms(block)))
 
 
 def sdpa_gflops(dtype: torch.dtype, cfg: ModelConfig, lengths: Iterable[int], tries: int = GEMM_TRIES,
