@@ -52,7 +52,8 @@ T = TypeVar("T")
 # invariance the probe proves directly; every other size is used only if it computes each row bit-identically
 # to it. Large tiles mean few calls (each call is one OpenMP fork/join, which is what hurts on a busy machine,
 # and one output copy less when a whole input fits one call); small ones keep the zero-padding of tails small.
-CANDIDATE_TILES = (64, 128, 256, 512, 1024, 2048)
+# The probe computes about 2.5x the largest tile's rows per GEMM shape at load, hence no larger tile.
+CANDIDATE_TILES = (64, 128, 256, 512, 1024)
 REFERENCE_TILE = 256
 
 _invariant: ContextVar[bool] = ContextVar("bivit_batch_invariant", default=False)
@@ -255,15 +256,22 @@ def gemm_plan(gemm: _Gemm) -> GemmPlan:
 def self_check(gemms: Sequence[tuple]) -> list[GemmPlan]:
     """Pack and probe the GEMMs `(weight, bias[, gelu])` of a model at load, so a failure is known (and said)
     up front. `weight` is a Linear weight `[out, in]` or a patch-conv weight `[out, C, p, p]`; `gelu` (None,
-    "tanh" or "none") names the GELU that follows the GEMM, probed fused where it can be (and unfused too,
-    which autograd uses)."""
+    "tanh" or "none") names the GELU that follows the GEMM: the fused call is what is probed then, unless it
+    cannot fuse or is not invariant (the plain GEMM is probed instead). Returns the plan inference will use."""
+
+    def fused_plan(w2, b, w, gelu) -> GemmPlan | None:
+        gemm = _Gemm(w2, b, w, gelu=gelu)
+        return gemm_plan(gemm) if gemm.fuses else None
+
     plans = []
     with torch.no_grad():
-        for w, b, *gelu in gemms:
+        for w, b, *rest in gemms:
             w2 = w.reshape(w.shape[0], -1)
-            plans.append(_retrying(lambda: gemm_plan(_Gemm(w2, b, w))))
-            if gelu and gelu[0] is not None:
-                _retrying(lambda: gemm_plan(_Gemm(w2, b, w, gelu=gelu[0])))
+            gelu = rest[0] if rest else None
+            plan = _retrying(lambda: fused_plan(w2, b, w, gelu)) if gelu is not None else None
+            if plan is None or plan.exact_fallback:
+                plan = _retrying(lambda: gemm_plan(_Gemm(w2, b, w)))
+            plans.append(plan)
     return plans
 
 
