@@ -28,8 +28,9 @@ item's input gradient does not depend on its batch; weight gradients sum over th
 depend on it) but in a fixed order, so they do not depend on the thread count. Without autograd (`encode`
 runs under `inference_mode`) the Functions are skipped: the fast path stays the fast path.
 
-Private PyTorch entry points (oneDNN's pre-packed GEMM, GELU with `out=`) are optional: if one is missing or
-raises, bivit logs it once and uses the public op, which computes the same bits at the same shape.
+Private PyTorch entry points (oneDNN's pre-packed GEMM and its GELU post-op, GELU with `out=`) are optional: if
+one is missing or raises, bivit logs it once and uses public ops, probed afresh: still batch-invariant, slower,
+and (for fp32 GEMMs and fused GELU) not the same bits as the private kernel.
 """
 
 from __future__ import annotations
