@@ -390,15 +390,16 @@ def _invariant_linear(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            gelu: str | None = None) -> torch.Tensor:
-    """`x @ weight.t() + bias`, then GELU when `gelu` names its approximation ("tanh" or "none" = erf)."""
-    kind = "linear" if gelu is None else "linear_gelu"
+    """`x @ weight.t() + bias`, then GELU when `gelu` names its approximation ("tanh" or "none" = erf).
+
+    Traced as "linear" then "gelu" in default mode (two stock ops), as one "linear_gelu" in invariant mode."""
     if not _invariant.get():
-        out = F.linear(x, weight, bias)
-        return _emit(kind, out if gelu is None else F.gelu(out, approximate=gelu))
+        out = _emit("linear", F.linear(x, weight, bias))
+        return out if gelu is None else _emit("gelu", F.gelu(out, approximate=gelu))
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     out = _invariant_linear(x2, weight, bias, weight, gelu)
-    return _emit(kind, out.view(*lead, weight.shape[0]))
+    return _emit("linear" if gelu is None else "linear_gelu", out.view(*lead, weight.shape[0]))
 
 
 def patch_conv(pixels: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
