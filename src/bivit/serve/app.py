@@ -3,7 +3,8 @@
 `POST /v1/encode` (see `bivit.serve.protocol` for the wire format and `bivit.serve.serving` for what happens
 to a request), `POST /v1/weights` (a safetensors body replacing every weight; refused while no API key is
 set unless explicitly allowed), `GET /health` (liveness, no auth), `GET /ready`, `GET /metrics`. Auth guards
-every route but /health, with a constant-time compare. `run` serves an app with uvicorn (what `bivit serve` calls).
+every route but /health, with a constant-time compare. `run` serves an app with uvicorn (what `bivit serve`
+calls).
 """
 
 from __future__ import annotations
