@@ -3,6 +3,7 @@
     python benchmarks/train_step.py                          # full-size K2.6, bf16 and fp32, 1024 patches, 3 rounds
     python benchmarks/train_step.py --patches 256 --repeats 2 --dtype bfloat16
     python benchmarks/train_step.py --preset demo            # quick check of the script itself
+    python benchmarks/train_step.py --threads 1              # on a shared machine: no waits on descheduled threads
 
 One training step = forward of one square image through tower + projector, a scalar loss over the
 embeddings, backward to every weight (what a trainer recomputing rollout embeddings pays). Same seeded random
@@ -133,7 +134,11 @@ def main(argv=None) -> int:
     p.add_argument("--patches", type=int, default=1024, help="patches of the square image (a square, even side)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads (default: torch's); 1 makes a shared machine's ratios less noisy")
     args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     args.dtypes = args.dtypes or ["bfloat16", "float32"]
     print(report(args, run(args)), flush=True)
     return 0

@@ -1,3 +1,5 @@
+"""Fixtures shared by the test modules: real random checkpoints on disk, written once per session."""
+
 import pytest
 import torch
 

@@ -93,7 +93,7 @@ def test_user_errors_are_one_line(tmp_path):
 
 
 def test_verify_demo_invariant_stable_default_differs_and_bisect(tmp_path):
-    plot = tmp_path / "v.png"
+    plot = tmp_path / "new folder" / "v.png"  # created
     r = run("verify", "--dtype", "float32", "--bisect", "--plot", plot, "--layouts", "4")
     assert r.returncode == 0, r.stdout + r.stderr
     inv, default = r.stdout.split("default mode")

@@ -2,7 +2,9 @@
 CheckpointError / ConfigError naming the key and file for every broken input."""
 
 import json
+import os
 import shutil
+import time
 
 import pytest
 import torch
@@ -143,7 +145,7 @@ def test_quantized_vision_weights_are_refused(tmp_path):
     state["vision_tower.encoder.blocks.0.wo.weight"] = torch.zeros(288, 288, dtype=torch.int8)
     save_file(state, str(tmp_path / "model.safetensors"))  # as stored: no cast on the way
     (tmp_path / "config.json").write_text(json.dumps(moonshot_config_dict(KIMI_SMALL)))
-    with pytest.raises(bivit.CheckpointError, match="int8; vision weights must be floating point"):
+    with pytest.raises(bivit.CheckpointError, match="int8; vision weights must be bfloat16"):
         bivit.load_encoder(tmp_path)
 
 
@@ -204,3 +206,76 @@ def test_fingerprint_identifies_weights_and_options(kimi_ckpt, kimi_hf_ckpt):
     assert a.fingerprint == bivit.load_encoder(kimi_hf_ckpt, dtype="float32").fingerprint  # same weights
     assert a.fingerprint != bivit.load_encoder(kimi_ckpt, dtype="bfloat16").fingerprint
     assert a.fingerprint != bivit.load_encoder(kimi_ckpt, dtype="float32", batch_invariant=False).fingerprint
+
+
+# ------------------------------------------------------------------------------ hostile checkpoints, configs
+
+
+@pytest.mark.parametrize("key,value", [
+    ("qkv_hidden_size", "abc"), ("merge_kernel_size", 5), ("projector_ln_eps", "x"), ("norm_eps", "tiny"),
+    ("norm_eps", -1e-5), ("vt_hidden_size", 1e9), ("attn_bias", "false"), ("projector_ln_eps", float("nan")),
+])
+def test_mistyped_config_values_name_the_key(key, value):
+    raw = json.loads(json.dumps(PUBLISHED_K25))
+    raw["vision_config"][key] = value
+    with pytest.raises(bivit.ConfigError, match=key):
+        config_from_dict(raw)
+
+
+@pytest.mark.parametrize("key,value", [("vt_num_hidden_layers", 1_000_000), ("vt_hidden_size", 1_000_000_000),
+                                       ("vt_intermediate_size", 10**12), ("init_pos_emb_height", 10**7)])
+def test_absurd_sizes_are_refused_before_anything_is_built(tmp_path, key, value):
+    raw = moonshot_config_dict(KIMI_SMALL)
+    raw["vision_config"][key] = value
+    if key == "vt_hidden_size":
+        raw["vision_config"].update(mm_hidden_size=value, qkv_hidden_size=value)
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    save_file({"vision_tower.x": torch.zeros(1)}, str(tmp_path / "model.safetensors"))
+    t0 = time.monotonic()
+    with pytest.raises(bivit.ConfigError, match="num_hidden_layers|parameters"):
+        bivit.load_encoder(tmp_path)
+    assert time.monotonic() - t0 < 5
+
+
+def test_config_json_that_is_a_directory(tmp_path):
+    (tmp_path / "config.json").mkdir()
+    with pytest.raises(bivit.ConfigError, match="config.json: cannot read"):
+        load_config(tmp_path)
+
+
+def test_float8_vision_weights_are_refused(tmp_path):
+    state = random_state_dict(KIMI_SMALL)
+    state["vision_tower.encoder.blocks.0.wo.weight"] = torch.zeros(288, 288).to(torch.float8_e4m3fn)
+    save_file(state, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(moonshot_config_dict(KIMI_SMALL)))
+    with pytest.raises(bivit.CheckpointError, match="float8_e4m3fn; vision weights must be"):
+        bivit.load_encoder(tmp_path)
+
+
+@pytest.mark.parametrize("value,why", [(3, "expected a shard file name"), (None, "expected a shard file name"),
+                                       ("../outside.safetensors", "outside the checkpoint folder"),
+                                       ("/etc/passwd", "outside the checkpoint folder")])
+def test_index_entries_must_name_shards_in_the_folder(sharded, tmp_path, value, why):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(sharded, ckpt)
+    raw = json.loads((ckpt / INDEX).read_text())
+    raw["weight_map"]["mm_projector.proj.0.weight"] = value
+    (ckpt / INDEX).write_text(json.dumps(raw))
+    with pytest.raises(bivit.CheckpointError, match=why) as e:
+        bivit.load_encoder(ckpt)
+    assert "mm_projector.proj.0.weight" in str(e.value)
+
+
+@pytest.mark.parametrize("special", ["fifo", "device"])
+def test_shard_that_is_not_a_regular_file(sharded, tmp_path, special):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(sharded, ckpt)
+    victim = json.loads((ckpt / INDEX).read_text())["weight_map"]["mm_projector.proj.0.weight"]
+    (ckpt / victim).unlink()
+    if special == "fifo":
+        os.mkfifo(ckpt / victim)
+    else:
+        (ckpt / victim).symlink_to("/dev/zero")
+    with pytest.raises(bivit.CheckpointError, match="not a regular file but a (FIFO|character device)") as e:
+        bivit.load_encoder(ckpt)
+    assert victim in str(e.value)

@@ -165,3 +165,15 @@ def test_media_error_carries_the_name_the_caller_gave():
     with pytest.raises(bivit.MediaError) as e:
         open_image(b"")
     assert e.value.source == "<0 bytes>"
+
+
+def test_something_that_is_not_a_file_is_named_for_what_it_is(tmp_path):
+    import os
+
+    os.mkfifo(tmp_path / "pipe.png")
+    for path, kind in ((tmp_path, "a directory"), ("/dev/null", "a character device"),
+                       (tmp_path / "pipe.png", "a FIFO")):  # the FIFO would block a plain open()
+        with pytest.raises(bivit.MediaError, match=f"not a regular file but {kind}"):
+            open_image(path)
+    with pytest.raises(bivit.MediaError, match="no such file"):
+        open_image(tmp_path / "missing.png")

@@ -25,9 +25,11 @@ from safetensors.torch import save_file
 
 from .config import MOONSHOT_KEYS, ModelConfig
 from .errors import CheckpointError
+from .fileio import file_kind
 from .model import VisionModel
 
 INDEX = "model.safetensors.index.json"
+WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 VISION_PREFIXES = ("vision_tower.", "mm_projector.")
 HF_PREFIXES = ("model.vision_tower.", "model.mm_projector.")
 
@@ -51,9 +53,9 @@ def vision_key_files(directory: Path) -> dict[str, Path]:
             weight_map = json.loads(index.read_text())["weight_map"]
             if not isinstance(weight_map, dict):
                 raise TypeError("weight_map is not an object")
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, OSError) as e:
             raise CheckpointError(f"{index}: unreadable index ({e})") from None
-        return {k: directory / f for k, f in weight_map.items() if _is_vision(k)}
+        return {k: _shard_path(directory, index, k, f) for k, f in weight_map.items() if _is_vision(k)}
     shards = sorted(directory.glob("*.safetensors"))
     if not shards:
         raise CheckpointError(f"{directory}: no {INDEX} and no *.safetensors files")
@@ -66,9 +68,21 @@ def vision_key_files(directory: Path) -> dict[str, Path]:
     return found
 
 
+def _shard_path(directory: Path, index: Path, key: str, name: object) -> Path:
+    """The shard an index entry names, which must be a file name inside the checkpoint folder."""
+    if not isinstance(name, str) or not name:
+        raise CheckpointError(f"{index}: weight_map[{key!r}] = {name!r}: expected a shard file name")
+    parts = Path(name).parts
+    if Path(name).is_absolute() or ".." in parts:
+        raise CheckpointError(f"{index}: weight_map[{key!r}] = {name!r} points outside the checkpoint folder")
+    return directory / name
+
+
 def _open(path: Path):
-    if not path.is_file():
+    if not path.exists():
         raise CheckpointError(f"{path}: shard file is missing")
+    if not path.is_file():  # a FIFO would block the reader, a device would be read forever
+        raise CheckpointError(f"{path}: shard is not a regular file but {file_kind(path.stat().st_mode)}")
     try:
         return safe_open(str(path), framework="pt", device="cpu")
     except (SafetensorError, OSError, ValueError) as e:
@@ -183,10 +197,11 @@ def load_state_dict(directory: str | os.PathLike, cfg: ModelConfig) -> dict[str,
     for key, (t, path) in tensors.items():
         if tuple(t.shape) != expected[key]:
             raise CheckpointError(f"{path}: {key!r} has shape {tuple(t.shape)}, config expects {expected[key]}")
-        if not t.is_floating_point():
-            # Kimi's top-level quantization_config targets the language model only; quantized vision weights
-            # would mean a checkpoint we do not understand.
-            raise CheckpointError(f"{path}: {key!r} is {t.dtype}; vision weights must be floating point")
+        if t.dtype not in WEIGHT_DTYPES:
+            # Kimi's top-level quantization_config targets the language model only; quantized (int or float8)
+            # vision weights would mean a checkpoint we do not understand.
+            raise CheckpointError(f"{path}: {key!r} is {t.dtype}; vision weights must be bfloat16, float16, "
+                                  "float32 or float64")
         if not all_finite(t):
             raise CheckpointError(f"{path}: {key!r} contains NaN or Inf")
         state[key] = t

@@ -2,8 +2,9 @@
 
 One error style for all of them: a user mistake, an unusable input or output, a missing extra or an unavailable
 device prints one line `bivit: error: ...` on stderr and exits 2, before any work is done; a run that went
-wrong (inputs that failed, invariant mode not bit-stable, a write failing mid-run) exits 1. Never a traceback. Commands import what they need when they run, so `bivit serve` without the
-serve extra says which extra to install instead of "No such option".
+wrong (inputs that failed, invariant mode not bit-stable, a write failing mid-run) exits 1. Never a traceback.
+Commands import what they need when they run, so `bivit serve` without the serve extra says which extra to
+install instead of "No such option".
 """
 
 from __future__ import annotations
@@ -108,6 +109,7 @@ def encode(
     Per-input metadata (source, grid_thw per chunk, tokens, video chunk timestamps) is stored as JSON under
     the "bivit" header key. Bad files are reported and skipped; the exit status is 1 if any failed.
     """
+    writable(out, files)  # before anything is loaded or encoded
     import torch
     from safetensors.torch import save_file
     from tqdm import tqdm
@@ -117,7 +119,6 @@ def encode(
     from .media import MediaBatch
     from .video import is_video_path, join_chunks, split_by_input
 
-    writable(out, files)
     enc = open_encoder(model, dtype, projector_dtype, output_dtype, not no_batch_invariant, max_batch_tokens)
     t0 = time.perf_counter()
     tensors: dict[str, torch.Tensor] = {}
@@ -178,8 +179,7 @@ def verify(
     bisect: bool = typer.Option(False, "--bisect", help="Name the first op that differs between bs=1 and bs=N."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG of the per-item differences."),
 ) -> None:
-    """Encode items alone and in random batch layouts, invariant vs default mode; exit 1 unless invariant is
-    bit-stable."""
+    """Items alone vs in random batch layouts, invariant and default mode; exit 1 unless invariant is bit-stable."""
     from . import verify as v
     from .encoder import dtype_name
 
@@ -232,7 +232,14 @@ def serve(
     max_wait_ms: float = typer.Option(5.0, help="Max wait for more items before a forward pass"),
     max_queue: int = typer.Option(256, help="Items in flight before 429"),
     max_body_mb: float = typer.Option(64.0, help="Request body limit (413 above)"),
-    request_timeout_s: float = typer.Option(120.0, help="Per-request timeout (504 after)"),
+    request_timeout_s: float = typer.Option(120.0, help="Per-request timeout after the body (504 after)"),
+    header_timeout_s: float = typer.Option(10.0, help="Time to send a request's headers (connection closed after)"),
+    body_timeout_s: float = typer.Option(60.0, help="Time to send a request's body (408 after)"),
+    max_request_pixels_mb: float = typer.Option(512.0, help="Decoded float32 pixels of one request (413 above)"),
+    max_queue_pixels_mb: float = typer.Option(2048.0, help="Decoded pixels of all admitted requests (429 above)"),
+    max_response_mb: float = typer.Option(256.0, help="Size of one response, every copy counted (413 above)"),
+    max_video_mpixels: float = typer.Option(65536.0, help="Decoding work of one video, frames x frame pixels, "
+                                                          "millions (item error above)"),
     cache_mb: float = typer.Option(256.0, help="Exact embedding cache size; 0 disables"),
     max_weights_mb: float = typer.Option(8192.0, help="POST /v1/weights body limit (413 above)"),
     allow_weight_updates_without_key: bool = typer.Option(
@@ -245,21 +252,21 @@ def serve(
         need_extra("serve", module, "serve")
     if log_level.lower() not in ("debug", "info", "warning", "error"):
         fail(f"--log-level must be debug, info, warning or error, got {log_level!r}")
-    for name, value in (("--max-batch-tokens", max_batch_tokens), ("--max-queue", max_queue)):
-        if value < 1:
-            fail(f"{name} must be at least 1, got {value}")
-    from .serve.app import configure_logging, run
-    from .serve.serving import ServerSettings
+    from .serve.settings import ServerSettings
 
+    settings = ServerSettings(api_key=api_key or None, max_batch_tokens=max_batch_tokens, max_wait_ms=max_wait_ms,
+                              max_queue=max_queue, max_body_mb=max_body_mb, request_timeout_s=request_timeout_s,
+                              header_timeout_s=header_timeout_s, body_timeout_s=body_timeout_s,
+                              max_request_pixels_mb=max_request_pixels_mb, max_queue_pixels_mb=max_queue_pixels_mb,
+                              max_response_mb=max_response_mb, max_video_mpixels=max_video_mpixels,
+                              cache_mb=cache_mb, max_weights_mb=max_weights_mb,
+                              allow_weight_updates_without_key=allow_weight_updates_without_key)
     from .encoder import load_encoder
+    from .serve.app import configure_logging, run
 
     configure_logging(log_level)  # the service logs JSON lines, its demo warning included
     encoder = load_encoder(model, device=device, dtype=dtype, batch_invariant=batch_invariant,
                            max_batch_tokens=max_batch_tokens)
-    settings = ServerSettings(api_key=api_key or None, max_batch_tokens=max_batch_tokens, max_wait_ms=max_wait_ms,
-                              max_queue=max_queue, max_body_mb=max_body_mb, request_timeout_s=request_timeout_s,
-                              cache_mb=cache_mb, max_weights_mb=max_weights_mb,
-                              allow_weight_updates_without_key=allow_weight_updates_without_key)
     run(encoder, settings, host=host, port=port, log_level=log_level)
 
 
@@ -295,7 +302,9 @@ def encode_dataset(
     """
     if engine == "ray":
         need_extra("encode-dataset --engine ray", "ray", "ray")
-    from .dataset.format import ERRORS
+    from .dataset.format import ERRORS, HEADER
+
+    writable(out / HEADER, option="--out")  # before the model loads
     from .dataset.job import encode_dataset as run
 
     try:

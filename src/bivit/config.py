@@ -17,6 +17,11 @@ from typing import Any
 from .errors import ConfigError
 
 
+# Bounds on what a config may ask bivit to build: K2.6 has 27 layers and 0.47B parameters.
+MAX_LAYERS = 1024
+MAX_PARAMETERS = 20_000_000_000
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     patch_size: int = 14
@@ -69,6 +74,24 @@ class ModelConfig:
         for key in ("hidden_size", "num_layers", "intermediate_size", "text_hidden_size",
                     "pos_emb_height", "pos_emb_width", "pos_emb_time"):
             _check(getattr(self, key) > 0, key, getattr(self, key))
+        for key in ("norm_eps", "projector_ln_eps"):
+            _check(getattr(self, key) is None or getattr(self, key) > 0, key, getattr(self, key), "must be positive")
+        # Refused before anything is built: a typo in a size must not allocate for minutes or exhaust memory.
+        _check(self.num_layers <= MAX_LAYERS, "num_layers", self.num_layers, f"more than {MAX_LAYERS} layers")
+        if self.parameter_estimate > MAX_PARAMETERS:
+            raise ConfigError(f"config sizes give a model of about {self.parameter_estimate / 1e9:.3g}B parameters, "
+                              f"more than the {MAX_PARAMETERS / 1e9:g}B bivit will build (hidden_size "
+                              f"{self.hidden_size}, num_layers {self.num_layers}, intermediate_size "
+                              f"{self.intermediate_size}, qkv_hidden_size {self.qkv_hidden_size}, text_hidden_size "
+                              f"{self.text_hidden_size}, pos_emb {self.pos_emb_height}x{self.pos_emb_width})")
+
+    @property
+    def parameter_estimate(self) -> int:
+        """Weights of the tower and projector, give or take biases and norms (K2.6: 471M)."""
+        d, a, m = self.hidden_size, self.attn_width, self.projector_input_size * self.merge_area
+        per_layer = 4 * a * d + 2 * d * self.intermediate_size
+        return (self.num_layers * per_layer + self.pos_emb_height * self.pos_emb_width * d
+                + 3 * self.patch_size ** 2 * d + m * m + m * self.text_hidden_size)
 
     @property
     def attn_width(self) -> int:

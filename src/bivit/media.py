@@ -12,7 +12,6 @@ import math
 import os
 import warnings
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Sequence, Union
 
 import numpy as np
@@ -20,6 +19,7 @@ import torch
 from PIL import Image, UnidentifiedImageError
 
 from .errors import MediaError
+from .fileio import read_regular
 
 PATCH_SIZE = 14
 MERGE_KERNEL = 2
@@ -151,10 +151,12 @@ def _open_image(src: ImageInput, max_pixels: int, name: str) -> Image.Image:
         if isinstance(src, bytes):
             data = src
         else:
-            path = Path(src)
-            if not path.is_file():
-                raise MediaError(f"{name}: no such file")
-            data = path.read_bytes()
+            try:
+                data = read_regular(src)  # a directory, FIFO or device is refused without blocking
+            except FileNotFoundError:
+                raise MediaError(f"{name}: no such file") from None
+            except OSError as e:
+                raise MediaError(f"{name}: cannot read ({e.strerror or e})") from None
         if not data:
             raise MediaError(f"{name}: file is empty")
         try:

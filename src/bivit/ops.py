@@ -512,7 +512,12 @@ class _InvariantGelu(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (x,) = ctx.saved_tensors
-        return _chunked_pointwise(torch.ops.aten.gelu_backward, grad, x, approximate=ctx.approximate), None
+        return _chunked_pointwise(torch.ops.aten.gelu_backward, grad, x, out_fn=_gelu_backward_out,
+                                  approximate=ctx.approximate), None
+
+
+def _gelu_backward_out(grad: torch.Tensor, x: torch.Tensor, approximate: str, out: torch.Tensor) -> torch.Tensor:
+    return torch.ops.aten.gelu_backward.grad_input(grad, x, approximate=approximate, grad_input=out)
 
 
 def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:

@@ -264,10 +264,18 @@ class _Source:
 
 
 class _Limits:
+    deadline: Optional[float] = None  # time.monotonic() after which decoding stops (a caller gave up waiting)
+    max_decoded_pixels: Optional[int] = None  # frames decoded x frame pixels (every frame is decoded)
+    frame_pixels = 0
+
     def __init__(self, name: str, max_frames: Optional[int], max_duration_s: Optional[float],
                  max_frame_pixels: Optional[int], sample_fps: float):
         self.name, self.max_frames, self.max_duration_s = name, max_frames, max_duration_s
         self.max_frame_pixels, self.sample_fps = max_frame_pixels, sample_fps
+
+    def check_time(self) -> None:
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            raise MediaError(f"{self.name}: decoding stopped at its deadline (the video takes too long to decode)")
 
     def check_size(self, width: int, height: int) -> None:
         if self.max_frame_pixels is not None and width * height > self.max_frame_pixels:
@@ -286,6 +294,10 @@ class _Limits:
             if n > self.max_frames:
                 raise MediaError(f"{self.name}: sampling at {min(self.sample_fps, fps):g} fps gives {more}{n} frames "
                                  f"({seconds:.1f} s of video), more than max_frames={self.max_frames}")
+        work = num_frames * self.frame_pixels
+        if self.max_decoded_pixels is not None and work > self.max_decoded_pixels:
+            raise MediaError(f"{self.name}: decoding {more}{num_frames} frames of {self.frame_pixels} pixels is "
+                             f"{work} pixels, more than max_decoded_pixels={self.max_decoded_pixels}")
 
 
 def _count_frames(source: _Source, limits: _Limits) -> int:
@@ -296,6 +308,7 @@ def _count_frames(source: _Source, limits: _Limits) -> int:
         for _ in frames:
             count += 1
             limits.check_length(count, source.fps, at_least=True)
+            limits.check_time()
     finally:
         frames.close()
     return count
@@ -304,6 +317,7 @@ def _count_frames(source: _Source, limits: _Limits) -> int:
 def _probe(src: VideoInput, name: str, limits: _Limits) -> VideoInfo:
     with _Source(src, name) as source:
         limits.check_size(source.width, source.height)
+        limits.frame_pixels = source.width * source.height
         if source.reported_frames > 0:
             count, origin = source.reported_frames, "container"
             limits.check_length(count, source.fps)
@@ -336,6 +350,7 @@ def _decode_selected(src: VideoInput, name: str, indices: Sequence[int], limits:
             pos, decoded = 0, 0
             for i, frame in enumerate(frames):
                 decoded = i + 1
+                limits.check_time()
                 if indices[pos] != i:
                     continue
                 limits.check_size(frame.width, frame.height)
@@ -369,6 +384,7 @@ def _chunk_items(src: VideoInput, name: str, info: VideoInfo, indices: list[int]
     for image in _decode_selected(src, name, indices, limits):
         buffer.append(image)
         if len(buffer) == chunk_size:
+            limits.check_time()
             flush()
     if buffer:
         flush()
@@ -379,16 +395,21 @@ def preprocess_video(path: VideoInput, *, max_frames: Optional[int] = MAX_FRAMES
                      max_duration_s: Optional[float] = MAX_DURATION_S,
                      max_frame_pixels: Optional[int] = MAX_FRAME_PIXELS, sample_fps: float = SAMPLE_FPS,
                      chunk_size: int = TEMPORAL_MERGE_KERNEL,
-                     patch_limit: int = IN_PATCH_LIMIT_EACH_FRAME, name: Optional[str] = None) -> MediaBatch:
+                     patch_limit: int = IN_PATCH_LIMIT_EACH_FRAME, name: Optional[str] = None,
+                     deadline: Optional[float] = None, max_decoded_pixels: Optional[int] = None) -> MediaBatch:
     """Decode, sample and chunk a video (a path or its bytes) into a MediaBatch: one item per chunk.
 
     `timestamps[i]` is chunk i's start (`HH:MM:SS.fff`), `sources[i]` is `"{path}#chunk{i}"`. Raises MediaError
     naming the file (or `name`, how messages call the input) for unreadable, empty or frameless videos and for
-    videos beyond a limit; ConfigError for a bad option.
+    videos beyond a limit; ConfigError for a bad option. `deadline` (a `time.monotonic()` value): decoding stops
+    with a MediaError once it has passed, so work nobody waits for any more does not go on.
+    `max_decoded_pixels` bounds the decoding work (every frame is decoded, sampled or not): checked from the
+    container's frame count before decoding, else while counting.
     """
     _check_positive("chunk_size", chunk_size, integer=True)
     _check_positive("patch_limit", patch_limit, integer=True)
     name, limits = _prepare(path, max_frames, max_duration_s, max_frame_pixels, sample_fps, name)
+    limits.deadline, limits.max_decoded_pixels = deadline, max_decoded_pixels
     with _naming(name):
         return _preprocess(path, name, limits, sample_fps, chunk_size, patch_limit)
 

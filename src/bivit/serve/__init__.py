@@ -5,6 +5,7 @@
     batcher   the worker thread that owns the Encoder and coalesces queued items into forward passes
     cache     the exact embedding cache (valid because of batch invariance)
     metrics   the Prometheus series of one app
+    settings  the limits (`bivit serve` options), validated
     serving   one request's life: body, items, admission, preprocessing, encoding, answer
     app       the FastAPI app: routes, auth, request log, lifecycle; `run` starts uvicorn
     launch    a server subprocess on a free loopback port (tests, load tests)

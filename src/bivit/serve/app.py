@@ -3,7 +3,8 @@
 `POST /v1/encode` (see `bivit.serve.protocol` for the wire format and `bivit.serve.serving` for what happens
 to a request), `POST /v1/weights` (a safetensors body replacing every weight; refused while no API key is
 set unless explicitly allowed), `GET /health` (liveness, no auth), `GET /ready`, `GET /metrics`. Auth guards
-every route but /health, with a constant-time compare. `run` serves an app with uvicorn (what `bivit serve` calls).
+every route but /health, with a constant-time compare. `run` serves an app with uvicorn (what `bivit serve`
+calls).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import contextlib
 import hmac
 import json
 import logging
+import re
 import sys
 import time
 import traceback
@@ -26,7 +28,17 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from ..encoder import Encoder
 from .protocol import (SAFETENSORS_MEDIA_TYPE, RequestError, encode_json, encode_safetensors, error_body,
                        item_meta)
-from .serving import ServerSettings, Service, content_type, log
+from .serving import Service, content_type, log
+from .settings import ServerSettings
+
+
+# What a client may choose as its request id: it is echoed in a header and written to the log.
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:+=/-]{1,128}")
+
+
+def _request_id(sent: Optional[str]) -> str:
+    """The client's X-Request-ID when it is short and plain, else a fresh one (never echo arbitrary bytes)."""
+    return sent if sent and _REQUEST_ID.fullmatch(sent) else uuid.uuid4().hex
 
 
 def _bearer_ok(header: Optional[str], key: str) -> bool:
@@ -92,7 +104,7 @@ def create_app(encoder: Encoder, settings: Optional[ServerSettings] = None) -> F
     @app.middleware("http")
     async def _frame(request: Request, call_next):
         # Request id, auth, structured request log. Auth guards every route except /health.
-        rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+        rid = _request_id(request.headers.get("x-request-id"))
         request.state.items = 0
         request.state.failed = 0
         request.state.error = None
@@ -150,7 +162,7 @@ def create_app(encoder: Encoder, settings: Optional[ServerSettings] = None) -> F
         if not items:
             raise RequestError(400, "bad_request", "no items: send at least one 'file' part or JSON item")
         request.state.items = len(items)
-        results, header = await svc.encode_request(items)
+        results, header = await svc.encode_request(items, json_response=fmt == "json")
 
         failed = [r for r in results if r.error is not None]
         request.state.failed = len(failed)
@@ -199,6 +211,51 @@ def run(encoder: Encoder, settings: ServerSettings, *, host: str, port: int, log
     if host not in ("127.0.0.1", "localhost", "::1") and not settings.api_key:
         log.warning("serving on a non-loopback interface without --api-key", extra={"fields": {"host": host}})
     config = uvicorn.Config(create_app(encoder, settings), host=host, port=port, log_config=None,
-                            access_log=False, log_level=log_level.lower(),
-                            timeout_graceful_shutdown=int(settings.request_timeout_s) + 10)
+                            access_log=False, log_level=log_level.lower(), http=_header_timeout(settings.header_timeout_s),
+                            timeout_graceful_shutdown=int(settings.request_timeout_s + settings.body_timeout_s) + 10)
     uvicorn.Server(config).run()
+
+
+def _header_timeout(seconds: float) -> type:
+    """uvicorn's h11 protocol, closing a connection whose request headers take longer than `seconds`.
+
+    uvicorn times out idle kept-alive connections but not a request whose headers trickle in (one byte a
+    second holds a connection and a buffer forever). The timer starts with the connection or with the first
+    bytes of the next request on a kept-alive one, and stops when the headers are complete.
+    """
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeaderTimeoutProtocol(H11Protocol):
+        _header_timer: Optional[asyncio.TimerHandle] = None
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            if self.cycle is None or self.cycle.response_complete:  # these bytes start a request
+                self._arm()
+            super().data_received(data)
+            if self.cycle is not None and not self.cycle.response_complete:  # its headers are complete
+                self._disarm()
+
+        def connection_lost(self, exc: Optional[Exception]) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            if self._header_timer is None:
+                self._header_timer = self.loop.call_later(seconds, self._expire)
+
+        def _disarm(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _expire(self) -> None:
+            self._header_timer = None
+            log.info("connection closed: request headers not received within --header-timeout-s",
+                     extra={"fields": {"client": self.client, "header_timeout_s": seconds}})
+            self.transport.close()
+
+    return HeaderTimeoutProtocol

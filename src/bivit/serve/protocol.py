@@ -46,7 +46,7 @@ class UploadItem:
     data: Optional[bytes]
     video_hint: bool = False
     image_hint: bool = False
-    error: Optional[str] = None  # set when the item could not even be extracted (bad base64)
+    error: Optional[str] = None  # why the item could not even be extracted (bad base64), without its name
 
     @property
     def kind(self) -> str:
@@ -76,10 +76,22 @@ class ItemResult:
         return 0 if self.embedding is None else int(self.embedding.shape[0])
 
 
+def _unique_keys(pairs: list) -> dict:
+    keys = [k for k, _ in pairs]
+    if len(set(keys)) != len(keys):
+        dup = next(k for k in keys if keys.count(k) > 1)
+        raise ValueError(f"key {dup!r} appears more than once in one object")
+    return dict(pairs)
+
+
 def parse_json_request(body: bytes) -> list[UploadItem]:
-    """The items of a JSON request body; RequestError (400) when the body is not the documented shape."""
+    """The items of a JSON request body; RequestError (400) when the body is not the documented shape.
+
+    A key repeated in one object is refused (which one counts differs between parsers); base64 may be split
+    into lines (MIME's 76 columns), any other non-alphabet character is an error.
+    """
     try:
-        doc = json.loads(body)
+        doc = json.loads(body, object_pairs_hook=_unique_keys)
     except (ValueError, UnicodeDecodeError) as e:
         raise RequestError(400, "bad_request", f"invalid JSON body: {e}") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("items"), list):
@@ -93,9 +105,9 @@ def parse_json_request(body: bytes) -> list[UploadItem]:
         if kind not in (None, "image", "video"):
             raise RequestError(400, "bad_request", f"items[{i}].kind must be 'image' or 'video', got {kind!r}")
         try:
-            data = base64.b64decode(entry["data"], validate=True)
+            data = base64.b64decode("".join(entry["data"].split()), validate=True)
         except (binascii.Error, ValueError) as e:
-            items.append(UploadItem(name, None, error=f"{name}: invalid base64 ({e})"))
+            items.append(UploadItem(name, None, error=f"invalid base64 ({e})"))
             continue
         items.append(UploadItem(name, data, video_hint=kind == "video", image_hint=kind == "image"))
     return items

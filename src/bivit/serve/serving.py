@@ -23,45 +23,37 @@ bit-identical whatever other items share the forward pass, so a response equals 
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import hashlib
+import io
 import logging
-import os
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Optional
 
 from fastapi import Request
+from PIL import Image
 from starlette.requests import ClientDisconnect
 
 from ..encoder import Encoder, dtype_name
 from ..errors import BivitError, MediaError
-from ..media import MediaBatch, preprocess_images
+from ..media import PATCH_SIZE, MediaBatch, grid_tokens, padded_grid, preprocess_images
 from ..video import join_chunks, preprocess_video
 from .batcher import Batcher
 from .cache import EmbeddingCache
 from .metrics import Metrics
 from .protocol import RESPONSE_FORMAT, ItemResult, RequestError, UploadItem, parse_json_request
+from .settings import ServerSettings
 
 log = logging.getLogger("bivit.server")
 
 
-@dataclass
-class ServerSettings:
-    """Operational limits of the service (the `bivit serve` options)."""
-
-    api_key: Optional[str] = None
-    max_batch_tokens: int = 16384  # patches per forward pass; an item larger than this runs alone
-    max_wait_ms: float = 5.0  # how long the worker waits for more items once one is queued
-    max_queue: int = 256  # items admitted and not yet answered, over all requests
-    max_body_mb: float = 64.0
-    request_timeout_s: float = 120.0
-    cache_mb: float = 256.0
-    preprocess_threads: int = field(default_factory=lambda: max(1, min(4, os.cpu_count() or 1)))
-    retry_after_s: int = 1
-    max_weights_mb: float = 8192.0  # body limit of POST /v1/weights (a full K2.6 vision part in fp32: ~1.9 GB)
-    allow_weight_updates_without_key: bool = False  # POST /v1/weights is refused while api_key is unset
+# Bytes of preprocessed pixels per patch: float32 [3, 14, 14].
+PATCH_BYTES = 3 * PATCH_SIZE * PATCH_SIZE * 4
+# A JSON response writes each value as text: at most ~20 bytes with its separator.
+JSON_BYTES_PER_VALUE = 20
 
 
 def content_type(request: Request) -> str:
@@ -122,8 +114,12 @@ class Service:
         # Without batch invariance a cached embedding may differ from a fresh one, so no cache at all.
         self.cache = EmbeddingCache(int(settings.cache_mb * 2**20) if encoder.batch_invariant else 0)
         self.batcher = Batcher(encoder, settings.max_batch_tokens, settings.max_wait_ms / 1000.0, self.metrics)
+        # Images and videos decode in separate pools: a video that is slow to decode (until its request's deadline)
+        # never makes an image request wait for a thread.
         self.pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self.video_pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self.inflight = 0  # items admitted and not yet answered; touched only on the event loop
+        self.pixels_held = 0  # preprocessed pixel bytes of admitted requests (see _Budget); event loop only
         self.draining = False
         # Hashes every weight: do it once here, never on the event loop during a request.
         self.fingerprint = encoder.fingerprint
@@ -136,19 +132,22 @@ class Service:
     def start(self) -> None:
         self.pool = concurrent.futures.ThreadPoolExecutor(self.settings.preprocess_threads,
                                                           thread_name_prefix="bivit-preprocess")
+        self.video_pool = concurrent.futures.ThreadPoolExecutor(self.settings.preprocess_threads,
+                                                                thread_name_prefix="bivit-video")
         self.batcher.start()
 
     def stop(self) -> None:
         self.draining = True
         self.batcher.stop()
-        if self.pool is not None:
-            self.pool.shutdown(wait=True)
+        for pool in (self.pool, self.video_pool):
+            if pool is not None:
+                pool.shutdown(wait=True)
 
     # -- request parsing
     async def read_body(self, request: Request, limit_mb: Optional[float] = None,
                         option: str = "--max-body-mb") -> bytes:
         limit_mb = self.settings.max_body_mb if limit_mb is None else limit_mb
-        limit = int(limit_mb * 2**20)
+        limit = self.settings.mb(limit_mb)
         declared = request.headers.get("content-length")
         if declared is not None:
             try:
@@ -159,14 +158,22 @@ class Service:
                 await self._discard_body(request, n)
                 raise RequestError(413, "too_large", f"request body of {n} bytes exceeds {option} "
                                    f"{limit_mb:g} ({limit} bytes)")
+        try:
+            return await asyncio.wait_for(self._read(request, limit, f"{option} {limit_mb:g}"),
+                                          self.settings.body_timeout_s)
+        except asyncio.TimeoutError:
+            # A client sending slower than this holds a connection and a buffer: drop it (408 closes it).
+            raise RequestError(408, "body_timeout", f"request body not received within --body-timeout-s "
+                               f"{self.settings.body_timeout_s:g}", {"Connection": "close"}) from None
+
+    async def _read(self, request: Request, limit: int, option: str) -> bytes:
         chunks, size = [], 0
         try:
             async for chunk in request.stream():
                 size += len(chunk)
                 if size > limit:  # a chunked or lying body: stop at the limit, never hold more than it
                     await self._discard_body(request, limit)
-                    raise RequestError(413, "too_large", f"request body exceeds {option} "
-                                       f"{limit_mb:g} ({limit} bytes)")
+                    raise RequestError(413, "too_large", f"request body exceeds {option} ({limit} bytes)")
                 chunks.append(chunk)
         except ClientDisconnect:
             raise RequestError(400, "bad_request", "client disconnected while sending the body") from None
@@ -178,7 +185,7 @@ class Service:
         # A client that sent `Expect: 100-continue` has not sent the body; reading would invite it to.
         if "100-continue" in request.headers.get("expect", "").lower():
             return
-        budget = min(up_to, int(self.settings.max_body_mb * 2**20) + 64 * 2**20)
+        budget = min(up_to, self.settings.mb(self.settings.max_body_mb) + 64 * 2**20)
         deadline = time.monotonic() + 5.0
         seen = 0
         with contextlib.suppress(Exception):
@@ -224,26 +231,45 @@ class Service:
         return items
 
     # -- encoding
-    def _preprocess(self, item: UploadItem) -> MediaBatch:
+    def _preprocess(self, item: UploadItem, deadline: float) -> MediaBatch:
         """Runs in the thread pool: bytes -> MediaBatch (one item per image, one per video chunk)."""
         if item.kind == "image":
             return preprocess_images([item.data], names=[item.name])
-        return preprocess_video(item.data, name=item.name)  # from the bytes: no temp file
+        # From the bytes (no temp file); decoding stops at the request's deadline, so a request that timed out
+        # does not keep a preprocessing thread from the next one.
+        return preprocess_video(item.data, name=item.name, deadline=deadline,
+                                max_decoded_pixels=int(self.settings.max_video_mpixels * 1e6))
 
-    async def encode_item(self, item: UploadItem, key: tuple) -> ItemResult:
+    @staticmethod
+    def _image_cost(data: bytes) -> Optional[tuple[int, int]]:
+        """(preprocessed pixel bytes, tokens) of an image from its header alone; None if the header is unreadable
+        (decoding will then say what is wrong)."""
+        try:
+            with Image.open(io.BytesIO(data)) as im:
+                gh, gw = padded_grid(*im.size)
+        except Exception:  # noqa: BLE001 - any header Pillow refuses
+            return None
+        return gh * gw * PATCH_BYTES, grid_tokens(gh, gw)
+
+    async def encode_item(self, item: UploadItem, key: tuple, deadline: float, budget: "_Budget",
+                          paid: bool, copies: int) -> ItemResult:
+        """One distinct item of a request; errors are reasons (the caller names each copy of the item)."""
         res = ItemResult(item.name, item.kind, key[2])
         loop = asyncio.get_running_loop()
         try:
-            batch = await loop.run_in_executor(self.pool, self._preprocess, item)
+            pool = self.video_pool if item.kind == "video" else self.pool
+            batch = await loop.run_in_executor(pool, self._preprocess, item, deadline)
         except MediaError as e:
-            res.error, res.error_kind = str(e), "media"
+            res.error, res.error_kind = e.reason if e.source == item.name else str(e), "media"
             return res
         except BivitError as e:
             res.error, res.error_kind = str(e), "invalid"
             return res
         if len(batch) == 0:
-            res.error, res.error_kind = f"{item.name}: no frames to encode", "media"
+            res.error, res.error_kind = "no frames to encode", "media"
             return res
+        if not paid:  # a video (or an image whose header said nothing): counted once decoded
+            budget.take(batch.pixel_values.nbytes, sum(batch.token_counts) * copies)
         futures = [asyncio.wrap_future(self.batcher.submit(batch.item(c))) for c in range(len(batch))]
         try:
             outs = await asyncio.gather(*futures)
@@ -252,44 +278,52 @@ class Service:
                 f.cancel()
             raise
         except BivitError as e:
-            res.error, res.error_kind = f"{item.name}: {e}", "invalid"
+            res.error, res.error_kind = str(e), "invalid"
             return res
         except Exception as e:  # noqa: BLE001 - a failing forward pass fails this item only
             log.error("encode failed", exc_info=e, extra={"fields": {"item": item.name}})
-            res.error, res.error_kind = f"{item.name}: encoding failed ({type(e).__name__}: {e})", "internal"
+            res.error, res.error_kind = f"encoding failed ({type(e).__name__}: {e})", "internal"
             return res
         res.embedding = join_chunks(outs)
         res.grid_thw = batch.grid_thw.tolist()
         res.timestamps = list(batch.timestamps) if batch.timestamps is not None else None
         return res
 
-    async def encode_request(self, items: list[UploadItem]) -> tuple[list[ItemResult], dict]:
+    async def encode_request(self, items: list[UploadItem], json_response: bool = False
+                             ) -> tuple[list[ItemResult], dict]:
         """-> (one result per item, the response header naming the fingerprint of the weights used)."""
         async with self.gate.shared():
-            return await self._encode_request(items), dict(self.header)
+            return await self._encode_request(items, json_response), dict(self.header)
 
-    async def _encode_request(self, items: list[UploadItem]) -> list[ItemResult]:
+    async def _encode_request(self, items: list[UploadItem], json_response: bool) -> list[ItemResult]:
+        deadline = time.monotonic() + self.settings.request_timeout_s
+        token_bytes = self.encoder.config.text_hidden_size * (
+            JSON_BYTES_PER_VALUE if json_response else self.encoder.output_dtype.itemsize)
+        budget = _Budget(self, token_bytes)
         results: list[Optional[ItemResult]] = [None] * len(items)
         todo: list[tuple[int, tuple]] = []
         fp = self.fingerprint
         for i, it in enumerate(items):
             if it.data is None:
-                results[i] = ItemResult(it.name, error=it.error, error_kind="bad_item")
+                results[i] = ItemResult(it.name, error=f"{it.name}: {it.error}", error_kind="bad_item")
                 continue
             key = (fp, it.kind, hashlib.sha256(it.data).hexdigest())
             hit = self.cache.get(key) if self.cache.max_bytes else None
             if hit is not None:
                 self.metrics.cache_hits.inc()
+                budget.take(0, hit.tokens)
                 results[i] = replace(hit, name=it.name, cached=True)
             else:
                 if self.cache.max_bytes:
                     self.metrics.cache_misses.inc()
                 todo.append((i, key))
         if todo:
-            # Identical items of one request are encoded once (exact: same bytes, same encoder, same bits).
+            # Identical items of one request are encoded once (exact: same bytes, same encoder, same bits), but
+            # every copy is answered, so every copy counts towards the response size.
             unique: dict[tuple, int] = {}
             for i, key in todo:
                 unique.setdefault(key, i)
+            copies = collections.Counter(key for _, key in todo)
             n = len(unique)
             if n > self.settings.max_queue:
                 raise RequestError(413, "too_many_items", f"request has {n} items to encode, more than --max-queue "
@@ -298,24 +332,35 @@ class Service:
                 raise RequestError(429, "queue_full", f"server busy: {self.inflight} items in flight, --max-queue "
                                    f"{self.settings.max_queue}; retry later",
                                    {"Retry-After": str(self.settings.retry_after_s)})
-            self.inflight += n
-            self.metrics.inflight_items.set(self.inflight)
+            # Images are counted from their headers, before anything is decoded.
+            cost = {key: self._image_cost(items[i].data) if items[i].kind == "image" else None
+                    for key, i in unique.items()}
             try:
-                fresh = await asyncio.wait_for(
-                    asyncio.gather(*(self.encode_item(items[i], key) for key, i in unique.items())),
-                    self.settings.request_timeout_s)
-            except asyncio.TimeoutError:
-                raise RequestError(504, "timeout", f"request not answered within --request-timeout-s "
-                                   f"{self.settings.request_timeout_s:g}") from None
-            finally:
-                self.inflight -= n
+                budget.take(sum(c[0] for c in cost.values() if c),
+                            sum(c[1] * copies[key] for key, c in cost.items() if c))
+                self.inflight += n
                 self.metrics.inflight_items.set(self.inflight)
+                tasks = [asyncio.ensure_future(self.encode_item(items[i], key, deadline, budget, cost[key] is not None,
+                                                                copies[key])) for key, i in unique.items()]
+                try:
+                    fresh = await asyncio.wait_for(asyncio.gather(*tasks), self.settings.request_timeout_s)
+                except asyncio.TimeoutError:
+                    raise RequestError(504, "timeout", f"request not answered within --request-timeout-s "
+                                       f"{self.settings.request_timeout_s:g}") from None
+                finally:
+                    for t in tasks:  # one item over a budget ends the request: stop the others
+                        t.cancel()
+                    self.inflight -= n
+                    self.metrics.inflight_items.set(self.inflight)
+            finally:
+                budget.release()
             by_key = dict(zip(unique, fresh))
             for key, r in by_key.items():
                 if r.embedding is not None and self.cache.max_bytes:
                     self.cache.put(key, r)
             for i, key in todo:
-                results[i] = replace(by_key[key], name=items[i].name)
+                r = by_key[key]
+                results[i] = replace(r, name=items[i].name, error=f"{items[i].name}: {r.error}" if r.error else None)
             self.metrics.cache_bytes.set(self.cache.nbytes)
         return results  # type: ignore[return-value]
 
@@ -351,3 +396,35 @@ class Service:
         log.info("weights updated", extra={"fields": {"fingerprint": fingerprint, "previous": previous,
                                                       "tensors": len(tensors)}})
         return {"fingerprint": fingerprint, "previous_fingerprint": previous, "tensors": len(tensors)}
+
+
+class _Budget:
+    """What one request holds against the limits: preprocessed pixel bytes (its own, and the service's total over
+    admitted requests) and the size its response will have. Used on the event loop only."""
+
+    def __init__(self, service: Service, token_bytes: int):
+        self.svc, self.token_bytes = service, token_bytes
+        self.pixels = 0
+        self.response = 0
+
+    def take(self, pixels: int, tokens: int) -> None:
+        s = self.svc.settings
+        if self.response + tokens * self.token_bytes > s.mb(s.max_response_mb):
+            raise RequestError(413, "response_too_large", f"the response would exceed --max-response-mb "
+                               f"{s.max_response_mb:g} ({self.response + tokens * self.token_bytes} bytes); "
+                               "send fewer items (every copy of an item is answered)")
+        if self.pixels + pixels > min(s.mb(s.max_request_pixels_mb), s.mb(s.max_queue_pixels_mb)):
+            raise RequestError(413, "too_large", f"request needs more than --max-request-pixels-mb "
+                               f"{s.max_request_pixels_mb:g} of decoded pixels; send fewer or smaller items")
+        if self.svc.pixels_held + pixels > s.mb(s.max_queue_pixels_mb):
+            raise RequestError(429, "queue_full", f"server busy: --max-queue-pixels-mb {s.max_queue_pixels_mb:g} "
+                               "of decoded pixels in flight; retry later", {"Retry-After": str(s.retry_after_s)})
+        self.pixels += pixels
+        self.response += tokens * self.token_bytes
+        self.svc.pixels_held += pixels
+        self.svc.metrics.pixel_bytes.set(self.svc.pixels_held)
+
+    def release(self) -> None:
+        self.svc.pixels_held -= self.pixels
+        self.pixels = 0
+        self.svc.metrics.pixel_bytes.set(self.svc.pixels_held)

@@ -1,0 +1,224 @@
+"""The service against hostile and careless clients, as deployed: a real `bivit serve` process on loopback.
+
+Every limit is in bytes or seconds and set small here so each pattern is reproduced in a few seconds: slow
+headers and bodies on raw sockets, amplification (many copies of one tiny image that decodes large, many
+distinct ones), work that outlives its request, malformed JSON, and nonsense options. After each, a normal
+request must still succeed and the server's memory must not have grown past the documented bound.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+from PIL import Image
+
+from bivit.serve.launch import ServerProcess, free_port, metric_values
+from support.media import png_bytes
+
+pytest.importorskip("fastapi")
+
+LIMITS = ["--request-timeout-s", "3", "--header-timeout-s", "2", "--body-timeout-s", "2",
+          "--max-request-pixels-mb", "12", "--max-queue-pixels-mb", "12", "--max-response-mb", "8",
+          "--cache-mb", "0"]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = ServerProcess(LIMITS, tmp_path_factory.mktemp("limits"))
+    yield srv
+    srv.stop()
+
+
+def rss_mb(srv: ServerProcess) -> float:
+    with open(f"/proc/{srv.proc.pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+
+def normal_request_succeeds(srv: ServerProcess, seed: int = 0) -> None:
+    r = httpx.post(f"{srv.url}/v1/encode", files=[("file", ("ok.png", png_bytes(56, 56, seed), "image/png"))],
+                   timeout=30)
+    assert r.status_code == 200, r.text
+
+
+def json_items(*items: tuple[str, bytes]) -> dict:
+    return {"items": [{"name": n, "data": base64.b64encode(d).decode()} for n, d in items]}
+
+
+def test_nonsense_options_are_refused_at_start():
+    for option, value in [("--max-body-mb", "nan"), ("--max-body-mb", "-1"), ("--request-timeout-s", "0"),
+                          ("--request-timeout-s", "inf"), ("--cache-mb", "-5"), ("--max-queue-pixels-mb", "0")]:
+        r = subprocess.run([sys.executable, "-m", "bivit", "serve", option, value, "--port", str(free_port())],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, (option, value, r.stderr)
+        lines = [ln for ln in r.stderr.splitlines() if ln.startswith("bivit: error: ")]
+        assert len(lines) == 1 and option in lines[0], r.stderr
+
+
+def test_slow_headers_are_cut_off(server):
+    t0 = time.monotonic()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+        s.sendall(b"POST /v1/encode HTTP/1.1\r\nHost: x\r\n")
+        closed = False
+        while time.monotonic() - t0 < 8:
+            try:
+                s.sendall(b"X")  # one byte of a header line every 0.25 s, never finished
+                time.sleep(0.25)
+                if s.recv(1, socket.MSG_DONTWAIT) == b"":
+                    closed = True
+                    break
+            except BlockingIOError:
+                continue
+            except OSError:  # reset by the server
+                closed = True
+                break
+    assert closed and time.monotonic() - t0 < 5  # --header-timeout-s 2
+    normal_request_succeeds(server)
+
+
+def test_slow_body_gets_408(server):
+    body = json.dumps(json_items(("a.png", png_bytes(28, 28, 1)))).encode()
+    t0 = time.monotonic()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+        s.sendall(b"POST /v1/encode HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n" % len(body))
+        answer = b""
+        for byte in body:  # one byte every 0.1 s: the whole body would take minutes
+            s.sendall(bytes([byte]))
+            time.sleep(0.1)
+            try:
+                answer += s.recv(65536, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                pass
+            except OSError:
+                break
+            if answer or time.monotonic() - t0 > 8:
+                break
+        s.settimeout(5)
+        closed = False
+        try:
+            while chunk := s.recv(65536):
+                answer += chunk
+            closed = True
+        except OSError:
+            closed = True  # reset
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+    assert closed and time.monotonic() - t0 < 5  # --body-timeout-s 2, and the connection is not kept
+    normal_request_succeeds(server)
+
+
+def one_bit_png(size: int, seed: int = 0) -> bytes:
+    """A few hundred bytes that decode to size x size RGB (38 MB of float32 patches at 1792)."""
+    img = Image.new("1", (size, size))
+    img.putpixel((seed % size, 0), 1)  # distinct bytes per seed
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("pattern,kind,flag", [
+    # ~0.3 MB of JSON asking for ~500 MB of answer: identical copies are encoded once but each is answered.
+    ("copies", "response_too_large", "--max-response-mb"),
+    # 48 distinct tiny PNGs, 2.4 MB of float32 patches each once decoded: refused from their headers.
+    ("distinct", "too_large", "--max-request-pixels-mb"),
+])
+def test_amplification_is_refused_before_decoding(server, pattern, kind, flag):
+    images = [one_bit_png(1792)] * 500 if pattern == "copies" else [one_bit_png(448, i) for i in range(48)]
+    before = rss_mb(server)
+    r = httpx.post(f"{server.url}/v1/encode", json=json_items(*[(f"{i}.png", d) for i, d in enumerate(images)]),
+                   timeout=30)
+    assert r.status_code == 413 and r.json()["error"]["kind"] == kind, r.text[:300]
+    assert flag in r.json()["error"]["message"]
+    assert rss_mb(server) - before < 100
+    normal_request_succeeds(server, len(images))
+
+
+def test_pixels_in_the_queue_are_budgeted_across_requests(server):
+    """One admitted 896x896 image holds 9.2 MB of pixels; a second one must wait (429) under a 12 MB budget."""
+    first: dict = {}
+
+    def send_first() -> None:
+        first["r"] = httpx.post(f"{server.url}/v1/encode", files=[("file", ("big.png", png_bytes(896, 896, 3)))],
+                                timeout=60)
+
+    t = threading.Thread(target=send_first)
+    t.start()
+    deadline = time.monotonic() + 20
+    while metric_values(httpx.get(f"{server.url}/metrics", timeout=10).text).get("bivit_pixel_bytes", 0) == 0:
+        assert time.monotonic() < deadline and t.is_alive(), "the first request was never admitted"
+        time.sleep(0.02)
+    r = httpx.post(f"{server.url}/v1/encode", files=[("file", ("big2.png", png_bytes(896, 896, 4)))], timeout=60)
+    t.join(60)
+    if first["r"].status_code != 200:
+        pytest.fail(first["r"].text)
+    assert r.status_code == 429 and "Retry-After" in r.headers, r.text[:300]
+    assert "--max-queue-pixels-mb" in r.json()["error"]["message"]
+    normal_request_succeeds(server, 3)
+
+
+def huge_canvas_gif(frames: int) -> bytes:
+    """A 6 KB GIF whose 6000x5500 canvas every decoder composes for each of its frames (1x1 pixel each)."""
+    out = bytearray(b"GIF89a" + struct.pack("<HH", 6000, 5500) + bytes([0x00, 0, 0]))
+    for i in range(frames):
+        out += b"\x21\xf9\x04\x04" + struct.pack("<H", 10) + b"\x00\x00"  # graphic control: 0.1 s
+        out += b"\x2c" + struct.pack("<HHHH", i % 2, 0, 1, 1) + bytes([0x80, i % 256, 0, 0, 255, 255, 255])
+        out += b"\x02\x02\x44\x01\x00"  # one pixel, LZW-coded
+    return bytes(out + b"\x3b")
+
+
+def test_after_a_timeout_the_next_request_succeeds(server):
+    files = [("file", ("a.gif", huge_canvas_gif(200))), ("file", ("b.gif", huge_canvas_gif(201)))]
+    t0 = time.monotonic()
+    r = httpx.post(f"{server.url}/v1/encode", files=files, timeout=60)
+    assert r.status_code == 504, r.text[:300]
+    assert time.monotonic() - t0 < 6
+    t1 = time.monotonic()
+    normal_request_succeeds(server, 5)  # decoding the GIFs stopped at the deadline: nothing queued ahead
+    assert time.monotonic() - t1 < 3
+    assert httpx.get(f"{server.url}/ready", timeout=10).json()["ready"]
+
+
+def test_json_edge_cases(server):
+    png = png_bytes(28, 28, 6)
+    body = {"items": [{"name": "wrapped.png", "data": base64.encodebytes(png).decode()}]}  # 76-column lines
+    assert "\n" in body["items"][0]["data"]
+    r = httpx.post(f"{server.url}/v1/encode", json=body, timeout=30)
+    assert r.status_code == 200, r.text[:300]
+    item = '{"name": "x.png", "data": "%s"}' % base64.b64encode(png).decode()
+    r = httpx.post(f"{server.url}/v1/encode", content='{"items": [%s], "items": []}' % item,
+                   headers={"Content-Type": "application/json"}, timeout=30)
+    assert r.status_code == 400 and "'items' appears more than once" in r.json()["error"]["message"]
+    r = httpx.post(f"{server.url}/v1/encode", json=json_items(("first.png", b"junk"), ("second.png", b"junk")),
+                   timeout=30)
+    assert r.status_code == 422
+    errors = [m["error"] for m in r.json()["items"]]
+    assert errors[0].startswith("first.png: ") and errors[1].startswith("second.png: ") and "first" not in errors[1]
+
+
+def test_request_id_is_echoed_only_when_plain(server):
+    ok = "req-42.a:b"
+    r = httpx.get(f"{server.url}/health", headers={"X-Request-ID": ok}, timeout=10)
+    assert r.headers["X-Request-ID"] == ok
+    for bad in ("x" * 8000, "two words", "tab\there", "caf\u00e9"):
+        r = httpx.get(f"{server.url}/health", headers={"X-Request-ID": bad.encode("latin-1")}, timeout=10)
+        rid = r.headers["X-Request-ID"]
+        assert rid != bad and len(rid) == 32 and rid.isalnum()
+
+
+def test_video_decoding_work_is_bounded_before_decoding(tmp_path):
+    """200 frames of a 6000x5500 canvas are 6.6 G pixels to decode: refused from the header, in no time."""
+    with ServerProcess(["--max-video-mpixels", "1000", "--cache-mb", "0"], tmp_path) as srv:
+        t0 = time.monotonic()
+        r = httpx.post(f"{srv.url}/v1/encode", files=[("file", ("a.gif", huge_canvas_gif(200)))], timeout=60)
+        assert r.status_code == 422 and time.monotonic() - t0 < 2, r.text[:300]
+        assert "max_decoded_pixels=1000000000" in r.json()["items"][0]["error"]
+        normal_request_succeeds(srv)
