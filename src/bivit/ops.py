@@ -366,7 +366,8 @@ class _InvariantLinear(torch.autograd.Function):
         grad = grad.contiguous()
         if ctx.gelu is not None:
             pre = _tiled(x2, weight.detach(), None if bias is None else bias.detach(), key)
-            grad = _chunked_pointwise(torch.ops.aten.gelu_backward, grad, pre, approximate=ctx.gelu)
+            grad = _chunked_pointwise(torch.ops.aten.gelu_backward, grad, pre, out_fn=_gelu_backward_out,
+                                      approximate=ctx.gelu)
         gx = gw = gb = None
         if ctx.needs_input_grad[0]:
             gx = _tiled(grad, weight.detach().t(), None, key, transposed=True)
