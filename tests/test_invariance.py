@@ -224,3 +224,44 @@ def test_pointwise_gelu_is_independent_of_tensor_size_and_threads(approximate):
     assert counts[True] == 0
     if approximate == "tanh":
         assert counts[False] > 0  # the control: the check can fail
+
+
+@pytest.mark.parametrize("approximate", ["tanh", "none"])
+def test_fused_gemm_gelu_rows_do_not_depend_on_position_batch_or_threads(approximate):
+    """Linear + GELU (the MLP's fc0, the projector's first layer) runs as one pre-packed oneDNN GEMM with GELU as
+    a post-op on the float32 accumulator. A row's bits must not depend on how many rows share the call, where in
+    it the row sits, or the thread count, in bf16 and fp32. Control: the stock ops (default mode) give some row
+    other bits (stock fp32 GEMMs switch kernels with the row count; bf16 may or may not, by CPU)."""
+    from bivit import ops
+
+    g = torch.Generator().manual_seed(0)
+    k, n, rows = 288, 436, 700  # 436: not a multiple of any vector width; 700 rows: several tiles and a tail
+    counts = {False: 0, True: 0}
+    threads = torch.get_num_threads()
+    try:
+        for dtype in (torch.bfloat16, torch.float32):
+            w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype)
+            b = (0.02 * torch.randn(n, generator=g)).to(dtype)
+            x = torch.randn(rows, k, generator=g).to(dtype)
+            fused = ops._Gemm(w, b, w, gelu=approximate)
+            if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+                assert fused.fuses and not ops.gemm_plan(fused).exact_fallback  # the fused kernel runs below
+            for invariant in (False, True):
+                with ops.batch_invariant(invariant), torch.inference_mode():
+                    torch.set_num_threads(2)
+                    ref = ops.linear(x, w, b, gelu=approximate)
+                    for t in (1, 2):
+                        torch.set_num_threads(t)
+                        out = ops.linear(x.flip(0), w, b, gelu=approximate).flip(0)
+                        counts[invariant] += int((out != ref).sum())
+                        for m in (1, 2, 3, 5, 64, 77, 256, 300):
+                            counts[invariant] += int((ops.linear(x[:m], w, b, gelu=approximate) != ref[:m]).sum())
+                            counts[invariant] += int((ops.linear(x[m:], w, b, gelu=approximate) != ref[m:]).sum())
+            # GELU on the float32 accumulator rounds once, the stock pair twice: close, not always equal.
+            stock = torch.nn.functional.gelu(torch.nn.functional.linear(x, w, b), approximate=approximate)
+            tol = 1.6e-2 if dtype == torch.bfloat16 else 1e-5
+            torch.testing.assert_close(ref, stock, rtol=tol, atol=tol)
+    finally:
+        torch.set_num_threads(threads)
+    assert counts[True] == 0
+    assert counts[False] > 0  # the control: the check can fail

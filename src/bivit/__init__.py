@@ -20,6 +20,8 @@ _LAZY = {
     "open_dataset": ".dataset.reader",
     "Encoder": ".encoder",
     "load_encoder": ".encoder",
+    "load_model": ".train",
+    "TrainableModel": ".train",
     "MediaBatch": ".media",
     "image_token_count": ".media",
     "Placeholder": ".media",

@@ -22,8 +22,12 @@ How the numbers are made (they are meant to be compared *within* one run, on one
   executes more (zero-padded GEMM tiles); that is a cost, not extra work, so it is not counted.
 * **GEMM peak**: best-of-3 `F.linear` GFLOP/s at the tower's GEMM shapes with 2048 rows, measured in every
   round between the workers' turns; the best over shapes and rounds is "the peak". Also recorded: the same
-  GEMMs at invariant mode's 256-row tile. "GEMM roofline" = (the item's GEMM FLOPs at peak speed) / measured
+  GEMMs at invariant mode's largest tile. "GEMM roofline" = (the item's GEMM FLOPs at peak speed) / measured
   time: 1.0 would mean nothing but GEMMs, all at peak.
+* **Roofline per case**: the time the case's GEMM FLOPs take at the GEMM peak plus the time its attention
+  FLOPs take at the rate of PyTorch's fused attention (SDPA), measured at each item's sequence length in
+  every round too (best of 3 per round, best over rounds). "% of roofline" = that time / measured time: how
+  close an implementation comes to doing nothing but the two essential kernels, each at its measured speed.
 """
 
 from __future__ import annotations
@@ -150,7 +154,25 @@ def gemm_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
     """(out, in) of the GEMMs of one tower block (wqkv, wo, mlp.fc0, mlp.fc1), read off the model itself."""
     with torch.device("meta"):
         block = VisionModel(cfg.replace(num_layers=1)).vision_tower.encoder.blocks[0]
-    return list(dict.fromkeys(tuple(w.shape) for w, _ in gemms(block)))
+    return list(dict.fromkeys(tuple(w.shape) for w, *_ in gemms(block)))
+
+
+def sdpa_gflops(dtype: torch.dtype, cfg: ModelConfig, lengths: Iterable[int], tries: int = GEMM_TRIES,
+                seed: int = 0) -> dict[int, float]:
+    """Best-of-`tries` GFLOP/s of PyTorch's fused attention for one item of n patches, per n in `lengths`."""
+    g = torch.Generator().manual_seed(seed)
+    result = {}
+    with torch.inference_mode():
+        for n in sorted(set(lengths)):
+            q, k, v = (torch.randn(1, cfg.num_heads, n, cfg.head_dim, generator=g).to(dtype) for _ in range(3))
+            F.scaled_dot_product_attention(q, k, v)
+            best = float("inf")
+            for _ in range(tries):
+                t0 = time.perf_counter()
+                F.scaled_dot_product_attention(q, k, v)
+                best = min(best, time.perf_counter() - t0)
+            result[n] = 4 * n * n * cfg.num_heads * cfg.head_dim / best / 1e9
+    return result
 
 
 def invariant_tile_rows() -> int:
@@ -348,6 +370,25 @@ def source_hash() -> str:
     return h.hexdigest()[:12]
 
 
+def count_subnormals(runner: Callable[[MediaBatch], Any], batch: MediaBatch) -> dict[str, int]:
+    """Subnormal values among all op outputs of one bivit forward (`bivit.ops.trace`). Random weights at the
+    wrong scale make a deep tower chaotic and full of denormals, which time the FPU's slow path, not the model:
+    the benchmark weights (std 1/sqrt(fan_in)) must show none."""
+    from . import ops
+
+    counts = {"subnormal": 0, "values": 0}
+
+    def seen(kind: str, out: torch.Tensor) -> None:
+        if out.is_floating_point():
+            a = out.detach().abs()
+            counts["subnormal"] += int(((a < torch.finfo(out.dtype).tiny) & (a > 0)).sum())
+            counts["values"] += out.numel()
+
+    with ops.trace(seen):
+        runner(batch)
+    return counts
+
+
 def _timed(runner: Callable, batch: MediaBatch) -> tuple[float, float, list[torch.Tensor]]:
     """(wall seconds, CPU seconds of this process, outputs). On an oversubscribed machine wall time inflates
     while CPU time (all threads) stays near the work done: their ratio shows how contended a run was."""
@@ -366,6 +407,9 @@ def _minor_faults() -> int:
 def _worker_main(conn, impl: str, checkpoint: str, dtype: str, threads: int, inputs: str) -> None:
     """Worker process: load one implementation, then serve ("run", case, want_output) requests until "close"."""
     try:
+        from .allocator import tune
+
+        tune()  # every implementation's worker alike (the port too); BIVIT_MALLOC_TUNE=0 turns it off
         torch.set_num_threads(threads)
         cases = load_cases(Path(inputs))
         mem = {"baseline": memory_snapshot()}
@@ -386,6 +430,8 @@ def _worker_main(conn, impl: str, checkpoint: str, dtype: str, threads: int, inp
                 payload = [o.float().numpy() for o in out] if want_output else None
                 conn.send(("ok", {"seconds": seconds, "cpu_s": cpu, "minor_faults": faults, "items": len(out),
                                   "output": payload}))
+            elif msg[0] == "subnormals":
+                conn.send(("ok", count_subnormals(runner, cases[msg[1]].batch)))
             elif msg[0] == "memory":
                 conn.send(("ok", memory_snapshot()))
             elif msg[0] == "reset_peak":
@@ -438,6 +484,10 @@ class Worker:
         self.conn.send(("memory",))
         return self._recv()
 
+    def subnormals(self, index: int) -> dict:
+        self.conn.send(("subnormals", index))
+        return self._recv()
+
     def reset_peak(self) -> bool:
         self.conn.send(("reset_peak",))
         return self._recv()
@@ -475,6 +525,9 @@ class InProcessWorker:
     def memory(self) -> None:
         return None
 
+    def subnormals(self, index: int) -> dict:
+        return count_subnormals(self.runner, self.cases[index].batch)
+
     def reset_peak(self) -> bool:
         return False
 
@@ -491,11 +544,18 @@ def _rel_diff(a: Sequence[np.ndarray], b: Sequence[np.ndarray]) -> dict[str, flo
     return {"max_rel": float(d.max()) / scale, "mean_rel": float(d.mean()) / scale}
 
 
+# CPU features that decide which bf16 GEMM and attention kernels run (AMX tiles or AVX-512 BF16 dot products).
+CPU_FLAGS = ("amx_bf16", "amx_tile", "avx512_bf16", "avx512f")
+
+
 def environment(threads: int) -> dict:
-    cpu = platform.processor()
+    cpu, flags = platform.processor(), []
     try:
         with open("/proc/cpuinfo") as f:
-            cpu = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), cpu)
+            info = f.read().splitlines()
+        cpu = next((l.split(":", 1)[1].strip() for l in info if l.startswith("model name")), cpu)
+        present = set(next((l.split(":", 1)[1].split() for l in info if l.startswith("flags")), []))
+        flags = [f for f in CPU_FLAGS if f in present]
     except OSError:
         pass
     try:
@@ -512,8 +572,16 @@ def environment(threads: int) -> dict:
         git = None
     return {"python": platform.python_version(), "torch": torch.__version__, "transformers": tf_version,
             "git_head": git,
-            "cpu": cpu, "cpu_count": os.cpu_count(), "threads": threads,
+            "cpu": cpu, "cpu_flags": flags, "cpu_count": os.cpu_count(), "threads": threads,
             "loadavg": os.getloadavg() if hasattr(os, "getloadavg") else None}
+
+
+def cpu_flags_text(env: dict) -> str:
+    """'amx_bf16: no, avx512_bf16: yes' for a report line."""
+    have = env.get("cpu_flags")
+    if have is None:
+        return "CPU flags unknown"
+    return ", ".join(f"{f}: {'yes' if f in have else 'no'}" for f in ("amx_bf16", "avx512_bf16"))
 
 
 def command_line() -> str:
@@ -573,7 +641,9 @@ def run_benchmark(*, preset: str = "kimi-k2.6", dtypes: Sequence[str] = ("bfloat
     for c in cases:
         total, gemm = case_flops(cfg, c)
         record["cases"].append({"name": c.name, "items": c.items, "patches": c.patches, "tokens": c.tokens,
-                                "grid_thw": c.batch.grid_thw.tolist(), "flops": total, "gemm_flops": gemm})
+                                "grid_thw": c.batch.grid_thw.tolist(), "flops": total, "gemm_flops": gemm,
+                                "attention_flops": [[t * h * w, attention_flops_per_item(cfg, t, h, w)]
+                                                    for t, h, w in c.grids()]})
 
     with tempfile.TemporaryDirectory(prefix="bivit-bench-") as tmp:
         tmp = Path(tmp)
@@ -611,11 +681,16 @@ def _run_dtype(cfg, dtype, impls, cases, checkpoint, inputs, repeats, warmup, th
                                   "minor_faults": {c.name: [] for c in cases}}
             log(f"[{dtype}]   loaded in {info['load_s']:.1f} s")
         outputs: dict[str, dict[int, list]] = {impl: {} for impl in impls}
+        first = next((i for i in impls if i in BIVIT_IMPLS), None)
+        if first is not None:  # once, untimed: one forward of the first case with every op output inspected
+            out["subnormals"] = {"impl": first, "case": cases[0].name, **workers[first].subnormals(0)}
         shapes = gemm_shapes(cfg)
+        lengths = [t * h * w for c in cases for t, h, w in c.grids()]
         for r in range(warmup + repeats):
             timed = r >= warmup
             peak = {"M": gemm_gflops(TORCH_DTYPES[dtype], shapes, PEAK_ROWS),
-                    "tile": gemm_gflops(TORCH_DTYPES[dtype], shapes, tile_rows)}
+                    "tile": gemm_gflops(TORCH_DTYPES[dtype], shapes, tile_rows),
+                    "sdpa": {str(n): v for n, v in sdpa_gflops(TORCH_DTYPES[dtype], cfg, lengths).items()}}
             out["gemm_peak"]["rounds"].append(peak)
             for ci, case in enumerate(cases):
                 order = impls[r % len(impls):] + impls[:r % len(impls)]  # rotate who goes first
@@ -657,12 +732,27 @@ def peak_gflops(run: dict) -> tuple[float, float]:
     return (max(v for r in rounds for v in r["M"].values()), max(v for r in rounds for v in r["tile"].values()))
 
 
+def sdpa_peaks(run: dict) -> dict[str, float]:
+    """Best SDPA GFLOP/s over rounds per sequence length (empty for records made before it was measured)."""
+    rounds = [r["sdpa"] for r in run["gemm_peak"]["rounds"] if "sdpa" in r]
+    return {n: max(r[n] for r in rounds) for n in rounds[0]} if rounds else {}
+
+
+def roofline_s(case: dict, peak: float, run: dict) -> float | None:
+    """Seconds for the case's GEMM FLOPs at the GEMM peak plus its attention FLOPs at the measured SDPA rate."""
+    sdpa = sdpa_peaks(run)
+    if "attention_flops" not in case or not sdpa:
+        return None
+    return case["gemm_flops"] / (peak * 1e9) + sum(f / (sdpa[str(n)] * 1e9) for n, f in case["attention_flops"])
+
+
 def summarize(record: dict) -> dict:
     """Derived numbers per dtype: per-case and whole-mix rows per implementation, ratios, memory."""
     cases = record["cases"]
     result = {}
     for dtype, run in record["runs"].items():
         peak, tile_peak = peak_gflops(run)
+        roof = {c["name"]: roofline_s(c, peak, run) for c in cases}
         rows, mix = [], {}
         for impl, data in run["impls"].items():
             per_case = []
@@ -678,6 +768,8 @@ def summarize(record: dict) -> dict:
                 row["cpu_use"] = row["cpu_s"] / (med * threads) if cpu else None
                 faults = [f for f in data.get("minor_faults", {}).get(c["name"], []) if f is not None]
                 row["minor_faults"] = statistics.median(faults) if faults else None
+                row["roofline_s"] = roof[c["name"]]
+                row["pct_roofline"] = roof[c["name"]] / med if roof[c["name"]] else None
                 per_case.append(row)
             rows.extend(per_case)
             total = sum(r["median_s"] for r in per_case)
@@ -686,6 +778,9 @@ def summarize(record: dict) -> dict:
                              sum(c["flops"] for c in cases), sum(c["gemm_flops"] for c in cases), total,
                              min(round_totals), max(round_totals), peak)
             mix[impl]["round_totals"] = round_totals
+            mix_roof = sum(roof.values()) if None not in roof.values() else None
+            mix[impl]["roofline_s"] = mix_roof
+            mix[impl]["pct_roofline"] = mix_roof / total if mix_roof else None
             cpus = [r["cpu_s"] for r in per_case]
             mix[impl]["cpu_s"] = sum(cpus) if None not in cpus else None
             mix[impl]["cpu_use"] = mix[impl]["cpu_s"] / (total * threads) if mix[impl]["cpu_s"] is not None else None
@@ -703,7 +798,8 @@ def summarize(record: dict) -> dict:
                             statistics.median(run["impls"][b]["times"][c["name"]]) for c in cases}
                 ratios[f"{a} / {b}"] = {"time_ratio": mix[a]["median_s"] / mix[b]["median_s"],
                                         "per_round": per_round, "per_case": per_case}
-        result[dtype] = {"peak_gflops": peak, "tile_peak_gflops": tile_peak, "rows": rows, "mix": mix,
+        result[dtype] = {"peak_gflops": peak, "tile_peak_gflops": tile_peak, "sdpa_gflops": sdpa_peaks(run),
+                         "rows": rows, "mix": mix,
                          "ratios": ratios, "parity": run["parity"], "gemm": run["gemm_peak"]}
     return result
 
@@ -734,7 +830,7 @@ def format_report(record: dict, summary: dict | None = None) -> str:
     summary = summary or summarize(record)
     env = record["env"]
     lines = [f"bivit bench: preset {record['preset']}, {env['threads']} threads, torch {env['torch']}, "
-             f"transformers {env['transformers']}, CPU {env['cpu']}; {record['repeats']} interleaved repeat(s) "
+             f"transformers {env['transformers']}, CPU {env['cpu']} ({cpu_flags_text(env)}); {record['repeats']} interleaved repeat(s) "
              f"(+{record['warmup']} warm-up), medians; load average {_fmt_load(env.get('loadavg'))} -> "
              f"{_fmt_load(env.get('loadavg_end'))}"]
     for name, reason in record["skipped"].items():
@@ -752,17 +848,20 @@ def format_report(record: dict, summary: dict | None = None) -> str:
             best_m = max(r["M"][shape] for r in s["gemm"]["rounds"])
             best_t = max(r["tile"][shape] for r in s["gemm"]["rounds"])
             lines.append(f"| {shape} | {best_m:.0f} | {best_t:.0f} |")
-        lines += ["", f"Peak used below: **{s['peak_gflops']:.0f} GFLOP/s**.", "",
+        sdpa = ", ".join(f"n = {n}: {v:.0f}" for n, v in sorted(s["sdpa_gflops"].items(), key=lambda kv: int(kv[0])))
+        lines += ["", f"Peak used below: **{s['peak_gflops']:.0f} GFLOP/s**. Fused attention (SDPA, one item of n "
+                  f"patches, best of {GEMM_TRIES} per round) GFLOP/s: {sdpa or 'not measured'}.", "",
                   "| implementation | whole mix s (min-max) | items/s | tokens/s | GFLOP/s | % of GEMM peak | "
-                  "GEMM roofline | speed vs HF | CPU use | page faults | peak RSS | RSS loaded | run peak RSS |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "GEMM roofline | % of roofline | speed vs HF | CPU use | page faults | peak RSS | RSS loaded | "
+                  "run peak RSS |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         hf = s["mix"].get(HF_IMPL)
         for impl, m in s["mix"].items():
             mem = m["memory"] or {}
             speed = f"{hf['median_s'] / m['median_s']:.2f}x" if hf else "n/a"
             lines.append(f"| {impl} | {m['median_s']:.2f} ({m['min_s']:.2f}-{m['max_s']:.2f}) | "
                          f"{m['items_per_s']:.2f} | {m['tokens_per_s']:.0f} | {m['gflops']:.0f} | "
-                         f"{100 * m['pct_peak']:.0f}% | {m['roofline']:.2f} | {speed} | {_pct(m['cpu_use'])} | "
+                         f"{100 * m['pct_peak']:.0f}% | {m['roofline']:.2f} | {_pct(m.get('pct_roofline'))} | "
+                         f"{speed} | {_pct(m['cpu_use'])} | "
                          f"{_count(m['minor_faults'])} | "
                          f"{_mib(mem.get('peak_mib'))} | "
                          f"{_mib(mem.get('loaded_rss_mib'))} | {_mib(mem.get('run_peak_mib'))} |")
@@ -773,16 +872,21 @@ def format_report(record: dict, summary: dict | None = None) -> str:
                          f"range {min(pr):.3f}-{max(pr):.3f}); per case: "
                          + ", ".join(f"{k} {v:.3f}" for k, v in r["per_case"].items()))
         lines += ["", "| case | implementation | median s (min-max) | items/s | tokens/s | GFLOP/s | % of peak | "
-                  "GEMM roofline | CPU use |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+                  "GEMM roofline | roofline s | % of roofline | CPU use |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for row in sorted(s["rows"], key=lambda r: [c["name"] for c in record["cases"]].index(r["case"])):
             lines.append(f"| {row['case']} | {row['impl']} | {row['median_s']:.3f} ({row['min_s']:.3f}-"
                          f"{row['max_s']:.3f}) | {row['items_per_s']:.2f} | {row['tokens_per_s']:.0f} | "
                          f"{row['gflops']:.0f} | {100 * row['pct_peak']:.0f}% | {row['roofline']:.2f} | "
-                         f"{_pct(row['cpu_use'])} |")
+                         f"{_secs(row.get('roofline_s'))} | {_pct(row.get('pct_roofline'))} | {_pct(row['cpu_use'])} |")
         lines.append("")
         parity = "; ".join(f"{case}: " + ", ".join(f"{k} max {v['max_rel']:.1e} mean {v['mean_rel']:.1e}"
                                                    for k, v in d.items()) for case, d in s["parity"].items())
         lines.append(f"Parity (|a - b| relative to max |b|, first run of each case): {parity}")
+        sub = record["runs"][dtype].get("subnormals")
+        if sub:
+            lines.append(f"Subnormal values among all op outputs of one {sub['impl']} forward of {sub['case']}: "
+                         f"{sub['subnormal']} of {sub['values']}.")
         sources = {impl: d.get("source") for impl, d in record["runs"][dtype]["impls"].items() if impl in BIVIT_IMPLS}
         lines.append("bivit source versions measured (hash of imported modules): "
                      + ", ".join(f"{k} {v}" for k, v in sources.items()))
@@ -794,6 +898,10 @@ def format_report(record: dict, summary: dict | None = None) -> str:
               "Page faults: minor page faults per whole mix (median per case, summed): freshly mapped 4 KiB pages, "
               "i.e. large temporaries the allocator returned to the OS and had to fault in again."]
     return "\n".join(lines)
+
+
+def _secs(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.3f}"
 
 
 def _count(v: float | None) -> str:

@@ -166,6 +166,11 @@ def from_transformers_layout(tensors: dict[str, tuple[torch.Tensor, Path]], cfg:
 
 # ------------------------------------------------------------------------------------------------- load
 
+def all_finite(t: torch.Tensor) -> bool:
+    # min/max propagate NaN and expose +-Inf, and are ~4x cheaper than isfinite().all() on bf16.
+    return not t.numel() or all(bool(torch.isfinite(v)) for v in torch.aminmax(t))
+
+
 def load_state_dict(directory: str | os.PathLike, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Read, convert and validate the vision/projector weights of a checkpoint directory."""
     directory = Path(directory)
@@ -197,8 +202,7 @@ def load_state_dict(directory: str | os.PathLike, cfg: ModelConfig) -> dict[str,
             # vision weights would mean a checkpoint we do not understand.
             raise CheckpointError(f"{path}: {key!r} is {t.dtype}; vision weights must be bfloat16, float16, "
                                   "float32 or float64")
-        # min/max propagate NaN and expose +-Inf, and are ~4x cheaper than isfinite().all() on bf16.
-        if t.numel() and not all(torch.isfinite(v) for v in torch.aminmax(t)):
+        if not all_finite(t):
             raise CheckpointError(f"{path}: {key!r} contains NaN or Inf")
         state[key] = t
     return state

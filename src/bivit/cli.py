@@ -250,10 +250,14 @@ def serve(
     max_video_mpixels: float = typer.Option(65536.0, help="Decoding work of one video, frames x frame pixels, "
                                                           "millions (item error above)"),
     cache_mb: float = typer.Option(256.0, help="Exact embedding cache size; 0 disables"),
+    max_weights_mb: float = typer.Option(8192.0, help="POST /v1/weights body limit (413 above)"),
+    allow_weight_updates_without_key: bool = typer.Option(
+        False, "--allow-weight-updates-without-key",
+        help="Accept POST /v1/weights without --api-key (trusted machines only)"),
     log_level: str = typer.Option("info", help="debug, info, warning or error"),
     alpha: str = AlphaOpt,
 ) -> None:
-    """Serve the encoder over HTTP: POST /v1/encode, GET /health, /ready, /metrics (needs the serve extra)."""
+    """Serve the encoder over HTTP: POST /v1/encode, /v1/weights, GET /health, /ready, /metrics (serve extra)."""
     for module in ("fastapi", "uvicorn", "prometheus_client", "multipart"):
         need_extra("serve", module, "serve")
     if log_level.lower() not in ("debug", "info", "warning", "error"):
@@ -265,7 +269,8 @@ def serve(
                               header_timeout_s=header_timeout_s, body_timeout_s=body_timeout_s,
                               max_request_pixels_mb=max_request_pixels_mb, max_queue_pixels_mb=max_queue_pixels_mb,
                               max_response_mb=max_response_mb, max_video_mpixels=max_video_mpixels,
-                              cache_mb=cache_mb)
+                              cache_mb=cache_mb, max_weights_mb=max_weights_mb,
+                              allow_weight_updates_without_key=allow_weight_updates_without_key)
     from .encoder import load_encoder
     from .serve.app import configure_logging, run
 
@@ -374,6 +379,9 @@ def bench(
 
 
 def main() -> None:
+    from .allocator import tune
+
+    tune()  # this process is bivit's own: keep freed activation memory for the next forward pass
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     # The demo notice is printed once by the CLI itself; keep the library's logger quiet about it.
     logging.getLogger("bivit").setLevel(logging.ERROR)

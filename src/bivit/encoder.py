@@ -13,14 +13,14 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
 from . import ops
-from .checkpoint import load_state_dict, random_state_dict
+from .checkpoint import all_finite, load_state_dict, random_state_dict
 from .config import PRESETS, ModelConfig, load_config
-from .errors import BivitError, ConfigError, MediaError
+from .errors import BivitError, CheckpointError, ConfigError, MediaError
 from .media import MediaBatch, Placeholder, batch_placeholders, image_placeholder_text, image_size, \
     image_token_count, preprocess_images
 from .model import VisionModel, gemms
@@ -99,6 +99,43 @@ class Encoder:
         return (f"Encoder({self.model_name!r}{' [DEMO weights]' if self.is_demo else ''}, "
                 f"dtype={dtype_name(self.dtype)}, projector_dtype={dtype_name(self.projector_dtype)}, "
                 f"output_dtype={dtype_name(self.output_dtype)}, batch_invariant={self.batch_invariant})")
+
+    # ----------------------------------------------------------------------------------- weight sync
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor], *, source: str = "weight update") -> str:
+        """Replace every vision/projector weight at once (e.g. from a trainer's `state_dict()`) -> new fingerprint.
+
+        All or nothing: the update must hold exactly the model's tensors, by checkpoint name, each with the
+        model's shape and dtype (no silent casts: the served bits must be the trainer's) and finite; otherwise
+        a CheckpointError names `source` and the first offending key and the old weights stay. Not re-entrant
+        with `encode`: call it between forward passes (the server serialises both).
+        """
+        current = self.model.state_dict()
+        missing = sorted(set(current) - set(state_dict))
+        if missing:
+            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+            raise CheckpointError(f"{source}: missing tensor {missing[0]!r}{more}; an update replaces every weight")
+        unexpected = sorted(set(state_dict) - set(current))
+        if unexpected:
+            raise CheckpointError(f"{source}: unexpected tensor {unexpected[0]!r} (not a weight of this model)")
+        for key, old in current.items():
+            new = state_dict[key]
+            if not isinstance(new, torch.Tensor):
+                raise CheckpointError(f"{source}: {key!r} is a {type(new).__name__}, not a tensor")
+            if new.shape != old.shape:
+                raise CheckpointError(f"{source}: {key!r} has shape {tuple(new.shape)}, the model's is "
+                                      f"{tuple(old.shape)}")
+            if new.dtype != old.dtype:
+                raise CheckpointError(f"{source}: {key!r} is {dtype_name(new.dtype)}, the model computes it in "
+                                      f"{dtype_name(old.dtype)}")
+            if not all_finite(new):
+                raise CheckpointError(f"{source}: {key!r} contains NaN or Inf")
+        with torch.no_grad():
+            for key, old in current.items():
+                old.copy_(state_dict[key])  # in place: bumps the version that packed copies and tables key on
+        self._fingerprint = None
+        if self.batch_invariant:
+            ops.self_check(gemms(self.model))  # re-pack now rather than on the next request
+        return self.fingerprint
 
     # ---------------------------------------------------------------------------------- preprocessing
     def preprocess(self, images: Sequence[Any], *, alpha: str | None = None) -> MediaBatch:
@@ -191,18 +228,23 @@ class Encoder:
         return passes
 
     def _validate(self, pixels: torch.Tensor, grid_thw: torch.Tensor) -> None:
-        p = self.config.patch_size
-        if pixels.ndim != 4 or tuple(pixels.shape[1:]) != (3, p, p):
-            raise MediaError(f"pixel_values must be [L, 3, {p}, {p}], got {list(pixels.shape)}")
-        if (grid_thw <= 0).any():
-            raise MediaError(f"grid_thw entries must be positive, got {grid_thw.tolist()}")
-        if ((grid_thw[:, 1:] % 2) != 0).any():
-            raise MediaError(f"grid h and w must be even (2x2 merge), got {grid_thw.tolist()}")
-        if (grid_thw[:, 0] > self.config.pos_emb_time).any():
-            raise MediaError(f"chunks hold at most {self.config.pos_emb_time} frames, got {grid_thw.tolist()}")
-        total = int(grid_thw.prod(-1).sum())
-        if total != pixels.shape[0]:
-            raise MediaError(f"grid_thw describes {total} patches but pixel_values has {pixels.shape[0]}")
+        check_pixels(self.config, pixels, grid_thw)
+
+
+def check_pixels(config: ModelConfig, pixels: torch.Tensor, grid_thw: torch.Tensor) -> None:
+    """Raise MediaError unless `pixels` `[L, 3, p, p]` and `grid_thw` `[n, 3]` describe valid packed items."""
+    p = config.patch_size
+    if pixels.ndim != 4 or tuple(pixels.shape[1:]) != (3, p, p):
+        raise MediaError(f"pixel_values must be [L, 3, {p}, {p}], got {list(pixels.shape)}")
+    if (grid_thw <= 0).any():
+        raise MediaError(f"grid_thw entries must be positive, got {grid_thw.tolist()}")
+    if ((grid_thw[:, 1:] % 2) != 0).any():
+        raise MediaError(f"grid h and w must be even (2x2 merge), got {grid_thw.tolist()}")
+    if (grid_thw[:, 0] > config.pos_emb_time).any():
+        raise MediaError(f"chunks hold at most {config.pos_emb_time} frames, got {grid_thw.tolist()}")
+    total = int(grid_thw.prod(-1).sum())
+    if total != pixels.shape[0]:
+        raise MediaError(f"grid_thw describes {total} patches but pixel_values has {pixels.shape[0]}")
 
 
 def _check_budget(max_batch_tokens: Any) -> None:
@@ -215,6 +257,52 @@ def _as_list(inputs: Any) -> list:
     if isinstance(inputs, (str, os.PathLike, bytes)) or not isinstance(inputs, Sequence):
         return [inputs]
     return list(inputs)
+
+
+def build_model(model: str | os.PathLike | None, *, device: torch.device, dtype: torch.dtype,
+                projector_dtype: torch.dtype, seed: int = DEMO_SEED, revision: str | None = None,
+                processing: ProcessorConfig | str | dict | None = None,
+                cls: type[VisionModel] = VisionModel) -> tuple[VisionModel, str, bool, ProcessorConfig]:
+    """Read a checkpoint (a directory or a hub repo id), or make the demo model, into `cls`
+    -> (model, name, is_demo, preprocessing).
+
+    The one loading path of `load_encoder` and `bivit.load_model`: both see the same weights in the same dtypes.
+    """
+    if model is None or str(model) == "demo":
+        cfg = PRESETS["demo"]
+        state = random_state_dict(cfg, seed)
+        proc = resolve_processing("demo" if processing is None else processing, cfg)
+        name, is_demo = "demo", True
+        log.warning(DEMO_NOTICE)
+    else:
+        path, name = Path(model), str(model)
+        if not path.is_dir():
+            if parse_repo_ref(model, revision) is None:
+                raise BivitError(f"{path}: model must be a checkpoint directory, a hub repo id (org/name[@rev]) "
+                                 "or None for the demo model")
+            path = resolve_repo(str(model), revision)
+            name = str(model) + (f"@{revision}" if revision and "@" not in str(model) else "")
+        cfg = load_config(path)
+        proc = load_processing(path, cfg) if processing is None else resolve_processing(processing, cfg)
+        state = load_state_dict(path, cfg)
+        is_demo = False
+
+    with torch.device("meta"):
+        net = cls(cfg)
+    net.load_state_dict(state, strict=True, assign=True)
+    net.vision_tower.to(device=device, dtype=dtype)
+    net.mm_projector.to(device=device, dtype=projector_dtype)
+    return net, name, is_demo, proc
+
+
+def parse_device(device: str | torch.device) -> torch.device:
+    try:
+        device = torch.device(device)
+        torch.empty(0, device=device)  # a device this torch build or machine lacks fails here, not mid-load
+    except (RuntimeError, TypeError, AssertionError) as e:
+        raise ConfigError(f"option 'device' = {str(device)!r} is not available here ({str(e).splitlines()[0]})") \
+            from None
+    return device
 
 
 def load_encoder(model: str | os.PathLike | None = None, *, device: str | torch.device = "cpu",
@@ -241,38 +329,10 @@ def load_encoder(model: str | os.PathLike | None = None, *, device: str | torch.
     proj_dtype = parse_dtype(projector_dtype, "projector_dtype") or tower_dtype
     out_dtype = parse_dtype(output_dtype, "output_dtype") or proj_dtype
     _check_budget(max_batch_tokens)
-    try:
-        device = torch.device(device)
-        torch.empty(0, device=device)  # a device this torch build or machine lacks fails here, not mid-load
-    except (RuntimeError, TypeError, AssertionError) as e:
-        raise ConfigError(f"option 'device' = {str(device)!r} is not available here ({str(e).splitlines()[0]})") \
-            from None
-
-    if model is None or str(model) == "demo":
-        cfg = PRESETS["demo"]
-        state = random_state_dict(cfg, seed)
-        proc = resolve_processing("demo" if processing is None else processing, cfg)
-        name, is_demo = "demo", True
-        log.warning(DEMO_NOTICE)
-    else:
-        path, name = Path(model), str(model)
-        if not path.is_dir():
-            if parse_repo_ref(model, revision) is None:
-                raise BivitError(f"{path}: model must be a checkpoint directory, a hub repo id (org/name[@rev]) "
-                                 "or None for the demo model")
-            path = resolve_repo(str(model), revision)
-            name = str(model) + (f"@{revision}" if revision and "@" not in str(model) else "")
-        cfg = load_config(path)
-        proc = load_processing(path, cfg) if processing is None else resolve_processing(processing, cfg)
-        state = load_state_dict(path, cfg)
-        is_demo = False
-
-    with torch.device("meta"):
-        net = VisionModel(cfg)
-    net.load_state_dict(state, strict=True, assign=True)
+    device = parse_device(device)
+    net, name, is_demo, proc = build_model(model, device=device, dtype=tower_dtype, projector_dtype=proj_dtype,
+                                           seed=seed, revision=revision, processing=processing)
     net.requires_grad_(False)  # an inference engine: no autograd bookkeeping, ever
-    net.vision_tower.to(device=device, dtype=tower_dtype)
-    net.mm_projector.to(device=device, dtype=proj_dtype)
     if batch_invariant:
         # Prove now, not on the first request, that the pinned GEMMs are row-position invariant here.
         ops.self_check(gemms(net))

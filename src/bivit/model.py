@@ -1,4 +1,5 @@
-"""MoonViT-3D vision tower -> sd2_tpool merger -> projector, written to read like the math (spec §4).
+"""MoonViT-3D vision tower -> sd2_tpool merger -> projector, written to read like the math
+(docs/model.md, "Forward pass").
 
 Items are packed along the row axis: `pixel_values` is `[L, 3, p, p]` and `grid_thw[i] = (t, h, w)` says item i
 owns the next t*h*w rows (frame-major, row-major). Reductions go through `bivit.ops`; this file never needs to
@@ -20,8 +21,14 @@ from .config import ModelConfig
 
 
 class Linear(nn.Linear):
+    """nn.Linear, optionally followed by GELU (`gelu` = its approximation), which bivit.ops may fuse into the GEMM."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, gelu: str | None = None) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.gelu = gelu
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(x, self.weight, self.bias)
+        return ops.linear(x, self.weight, self.bias, gelu=self.gelu)
 
 
 class LayerNorm(nn.LayerNorm):
@@ -32,15 +39,6 @@ class LayerNorm(nn.LayerNorm):
 class RMSNorm(nn.RMSNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.rms_norm(x, self.weight, self.eps)
-
-
-class GELU(nn.Module):
-    def __init__(self, approximate: str = "none") -> None:
-        super().__init__()
-        self.approximate = approximate
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.gelu(x, self.approximate)
 
 
 def make_norm(cfg: ModelConfig, dim: int) -> nn.Module:
@@ -56,8 +54,11 @@ def grids(grid_thw: torch.Tensor) -> list[tuple[int, int, int]]:
 # ------------------------------------------------------------------------------------------ position terms
 
 @lru_cache(maxsize=256)
+@torch.inference_mode(False)  # cached tables are shared with autograd forwards, which must be able to save them
 def _rope_cos_sin(h: int, w: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin `[h*w, head_dim/2]` (fp32) of the 2-D RoPE: complex slot 2i turns with the column, 2i+1 with the row.
+    """The 2-D RoPE of an h x w grid as fp32 `[h*w, head_dim]` tables in the interleaved layout of `apply_rope`:
+    cos = (c0, c0, c1, c1, ...), sin = (-s0, s0, -s1, s1, ...); complex slot 2i turns with the column, 2i+1
+    with the row.
 
     Computed per grid, never over a packed batch: vectorised cos/sin may round the last elements of a tensor
     (computed by scalar code) differently, and which elements those are would depend on the batch.
@@ -66,28 +67,29 @@ def _rope_cos_sin(h: int, w: int, head_dim: int, theta: float) -> tuple[torch.Te
     rows = torch.arange(h, dtype=torch.float32).repeat_interleave(w)
     cols = torch.arange(w, dtype=torch.float32).repeat(h)
     angles = torch.stack([torch.outer(cols, freqs), torch.outer(rows, freqs)], dim=-1).flatten(1)  # [hw, dim/2]
-    return angles.cos(), angles.sin()
+    cos, sin = angles.cos(), angles.sin()
+    return cos.repeat_interleave(2, dim=-1), torch.stack([-sin, sin], dim=-1).flatten(1)
 
 
 def rope_tables(grid_thw: list[tuple[int, int, int]], head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin `[L, head_dim/2]` for packed items; every frame of a chunk shares its spatial table."""
+    """cos, sin `[L, head_dim]` for packed items; every frame of a chunk shares its spatial table."""
     tables = [_rope_cos_sin(h, w, head_dim, theta) for _, h, w in grid_thw]
     return (torch.cat([c.repeat(t, 1) for (c, _), (t, _, _) in zip(tables, grid_thw)]),
             torch.cat([s.repeat(t, 1) for (_, s), (t, _, _) in zip(tables, grid_thw)]))
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved pairs (x[..., 2k], x[..., 2k+1]) of `[L, ..., head_dim]` as complex numbers, in fp32.
+    """Rotate interleaved pairs (x[..., 2k], x[..., 2k+1]) of `[L, ..., head_dim]` as complex numbers, in fp32:
+    (re, im) -> (re*c - im*s, im*c + re*s) = x * cos + pairs_swapped(x) * sin with `rope_tables`' layout.
 
-    Written with real multiplies and adds, which round the same in vector and scalar code, rather than a
-    complex multiply, whose vector and scalar kernels round differently (so its result would depend on where
-    in the batch tensor an element sits).
+    Real multiplies and adds round the same in vector and scalar code (a complex multiply's kernels do not, so
+    its result would depend on where in the batch tensor an element sits). bf16 inputs enter the fp32 multiply
+    directly (the widening is exact): no fp32 copy of x, no stack of the halves.
     """
     shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
-    cos, sin = cos.view(shape), sin.view(shape)
-    xf = x.float().unflatten(-1, (-1, 2))
-    re, im = xf[..., 0], xf[..., 1]
-    return torch.stack([re * cos - im * sin, re * sin + im * cos], dim=-1).flatten(-2).to(x.dtype)
+    out = torch.mul(x, cos.view(shape))
+    out += torch.mul(x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2), sin.view(shape))
+    return out.to(x.dtype)
 
 
 @lru_cache(maxsize=16)
@@ -117,16 +119,21 @@ class PositionEmbedding(nn.Module):
     def spatial(self, h: int, w: int) -> torch.Tensor:
         """The learned table resampled to an h x w grid, `[h*w, D]` in the table's dtype (exact when the sizes
         match). Resampled in fp32 and rounded once, as the reference's GPU kernels (fp32 accumulation) do."""
-        key = (h, w)
+        if torch.is_grad_enabled() and self.weight.requires_grad:
+            return self._resample(h, w)  # training: recomputed, so gradients reach the table and never go stale
+        key = (h, w, self.weight._version)  # an in-place weight update invalidates the cached tables
         if key not in self._cache:
-            table = self.weight
-            if (h, w) != tuple(table.shape[:2]):
-                table = F.interpolate(table.float().permute(2, 0, 1)[None], size=(h, w), mode=self.mode,
-                                      align_corners=False)[0].permute(1, 2, 0).to(self.weight.dtype)
             if len(self._cache) > 256:
                 self._cache.clear()
-            self._cache[key] = table.reshape(h * w, -1)
+            self._cache[key] = self._resample(h, w)
         return self._cache[key]
+
+    def _resample(self, h: int, w: int) -> torch.Tensor:
+        table = self.weight
+        if (h, w) != tuple(table.shape[:2]):
+            table = F.interpolate(table.float().permute(2, 0, 1)[None], size=(h, w), mode=self.mode,
+                                  align_corners=False)[0].permute(1, 2, 0).to(self.weight.dtype)
+        return table.reshape(h * w, -1)
 
     def temporal(self, t: int) -> torch.Tensor:
         """The sin-cos term of a t-frame chunk `[t, D]`, held in the table's dtype like the reference's buffer."""
@@ -164,12 +171,11 @@ class PatchEmbed(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.fc0 = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.linear_bias)
-        self.act = GELU("tanh")
+        self.fc0 = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.linear_bias, gelu="tanh")
         self.fc1 = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.linear_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc1(self.act(self.fc0(x)))
+        return self.fc1(self.fc0(x))  # fc1(gelu_tanh(fc0(x)))
 
 
 class Block(nn.Module):
@@ -190,9 +196,10 @@ class Block(nn.Module):
         return self.wo(ops.attention(qk[:, 0], qk[:, 1], qkv[:, 2], seqlens))
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], seqlens: list[int]) -> torch.Tensor:
-        # In-place residual adds: the residual stream belongs to the encoder's forward, nobody else holds it.
-        x = x.add_(self.attention(self.norm0(x), rope, seqlens))
-        return x.add_(self.mlp(self.norm1(x)))
+        # Residual adds in place unless autograd records (it needs x): one allocation less per add in `encode`.
+        add = torch.add if torch.is_grad_enabled() else torch.Tensor.add_
+        x = add(x, self.attention(self.norm0(x), rope, seqlens))
+        return add(x, self.mlp(self.norm1(x)))
 
 
 class Encoder(nn.Module):
@@ -201,12 +208,16 @@ class Encoder(nn.Module):
         self.head_dim, self.theta = cfg.head_dim, cfg.rope_theta
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
         self.final_layernorm = make_norm(cfg, cfg.hidden_size)
+        self.checkpoint_blocks = False  # training: recompute each block's activations in backward
 
     def forward(self, x: torch.Tensor, grid_thw: list[tuple[int, int, int]]) -> torch.Tensor:
         rope = rope_tables(grid_thw, self.head_dim, self.theta)
         seqlens = [t * h * w for t, h, w in grid_thw]  # an item's frames attend jointly, to nothing else
         for block in self.blocks:
-            x = block(x, rope, seqlens)
+            if self.checkpoint_blocks and torch.is_grad_enabled():
+                x = ops.checkpoint(block, x, rope, seqlens)
+            else:
+                x = block(x, rope, seqlens)
         return self.final_layernorm(x)
 
 
@@ -256,7 +267,8 @@ class PatchMerger(Projector):
         super().__init__()
         d = cfg.projector_input_size * cfg.merge_area
         self.pre_norm = LayerNorm(cfg.projector_input_size, eps=cfg.projector_ln_eps)
-        self.proj = nn.Sequential(Linear(d, d), GELU(), Linear(d, cfg.text_hidden_size))
+        # proj.0 ends in GELU(erf); the parameter-less slot proj.1 keeps the checkpoint's indices.
+        self.proj = nn.Sequential(Linear(d, d, gelu="none"), nn.Identity(), Linear(d, cfg.text_hidden_size))
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(self.pre_norm(x).flatten(1))
@@ -268,7 +280,8 @@ class PatchMergerV2(Projector):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         d = cfg.projector_input_size * cfg.merge_area
-        self.proj = nn.Sequential(Linear(d, d, bias=False), GELU(), Linear(d, cfg.text_hidden_size, bias=False))
+        self.proj = nn.Sequential(Linear(d, d, bias=False, gelu="none"), nn.Identity(),
+                                  Linear(d, cfg.text_hidden_size, bias=False))
         self.post_norm = RMSNorm(cfg.text_hidden_size, eps=cfg.projector_ln_eps)
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
@@ -301,6 +314,7 @@ def flops_per_item(cfg: ModelConfig, t: int, h: int, w: int) -> int:
     return cfg.num_layers * per_layer + 2 * n * d * 3 * cfg.patch_size ** 2 + proj
 
 
-def gemms(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-    """(weight, bias) of every GEMM of the model (Linear layers and the patch conv)."""
-    return [(m.weight, m.bias) for m in model.modules() if isinstance(m, (Linear, nn.Conv2d))]
+def gemms(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor | None, str | None]]:
+    """(weight, bias, GELU after it) of every GEMM of the model (Linear layers and the patch conv)."""
+    return [(m.weight, m.bias, getattr(m, "gelu", None)) for m in model.modules()
+            if isinstance(m, (Linear, nn.Conv2d))]

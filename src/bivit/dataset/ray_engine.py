@@ -88,6 +88,9 @@ class EncodeActor:
 
     def __init__(self, model: Optional[str], opts: dict, fingerprint: str, threads: int, batch_tokens: int):
         torch.set_num_threads(threads)
+        from ..allocator import tune
+
+        tune()  # an actor process is bivit's own (see bivit.allocator)
         self.encoder = load_encoder(model, batch_invariant=True, **opts)
         if self.encoder.fingerprint != fingerprint:
             # Another node with other weights (or another torch/bivit build that loads them differently).

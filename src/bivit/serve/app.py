@@ -1,8 +1,10 @@
 """The FastAPI app of the encoder service: routes, auth, request ids, the request log, lifecycle.
 
 `POST /v1/encode` (see `bivit.serve.protocol` for the wire format and `bivit.serve.serving` for what happens
-to a request), `GET /health` (liveness, no auth), `GET /ready`, `GET /metrics`. Auth guards every route but
-/health, with a constant-time compare. `run` serves an app with uvicorn (what `bivit serve` calls).
+to a request), `POST /v1/weights` (a safetensors body replacing every weight; refused while no API key is
+set unless explicitly allowed), `GET /health` (liveness, no auth), `GET /ready`, `GET /metrics`. Auth guards
+every route but /health, with a constant-time compare. `run` serves an app with uvicorn (what `bivit serve`
+calls).
 """
 
 from __future__ import annotations
@@ -160,7 +162,7 @@ def create_app(encoder: Encoder, settings: Optional[ServerSettings] = None) -> F
         if not items:
             raise RequestError(400, "bad_request", "no items: send at least one 'file' part or JSON item")
         request.state.items = len(items)
-        results = await svc.encode_request(items, json_response=fmt == "json")
+        results, header = await svc.encode_request(items, json_response=fmt == "json")
 
         failed = [r for r in results if r.error is not None]
         request.state.failed = len(failed)
@@ -175,15 +177,27 @@ def create_app(encoder: Encoder, settings: Optional[ServerSettings] = None) -> F
             request.state.error = failed[0].error
             return JSONResponse(error_body(failed[0].error_kind or "internal",
                                             "every item failed: " + "; ".join(str(r.error) for r in failed),
-                                            **svc.header, items=[item_meta(i, r) for i, r in enumerate(results)]),
+                                            **header, items=[item_meta(i, r) for i, r in enumerate(results)]),
                                 status)
         # Serialising can take a while for big answers (JSON above all); keep it off the event loop.
         loop = asyncio.get_running_loop()
         if fmt == "json":
-            return Response(await loop.run_in_executor(None, encode_json, svc.header, results),
+            return Response(await loop.run_in_executor(None, encode_json, header, results),
                             media_type="application/json")
-        return Response(await loop.run_in_executor(None, encode_safetensors, svc.header, results),
+        return Response(await loop.run_in_executor(None, encode_safetensors, header, results),
                         media_type=SAFETENSORS_MEDIA_TYPE)
+
+    @app.post("/v1/weights")
+    async def weights(request: Request) -> JSONResponse:
+        if not settings.api_key and not settings.allow_weight_updates_without_key:
+            raise RequestError(403, "forbidden", "weight updates need an API key: start the server with --api-key "
+                               "(or --allow-weight-updates-without-key on a trusted machine)")
+        ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if ctype not in ("application/octet-stream", SAFETENSORS_MEDIA_TYPE):
+            raise RequestError(415, "unsupported_media_type", f"Content-Type {ctype or '(none)'!r} is not accepted; "
+                               "send the weights as a safetensors file, application/octet-stream")
+        body = await svc.read_body(request, settings.max_weights_mb, "--max-weights-mb")
+        return JSONResponse(await svc.update_weights(body))
 
     return app
 

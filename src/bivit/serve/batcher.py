@@ -1,4 +1,8 @@
-"""The batching worker: one thread owns the Encoder (it is not re-entrant) and coalesces queued items."""
+"""The batching worker: one thread owns the Encoder (it is not re-entrant) and coalesces queued items.
+
+Anything else that touches the encoder (a weight update) runs on the same thread, between forward passes
+(`Batcher.call`), so no forward pass ever sees half-updated weights.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,7 @@ import concurrent.futures
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from ..media import MediaBatch
 from .metrics import Metrics
@@ -15,10 +19,11 @@ from .metrics import Metrics
 
 @dataclass
 class _Job:
-    item: MediaBatch  # exactly one item (an image, or one video chunk)
+    item: Optional[MediaBatch]  # exactly one item (an image, or one video chunk); None for a call
     patches: int
     future: concurrent.futures.Future
     enqueued: float
+    call: Optional[Callable[[], Any]] = None  # run alone on the worker thread, in queue order
 
 
 class Batcher:
@@ -57,6 +62,16 @@ class Batcher:
             self._cv.notify()
         return fut
 
+    def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        """Run `fn()` on the worker thread after the items queued before it, alone; its result or exception."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cv:
+            if self._stopping:
+                raise RuntimeError("the batching worker is stopping")
+            self._queue.append(_Job(None, 0, fut, time.monotonic(), call=fn))
+            self._cv.notify()
+        return fut
+
     def stop(self, timeout: Optional[float] = None) -> None:
         """Finish every queued item, then end the worker."""
         with self._cv:
@@ -70,7 +85,9 @@ class Batcher:
             jobs = self._next_batch()
             if jobs is None:
                 return
-            if jobs:
+            if jobs and jobs[0].call is not None:
+                self._call(jobs[0])
+            elif jobs:
                 self._encode(jobs)
 
     def _next_batch(self) -> Optional[list[_Job]]:
@@ -85,6 +102,13 @@ class Batcher:
             while True:
                 while self._queue:
                     job = self._queue[0]
+                    if job.call is not None:  # a call runs alone: it ends the batch before it
+                        if not jobs:
+                            self._queue.popleft()
+                            if job.future.set_running_or_notify_cancel():
+                                jobs.append(job)
+                        self._metrics.queue_depth.set(len(self._queue))
+                        return jobs
                     if jobs and patches + job.patches > self._max_patches:
                         self._metrics.queue_depth.set(len(self._queue))
                         return jobs
@@ -99,6 +123,13 @@ class Batcher:
                 self._cv.wait(remaining)
             self._metrics.queue_depth.set(len(self._queue))
             return jobs
+
+    @staticmethod
+    def _call(job: _Job) -> None:
+        try:
+            job.future.set_result(job.call())
+        except Exception as e:  # noqa: BLE001 - handed to the caller; the worker goes on
+            job.future.set_exception(e)
 
     def _encode(self, jobs: list[_Job]) -> None:
         batch = MediaBatch.concat([j.item for j in jobs])

@@ -37,6 +37,11 @@ class EmbeddingCache:
                 self._data.move_to_end(key)
             return r
 
+    def clear(self) -> None:
+        with self._lock:
+            self._data.clear()
+            self._bytes = 0
+
     def put(self, key: tuple, r: ItemResult) -> None:
         size = self._size(r)
         if size > self.max_bytes:

@@ -8,6 +8,12 @@
    items from all concurrent requests into forward passes.
 4. The request assembles its items' embeddings in input order (a video: its chunks concatenated).
 
+Weight updates (`POST /v1/weights`) pass a gate that requests hold shared and an update holds alone: the
+update waits for the requests in flight (they finish on the old weights, none is lost), new requests wait for
+the update; the weights are swapped on the batching worker between forward passes. So every response is
+computed entirely with the weights whose fingerprint it names, and the cache (keyed by fingerprint) never
+serves an old embedding as a new one.
+
 Why coalescing is allowed to change nothing: with `batch_invariant=True` (the default) an item's embedding is
 bit-identical whatever other items share the forward pass, so a response equals offline
 `encoder.encode([same input])` alone. The exact cache relies on the same property; with
@@ -60,6 +66,44 @@ def content_type(request: Request) -> str:
     return ctype
 
 
+class WeightsGate:
+    """Held shared by requests, alone by a weight update; an update waiting holds back new requests."""
+
+    def __init__(self) -> None:
+        self._cond = asyncio.Condition()
+        self._readers = 0
+        self._writers = 0  # waiting or running updates
+
+    @contextlib.asynccontextmanager
+    async def shared(self):
+        async with self._cond:
+            await self._cond.wait_for(lambda: not self._writers)
+            self._readers += 1
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._readers -= 1
+                self._cond.notify_all()
+
+    @contextlib.asynccontextmanager
+    async def exclusive(self):
+        async with self._cond:
+            self._writers += 1
+            try:
+                await self._cond.wait_for(lambda: not self._readers)
+            except BaseException:
+                self._writers -= 1
+                self._cond.notify_all()
+                raise
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._writers -= 1
+                self._cond.notify_all()
+
+
 class Service:
     """State shared by the routes of one app: encoder, batcher, cache, metrics, admission counter."""
 
@@ -81,6 +125,8 @@ class Service:
         self.fingerprint = encoder.fingerprint
         self.header = {"format": RESPONSE_FORMAT, "model": encoder.model_name, "fingerprint": self.fingerprint,
                        "dtype": dtype_name(encoder.output_dtype)}
+        self.gate = WeightsGate()
+        self.updating = asyncio.Lock()  # one weight update at a time
 
     # -- lifecycle
     def start(self) -> None:
@@ -98,8 +144,10 @@ class Service:
                 pool.shutdown(wait=True)
 
     # -- request parsing
-    async def read_body(self, request: Request) -> bytes:
-        limit = self.settings.mb(self.settings.max_body_mb)
+    async def read_body(self, request: Request, limit_mb: Optional[float] = None,
+                        option: str = "--max-body-mb") -> bytes:
+        limit_mb = self.settings.max_body_mb if limit_mb is None else limit_mb
+        limit = self.settings.mb(limit_mb)
         declared = request.headers.get("content-length")
         if declared is not None:
             try:
@@ -108,24 +156,24 @@ class Service:
                 raise RequestError(400, "bad_request", f"invalid Content-Length {declared!r}") from None
             if n > limit:
                 await self._discard_body(request, n)
-                raise RequestError(413, "too_large", f"request body of {n} bytes exceeds --max-body-mb "
-                                   f"{self.settings.max_body_mb:g} ({limit} bytes)")
+                raise RequestError(413, "too_large", f"request body of {n} bytes exceeds {option} "
+                                   f"{limit_mb:g} ({limit} bytes)")
         try:
-            return await asyncio.wait_for(self._read(request, limit), self.settings.body_timeout_s)
+            return await asyncio.wait_for(self._read(request, limit, f"{option} {limit_mb:g}"),
+                                          self.settings.body_timeout_s)
         except asyncio.TimeoutError:
             # A client sending slower than this holds a connection and a buffer: drop it (408 closes it).
             raise RequestError(408, "body_timeout", f"request body not received within --body-timeout-s "
                                f"{self.settings.body_timeout_s:g}", {"Connection": "close"}) from None
 
-    async def _read(self, request: Request, limit: int) -> bytes:
+    async def _read(self, request: Request, limit: int, option: str) -> bytes:
         chunks, size = [], 0
         try:
             async for chunk in request.stream():
                 size += len(chunk)
                 if size > limit:  # a chunked or lying body: stop at the limit, never hold more than it
                     await self._discard_body(request, limit)
-                    raise RequestError(413, "too_large", f"request body exceeds --max-body-mb "
-                                       f"{self.settings.max_body_mb:g} ({limit} bytes)")
+                    raise RequestError(413, "too_large", f"request body exceeds {option} ({limit} bytes)")
                 chunks.append(chunk)
         except ClientDisconnect:
             raise RequestError(400, "bad_request", "client disconnected while sending the body") from None
@@ -243,7 +291,13 @@ class Service:
                             for p in batch_placeholders(batch, self.encoder.processing)]
         return res
 
-    async def encode_request(self, items: list[UploadItem], json_response: bool = False) -> list[ItemResult]:
+    async def encode_request(self, items: list[UploadItem], json_response: bool = False
+                             ) -> tuple[list[ItemResult], dict]:
+        """-> (one result per item, the response header naming the fingerprint of the weights used)."""
+        async with self.gate.shared():
+            return await self._encode_request(items, json_response), dict(self.header)
+
+    async def _encode_request(self, items: list[UploadItem], json_response: bool) -> list[ItemResult]:
         deadline = time.monotonic() + self.settings.request_timeout_s
         token_bytes = self.encoder.config.text_hidden_size * (
             JSON_BYTES_PER_VALUE if json_response else self.encoder.output_dtype.itemsize)
@@ -311,6 +365,39 @@ class Service:
                 results[i] = replace(r, name=items[i].name, error=f"{items[i].name}: {r.error}" if r.error else None)
             self.metrics.cache_bytes.set(self.cache.nbytes)
         return results  # type: ignore[return-value]
+
+    # -- weight sync
+    async def update_weights(self, body: bytes) -> dict:
+        """A safetensors body -> the encoder's new weights (all or nothing) -> {fingerprint, previous, tensors}."""
+        from safetensors import SafetensorError
+        from safetensors.torch import load
+
+        try:
+            tensors = await asyncio.get_running_loop().run_in_executor(None, load, body)
+        except (SafetensorError, ValueError, OSError) as e:
+            raise RequestError(400, "bad_weights", f"body is not a safetensors file ({e})") from None
+
+        def apply() -> str:  # on the batching worker, between forward passes
+            fingerprint = self.encoder.update_weights(tensors, source="POST /v1/weights")
+            self.fingerprint = fingerprint
+            self.header = {**self.header, "fingerprint": fingerprint}
+            self.cache.clear()  # entries are keyed by the old fingerprint: unreachable, only taking memory
+            self.metrics.cache_bytes.set(self.cache.nbytes)
+            return fingerprint
+
+        async with self.updating, self.gate.exclusive():
+            previous = self.fingerprint
+            swap = asyncio.wrap_future(self.batcher.call(apply))
+            try:
+                fingerprint = await asyncio.shield(swap)
+            except asyncio.CancelledError:  # the client hung up: keep the gate until the swap is over
+                await asyncio.wait({swap})
+                raise
+            except BivitError as e:  # refused whole: the old weights keep serving
+                raise RequestError(422, "bad_weights", str(e)) from None
+        log.info("weights updated", extra={"fields": {"fingerprint": fingerprint, "previous": previous,
+                                                      "tensors": len(tensors)}})
+        return {"fingerprint": fingerprint, "previous_fingerprint": previous, "tensors": len(tensors)}
 
 
 class _Budget:

@@ -36,6 +36,8 @@ class ServerSettings:
     cache_mb: float = 256.0
     preprocess_threads: int = field(default_factory=lambda: max(1, min(4, os.cpu_count() or 1)))
     retry_after_s: int = 1
+    max_weights_mb: float = 8192.0  # body limit of POST /v1/weights (a full K2.6 vision part in fp32: ~1.9 GB)
+    allow_weight_updates_without_key: bool = False  # POST /v1/weights is refused while api_key is unset
 
     def __post_init__(self) -> None:
         for name in ("max_batch_tokens", "max_queue", "preprocess_threads", "retry_after_s"):
@@ -44,7 +46,7 @@ class ServerSettings:
                 raise ConfigError(f"--{name.replace('_', '-')} {value!r}: expected a whole number >= 1")
         for name in ("max_body_mb", "request_timeout_s", "header_timeout_s", "body_timeout_s",
                      "max_request_pixels_mb", "max_queue_pixels_mb", "max_response_mb", "max_video_mpixels",
-                     "max_wait_ms", "cache_mb"):
+                     "max_wait_ms", "cache_mb", "max_weights_mb"):
             value = getattr(self, name)
             zero_ok = name in ("max_wait_ms", "cache_mb")
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \

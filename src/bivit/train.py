@@ -1,0 +1,67 @@
+"""The trainer's side: `load_model`, the vision encoder as a trainable `nn.Module`.
+
+An RL or post-training loop encodes images twice: in the inference engine for rollouts (`Encoder`,
+`bivit serve`) and in the trainer, with autograd, to compute log-probabilities and gradients. If the two
+forwards differ, the policy is silently off-policy. `load_model` returns the same model, loaded by the same
+code, running the same ops: its per-item outputs are the bits `Encoder.encode_pixels` returns for those items
+(same weights and dtypes), and in invariant mode they do not depend on the micro-batch the trainer chose.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import ops
+from .encoder import DEMO_SEED, build_model, check_pixels, parse_device, parse_dtype
+from .model import VisionModel, gemms
+
+
+class TrainableModel(VisionModel):
+    """`forward(pixel_values, grid_thw)` -> one `[tokens_i, text_hidden]` tensor per item (projector dtype).
+
+    Parameter names are the checkpoint's (`vision_tower.*`, `mm_projector.*`), so a state dict goes back to
+    `Encoder.update_weights` or a safetensors file as it is. Freeze parts with `requires_grad_` as usual.
+    """
+
+    def __init__(self, cfg, batch_invariant: bool = True, activation_checkpointing: bool = False) -> None:
+        super().__init__(cfg)
+        self.batch_invariant = batch_invariant
+        self.activation_checkpointing = activation_checkpointing
+
+    @property
+    def activation_checkpointing(self) -> bool:
+        """Recompute each tower block's activations in backward (less memory, same bits)."""
+        return self.vision_tower.encoder.checkpoint_blocks
+
+    @activation_checkpointing.setter
+    def activation_checkpointing(self, enabled: bool) -> None:
+        self.vision_tower.encoder.checkpoint_blocks = bool(enabled)
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]:
+        grid_thw = torch.as_tensor(grid_thw, dtype=torch.int64).reshape(-1, 3)
+        check_pixels(self.config, pixel_values, grid_thw)
+        with ops.batch_invariant(self.batch_invariant):
+            return super().forward(pixel_values.to(next(self.parameters()).device), grid_thw)
+
+
+def load_model(model: str | os.PathLike | None = None, *, device: str | torch.device = "cpu",
+               dtype: str | torch.dtype = "bfloat16", projector_dtype: str | torch.dtype | None = None,
+               batch_invariant: bool = True, activation_checkpointing: bool = False,
+               seed: int = DEMO_SEED, revision: str | None = None) -> TrainableModel:
+    """Load the vision tower + projector as a trainable module (all parameters require grad).
+
+    Same arguments and defaults as `load_encoder` (`model` may be a hub repo id too): load both with the same
+    `model`, `dtype` and `projector_dtype` and the module's outputs equal the encoder's, bit for bit.
+    """
+    tower_dtype = parse_dtype(dtype, "dtype")
+    proj_dtype = parse_dtype(projector_dtype, "projector_dtype") or tower_dtype
+    net, _, _, _ = build_model(model, device=parse_device(device), dtype=tower_dtype, projector_dtype=proj_dtype,
+                               seed=seed, revision=revision, cls=TrainableModel)
+    net.batch_invariant = batch_invariant
+    net.activation_checkpointing = activation_checkpointing
+    net.requires_grad_(True)
+    if batch_invariant:
+        ops.self_check(gemms(net))
+    return net
