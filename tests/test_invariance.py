@@ -1,7 +1,6 @@
 """Batch invariance: an item's embedding is the same bits alone or with any others, in any order, under any
 micro-batch budget and thread count. Every property has a control showing stock kernels break it."""
 
-import contextlib
 import functools
 
 import pytest
@@ -11,6 +10,7 @@ from hypothesis import strategies as st
 
 import bivit
 from bivit.media import MediaBatch, preprocess_images
+from support.controls import row_count_dependent_gemms
 from support.media import random_image
 
 # (h, w): 1, 2, 3 merged tokens (the row counts where stock GEMMs switch kernels), then larger and non-square.
@@ -69,32 +69,6 @@ def test_item_is_bit_identical_in_any_layout(paths, model, dtype, layout):
 def _control_items():
     # Many 1-token items plus 2- and 3-token ones: alone, each runs GEMMs at M = 1..3 rows.
     return [_item(0, s) for s in range(4)] + [_item(1, 0), _item(2, 0)] + [_item(0, s) for s in range(4, 16)]
-
-
-@contextlib.contextmanager
-def row_count_dependent_gemms():
-    """Stock `F.linear`, except that the K reduction is split into partial GEMMs whose number depends on the
-    row count (1, 2 or 3 parts for M mod 3); the partials, in the input dtype, are added in float32.
-
-    That is what library GEMMs do (they pick kernels and reduction orders by shape), made deliberate so that
-    it happens on every CPU: stock kernels differ by row count on some machines and dtypes (fp32 everywhere
-    we have run; bf16 on AVX-512 EPYC) but not on others (bf16 on AMX Xeon), and a control must show the
-    check can fail on the machine it runs on. Invariant mode never calls `F.linear` at a batch-dependent row
-    count, so it stays bit-stable under this GEMM too.
-    """
-    stock = torch.nn.functional.linear
-
-    def linear(x, weight, bias=None):
-        parts = 1 + x.reshape(-1, x.shape[-1]).shape[0] % 3
-        acc = sum(stock(xs, ws).float() for xs, ws in zip(x.tensor_split(parts, dim=-1),
-                                                          weight.tensor_split(parts, dim=-1)))
-        return (acc if bias is None else acc + bias.float()).to(x.dtype)
-
-    torch.nn.functional.linear = linear
-    try:
-        yield
-    finally:
-        torch.nn.functional.linear = stock
 
 
 def differences_found_by_check(enc, items, order, budget) -> list[int]:

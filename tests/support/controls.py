@@ -1,0 +1,31 @@
+"""Controls: ways to show that an invariance check can fail on the machine it runs on."""
+
+import contextlib
+
+import torch
+
+
+@contextlib.contextmanager
+def row_count_dependent_gemms():
+    """Stock `F.linear`, except that the K reduction is split into partial GEMMs whose number depends on the
+    row count (1, 2 or 3 parts for M mod 3); the partials, in the input dtype, are added in float32.
+
+    That is what library GEMMs do (they pick kernels and reduction orders by shape), made deliberate so that
+    it happens on every CPU: stock kernels differ by row count on some machines and dtypes (fp32 everywhere
+    we have run; bf16 on AVX-512 EPYC) but not on others (bf16 on AMX Xeon), and a control must show the
+    check can fail on the machine it runs on. Invariant mode never calls `F.linear` at a batch-dependent row
+    count, so it stays bit-stable under this GEMM too.
+    """
+    stock = torch.nn.functional.linear
+
+    def linear(x, weight, bias=None):
+        parts = 1 + x.reshape(-1, x.shape[-1]).shape[0] % 3
+        acc = sum(stock(xs, ws).float() for xs, ws in zip(x.tensor_split(parts, dim=-1),
+                                                          weight.tensor_split(parts, dim=-1)))
+        return (acc if bias is None else acc + bias.float()).to(x.dtype)
+
+    torch.nn.functional.linear = linear
+    try:
+        yield
+    finally:
+        torch.nn.functional.linear = stock
