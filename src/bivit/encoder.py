@@ -201,7 +201,7 @@ class Encoder:
         `max_batch_tokens` bounds the patches of one forward pass for this call only (default: the encoder's).
         """
         grid_thw = torch.as_tensor(grid_thw, dtype=torch.int64).reshape(-1, 3)
-        self._validate(pixel_values, grid_thw)
+        check_pixels(self.config, pixel_values, grid_thw)
         _check_budget(max_batch_tokens)
         counts = [int(t * h * w) for t, h, w in grid_thw.tolist()]
         results: list[torch.Tensor] = []
@@ -226,9 +226,6 @@ class Encoder:
         if counts:
             passes.append((first, len(counts)))
         return passes
-
-    def _validate(self, pixels: torch.Tensor, grid_thw: torch.Tensor) -> None:
-        check_pixels(self.config, pixels, grid_thw)
 
 
 def check_pixels(config: ModelConfig, pixels: torch.Tensor, grid_thw: torch.Tensor) -> None:
@@ -315,7 +312,8 @@ def load_encoder(model: str | os.PathLike | None = None, *, device: str | torch.
 
     model: None (or "demo") for the built-in demo model, a checkpoint directory (Moonshot weights, either
     config layout), or a Hugging Face repo id ("moonshotai/Kimi-K2.6", "org/name@rev" or `revision=`), of which
-    only the config files and the vision shards are fetched (or found in the local cache; HF_HUB_OFFLINE=1 works). dtype: tower compute dtype; projector_dtype: defaults to dtype; output_dtype: defaults to
+    only the config files and the vision shards are fetched (or found in the local cache; HF_HUB_OFFLINE=1
+    works). dtype: tower compute dtype; projector_dtype: defaults to dtype; output_dtype: defaults to
     projector_dtype. max_batch_tokens: at most this many patches per forward pass (an item larger than that
     runs alone). batch_invariant: bit-identical results per item whatever the batching (default on).
     alpha: transparency, "model" (what the model's processor does), "drop" or "white" (vLLM's loader).

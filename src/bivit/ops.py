@@ -366,8 +366,7 @@ class _InvariantLinear(torch.autograd.Function):
         grad = grad.contiguous()
         if ctx.gelu is not None:
             pre = _tiled(x2, weight.detach(), None if bias is None else bias.detach(), key)
-            grad = _chunked_pointwise(torch.ops.aten.gelu_backward, grad, pre, out_fn=_gelu_backward_out,
-                                      approximate=ctx.gelu)
+            grad = _chunked_gelu_backward(grad, pre, ctx.gelu)
         gx = gw = gb = None
         if ctx.needs_input_grad[0]:
             gx = _tiled(grad, weight.detach().t(), None, key, transposed=True)
@@ -513,8 +512,13 @@ class _InvariantGelu(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (x,) = ctx.saved_tensors
-        return _chunked_pointwise(torch.ops.aten.gelu_backward, grad, x, out_fn=_gelu_backward_out,
-                                  approximate=ctx.approximate), None
+        return _chunked_gelu_backward(grad, x, ctx.approximate), None
+
+
+def _chunked_gelu_backward(grad: torch.Tensor, x: torch.Tensor, approximate: str) -> torch.Tensor:
+    """GELU's input gradient at `x`, in the same fixed-size chunks as the forward."""
+    return _chunked_pointwise(torch.ops.aten.gelu_backward, grad, x, out_fn=_gelu_backward_out,
+                              approximate=approximate)
 
 
 def _gelu_backward_out(grad: torch.Tensor, x: torch.Tensor, approximate: str, out: torch.Tensor) -> torch.Tensor:
