@@ -45,17 +45,23 @@ def is_vision_key(key: str) -> bool:
     return key.startswith(VISION_PREFIXES) or key.startswith(HF_PREFIXES)
 
 
+def vision_weight_map(index: Path) -> dict[str, str]:
+    """The vision/projector entries of a checkpoint's index: key -> shard file name (checked to be a file name
+    inside the checkpoint folder). Read by the loader and by hub resolution, which fetches only those shards."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        if not isinstance(weight_map, dict):
+            raise TypeError("weight_map is not an object")
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, OSError) as e:
+        raise CheckpointError(f"{index}: unreadable index ({e})") from None
+    return {k: _shard_name(index, k, f) for k, f in weight_map.items() if is_vision_key(k)}
+
+
 def vision_key_files(directory: Path) -> dict[str, Path]:
     """Map every vision/projector key to the shard that holds it, opening only the shards that must be opened."""
     index = directory / INDEX
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-            if not isinstance(weight_map, dict):
-                raise TypeError("weight_map is not an object")
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, OSError) as e:
-            raise CheckpointError(f"{index}: unreadable index ({e})") from None
-        return {k: _shard_path(directory, index, k, f) for k, f in weight_map.items() if is_vision_key(k)}
+        return {k: directory / f for k, f in vision_weight_map(index).items()}
     shards = sorted(directory.glob("*.safetensors"))
     if not shards:
         raise CheckpointError(f"{directory}: no {INDEX} and no *.safetensors files")
@@ -68,14 +74,14 @@ def vision_key_files(directory: Path) -> dict[str, Path]:
     return found
 
 
-def _shard_path(directory: Path, index: Path, key: str, name: object) -> Path:
+def _shard_name(index: Path, key: str, name: object) -> str:
     """The shard an index entry names, which must be a file name inside the checkpoint folder."""
     if not isinstance(name, str) or not name:
         raise CheckpointError(f"{index}: weight_map[{key!r}] = {name!r}: expected a shard file name")
     parts = Path(name).parts
     if Path(name).is_absolute() or ".." in parts:
         raise CheckpointError(f"{index}: weight_map[{key!r}] = {name!r} points outside the checkpoint folder")
-    return directory / name
+    return name
 
 
 def _open(path: Path):

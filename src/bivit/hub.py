@@ -10,13 +10,12 @@ usual. A file that is neither cached nor downloadable raises CheckpointError wit
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from pathlib import Path
 from typing import Optional
 
-from .checkpoint import INDEX, is_vision_key
+from .checkpoint import INDEX, vision_weight_map
 from .errors import CheckpointError, ConfigError
 from .preprocess_config import PREPROCESSOR_CONFIG
 
@@ -111,11 +110,7 @@ def resolve(model: str, revision: Optional[str] = None, *, cache_dir: Optional[s
     get(PREPROCESSOR_CONFIG, optional=True)
     index = get(INDEX, optional=True)
     if index is not None:
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-            shards = sorted({name for key, name in weight_map.items() if is_vision_key(key)})
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
-            raise CheckpointError(f"{index}: unreadable index ({e})") from None
+        shards = sorted(set(vision_weight_map(index).values()))
         if not shards:
             raise CheckpointError(f"{f.label}: {INDEX} lists no vision_tower.* / mm_projector.* tensors")
     elif INDEX in missing:
@@ -128,5 +123,5 @@ def resolve(model: str, revision: Optional[str] = None, *, cache_dir: Optional[s
         raise CheckpointError(
             f"{f.label}: {', '.join(missing)} not in the local Hugging Face cache and not downloadable here "
             f"(offline or no connection); fetch {'them' if len(missing) > 1 else 'it'} with: {f.command(missing)}"
-            + ("" if shards or INDEX not in missing else f", then the vision shards the index names"))
+            + ("" if shards or INDEX not in missing else ", then the vision shards the index names"))
     return config.parent
