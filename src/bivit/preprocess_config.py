@@ -202,6 +202,10 @@ PROCESSING_PRESETS: dict[str, ProcessorConfig] = {
 }
 
 
+# The published values of each processor, which a checkpoint's `media_proc_cfg` overrides key by key.
+PROCESSOR_DEFAULTS = {"kimi_k25": K25_PROCESSING, "kimi_k3": K3_PROCESSING}
+
+
 def processor_for_model(cfg: ModelConfig) -> str:
     """K3's vision variant is the one with the `patchmergerv2` projector."""
     return "kimi_k3" if cfg.projector_type == "patchmergerv2" else "kimi_k25"
@@ -209,8 +213,7 @@ def processor_for_model(cfg: ModelConfig) -> str:
 
 def default_processing(cfg: ModelConfig) -> ProcessorConfig:
     """The published preprocessing of the model family `cfg` belongs to."""
-    base = K3_PROCESSING if processor_for_model(cfg) == "kimi_k3" else K25_PROCESSING
-    return base.replace(patch_size=cfg.patch_size)
+    return PROCESSOR_DEFAULTS[processor_for_model(cfg)].replace(patch_size=cfg.patch_size)
 
 
 def _processor_from_auto_map(raw: dict) -> Optional[str]:
@@ -248,7 +251,7 @@ def processing_from_dict(raw: Any, cfg: ModelConfig, where: str = PREPROCESSOR_C
 
 
 def _parse_media_proc_cfg(media: dict, processor: str, cfg: ModelConfig) -> ProcessorConfig:
-    base = K3_PROCESSING if processor == "kimi_k3" else K25_PROCESSING
+    base = PROCESSOR_DEFAULTS[processor]
     fields = {f.name for f in dataclasses.fields(ProcessorConfig)} - {"processor"}
     values: dict[str, Any] = {"processor": processor,
                               "transparent_bg_config": None, "transparent_bg_fill_stage": "before_resize"}
