@@ -46,9 +46,7 @@ def write_atomic(path: Union[str, os.PathLike], data: Union[bytes, Callable[[str
     try:
         new_mode = stat.S_IMODE(os.fstat(fd).st_mode)
         if isinstance(data, (bytes, bytearray, memoryview)):
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
+            _write_all(fd, data)
         else:
             os.close(fd)
             fd = -1
@@ -96,9 +94,7 @@ def append_lines(path: Union[str, os.PathLike], lines: Sequence[str]) -> None:
     data = "".join(line + "\n" for line in lines).encode("utf-8")
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
+        _write_all(fd, data)
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -144,3 +140,10 @@ def sha256_file(path: Union[str, os.PathLike], chunk: int = 1 << 20) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+def _write_all(fd: int, data: Union[bytes, bytearray, memoryview]) -> None:
+    """`os.write` until every byte is written (one call may write less)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]

@@ -18,15 +18,18 @@ def run_local(encoder: Any, work: Sequence[Work], batch_tokens: int, sink: Calla
 
 
 def _token_groups(work: Sequence[Work], batch_tokens: int, encoder: Any) -> Iterator[list[Prepared]]:
+    """Prepared items in groups cut by `group_by_tokens`' rule (close a group before it would exceed the
+    budget), so that each group is one encode call there rather than a full call plus a small remainder."""
     cur: list[Prepared] = []
     n = 0
     for w in work:
         p = prepare(w.sha256, w.kind, w.path, w.sources[0].source, encoder.processing, encoder.alpha)
-        cur.append(p)
-        n += sum(p.batch.token_counts) if p.error is None else 0
-        if n >= batch_tokens:
+        t = sum(p.batch.token_counts) if p.error is None else 0
+        if cur and n + t > batch_tokens:
             yield cur
             cur, n = [], 0
+        cur.append(p)
+        n += t
     if cur:
         yield cur
 

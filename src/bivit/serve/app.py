@@ -156,9 +156,9 @@ def create_app(encoder: Encoder, settings: Optional[ServerSettings] = None) -> F
         fmt = request.query_params.get("format", "safetensors")
         if fmt not in ("safetensors", "json"):
             raise RequestError(400, "bad_request", f"format must be 'safetensors' or 'json', got {fmt!r}")
-        content_type(request)  # 415 before reading a byte of the body
+        ctype = content_type(request)  # 415 before reading a byte of the body
         body = await svc.read_body(request)
-        items = await svc.parse_items(request, body)
+        items = await svc.parse_items(ctype, request, body)
         if not items:
             raise RequestError(400, "bad_request", "no items: send at least one 'file' part or JSON item")
         request.state.items = len(items)
@@ -192,10 +192,8 @@ def create_app(encoder: Encoder, settings: Optional[ServerSettings] = None) -> F
         if not settings.api_key and not settings.allow_weight_updates_without_key:
             raise RequestError(403, "forbidden", "weight updates need an API key: start the server with --api-key "
                                "(or --allow-weight-updates-without-key on a trusted machine)")
-        ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
-        if ctype not in ("application/octet-stream", SAFETENSORS_MEDIA_TYPE):
-            raise RequestError(415, "unsupported_media_type", f"Content-Type {ctype or '(none)'!r} is not accepted; "
-                               "send the weights as a safetensors file, application/octet-stream")
+        content_type(request, ("application/octet-stream", SAFETENSORS_MEDIA_TYPE),
+                     "send the weights as a safetensors file, application/octet-stream")
         body = await svc.read_body(request, settings.max_weights_mb, "--max-weights-mb")
         return JSONResponse(await svc.update_weights(body))
 

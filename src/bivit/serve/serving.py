@@ -56,13 +56,15 @@ PATCH_BYTES = 3 * PATCH_SIZE * PATCH_SIZE * 4
 JSON_BYTES_PER_VALUE = 20
 
 
-def content_type(request: Request) -> str:
-    """The request's media type if the service accepts it, else RequestError 415 (before reading the body)."""
+ENCODE_MEDIA_TYPES = ("multipart/form-data", "application/json")
+ENCODE_HINT = "send multipart/form-data with 'file' parts or application/json {\"items\": [{\"data\": <base64>}]}"
+
+
+def content_type(request: Request, accepted: tuple[str, ...] = ENCODE_MEDIA_TYPES, hint: str = ENCODE_HINT) -> str:
+    """The request's media type if the route accepts it, else RequestError 415 (before reading the body)."""
     ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    if ctype not in ("multipart/form-data", "application/json"):
-        raise RequestError(415, "unsupported_media_type",
-                           f"Content-Type {ctype or '(none)'!r} is not accepted; send multipart/form-data with "
-                           "'file' parts or application/json {\"items\": [{\"data\": <base64>}]}")
+    if ctype not in accepted:
+        raise RequestError(415, "unsupported_media_type", f"Content-Type {ctype or '(none)'!r} is not accepted; {hint}")
     return ctype
 
 
@@ -89,16 +91,12 @@ class WeightsGate:
     @contextlib.asynccontextmanager
     async def exclusive(self):
         async with self._cond:
-            self._writers += 1
-            try:
-                await self._cond.wait_for(lambda: not self._readers)
-            except BaseException:
-                self._writers -= 1
-                self._cond.notify_all()
-                raise
+            self._writers += 1  # from now on no new reader enters
         try:
+            async with self._cond:
+                await self._cond.wait_for(lambda: not self._readers)
             yield
-        finally:
+        finally:  # also when cancelled while waiting: the readers held back must be let in
             async with self._cond:
                 self._writers -= 1
                 self._cond.notify_all()
@@ -122,11 +120,15 @@ class Service:
         self.pixels_held = 0  # preprocessed pixel bytes of admitted requests (see _Budget); event loop only
         self.draining = False
         # Hashes every weight: do it once here, never on the event loop during a request.
-        self.fingerprint = encoder.fingerprint
-        self.header = {"format": RESPONSE_FORMAT, "model": encoder.model_name, "fingerprint": self.fingerprint,
+        self.header = {"format": RESPONSE_FORMAT, "model": encoder.model_name, "fingerprint": encoder.fingerprint,
                        "dtype": dtype_name(encoder.output_dtype)}
         self.gate = WeightsGate()
         self.updating = asyncio.Lock()  # one weight update at a time
+
+    @property
+    def fingerprint(self) -> str:
+        """The fingerprint of the weights serving now (the one the response header names)."""
+        return self.header["fingerprint"]
 
     # -- lifecycle
     def start(self) -> None:
@@ -194,8 +196,9 @@ class Service:
                 if seen > budget or time.monotonic() > deadline:
                     return
 
-    async def parse_items(self, request: Request, body: bytes) -> list[UploadItem]:
-        if content_type(request) == "multipart/form-data":
+    async def parse_items(self, ctype: str, request: Request, body: bytes) -> list[UploadItem]:
+        """The items of a body of media type `ctype` (as `content_type` returned it)."""
+        if ctype == "multipart/form-data":
             return await self._parse_multipart(request, body)
         return parse_json_request(body)
 
@@ -379,8 +382,7 @@ class Service:
 
         def apply() -> str:  # on the batching worker, between forward passes
             fingerprint = self.encoder.update_weights(tensors, source="POST /v1/weights")
-            self.fingerprint = fingerprint
-            self.header = {**self.header, "fingerprint": fingerprint}
+            self.header = {**self.header, "fingerprint": fingerprint}  # a new dict: responses in flight keep theirs
             self.cache.clear()  # entries are keyed by the old fingerprint: unreachable, only taking memory
             self.metrics.cache_bytes.set(self.cache.nbytes)
             return fingerprint
