@@ -442,3 +442,7 @@ def test_server_follows_the_models_preprocessing_and_alpha(tmp_path, k3_ckpt):
         assert torch.equal(res.embedding, enc.encode([data])[0])
         assert res.placeholders == [{"text": p.text, "tokens": p.tokens} for p in enc.placeholders([data])[0]]
         assert res.placeholders[0]["text"].startswith("<|media_begin|>image 50x40<|media_content|>")
+        # The client keeps transparency for the server's alpha mode: a PIL RGBA image, as offline.
+        pil = Image.fromarray(rgba, "RGBA")
+        with Client(srv.url, timeout=60) as c:
+            assert torch.equal(c.encode([pil])[0], enc.encode([pil])[0])

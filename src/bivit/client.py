@@ -52,9 +52,16 @@ class EncodeError(BivitError):
 
 
 def _png(img: Image.Image) -> bytes:
+    """A lossless PNG of the image as the encoder would see it: transparency is kept (what happens to it is the
+    server's --alpha mode, as offline it is the encoder's `alpha`); without any, the RGB conversion every mode
+    gets first is done here."""
     buf = io.BytesIO()
-    # The encoder converts to RGB first (alpha dropped, not composited); doing it here keeps that exact.
-    (img if img.mode == "RGB" else img.convert("RGB")).save(buf, format="PNG", compress_level=1)
+    if "A" in img.getbands() or "transparency" in img.info:
+        if img.mode not in ("RGBA", "LA", "P", "L", "RGB"):  # modes PNG stores with their transparency
+            img = img.convert("RGBA")
+    elif img.mode != "RGB":
+        img = img.convert("RGB")
+    img.save(buf, format="PNG", compress_level=1)
     return buf.getvalue()
 
 
