@@ -1,0 +1,184 @@
+"""bivit's own CPU kernels: C sources shipped in this package, compiled on first use and called through ctypes.
+
+Why compiled here and not shipped built: a kernel is only worth having for the instruction set it is written
+for (AVX-512 BF16 dot products), so it is built on the machine that runs it, by the system C compiler, once,
+into a cache keyed by the source and the compiler (`$BIVIT_KERNEL_CACHE`, else `$XDG_CACHE_HOME/bivit/kernels`,
+else `~/.cache/bivit/kernels`). Plain C with a C ABI, no PyTorch headers: the build takes about a second, and
+ctypes releases the GIL during the call. The library links the OpenMP runtime PyTorch has already loaded
+(`libgomp.so.1`), so its threads are PyTorch's threads.
+
+Where a kernel cannot be used (no compiler, another CPU, a failed build or self-test), `attention_bf16()` returns
+None and says why once in the log; callers then use PyTorch's own kernel. `BIVIT_ATTENTION` chooses:
+`auto` (default: the bivit kernel on CPUs with AVX-512 BF16 but without AMX, where it is the faster one),
+`bivit` (wherever the CPU can run it) or `sdpa` (never).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import math
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("bivit")
+
+_HERE = Path(__file__).parent
+ATTENTION_ENV = "BIVIT_ATTENTION"
+ATTENTION_CHOICES = ("auto", "bivit", "sdpa")
+# Instruction sets the compiled attention needs; AMX machines have them too, but there PyTorch's fused
+# attention runs on AMX tiles and is the faster kernel.
+ATTENTION_NEEDS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
+CFLAGS = ("-O3", "-std=c11", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp",
+          "-shared", "-fPIC")
+MAX_HEAD_DIM = 128  # the kernel's register blocking covers head dims up to this (K2.x: 72, K3: 128)
+
+
+@functools.cache
+def cpu_info() -> tuple[str, frozenset[str]]:
+    """(model name, instruction-set flags) from /proc/cpuinfo; ("", empty) where there is none."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return "", frozenset()
+    model = next((l.split(":", 1)[1].strip() for l in lines if l.startswith("model name")), "")
+    flags = frozenset(next((l.split(":", 1)[1].split() for l in lines if l.startswith("flags")), []))
+    return model, flags
+
+
+class KernelUnavailable(Exception):
+    """Why a compiled kernel is not used (logged once; PyTorch's kernel runs instead)."""
+
+
+def _compiler() -> str:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        raise KernelUnavailable("no C compiler found (set CC, or install gcc)")
+    return cc
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("BIVIT_KERNEL_CACHE")
+    if root:
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "bivit" / "kernels"
+
+
+def build(source: Path) -> Path:
+    """Compile `source` into a shared library in the cache (once per source, flags and compiler) -> its path.
+
+    Written under a temporary name and renamed into place, so concurrent processes (dataset workers, server
+    replicas) never load a half-written library."""
+    cc = _compiler()
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise KernelUnavailable(f"the C compiler {cc} does not run: {e}") from e
+    key = hashlib.sha256(source.read_bytes() + " ".join(CFLAGS).encode() + version.encode()).hexdigest()[:16]
+    target = cache_dir() / f"{source.stem}-{key}.so"
+    if target.is_file():
+        return target
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+    except OSError as e:
+        raise KernelUnavailable(f"cannot write the kernel cache {target.parent}: {e}") from e
+    try:
+        done = subprocess.run([cc, *CFLAGS, "-o", tmp, str(source)], capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            raise KernelUnavailable(f"{cc} could not build {source.name}: {done.stderr.strip()[-500:]}")
+        os.replace(tmp, target)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise KernelUnavailable(f"building {source.name} failed: {e}") from e
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+@dataclass(frozen=True)
+class Attention:
+    """The compiled attention for bf16: one call per item, `out[n, heads, d]` written in place."""
+
+    fn: ctypes._CFuncPtr
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                 lse: torch.Tensor | None = None) -> None:
+        """q/k/v/out: `[n, heads, d]` bf16 views with a contiguous last dim; lse: `[heads, n]` float32 or None."""
+        n, heads, d = q.shape
+        rc = self.fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), n, heads, d,
+                     q.stride(0), k.stride(0), v.stride(0), out.stride(0),
+                     q.stride(1), k.stride(1), v.stride(1), out.stride(1), 1 / math.sqrt(d),
+                     None if lse is None else lse.data_ptr(), torch.get_num_threads())
+        if rc == 1:
+            raise MemoryError(f"bivit attention: no memory for the scratch of an item of {n} patches")
+        if rc != 0:
+            raise ValueError(f"bivit attention: unsupported head dim {d}")
+
+    @staticmethod
+    def supports(q: torch.Tensor) -> bool:
+        return (q.dtype == torch.bfloat16 and q.device.type == "cpu" and q.dim() == 3
+                and q.shape[2] <= MAX_HEAD_DIM and q.stride(2) == 1)
+
+
+def _attention_choice() -> str:
+    choice = os.environ.get(ATTENTION_ENV, "auto").strip().lower() or "auto"
+    if choice not in ATTENTION_CHOICES:
+        log.warning("bivit: %s=%r is not one of %s; using auto", ATTENTION_ENV, choice, "/".join(ATTENTION_CHOICES))
+        return "auto"
+    return choice
+
+
+def _load_attention() -> Attention:
+    choice = _attention_choice()
+    if choice == "sdpa":
+        raise KernelUnavailable(f"{ATTENTION_ENV}=sdpa")
+    _, flags = cpu_info()
+    missing = [f for f in ATTENTION_NEEDS if f not in flags]
+    if missing:
+        raise KernelUnavailable(f"this CPU lacks {', '.join(missing)}")
+    if choice == "auto" and "amx_bf16" in flags:
+        raise KernelUnavailable(f"AMX-BF16 CPU: PyTorch's fused attention is faster here ({ATTENTION_ENV}=bivit "
+                                "overrides)")
+    lib = ctypes.CDLL(str(build(_HERE / "attention_bf16.c")))
+    fn = lib.bivit_attention_bf16
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 11 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
+    kernel = Attention(fn)
+    _self_test(kernel)
+    return kernel
+
+
+def _self_test(kernel: Attention) -> None:
+    """Refuse a kernel that does not compute attention (a miscompile, an odd toolchain): compared with float64
+    attention on a small item, it must be as close as bf16 rounding of the output allows."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(3, 37, 2, 72, generator=g).bfloat16().unbind(0)
+    out = torch.empty_like(q)
+    kernel(q, k, v, out)
+    ref = torch.nn.functional.scaled_dot_product_attention(*(t.double().transpose(0, 1) for t in (q, k, v)))
+    err = (out.double() - ref.transpose(0, 1)).abs().max().item()
+    if not err <= 2 ** -7:
+        raise KernelUnavailable(f"the compiled attention failed its self-test (max error {err:.3g})")
+
+
+@functools.cache
+def attention_bf16() -> Attention | None:
+    """The compiled bf16 attention for this process, or None (PyTorch's fused attention is used instead)."""
+    try:
+        kernel = _load_attention()
+    except (KernelUnavailable, OSError, AttributeError) as e:
+        log.info("bivit: compiled attention not used: %s", e)
+        return None
+    log.info("bivit: compiled attention in use (%s)", kernel.fn)
+    return kernel
