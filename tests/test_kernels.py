@@ -1,0 +1,207 @@
+"""bivit's compiled attention (`bivit.kernels`): accuracy against float64 attention, bits independent of the
+batch and of the thread count (with a control that does depend on the batch), gradients, and the build and
+selection rules (cache, missing compiler, `BIVIT_ATTENTION`)."""
+
+import logging
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from bivit import kernels, ops
+
+CAN_RUN = all(f in kernels.cpu_info()[1] for f in kernels.ATTENTION_NEEDS)
+needs_cpu = pytest.mark.skipif(not CAN_RUN, reason="this CPU lacks AVX-512 BF16: the compiled attention cannot run")
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    """The compiled attention, built into a fresh cache and forced on (also on AMX CPUs, where `auto` would
+    leave PyTorch's attention in place). A CPU that can run it must get it: a build failure fails the test."""
+    if not CAN_RUN:
+        pytest.skip("this CPU lacks AVX-512 BF16")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(kernels.ATTENTION_ENV, "bivit")
+        return kernels._load_attention()
+
+
+def _qkv(n: int, heads: int, d: int, seed: int = 0, scale: float = 1.5) -> tuple[torch.Tensor, ...]:
+    """bf16 q/k/v as the model passes them: strided views of one packed [n, 3, heads, d] tensor."""
+    x = torch.randn(n, 3, heads, d, generator=torch.Generator().manual_seed(seed))
+    x[:, :2] *= scale
+    return x.bfloat16().unbind(1)
+
+
+def _reference(q, k, v) -> torch.Tensor:
+    return F.scaled_dot_product_attention(*(t.double().transpose(0, 1) for t in (q, k, v))).transpose(0, 1)
+
+
+@pytest.mark.parametrize("n,heads,d", [(1, 2, 72), (5, 3, 8), (17, 4, 24), (100, 4, 32), (513, 2, 72),
+                                       (64, 2, 96), (130, 3, 128), (31, 2, 70)])
+def test_matches_float64_attention_as_closely_as_pytorchs(kernel, n, heads, d):
+    """Error against float64 attention no larger than PyTorch's fused bf16 attention makes (plus one bf16 step
+    of the output), and the log-sum-exp the backward pass uses agrees with float64's."""
+    q, k, v = _qkv(n, heads, d, seed=n + d)
+    out, lse = torch.empty_like(q), torch.empty(heads, n)
+    kernel(q, k, v, out, lse)
+    ref = _reference(q, k, v)
+    ours = float((out.double() - ref).abs().max())
+    stock = float((F.scaled_dot_product_attention(*(t.transpose(0, 1) for t in (q, k, v))).transpose(0, 1).double()
+                   - ref).abs().max())
+    assert ours <= stock + 2 ** -8 * float(ref.abs().max())
+    scores = torch.einsum("ihd,jhd->hij", q.double(), k.double()) / math.sqrt(d)
+    torch.testing.assert_close(lse.double(), torch.logsumexp(scores, -1), rtol=0, atol=2e-5)
+
+
+def test_large_scores_do_not_overflow(kernel):
+    """Scores far beyond float32's exp range (the max is subtracted first) and one dominant key."""
+    q, k, v = _qkv(200, 2, 72, scale=40.0)
+    out = torch.empty_like(q)
+    kernel(q, k, v, out)
+    assert torch.isfinite(out.float()).all()
+    ref = _reference(q, k, v)
+    assert float((out.double() - ref).abs().max()) <= 2 ** -6 * float(ref.abs().max())
+
+
+def test_bits_do_not_depend_on_batch_position_or_threads(kernel, monkeypatch):
+    """Through `ops.attention`: an item's rows are the same bits alone, packed after or before other items,
+    at 1, 2 and 3 threads. Control: attention over the packed rows with a block-diagonal mask (what a batched
+    implementation does) gives the same item other bits beside other neighbours."""
+    monkeypatch.setattr(kernels, "attention_bf16", lambda: kernel)
+    items = [_qkv(n, 4, 72, seed=n) for n in (300, 77, 512, 1)]
+    alone = []
+    torch.set_num_threads(2)
+    for q, k, v in items:
+        alone.append(ops.attention(q, k, v, [q.shape[0]]))
+    for threads in (1, 2, 3):
+        torch.set_num_threads(threads)
+        for order in ([0, 1, 2, 3], [3, 2, 1, 0], [1, 3, 0, 2]):
+            packed = [torch.cat([items[i][j] for i in order]) for j in range(3)]
+            lens = [items[i][0].shape[0] for i in order]
+            out = ops.attention(*packed, lens)
+            for i, part in zip(order, out.split(lens)):
+                assert torch.equal(part, alone[i])
+
+    def masked_batch(order):  # the control
+        packed = [torch.cat([items[i][j] for i in order]).transpose(0, 1) for j in range(3)]
+        ids = torch.cat([torch.full((items[i][0].shape[0],), i) for i in order])
+        mask = ids[:, None] == ids[None, :]
+        out = F.scaled_dot_product_attention(*packed, attn_mask=mask).transpose(0, 1)
+        return dict(zip(order, out.split([items[i][0].shape[0] for i in order])))
+
+    a, b = masked_batch([0, 1]), masked_batch([1, 2, 0])
+    assert not torch.equal(a[0], b[0])
+
+
+def test_gradients_match_pytorch_and_do_not_depend_on_the_batch(kernel, monkeypatch):
+    """The autograd Function: forward = the served kernel's bits; gradients close to PyTorch attention's and,
+    per item, the same bits alone or packed with others. The public fallback gives PyTorch's gradients."""
+    monkeypatch.setattr(kernels, "attention_bf16", lambda: kernel)
+    lens = [100, 37, 163]
+    base = torch.cat([torch.stack(_qkv(n, 4, 72, seed=n), 1) for n in lens]).requires_grad_()
+    grad_out = torch.randn(sum(lens), 4 * 72, generator=torch.Generator().manual_seed(9)).bfloat16()
+
+    def grads(x, seqlens, fn):
+        (g,) = torch.autograd.grad(fn(*x.unbind(1), seqlens), x, grad_out[:x.shape[0]])
+        return g
+
+    ours = grads(base, lens, ops.attention)
+    with torch.no_grad():
+        assert torch.equal(ops.attention(*base.unbind(1), lens), ops.attention(*base.detach().unbind(1), lens))
+    stock = grads(base, lens, lambda q, k, v, s: ops._sdpa(q, k, v, s).view(q.shape[0], -1))
+    scale = float(stock.abs().max())
+    assert float((ours.float() - stock.float()).abs().max()) <= 2e-2 * scale
+    first = base[:lens[0]].detach().requires_grad_()
+    assert torch.equal(grads(first, lens[:1], ops.attention), ours[:lens[0]])
+
+    monkeypatch.setattr(ops, "_broken", {"_scaled_dot_product_flash_attention_for_cpu_backward"})
+    assert torch.equal(grads(base, lens, ops.attention), stock)
+
+
+@needs_cpu
+def test_float32_and_unsupported_shapes_use_pytorchs_attention(kernel):
+    q32 = _qkv(10, 2, 72)[0].float()
+    assert not kernels.Attention.supports(q32)
+    assert not kernels.Attention.supports(_qkv(10, 2, 136)[0])
+    assert not kernels.Attention.supports(_qkv(10, 2, 72)[0].transpose(1, 2))
+    assert kernels.Attention.supports(_qkv(10, 2, 72)[0])
+
+
+# ----------------------------------------------------------------------------------------- build and choice
+
+def test_build_is_cached_and_atomic(tmp_path, monkeypatch):
+    if not (os.environ.get("CC") or any(map(os.path.exists, ("/usr/bin/cc", "/usr/bin/gcc")))):
+        pytest.skip("no C compiler")
+    monkeypatch.setenv("BIVIT_KERNEL_CACHE", str(tmp_path / "cache"))
+    source = tmp_path / "tiny.c"
+    source.write_text("int tiny(void) { return 42; }\n")
+    first = kernels.build(source)
+    stamp = first.stat().st_mtime_ns
+    assert kernels.build(source) == first and first.stat().st_mtime_ns == stamp  # reused, not rebuilt
+    assert [p.name for p in first.parent.iterdir()] == [first.name]  # no temporary left behind
+    source.write_text("int tiny(void) { return 43; }\n")
+    assert kernels.build(source) != first  # a changed source is a new library
+
+
+def test_build_errors_name_the_cause(tmp_path, monkeypatch):
+    monkeypatch.setenv("BIVIT_KERNEL_CACHE", str(tmp_path / "cache"))
+    source = tmp_path / "broken.c"
+    source.write_text("int broken(void) { return }\n")
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    with pytest.raises(kernels.KernelUnavailable, match="no-such-cc"):
+        kernels.build(source)
+    monkeypatch.delenv("CC")
+    if kernels.shutil.which("cc") or kernels.shutil.which("gcc"):
+        with pytest.raises(kernels.KernelUnavailable, match="could not build broken.c"):
+            kernels.build(source)
+        blocked = tmp_path / "file"
+        blocked.write_text("")
+        monkeypatch.setenv("BIVIT_KERNEL_CACHE", str(blocked / "cache"))
+        with pytest.raises(kernels.KernelUnavailable, match="cannot write the kernel cache"):
+            kernels.build(source)
+
+
+@pytest.mark.parametrize("choice,expect", [("sdpa", "BIVIT_ATTENTION=sdpa"), ("nonsense", None)])
+def test_choice_from_environment(monkeypatch, caplog, choice, expect):
+    monkeypatch.setenv(kernels.ATTENTION_ENV, choice)
+    if expect:
+        with pytest.raises(kernels.KernelUnavailable, match=expect):
+            kernels._load_attention()
+        return
+    with caplog.at_level(logging.WARNING, logger="bivit"):
+        assert kernels._attention_choice() == "auto"
+    assert "nonsense" in caplog.text
+
+
+def test_a_process_without_the_kernel_encodes_close_to_one_with_it(tmp_path):
+    """End to end in fresh processes: `BIVIT_ATTENTION=sdpa` and the default choice encode the same image to
+    embeddings within bf16 rounding of each other (on CPUs without the kernel both run PyTorch's attention).
+    A compiler that cannot run is not an error: the process logs why and uses PyTorch's attention."""
+    script = (
+        "import sys, torch, bivit\n"
+        "from bivit import kernels\n"
+        "from support.media import random_image\n"
+        "enc = bivit.load_encoder(None, dtype='bfloat16')\n"
+        "out = enc.encode([random_image(112, 140, 3)])[0]\n"
+        "torch.save({'out': out, 'kernel': kernels.attention_bf16() is not None}, sys.argv[1])\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(os.path.dirname(__file__)), *sys.path]),
+               BIVIT_KERNEL_CACHE=str(tmp_path / "cache"))
+    runs = {}
+    for name, extra in {"sdpa": {kernels.ATTENTION_ENV: "sdpa"}, "auto": {},
+                        "no-cc": {"CC": str(tmp_path / "cc-missing"), "BIVIT_KERNEL_CACHE": str(tmp_path / "c2")}
+                        }.items():
+        path = tmp_path / f"{name}.pt"
+        done = subprocess.run([sys.executable, "-c", script, str(path)], env={**env, **extra},
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        runs[name] = torch.load(path)
+    assert not runs["sdpa"]["kernel"] and not runs["no-cc"]["kernel"]
+    assert torch.equal(runs["sdpa"]["out"], runs["no-cc"]["out"])
+    a, b = runs["auto"]["out"].float(), runs["sdpa"]["out"].float()
+    assert float((a - b).abs().max()) <= 3e-2 * float(b.abs().max())
+    if CAN_RUN and "amx_bf16" not in kernels.cpu_info()[1]:
+        assert runs["auto"]["kernel"] and not torch.equal(runs["auto"]["out"], runs["sdpa"]["out"])
