@@ -11,7 +11,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 import bivit
-from bivit import bench
+from bivit import bench, kernels
 from bivit.config import PRESETS
 from bivit.model import flops_per_item
 from support.checkpoints import KIMI_SMALL
@@ -20,12 +20,13 @@ GRIDS = [(1, 8, 8), (1, 6, 10), (4, 4, 6), (2, 8, 4)]
 
 
 @pytest.mark.parametrize("grid", GRIDS)
-def test_flops_formula_counts_what_the_model_executes(kimi_ckpt, grid):
+def test_flops_formula_counts_what_the_model_executes(kimi_ckpt, grid, monkeypatch):
     """flops_per_item against torch's own FLOP counter on a real forward pass (default mode: no padded tiles).
 
-    The math SDPA backend is forced so that attention's matmuls are visible to the counter (the fused CPU
-    kernel has no FLOP formula registered); it does the same two matmuls.
+    PyTorch's math SDPA backend is forced so that attention's matmuls are visible to the counter (neither the
+    fused CPU kernel nor bivit's compiled one has a FLOP formula registered); it does the same two matmuls.
     """
+    monkeypatch.setattr(kernels, "attention", lambda: None)
     enc = bivit.load_encoder(kimi_ckpt, dtype="float32", batch_invariant=False)
     pixels = torch.randn(grid[0] * grid[1] * grid[2], 3, 14, 14)
     with FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH):

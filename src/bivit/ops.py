@@ -549,7 +549,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: Sequen
     each item into per-thread units, so its bits depend on neither batch nor thread count); elsewhere
     PyTorch's fused attention.
     """
-    kernel = kernels.attention_bf16() if all(kernels.Attention.supports(t) for t in (q, k, v)) else None
+    kernel = kernels.attention() if all(kernels.Attention.supports(t) for t in (q, k, v)) else None
     if kernel is None:
         out = _sdpa(q, k, v, seqlens)
     elif _needs_grad(q, k, v):

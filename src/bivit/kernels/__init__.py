@@ -7,9 +7,9 @@ else `~/.cache/bivit/kernels`). Plain C with a C ABI, no PyTorch headers: the bu
 ctypes releases the GIL during the call. The library links the OpenMP runtime PyTorch has already loaded
 (`libgomp.so.1`), so its threads are PyTorch's threads.
 
-Where a kernel cannot be used (no compiler, another CPU, a failed build or self-test), `attention_bf16()` returns
-None and says why once in the log; callers then use PyTorch's own kernel. `BIVIT_ATTENTION` chooses:
-`auto` (default: the bivit kernel on CPUs with AVX-512 BF16 but without AMX, where it is the faster one),
+Where a kernel cannot be used (no compiler, another CPU, a failed build or self-test), `attention()` returns None
+and says why once in the log; callers then use PyTorch's own kernel. `BIVIT_ATTENTION` chooses: `auto`
+(default: the bivit kernel on CPUs with AVX-512 BF16 but without AMX, where it was measured the faster one),
 `bivit` (wherever the CPU can run it) or `sdpa` (never).
 """
 
@@ -37,8 +37,9 @@ ATTENTION_CHOICES = ("auto", "bivit", "sdpa")
 # Instruction sets the compiled attention needs; AMX machines have them too, but there PyTorch's fused
 # attention runs on AMX tiles and is the faster kernel.
 ATTENTION_NEEDS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
-CFLAGS = ("-O3", "-std=c11", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp",
+CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp",
           "-shared", "-fPIC")
+DTYPES = (torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 128  # the kernel's register blocking covers head dims up to this (K2.x: 72, K3: 128)
 
 
@@ -108,15 +109,17 @@ def build(source: Path) -> Path:
 
 @dataclass(frozen=True)
 class Attention:
-    """The compiled attention for bf16: one call per item, `out[n, heads, d]` written in place."""
+    """The compiled attention (bf16 and fp32): one call per item, `out[n, heads, d]` written in place."""
 
-    fn: ctypes._CFuncPtr
+    lib: ctypes.CDLL
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                  lse: torch.Tensor | None = None) -> None:
-        """q/k/v/out: `[n, heads, d]` bf16 views with a contiguous last dim; lse: `[heads, n]` float32 or None."""
+        """q/k/v/out: `[n, heads, d]` views of one dtype with a contiguous last dim; lse: `[heads, n]` float32
+        or None."""
         n, heads, d = q.shape
-        rc = self.fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), n, heads, d,
+        fn = self.lib.bivit_attention_bf16 if q.dtype == torch.bfloat16 else self.lib.bivit_attention_f32
+        rc = fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), n, heads, d,
                      q.stride(0), k.stride(0), v.stride(0), out.stride(0),
                      q.stride(1), k.stride(1), v.stride(1), out.stride(1), 1 / math.sqrt(d),
                      None if lse is None else lse.data_ptr(), torch.get_num_threads())
@@ -127,7 +130,7 @@ class Attention:
 
     @staticmethod
     def supports(q: torch.Tensor) -> bool:
-        return (q.dtype == torch.bfloat16 and q.device.type == "cpu" and q.dim() == 3
+        return (q.dtype in DTYPES and q.device.type == "cpu" and q.dim() == 3
                 and q.shape[2] <= MAX_HEAD_DIM and q.stride(2) == 1)
 
 
@@ -150,35 +153,37 @@ def _load_attention() -> Attention:
     if choice == "auto" and "amx_bf16" in flags:
         raise KernelUnavailable(f"AMX-BF16 CPU: PyTorch's fused attention is faster here ({ATTENTION_ENV}=bivit "
                                 "overrides)")
-    lib = ctypes.CDLL(str(build(_HERE / "attention_bf16.c")))
-    fn = lib.bivit_attention_bf16
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 11 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
-    kernel = Attention(fn)
-    _self_test(kernel)
+    lib = ctypes.CDLL(str(build(_HERE / "attention.c")))
+    for fn in (lib.bivit_attention_bf16, lib.bivit_attention_f32):
+        fn.restype = ctypes.c_int
+        fn.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_int64] * 11
+                       + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int])
+    kernel = Attention(lib)
+    for dtype, bound in ((torch.bfloat16, 2 ** -7), (torch.float32, 1e-5)):
+        _self_test(kernel, dtype, bound)
     return kernel
 
 
-def _self_test(kernel: Attention) -> None:
+def _self_test(kernel: Attention, dtype: torch.dtype, bound: float) -> None:
     """Refuse a kernel that does not compute attention (a miscompile, an odd toolchain): compared with float64
-    attention on a small item, it must be as close as bf16 rounding of the output allows."""
+    attention on a small item, it must be as close as rounding to `dtype` allows."""
     g = torch.Generator().manual_seed(0)
-    q, k, v = torch.randn(3, 37, 2, 72, generator=g).bfloat16().unbind(0)
+    q, k, v = torch.randn(3, 37, 2, 72, generator=g).to(dtype).unbind(0)
     out = torch.empty_like(q)
     kernel(q, k, v, out)
     ref = torch.nn.functional.scaled_dot_product_attention(*(t.double().transpose(0, 1) for t in (q, k, v)))
     err = (out.double() - ref.transpose(0, 1)).abs().max().item()
-    if not err <= 2 ** -7:
-        raise KernelUnavailable(f"the compiled attention failed its self-test (max error {err:.3g})")
+    if not err <= bound:
+        raise KernelUnavailable(f"the compiled attention failed its self-test in {dtype} (max error {err:.3g})")
 
 
 @functools.cache
-def attention_bf16() -> Attention | None:
-    """The compiled bf16 attention for this process, or None (PyTorch's fused attention is used instead)."""
+def attention() -> Attention | None:
+    """The compiled attention for this process, or None (PyTorch's fused attention is used instead)."""
     try:
         kernel = _load_attention()
     except (KernelUnavailable, OSError, AttributeError) as e:
         log.info("bivit: compiled attention not used: %s", e)
         return None
-    log.info("bivit: compiled attention in use (%s)", kernel.fn)
+    log.info("bivit: compiled attention in use (%s)", kernel.lib._name)
     return kernel

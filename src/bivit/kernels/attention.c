@@ -1,0 +1,369 @@
+/* Exact per-item attention on CPUs with AVX-512 (bf16 inputs: AVX-512 BF16 dot products, vdpbf16ps; fp32
+ * inputs: fused multiply-adds).
+ *
+ * Why it exists: at Kimi's head dim 72, PyTorch's fused CPU attention reaches ~150-180 GFLOP/s in bf16 on an
+ * AVX-512 BF16 machine without AMX, well under half of what a bf16 GEMM reaches there, and attention is most
+ * of a large image's encode. This kernel does the same math with register-blocked dot products.
+ *
+ * Math, per head and query row i (n keys, scale = 1/sqrt(d)):
+ *   s_j = (q_i . k_j) * scale * log2(e)                  fp32 accumulation
+ *   p_j = 2^(s_j - max_j s_j)                             fp32 (rounded to bf16 for the second product in bf16)
+ *   o_i = (sum_j p_j v_j) / (sum_j p_j)                   fp32 accumulation, rounded to the output dtype once
+ * which is what PyTorch's flash kernel computes, without its running-max rescaling (each query block sees all
+ * of its keys at once).
+ *
+ * Invariance: work is split into (head, block of BQ query rows) units; each unit is computed by one thread in
+ * a fixed order that depends only on the item (n, d), so an item's output bits do not depend on the thread
+ * count, on which thread ran a unit, or on other items (each item is a separate call).
+ *
+ * One code path for both dtypes: the unit of every inner product step is a 32-bit word, a pair of bf16 values
+ * (vdpbf16ps multiplies pairs) or one float, so packing, blocking and tails are the same; only the
+ * multiply-add, the packing of a word and the stores of p and of the output differ.
+ *
+ * Layout: q/k/v/out rows are `*_row` elements apart, heads `*_head` apart, head_dim contiguous. `lse`, when not
+ * NULL, receives each row's log-sum-exp of the scaled scores as [heads][n] floats (what a backward pass needs).
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef uint16_t bf16;
+typedef uint32_t word;  /* a pair of bf16 values, or one float */
+
+#define BQ 24          /* query rows per work unit (a multiple of QK_R and of every PV row count) */
+#define QK_R 6         /* query rows per QK^T microtile */
+#define QK_C 4         /* 16-key vectors per QK^T microtile */
+#define MAX_D 128
+
+static inline size_t round_up(size_t x, size_t m) { return (x + m - 1) / m * m; }
+
+static void *alloc64(size_t bytes) {
+    void *p = NULL;
+    if (posix_memalign(&p, 64, round_up(bytes ? bytes : 64, 64)) != 0) return NULL;
+    return p;
+}
+
+/* 2^x for x <= 0: n = round(x), 2^(x-n) by a degree-7 polynomial (ln2^k / k!), scaled by 2^n. */
+static inline __m512 exp2_neg(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-127.0f));
+    __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(1.5252733804059841e-05f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393381606e-04f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-03f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-03f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-02f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-01f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-01f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* acc + a . b for one 32-bit word a (broadcast) against 16 words b: a pair product (bf16) or a product (fp32). */
+static inline __attribute__((always_inline)) __m512 madd(__m512 acc, const word *a, __m512i b, const int bf) {
+    __m512i av = _mm512_set1_epi32((int)*a);
+    if (bf) return _mm512_dpbf16_ps(acc, (__m512bh)av, (__m512bh)b);
+    return _mm512_fmadd_ps(_mm512_castsi512_ps(av), _mm512_castsi512_ps(b), acc);
+}
+
+/* S[r][j0 + 16c + lane] = scale2 * (q_r . k_j) for QK_R rows and C key vectors.
+ * kp: packed keys of the head, [steps][npad16] words; qb: [BQ][steps] words of queries. */
+static inline __attribute__((always_inline)) void qk_tile(const word *qb, int steps, const word *kp,
+                                                          size_t npad16, size_t j0, int C, float scale2, float *s,
+                                                          size_t s_stride, const int bf) {
+    __m512 acc[QK_R][QK_C];
+#pragma GCC unroll 8
+    for (int r = 0; r < QK_R; r++)
+#pragma GCC unroll 4
+        for (int c = 0; c < QK_C; c++) acc[r][c] = _mm512_setzero_ps();
+    for (int p = 0; p < steps; p++) {
+        const word *krow = kp + (size_t)p * npad16 + j0;
+        __m512i kv[QK_C];
+#pragma GCC unroll 4
+        for (int c = 0; c < QK_C; c++)
+            if (c < C) kv[c] = _mm512_loadu_si512(krow + 16 * c);
+#pragma GCC unroll 8
+        for (int r = 0; r < QK_R; r++)
+#pragma GCC unroll 4
+            for (int c = 0; c < QK_C; c++)
+                if (c < C) acc[r][c] = madd(acc[r][c], qb + (size_t)r * steps + p, kv[c], bf);
+    }
+    __m512 sc = _mm512_set1_ps(scale2);
+#pragma GCC unroll 8
+    for (int r = 0; r < QK_R; r++)
+#pragma GCC unroll 4
+        for (int c = 0; c < QK_C; c++)
+            if (c < C) _mm512_storeu_ps(s + (size_t)r * s_stride + j0 + 16 * c, _mm512_mul_ps(acc[r][c], sc));
+}
+
+/* The 8-lane forms, for a last column vector of at most 8 columns (Kimi's head dim 72 = 4 x 16 + 8). */
+static inline __attribute__((always_inline)) __m256 madd8(__m256 acc, const word *a, __m256i b, const int bf) {
+    __m256i av = _mm256_set1_epi32((int)*a);
+    if (bf) return _mm256_dpbf16_ps(acc, (__m256bh)av, (__m256bh)b);
+    return _mm256_fmadd_ps(_mm256_castsi256_ps(av), _mm256_castsi256_ps(b), acc);
+}
+
+/* Value steps summed per chunk, chunk sums added in order: an fp32 sum of thousands of terms loses less than
+ * one running accumulator does. */
+#define PV_CHUNK 128
+
+/* o_r = sum over value steps of p_r . v for R rows, NV 16-column vectors (the last one 8 columns wide when
+ * HALF), then scaled by inv[r], rounded to the output dtype and stored (first d columns) to the out rows that
+ * exist (`rows`). */
+static inline __attribute__((always_inline)) void pv_tile(const word *pb, size_t p_stride, const word *vp,
+                                                          size_t vsteps, int R, int NV, int HALF, const float *inv,
+                                                          int rows, int d, void *out, size_t out_row,
+                                                          const int bf) {
+    const int NF = HALF ? NV - 1 : NV;  /* full 16-lane vectors */
+    const size_t width = (size_t)NV * 16;
+    __m512 tot[4][8];
+    __m256 toth[4];
+#pragma GCC unroll 4
+    for (int r = 0; r < 4; r++) {
+        toth[r] = _mm256_setzero_ps();
+#pragma GCC unroll 8
+        for (int v = 0; v < 8; v++) tot[r][v] = _mm512_setzero_ps();
+    }
+    for (size_t c0 = 0; c0 < vsteps; c0 += PV_CHUNK) {
+        const size_t c1 = c0 + PV_CHUNK < vsteps ? c0 + PV_CHUNK : vsteps;
+        __m512 acc[4][8];
+        __m256 acch[4];
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; r++) {
+            acch[r] = _mm256_setzero_ps();
+#pragma GCC unroll 8
+            for (int v = 0; v < 8; v++) acc[r][v] = _mm512_setzero_ps();
+        }
+        for (size_t jp = c0; jp < c1; jp++) {
+            const word *vrow = vp + jp * width;
+            __m512i vv[8];
+            __m256i vh = _mm256_setzero_si256();
+#pragma GCC unroll 8
+            for (int v = 0; v < 8; v++)
+                if (v < NF) vv[v] = _mm512_loadu_si512(vrow + 16 * v);
+            if (HALF) vh = _mm256_loadu_si256((const __m256i *)(vrow + 16 * NF));
+#pragma GCC unroll 4
+            for (int r = 0; r < 4; r++) {
+                if (r >= R) break;
+                const word *a = pb + (size_t)r * p_stride + jp;
+#pragma GCC unroll 8
+                for (int v = 0; v < 8; v++)
+                    if (v < NF) acc[r][v] = madd(acc[r][v], a, vv[v], bf);
+                if (HALF) acch[r] = madd8(acch[r], a, vh, bf);
+            }
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; r++) {
+            toth[r] = _mm256_add_ps(toth[r], acch[r]);
+#pragma GCC unroll 8
+            for (int v = 0; v < 8; v++) tot[r][v] = _mm512_add_ps(tot[r][v], acc[r][v]);
+        }
+    }
+    for (int r = 0; r < R && r < rows; r++) {
+        for (int v = 0; v < NF; v++) {
+            int cols = d - 16 * v;
+            __mmask16 m = cols >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << cols) - 1);
+            __m512 o = _mm512_mul_ps(tot[r][v], _mm512_set1_ps(inv[r]));
+            if (bf)
+                _mm256_mask_storeu_epi16((bf16 *)out + r * out_row + 16 * v, m, (__m256i)_mm512_cvtneps_pbh(o));
+            else
+                _mm512_mask_storeu_ps((float *)out + r * out_row + 16 * v, m, o);
+        }
+        if (HALF) {
+            __mmask8 m = (__mmask8)((1u << (d - 16 * NF)) - 1);
+            __m256 o = _mm256_mul_ps(toth[r], _mm256_set1_ps(inv[r]));
+            if (bf)
+                _mm_mask_storeu_epi16((bf16 *)out + r * out_row + 16 * NF, m, (__m128i)_mm256_cvtneps_pbh(o));
+            else
+                _mm256_mask_storeu_ps((float *)out + r * out_row + 16 * NF, m, o);
+        }
+    }
+}
+
+/* Constant R/NV/HALF instances, so each microtile keeps its accumulators in registers. */
+#define PV_CASE(NVC, RC)                                                                                \
+    case NVC:                                                                                           \
+        if (half) pv_tile(pb, p_stride, vp, vsteps, RC, NVC, 1, inv, rows, d, out, out_row, bf);        \
+        else pv_tile(pb, p_stride, vp, vsteps, RC, NVC, 0, inv, rows, d, out, out_row, bf);             \
+        break;
+
+static inline __attribute__((always_inline)) void pv_dispatch(const word *pb, size_t p_stride, const word *vp,
+                                                              size_t vsteps, int NV, const float *inv, int rows,
+                                                              int d, void *out, size_t out_row, const int bf) {
+    const int half = d % 16 != 0 && d % 16 <= 8;
+    switch (NV) {
+        PV_CASE(1, 4) PV_CASE(2, 4) PV_CASE(3, 4) PV_CASE(4, 4) PV_CASE(5, 4) PV_CASE(6, 4)
+        PV_CASE(7, 2) PV_CASE(8, 2)
+    }
+}
+
+static int pv_rows(int NV) { return NV <= 6 ? 4 : 2; }
+
+static inline __attribute__((always_inline)) void qk_dispatch(const word *qb, int steps, const word *kp,
+                                                              size_t npad16, size_t j0, int C, float scale2,
+                                                              float *s, size_t s_stride, const int bf) {
+    switch (C) {
+        case 4: qk_tile(qb, steps, kp, npad16, j0, 4, scale2, s, s_stride, bf); break;
+        case 3: qk_tile(qb, steps, kp, npad16, j0, 3, scale2, s, s_stride, bf); break;
+        case 2: qk_tile(qb, steps, kp, npad16, j0, 2, scale2, s, s_stride, bf); break;
+        case 1: qk_tile(qb, steps, kp, npad16, j0, 1, scale2, s, s_stride, bf); break;
+    }
+}
+
+/* One 32-bit word of a row from its element c (and c + 1 in bf16; zero past the end). */
+static inline word pack_word(const void *row, int64_t c, int64_t d, const int bf) {
+    if (!bf) return ((const word *)row)[c];
+    const bf16 *r = row;
+    return (word)r[c] | (c + 1 < d ? (word)r[c + 1] << 16 : 0);
+}
+
+/* One call: the item's tensors, its sizes and the packed scratch. */
+struct job {
+    const char *q, *k, *v;
+    char *out;
+    int64_t n, d, q_row, k_row, v_row, out_row, q_head, k_head, v_head, out_head;
+    float scale2, *lse;
+    int steps, NV, per_word;
+    size_t esize, npad16, vsteps, kp_size, vp_size, s_stride, p_stride;
+    int64_t qblocks;
+    word *kpack, *vpack;
+};
+
+/* Keys as [steps][keys] words and values as [key steps][columns] words: the layouts the microtiles read,
+ * zero-padded so padded keys and columns contribute nothing. */
+static inline __attribute__((always_inline)) void pack_head(const struct job *J, int64_t h, const int bf) {
+    word *kp = J->kpack + J->kp_size * h, *vp = J->vpack + J->vp_size * h;
+    const int64_t n = J->n, d = J->d, pw = J->per_word;
+    memset(kp, 0, J->kp_size * sizeof(word));
+    memset(vp, 0, J->vp_size * sizeof(word));
+    for (int64_t j = 0; j < n; j++) {
+        const char *kr = J->k + (j * J->k_row + h * J->k_head) * J->esize;
+        for (int64_t c = 0, p = 0; c < d; c += pw, p++) kp[(size_t)p * J->npad16 + j] = pack_word(kr, c, d, bf);
+    }
+    for (int64_t j = 0; j < n; j += pw) {
+        const char *v0 = J->v + (j * J->v_row + h * J->v_head) * J->esize;
+        word *vw = vp + (size_t)(j / pw) * J->NV * 16;
+        if (!bf) memcpy(vw, v0, d * sizeof(float));
+        else if (j + 1 < n)
+            for (int64_t c = 0; c < d; c++)
+                vw[c] = (word)((const bf16 *)v0)[c] | (word)((const bf16 *)(v0 + J->v_row * 2))[c] << 16;
+        else
+            for (int64_t c = 0; c < d; c++) vw[c] = ((const bf16 *)v0)[c];
+    }
+}
+
+/* One work unit: BQ query rows of head h, start to finish. s/pb/qb: this thread's scratch. */
+static inline __attribute__((always_inline)) void run_unit(const struct job *J, int64_t u, float *s, word *pb,
+                                                           word *qb, const int bf) {
+    const int64_t n = J->n, d = J->d, h = u / J->qblocks, i0 = (u % J->qblocks) * BQ;
+    const int rows = (int)(n - i0 < BQ ? n - i0 : BQ), steps = J->steps;
+    const size_t s_stride = J->s_stride, p_stride = J->p_stride, npad16 = J->npad16;
+    float inv[BQ];
+    memset(qb, 0, BQ * (size_t)steps * sizeof(word));
+    for (int r = 0; r < rows; r++) {
+        const char *qr = J->q + ((i0 + r) * J->q_row + h * J->q_head) * J->esize;
+        for (int64_t c = 0, p = 0; c < d; c += J->per_word, p++) qb[(size_t)r * steps + p] = pack_word(qr, c, d, bf);
+    }
+    const word *kp = J->kpack + J->kp_size * h, *vp = J->vpack + J->vp_size * h;
+    for (size_t j0 = 0; j0 < npad16; j0 += 16 * QK_C) {
+        int C = (int)((npad16 - j0) / 16);
+        if (C > QK_C) C = QK_C;
+        for (int r0 = 0; r0 < BQ; r0 += QK_R)
+            qk_dispatch(qb + (size_t)r0 * steps, steps, kp, npad16, j0, C, J->scale2, s + r0 * s_stride, s_stride,
+                        bf);
+    }
+    /* Softmax numerators in fp32 over the n real keys (zero for the padding); the sum is of the fp32 values,
+     * the second product uses them rounded to the input dtype. */
+    const __mmask16 tail = (n % 16) ? (__mmask16)((1u << (n % 16)) - 1) : (__mmask16)0xFFFF;
+    for (int r = 0; r < BQ; r++) {
+        const float *sr = s + r * s_stride;
+        word *pr = pb + r * p_stride;
+        __m512 mx = _mm512_set1_ps(-INFINITY);
+        int64_t j = 0;
+        for (; j + 16 <= n; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sr + j));
+        if (j < n) mx = _mm512_mask_max_ps(mx, tail, mx, _mm512_loadu_ps(sr + j));
+        const float mr = _mm512_reduce_max_ps(mx);
+        const __m512 m = _mm512_set1_ps(mr);
+        __m512 sum = _mm512_setzero_ps();
+        for (j = 0; j < (int64_t)npad16; j += 16) {
+            __m512 e = exp2_neg(_mm512_sub_ps(_mm512_loadu_ps(sr + j), m));
+            if (j + 16 > n) e = _mm512_maskz_mov_ps(tail, e);
+            sum = _mm512_add_ps(sum, e);
+            if (bf) _mm256_storeu_si256((__m256i *)((bf16 *)pr + j), (__m256i)_mm512_cvtneps_pbh(e));
+            else _mm512_storeu_ps((float *)pr + j, e);
+        }
+        const float total = _mm512_reduce_add_ps(sum);
+        inv[r] = 1.0f / total;
+        if (J->lse && r < rows) J->lse[h * n + i0 + r] = (mr + log2f(total)) * 0.6931471805599453f;
+    }
+    const int R = pv_rows(J->NV);
+    for (int r0 = 0; r0 < rows; r0 += R)
+        pv_dispatch(pb + r0 * p_stride, p_stride, vp, J->vsteps, J->NV, inv + r0, rows - r0, (int)d,
+                    J->out + ((i0 + r0) * J->out_row + h * J->out_head) * J->esize, J->out_row, bf);
+}
+
+/* Per-dtype instances: the dtype is a constant inside each, so every branch on it folds away. */
+static void pack_head_bf16(const struct job *J, int64_t h) { pack_head(J, h, 1); }
+static void pack_head_f32(const struct job *J, int64_t h) { pack_head(J, h, 0); }
+static void run_unit_bf16(const struct job *J, int64_t u, float *s, word *pb, word *qb) { run_unit(J, u, s, pb, qb, 1); }
+static void run_unit_f32(const struct job *J, int64_t u, float *s, word *pb, word *qb) { run_unit(J, u, s, pb, qb, 0); }
+
+static int attention(const void *q, const void *k, const void *v, void *out, int64_t n, int64_t heads, int64_t d,
+                     int64_t q_row, int64_t k_row, int64_t v_row, int64_t out_row, int64_t q_head, int64_t k_head,
+                     int64_t v_head, int64_t out_head, float scale, float *lse, int threads, int bf) {
+    if (d < 1 || d > MAX_D) return 2;
+    if (n <= 0 || heads <= 0) return 0;
+    struct job J = {.q = q, .k = k, .v = v, .out = out, .n = n, .d = d, .q_row = q_row, .k_row = k_row,
+                    .v_row = v_row, .out_row = out_row, .q_head = q_head, .k_head = k_head, .v_head = v_head,
+                    .out_head = out_head, .scale2 = scale * 1.4426950408889634f, .lse = lse};
+    J.per_word = bf ? 2 : 1;
+    J.esize = bf ? 2 : 4;
+    J.steps = (int)((d + J.per_word - 1) / J.per_word);     /* words per q/k row */
+    J.NV = (int)round_up((size_t)d, 16) / 16;
+    J.npad16 = round_up((size_t)n, 16);
+    J.vsteps = (n + J.per_word - 1) / J.per_word;          /* key steps of the second product */
+    J.kp_size = (size_t)J.steps * J.npad16;                /* words per head */
+    J.vp_size = J.vsteps * (size_t)J.NV * 16;              /* words per head */
+    J.s_stride = J.npad16;
+    J.p_stride = round_up(J.npad16 / J.per_word, 16);
+    J.qblocks = (n + BQ - 1) / BQ;
+    J.kpack = alloc64(J.kp_size * heads * sizeof(word));
+    J.vpack = alloc64(J.vp_size * heads * sizeof(word));
+    if (!J.kpack || !J.vpack) { free(J.kpack); free(J.vpack); return 1; }
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t h = 0; h < heads; h++) (bf ? pack_head_bf16 : pack_head_f32)(&J, h);
+        float *s = alloc64(BQ * J.s_stride * sizeof(float));
+        word *pb = alloc64(BQ * J.p_stride * sizeof(word));
+        word *qb = alloc64(BQ * (size_t)J.steps * sizeof(word));
+        if (!s || !pb || !qb) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t u = 0; u < heads * J.qblocks; u++)
+            if (s && pb && qb) (bf ? run_unit_bf16 : run_unit_f32)(&J, u, s, pb, qb);
+        free(s);
+        free(pb);
+        free(qb);
+    }
+    free(J.kpack);
+    free(J.vpack);
+    return failed;
+}
+
+/* Returns 0 on success, 1 if scratch memory could not be allocated, 2 for an unsupported head dim. */
+#define ENTRY(NAME, BF)                                                                                          \
+    int NAME(const void *q, const void *k, const void *v, void *out, int64_t n, int64_t heads, int64_t d,       \
+             int64_t q_row, int64_t k_row, int64_t v_row, int64_t out_row, int64_t q_head, int64_t k_head,      \
+             int64_t v_head, int64_t out_head, float scale, float *lse, int threads) {                          \
+        return attention(q, k, v, out, n, heads, d, q_row, k_row, v_row, out_row, q_head, k_head, v_head,       \
+                         out_head, scale, lse, threads, BF);                                                    \
+    }
+ENTRY(bivit_attention_bf16, 1)
+ENTRY(bivit_attention_f32, 0)
