@@ -5,7 +5,9 @@
 
 One item of n patches, 16 heads, [1, heads, n, 72] q/k/v. Variants, each timed interleaved with the others
 (median of `--repeats`), each checked against float64 attention (max |error| relative to max |reference|):
-* sdpa: `F.scaled_dot_product_attention` (the fused CPU flash kernel; what bivit runs).
+* bivit: bivit's compiled attention (`bivit.kernels`; what bivit runs on AVX-512 BF16 CPUs without AMX), forced
+  on with `BIVIT_ATTENTION=bivit` semantics wherever the CPU can run it.
+* sdpa: `F.scaled_dot_product_attention` (PyTorch's fused CPU flash kernel; what bivit runs elsewhere).
 * sdpa-pad80/96/128: head dim zero-padded (the scale kept at 1/sqrt(72)); the output sliced back.
 * sdpa-bhnd-contig: the same kernel on contiguous [1, heads, n, 72] inputs (bivit passes strided views).
 * bmm-fp32: per head-block, scores = q k^T in fp32, softmax, @ v (unfused, exact per item).
@@ -26,7 +28,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from bivit import bench
+from bivit import bench, kernels
 
 
 def bmm_attention(q, k, v, dtype, block: int = 4):
@@ -38,6 +40,12 @@ def bmm_attention(q, k, v, dtype, block: int = 4):
         p = torch.softmax(s, dim=-1, dtype=torch.float32).to(dtype)
         out[0, h:h + block] = torch.bmm(p, vs).to(q.dtype)
     return out
+
+
+def compiled_attention(kernel, q, k, v):
+    out = torch.empty_like(q[0].transpose(0, 1))
+    kernel(*(t[0].transpose(0, 1) for t in (q, k, v)), out)
+    return out.transpose(0, 1)[None]
 
 
 def padded_sdpa(q, k, v, dim):
@@ -59,6 +67,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"$ {bench.command_line()}")
     print(f"torch {env['torch']}, {env['threads']} threads, CPU {env['cpu']} ({bench.cpu_flags_text(env)}), "
           f"load average {bench._fmt_load(env['loadavg'])}")
+    try:
+        os.environ.setdefault(kernels.ATTENTION_ENV, "bivit")
+        compiled = kernels._load_attention()
+    except (kernels.KernelUnavailable, OSError) as e:
+        compiled = None
+        print(f"bivit's compiled attention unavailable: {e}")
     flex = None
     if not args.no_flex:
         try:
@@ -86,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
                     "sdpa-pad128": lambda: padded_sdpa(q, k, v, 128),
                     "bmm-fp32": lambda: bmm_attention(q, k, v, torch.float32),
                 }
+                if compiled is not None:
+                    variants["bivit"] = lambda: compiled_attention(compiled, q, k, v)
                 if dtype != torch.float32:
                     variants["bmm-native"] = lambda: bmm_attention(q, k, v, dtype)
                 if flex is not None:

@@ -549,15 +549,11 @@ CPU_FLAGS = ("amx_bf16", "amx_tile", "avx512_bf16", "avx512f")
 
 
 def environment(threads: int) -> dict:
-    cpu, flags = platform.processor(), []
-    try:
-        with open("/proc/cpuinfo") as f:
-            info = f.read().splitlines()
-        cpu = next((l.split(":", 1)[1].strip() for l in info if l.startswith("model name")), cpu)
-        present = set(next((l.split(":", 1)[1].split() for l in info if l.startswith("flags")), []))
-        flags = [f for f in CPU_FLAGS if f in present]
-    except OSError:
-        pass
+    from . import kernels
+
+    model, present = kernels.cpu_info()
+    cpu, flags = model or platform.processor(), [f for f in CPU_FLAGS if f in present]
+    attention = "bivit compiled" if kernels.attention() is not None else "PyTorch SDPA"
     try:
         import transformers
         tf_version = transformers.__version__
@@ -572,16 +568,16 @@ def environment(threads: int) -> dict:
         git = None
     return {"python": platform.python_version(), "torch": torch.__version__, "transformers": tf_version,
             "git_head": git,
-            "cpu": cpu, "cpu_flags": flags, "cpu_count": os.cpu_count(), "threads": threads,
+            "cpu": cpu, "cpu_flags": flags, "attention": attention, "cpu_count": os.cpu_count(), "threads": threads,
             "loadavg": os.getloadavg() if hasattr(os, "getloadavg") else None}
 
 
 def cpu_flags_text(env: dict) -> str:
-    """'amx_bf16: no, avx512_bf16: yes' for a report line."""
+    """'amx_bf16: no, avx512_bf16: yes; attention: bivit compiled' for a report line."""
     have = env.get("cpu_flags")
-    if have is None:
-        return "CPU flags unknown"
-    return ", ".join(f"{f}: {'yes' if f in have else 'no'}" for f in ("amx_bf16", "avx512_bf16"))
+    text = ("CPU flags unknown" if have is None
+            else ", ".join(f"{f}: {'yes' if f in have else 'no'}" for f in ("amx_bf16", "avx512_bf16")))
+    return text + (f"; attention: {env['attention']}" if env.get("attention") else "")
 
 
 def command_line() -> str:
