@@ -32,7 +32,8 @@ from bivit.config import PRESETS
 from bivit.encoder import load_encoder
 
 MODES = ("invariant", "default")
-SDPA = "aten::_scaled_dot_product_flash_attention_for_cpu"
+# PyTorch's fused attention, and bivit's compiled one (a profiler range around the kernel calls)
+ATTENTION = ("aten::_scaled_dot_product_flash_attention_for_cpu", "bivit::attention")
 
 
 def profile_once(enc, case) -> tuple[float, dict[str, tuple[float, int]]]:
@@ -115,7 +116,7 @@ def format_table(ops_: dict, walls: dict, attention_flops: int, top: int) -> str
         for m in modes:
             s, n = ops_[m].get(k, (0.0, 0))
             cell = f"{s:.3f} s ({100 * s / totals[m]:.0f}%, {n:.0f} calls)" if n else "—"
-            if k == SDPA and s > 0:
+            if k in ATTENTION and s > 0:
                 cell += f", {attention_flops / s / 1e9:.0f} GFLOP/s"
             cells.append(cell)
         lines.append(f"| `{k}` | " + " | ".join(cells) + " |")

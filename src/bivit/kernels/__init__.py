@@ -57,7 +57,12 @@ def cpu_info() -> tuple[str, frozenset[str]]:
 
 
 class KernelUnavailable(Exception):
-    """Why a compiled kernel is not used (logged once; PyTorch's kernel runs instead)."""
+    """Why a compiled kernel is not used (logged once; PyTorch's kernel runs instead). `chosen`: by the
+    configuration or the CPU (an info line), not by a failure on a CPU that could run it (a warning)."""
+
+    def __init__(self, reason: str, chosen: bool = False) -> None:
+        super().__init__(reason)
+        self.chosen = chosen
 
 
 def _compiler() -> str:
@@ -145,14 +150,14 @@ def _attention_choice() -> str:
 def _load_attention() -> Attention:
     choice = _attention_choice()
     if choice == "sdpa":
-        raise KernelUnavailable(f"{ATTENTION_ENV}=sdpa")
+        raise KernelUnavailable(f"{ATTENTION_ENV}=sdpa", chosen=True)
     _, flags = cpu_info()
     missing = [f for f in ATTENTION_NEEDS if f not in flags]
     if missing:
-        raise KernelUnavailable(f"this CPU lacks {', '.join(missing)}")
+        raise KernelUnavailable(f"this CPU lacks {', '.join(missing)}", chosen=True)
     if choice == "auto" and "amx_bf16" in flags:
-        raise KernelUnavailable(f"AMX-BF16 CPU: PyTorch's fused attention is faster here ({ATTENTION_ENV}=bivit "
-                                "overrides)")
+        raise KernelUnavailable(f"AMX-BF16 CPU: PyTorch's fused attention runs on AMX here ({ATTENTION_ENV}=bivit "
+                                "overrides)", chosen=True)
     lib = ctypes.CDLL(str(build(_HERE / "attention.c")))
     for fn in (lib.bivit_attention_bf16, lib.bivit_attention_f32):
         fn.restype = ctypes.c_int
@@ -183,7 +188,9 @@ def attention() -> Attention | None:
     try:
         kernel = _load_attention()
     except (KernelUnavailable, OSError, AttributeError) as e:
-        log.info("bivit: compiled attention not used: %s", e)
+        chosen = isinstance(e, KernelUnavailable) and e.chosen
+        (log.info if chosen else log.warning)("bivit: compiled attention not used (%s); PyTorch's fused attention "
+                                              "runs instead%s", e, "" if chosen else ", slower")
         return None
     log.info("bivit: compiled attention in use (%s)", kernel.lib._name)
     return kernel

@@ -14,7 +14,8 @@
  *
  * Invariance: work is split into (head, block of BQ query rows) units; each unit is computed by one thread in
  * a fixed order that depends only on the item (n, d), so an item's output bits do not depend on the thread
- * count, on which thread ran a unit, or on other items (each item is a separate call).
+ * count, on which thread ran a unit, or on other items (each item is a separate call). Units are handed out
+ * dynamically: on a shared machine a descheduled thread does not hold the others back, and bits cannot change.
  *
  * One code path for both dtypes: the unit of every inner product step is a 32-bit word, a pair of bf16 values
  * (vdpbf16ps multiplies pairs) or one float, so packing, blocking and tails are the same; only the
@@ -336,7 +337,7 @@ static int attention(const void *q, const void *k, const void *v, void *out, int
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 1)
         for (int64_t h = 0; h < heads; h++) (bf ? pack_head_bf16 : pack_head_f32)(&J, h);
         float *s = alloc64(BQ * J.s_stride * sizeof(float));
         word *pb = alloc64(BQ * J.p_stride * sizeof(word));
@@ -345,7 +346,7 @@ static int attention(const void *q, const void *k, const void *v, void *out, int
 #pragma omp atomic write
             failed = 1;
         }
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 4)
         for (int64_t u = 0; u < heads * J.qblocks; u++)
             if (s && pb && qb) (bf ? run_unit_bf16 : run_unit_f32)(&J, u, s, pb, qb);
         free(s);
