@@ -17,7 +17,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from . import ops
+from . import kernels, ops
 from .checkpoint import all_finite, load_state_dict, random_state_dict
 from .config import PRESETS, ModelConfig, load_config
 from .errors import BivitError, CheckpointError, ConfigError, MediaError
@@ -289,6 +289,8 @@ def build_model(model: str | os.PathLike | None, *, device: torch.device, dtype:
     net.load_state_dict(state, strict=True, assign=True)
     net.vision_tower.to(device=device, dtype=dtype)
     net.mm_projector.to(device=device, dtype=projector_dtype)
+    if device.type == "cpu":
+        kernels.attention()  # build (or find in the cache) and self-test the compiled attention now, not mid-request
     return net, name, is_demo, proc
 
 

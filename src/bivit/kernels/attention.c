@@ -112,14 +112,13 @@ static inline __attribute__((always_inline)) __m256 madd8(__m256 acc, const word
 #define PV_CHUNK 128
 
 /* o_r = sum over value steps of p_r . v for R rows, NV 16-column vectors (the last one 8 columns wide when
- * HALF), then scaled by inv[r], rounded to the output dtype and stored (first d columns) to the out rows that
- * exist (`rows`). */
+ * HALF) of value rows `width` words apart, then scaled by inv[r], rounded to the output dtype and stored (first
+ * d columns) to the out rows that exist (`rows`). */
 static inline __attribute__((always_inline)) void pv_tile(const word *pb, size_t p_stride, const word *vp,
-                                                          size_t vsteps, int R, int NV, int HALF, const float *inv,
-                                                          int rows, int d, void *out, size_t out_row,
-                                                          const int bf) {
+                                                          size_t width, size_t vsteps, int R, int NV, int HALF,
+                                                          const float *inv, int rows, int d, void *out,
+                                                          size_t out_row, const int bf) {
     const int NF = HALF ? NV - 1 : NV;  /* full 16-lane vectors */
-    const size_t width = (size_t)NV * 16;
     __m512 tot[4][8];
     __m256 toth[4];
 #pragma GCC unroll 4
@@ -184,24 +183,28 @@ static inline __attribute__((always_inline)) void pv_tile(const word *pb, size_t
     }
 }
 
-/* Constant R/NV/HALF instances, so each microtile keeps its accumulators in registers. */
-#define PV_CASE(NVC, RC)                                                                                \
-    case NVC:                                                                                           \
-        if (half) pv_tile(pb, p_stride, vp, vsteps, RC, NVC, 1, inv, rows, d, out, out_row, bf);        \
-        else pv_tile(pb, p_stride, vp, vsteps, RC, NVC, 0, inv, rows, d, out, out_row, bf);             \
+/* Constant NV/HALF instances, so each microtile keeps its accumulators in registers: 4 rows at a time, and
+ * head dims over 96 in two column passes (4 rows x 8 vectors would not fit the 32 registers). */
+#define PV_CALL(COL, NVC, HALFC)                                                                          \
+    pv_tile(pb, p_stride, vp + 16 * (COL), width, vsteps, 4, NVC, HALFC, inv, rows, d - 16 * (COL),       \
+            (char *)out + 16 * (COL) * (bf ? 2 : 4), out_row, bf)
+#define PV_CASE(NVC)                                                                                     \
+    case NVC:                                                                                            \
+        if (NVC > 6) PV_CALL(0, 4, 0);                                                                   \
+        if (half) PV_CALL(NVC > 6 ? 4 : 0, NVC > 6 ? NVC - 4 : NVC, 1);                                  \
+        else PV_CALL(NVC > 6 ? 4 : 0, NVC > 6 ? NVC - 4 : NVC, 0);                                       \
         break;
 
 static inline __attribute__((always_inline)) void pv_dispatch(const word *pb, size_t p_stride, const word *vp,
                                                               size_t vsteps, int NV, const float *inv, int rows,
                                                               int d, void *out, size_t out_row, const int bf) {
     const int half = d % 16 != 0 && d % 16 <= 8;
+    const size_t width = (size_t)NV * 16;
     switch (NV) {
-        PV_CASE(1, 4) PV_CASE(2, 4) PV_CASE(3, 4) PV_CASE(4, 4) PV_CASE(5, 4) PV_CASE(6, 4)
-        PV_CASE(7, 2) PV_CASE(8, 2)
+        PV_CASE(1) PV_CASE(2) PV_CASE(3) PV_CASE(4) PV_CASE(5) PV_CASE(6) PV_CASE(7) PV_CASE(8)
     }
 }
 
-static int pv_rows(int NV) { return NV <= 6 ? 4 : 2; }
 
 static inline __attribute__((always_inline)) void qk_dispatch(const word *qb, int steps, const word *kp,
                                                               size_t npad16, size_t j0, int C, float scale2,
@@ -240,9 +243,12 @@ static inline __attribute__((always_inline)) void pack_head(const struct job *J,
     const int64_t n = J->n, d = J->d, pw = J->per_word;
     memset(kp, 0, J->kp_size * sizeof(word));
     memset(vp, 0, J->vp_size * sizeof(word));
-    for (int64_t j = 0; j < n; j++) {
-        const char *kr = J->k + (j * J->k_row + h * J->k_head) * J->esize;
-        for (int64_t c = 0, p = 0; c < d; c += pw, p++) kp[(size_t)p * J->npad16 + j] = pack_word(kr, c, d, bf);
+    for (int64_t j0 = 0; j0 < n; j0 += 16) {  /* 16 keys at a time: each packed row gets one 64-byte run */
+        const int64_t jn = n - j0 < 16 ? n - j0 : 16;
+        const char *kr = J->k + (j0 * J->k_row + h * J->k_head) * J->esize;
+        for (int64_t c = 0, p = 0; c < d; c += pw, p++)
+            for (int64_t jj = 0; jj < jn; jj++)
+                kp[(size_t)p * J->npad16 + j0 + jj] = pack_word(kr + jj * J->k_row * J->esize, c, d, bf);
     }
     for (int64_t j = 0; j < n; j += pw) {
         const char *v0 = J->v + (j * J->v_row + h * J->v_head) * J->esize;
@@ -300,8 +306,7 @@ static inline __attribute__((always_inline)) void run_unit(const struct job *J, 
         inv[r] = 1.0f / total;
         if (J->lse && r < rows) J->lse[h * n + i0 + r] = (mr + log2f(total)) * 0.6931471805599453f;
     }
-    const int R = pv_rows(J->NV);
-    for (int r0 = 0; r0 < rows; r0 += R)
+    for (int r0 = 0; r0 < rows; r0 += 4)
         pv_dispatch(pb + r0 * p_stride, p_stride, vp, J->vsteps, J->NV, inv + r0, rows - r0, (int)d,
                     J->out + ((i0 + r0) * J->out_row + h * J->out_head) * J->esize, J->out_row, bf);
 }
