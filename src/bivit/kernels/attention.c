@@ -107,6 +107,15 @@ static inline __attribute__((always_inline)) __m256 madd8(__m256 acc, const word
     return _mm256_fmadd_ps(_mm256_castsi256_ps(av), _mm256_castsi256_ps(b), acc);
 }
 
+static inline __attribute__((always_inline)) void clear_rows(__m512 full[4][8], __m256 half[4]) {
+#pragma GCC unroll 4
+    for (int r = 0; r < 4; r++) {
+        half[r] = _mm256_setzero_ps();
+#pragma GCC unroll 8
+        for (int v = 0; v < 8; v++) full[r][v] = _mm512_setzero_ps();
+    }
+}
+
 /* Value steps summed per chunk, chunk sums added in order: an fp32 sum of thousands of terms loses less than
  * one running accumulator does. */
 #define PV_CHUNK 128
@@ -121,22 +130,12 @@ static inline __attribute__((always_inline)) void pv_tile(const word *pb, size_t
     const int NF = HALF ? NV - 1 : NV;  /* full 16-lane vectors */
     __m512 tot[4][8];
     __m256 toth[4];
-#pragma GCC unroll 4
-    for (int r = 0; r < 4; r++) {
-        toth[r] = _mm256_setzero_ps();
-#pragma GCC unroll 8
-        for (int v = 0; v < 8; v++) tot[r][v] = _mm512_setzero_ps();
-    }
+    clear_rows(tot, toth);
     for (size_t c0 = 0; c0 < vsteps; c0 += PV_CHUNK) {
         const size_t c1 = c0 + PV_CHUNK < vsteps ? c0 + PV_CHUNK : vsteps;
         __m512 acc[4][8];
         __m256 acch[4];
-#pragma GCC unroll 4
-        for (int r = 0; r < 4; r++) {
-            acch[r] = _mm256_setzero_ps();
-#pragma GCC unroll 8
-            for (int v = 0; v < 8; v++) acc[r][v] = _mm512_setzero_ps();
-        }
+        clear_rows(acc, acch);
         for (size_t jp = c0; jp < c1; jp++) {
             const word *vrow = vp + jp * width;
             __m512i vv[8];
