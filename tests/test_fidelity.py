@@ -2,7 +2,6 @@
 transparency (K3's chessboard, vLLM's white), the checkpoint's own preprocessor_config.json, position-term
 rounding, timestamps, prompt placeholders and the image pixel limit."""
 
-import io
 import json
 import logging
 import shutil
@@ -10,6 +9,7 @@ import struct
 import time
 import zlib
 from fractions import Fraction
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -137,7 +137,7 @@ def test_alpha_option_on_encoder_and_its_errors(k3_ckpt):
 
 
 # ------------------------------------------------------------------------- preprocessor_config.json
-def _ckpt_with(tmp_path, src, media_proc_cfg, **top) -> "Path":
+def _ckpt_with(tmp_path, src, media_proc_cfg, **top) -> Path:
     d = tmp_path / "ckpt"
     shutil.copytree(src, d)
     (d / "preprocessor_config.json").write_text(json.dumps({"media_proc_cfg": media_proc_cfg, **top}))
