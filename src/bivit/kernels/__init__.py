@@ -155,6 +155,11 @@ def _load_attention() -> Attention:
     missing = [f for f in ATTENTION_NEEDS if f not in flags]
     if missing:
         raise KernelUnavailable(f"this CPU lacks {', '.join(missing)}", chosen=True)
+    # /proc/cpuinfo lists what the CPU has; PyTorch's capability also says the OS saves AVX-512 state (else the
+    # first instruction would be SIGILL, not an exception) and honours ATEN_CPU_CAPABILITY.
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability != "AVX512":
+        raise KernelUnavailable(f"PyTorch runs {capability} kernels here, not AVX512", chosen=True)
     if choice == "auto" and "amx_bf16" in flags:
         raise KernelUnavailable(f"AMX-BF16 CPU: PyTorch's fused attention runs on AMX here ({ATTENTION_ENV}=bivit "
                                 "overrides)", chosen=True)
