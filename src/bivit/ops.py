@@ -37,8 +37,8 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import math
 import logging
+import math
 import threading
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -544,10 +544,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: Sequen
     heads * head_dim]`.
 
     Each item attends only to itself, so it runs alone: its kernel shapes depend on that item alone, which
-    makes attention batch-invariant in both modes (and is what the reference does on CPU too). In bf16, on
-    CPUs where it is the faster kernel, bivit's compiled attention runs (`bivit.kernels`; a fixed split of
-    each item into per-thread units, so its bits depend on neither batch nor thread count); elsewhere
-    PyTorch's fused attention.
+    makes attention batch-invariant in both modes (and is what the reference does on CPU too). On CPUs where
+    it is the faster kernel, bf16 and fp32 run bivit's compiled attention (`bivit.kernels`: a fixed split of
+    each item into units computed by one thread each, so its bits depend on neither batch nor thread count);
+    elsewhere PyTorch's fused attention.
     """
     kernel = kernels.attention() if all(kernels.Attention.supports(t) for t in (q, k, v)) else None
     if kernel is None:
@@ -619,7 +619,8 @@ class _CompiledAttention(torch.autograd.Function):
 
 
 def _sdpa_grads(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                out: torch.Tensor) -> tuple[torch.Tensor, ...]:
+                _out: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The gradient of PyTorch's attention at q/k/v (recomputed: the compiled forward's output is not used)."""
     with torch.enable_grad():
         qkv = [t.detach().requires_grad_() for t in (q, k, v)]
         return torch.autograd.grad(F.scaled_dot_product_attention(*qkv), qkv, grad)
