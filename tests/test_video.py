@@ -405,6 +405,7 @@ def test_max_frame_pixels(vids):
 @pytest.mark.parametrize("option,value", [
     ("sample_fps", 0), ("chunk_size", 0), ("chunk_size", 2.5), ("patch_limit", -1), ("max_frames", 0),
     ("max_duration_s", float("nan")), ("max_frame_pixels", 0), ("chunk_size", True),
+    ("chunk_size", 4.0), ("max_frames", 8.0),  # integral floats: refused, not a TypeError later
 ])
 def test_bad_options_raise_config_error(vids, option, value):
     path = make_video(vids / "cfg.mp4", frames=3, fps=10)

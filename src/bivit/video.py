@@ -202,9 +202,9 @@ def chunk_timestamp(frame_index: int, fps: float, mode: str = "hh:mm:ss.fff") ->
 def _check_positive(option: str, value: object, integer: bool = False, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
-    if integer:
-        ok = ok and float(value).is_integer()
+    # An integer option takes an int (a float such as 4.0 would later index a list: a TypeError, not this).
+    ok = (isinstance(value, int if integer else (int, float)) and not isinstance(value, bool)
+          and math.isfinite(value) and value > 0)
     if not ok:
         kind = "a positive integer" if integer else "a positive number"
         raise ConfigError(f"{option} must be {kind}{' or None' if allow_none else ''}, got {value!r}")
