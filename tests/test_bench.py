@@ -101,3 +101,19 @@ def test_bench_command_user_errors_are_one_line(tmp_path):
     result = CliRunner().invoke(app, ["bench", "--preset", "nope", "--skip-hf", "--out-dir", str(tmp_path)])
     assert result.exit_code == 2 and "unknown preset 'nope'" in result.output
     assert not (tmp_path / "bench.json").exists()
+
+
+def test_bench_results_that_cannot_be_written_are_a_failure_not_a_usage_error(tmp_path, monkeypatch):
+    """The run itself worked; the disk refused its results: one line, exit 1 (failure), not 2 (usage)."""
+    from typer.testing import CliRunner
+
+    from bivit.cli import app
+
+    def full_disk(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(bench, "write_outputs", full_disk)
+    result = CliRunner().invoke(app, ["bench", "--preset", "demo", "--skip-hf", "--in-process", "--dtype", "float32",
+                                      "--repeats", "1", "--warmup", "0", "--out-dir", str(tmp_path)])
+    assert result.exit_code == 1, result.output
+    assert "cannot write results" in result.output and "No space left" in result.output

@@ -374,7 +374,7 @@ def bench(
         written = b.write_outputs(record, report, summary, out_dir, "bench", command_line,
                                   lambda s: typer.echo(s, err=True))
     except OSError as e:
-        fail(f"cannot write results to {out_dir}: {e}")
+        fail(f"cannot write results to {out_dir}: {e}", FAILURE)
     typer.echo("wrote " + ", ".join(str(p) for p in written))
 
 
