@@ -279,3 +279,28 @@ def test_shard_that_is_not_a_regular_file(sharded, tmp_path, special):
     with pytest.raises(bivit.CheckpointError, match="not a regular file but a (FIFO|character device)") as e:
         bivit.load_encoder(ckpt)
     assert victim in str(e.value)
+
+
+@pytest.mark.parametrize("name", ["config.json", "preprocessor_config.json", INDEX])
+@pytest.mark.parametrize("special", ["fifo", "directory", "dangling link"])
+def test_json_files_that_are_not_regular_files_are_named_errors(sharded, tmp_path, name, special):
+    """config.json, preprocessor_config.json and the shard index, each replaced by a FIFO (read without waiting
+    for a writer), a directory or a dangling link: a ConfigError/CheckpointError naming the file. A broken
+    preprocessor_config.json is not silently replaced by the published defaults, nor a broken index by a scan
+    of every shard."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(sharded, ckpt)
+    target = ckpt / name
+    if target.exists():
+        target.unlink()
+    if special == "fifo":
+        os.mkfifo(target)
+    elif special == "directory":
+        target.mkdir()
+    else:
+        target.symlink_to(tmp_path / "nowhere.json")
+    started = time.monotonic()
+    with pytest.raises((bivit.ConfigError, bivit.CheckpointError), match=name) as e:
+        bivit.load_encoder(ckpt)
+    assert time.monotonic() - started < 30
+    assert any(why in str(e.value) for why in ("cannot read", "unreadable index", "no config.json"))

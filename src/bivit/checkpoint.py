@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 
 from .config import MOONSHOT_KEYS, ModelConfig
 from .errors import CheckpointError
-from .fileio import file_kind
+from .fileio import file_kind, read_json
 from .model import VisionModel
 
 INDEX = "model.safetensors.index.json"
@@ -49,10 +49,10 @@ def vision_weight_map(index: Path) -> dict[str, str]:
     """The vision/projector entries of a checkpoint's index: key -> shard file name (checked to be a file name
     inside the checkpoint folder). Read by the loader and by hub resolution, which fetches only those shards."""
     try:
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = read_json(index)["weight_map"]
         if not isinstance(weight_map, dict):
             raise TypeError("weight_map is not an object")
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, OSError) as e:
+    except (ValueError, KeyError, TypeError, OSError) as e:
         raise CheckpointError(f"{index}: unreadable index ({e})") from None
     return {k: _shard_name(index, k, f) for k, f in weight_map.items() if is_vision_key(k)}
 
@@ -60,7 +60,7 @@ def vision_weight_map(index: Path) -> dict[str, str]:
 def vision_key_files(directory: Path) -> dict[str, Path]:
     """Map every vision/projector key to the shard that holds it, opening only the shards that must be opened."""
     index = directory / INDEX
-    if index.is_file():
+    if os.path.lexists(index):  # a broken index is an error, not a reason to open every shard
         return {k: directory / f for k, f in vision_weight_map(index).items()}
     shards = sorted(directory.glob("*.safetensors"))
     if not shards:

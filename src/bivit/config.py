@@ -8,13 +8,13 @@ implement raises ConfigError naming the key, rather than being silently ignored.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
+from .fileio import read_json
 
 
 # Bounds on what a config may ask bivit to build: K2.6 has 27 layers and 0.47B parameters.
@@ -222,12 +222,12 @@ def load_config(path: str | Path) -> ModelConfig:
     if path.is_dir():
         path = path / "config.json"
     try:
-        raw = json.loads(path.read_text())
+        raw = read_json(path)
     except FileNotFoundError:
         raise ConfigError(f"{path}: no config.json") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except ValueError as e:
         raise ConfigError(f"{path}: not valid JSON ({e})") from None
-    except OSError as e:  # a directory, a permission problem, ...
+    except OSError as e:  # a directory, a FIFO (not waited on), a permission problem, ...
         raise ConfigError(f"{path}: cannot read ({e.strerror or e})") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a JSON object")

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import json
 import os
 import stat
 from pathlib import Path
-from typing import BinaryIO, Callable, Optional, Sequence, Union
+from typing import Any, BinaryIO, Callable, Optional, Sequence, Union
 
 TMP_PREFIX = ".tmp-"
 
@@ -132,6 +133,12 @@ def open_regular(path: Union[str, os.PathLike]) -> BinaryIO:
 def read_regular(path: Union[str, os.PathLike]) -> bytes:
     with open_regular(path) as f:
         return f.read()
+
+
+def read_json(path: Union[str, os.PathLike]) -> Any:
+    """A JSON file's value. OSError if it cannot be read (NotRegularFile, without blocking, for a directory, FIFO
+    or device); ValueError if it is not JSON (or not UTF-8/16/32)."""
+    return json.loads(read_regular(path))
 
 
 def sha256_file(path: Union[str, os.PathLike], chunk: int = 1 << 20) -> str:

@@ -31,15 +31,16 @@ naming the key. A key they do not read is ignored, as Moonshot's processors igno
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 from .config import ModelConfig
 from .errors import ConfigError
+from .fileio import read_json
 
 log = logging.getLogger("bivit")
 
@@ -297,12 +298,14 @@ def check_against_model(proc: ProcessorConfig, cfg: ModelConfig, where: str = "p
 def load_processing(directory: str | Path, cfg: ModelConfig) -> ProcessorConfig:
     """The checkpoint's preprocessing: its `preprocessor_config.json` if present, else the published defaults."""
     path = Path(directory) / PREPROCESSOR_CONFIG
-    if not path.is_file():
+    if not os.path.lexists(path):
         return default_processing(cfg)
-    try:
-        raw = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    try:  # present but unreadable (a directory, a FIFO, a dangling link): an error, not silently the defaults
+        raw = read_json(path)
+    except ValueError as e:
         raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read ({e.strerror or e})") from None
     return processing_from_dict(raw, cfg, str(path))
 
 
