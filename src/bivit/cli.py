@@ -22,6 +22,7 @@ from typing import Any, Callable, List, Optional
 import typer
 
 from .errors import BivitError
+from .serve.settings import ServerSettings as Limits  # light: no web framework
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="bivit: batch-invariant vision encoding for Kimi-K2.5/K2.6/K3.")
@@ -141,8 +142,7 @@ def encode(
                      "grid_thw": batch.grid_thw.tolist(), "chunk_tokens": [int(c.shape[0]) for c in chunks]}
             if batch.timestamps is not None:
                 entry["timestamps"] = batch.timestamps
-            entry["placeholders"] = [{"text": p.text, "tokens": p.tokens}
-                                     for p in batch_placeholders(batch, enc.processing)]
+            entry["placeholders"] = [p.to_dict() for p in batch_placeholders(batch, enc.processing)]
             items.append(entry)
         pending.clear()
 
@@ -237,20 +237,27 @@ def serve(
                                               "off without it)"),
     api_key: Optional[str] = typer.Option(None, envvar="BIVIT_API_KEY",
                                           help="Require 'Authorization: Bearer KEY' (all but /health)"),
-    max_batch_tokens: int = typer.Option(16384, help="Patch budget of one forward pass"),
-    max_wait_ms: float = typer.Option(5.0, help="Max wait for more items before a forward pass"),
-    max_queue: int = typer.Option(256, help="Items in flight before 429"),
-    max_body_mb: float = typer.Option(64.0, help="Request body limit (413 above)"),
-    request_timeout_s: float = typer.Option(120.0, help="Per-request timeout after the body (504 after)"),
-    header_timeout_s: float = typer.Option(10.0, help="Time to send a request's headers (connection closed after)"),
-    body_timeout_s: float = typer.Option(60.0, help="Time to send a request's body (408 after)"),
-    max_request_pixels_mb: float = typer.Option(512.0, help="Decoded float32 pixels of one request (413 above)"),
-    max_queue_pixels_mb: float = typer.Option(2048.0, help="Decoded pixels of all admitted requests (429 above)"),
-    max_response_mb: float = typer.Option(256.0, help="Size of one response, every copy counted (413 above)"),
-    max_video_mpixels: float = typer.Option(65536.0, help="Decoding work of one video, frames x frame pixels, "
-                                                          "millions (item error above)"),
-    cache_mb: float = typer.Option(256.0, help="Exact embedding cache size; 0 disables"),
-    max_weights_mb: float = typer.Option(8192.0, help="POST /v1/weights body limit (413 above)"),
+    # Defaults are ServerSettings' own (one home for each limit).
+    max_batch_tokens: int = typer.Option(Limits.max_batch_tokens, help="Patch budget of one forward pass"),
+    max_wait_ms: float = typer.Option(Limits.max_wait_ms, help="Max wait for more items before a forward pass"),
+    max_queue: int = typer.Option(Limits.max_queue, help="Items in flight before 429"),
+    max_body_mb: float = typer.Option(Limits.max_body_mb, help="Request body limit (413 above)"),
+    request_timeout_s: float = typer.Option(Limits.request_timeout_s,
+                                            help="Per-request timeout after the body (504 after)"),
+    header_timeout_s: float = typer.Option(Limits.header_timeout_s,
+                                           help="Time to send a request's headers (connection closed after)"),
+    body_timeout_s: float = typer.Option(Limits.body_timeout_s, help="Time to send a request's body (408 after)"),
+    max_request_pixels_mb: float = typer.Option(Limits.max_request_pixels_mb,
+                                                help="Decoded float32 pixels of one request (413 above)"),
+    max_queue_pixels_mb: float = typer.Option(Limits.max_queue_pixels_mb,
+                                              help="Decoded pixels of all admitted requests (429 above)"),
+    max_response_mb: float = typer.Option(Limits.max_response_mb,
+                                          help="Size of one response, every copy counted (413 above)"),
+    max_video_mpixels: float = typer.Option(Limits.max_video_mpixels,
+                                            help="Decoding work of one video, frames x frame pixels, millions "
+                                                 "(item error above)"),
+    cache_mb: float = typer.Option(Limits.cache_mb, help="Exact embedding cache size; 0 disables"),
+    max_weights_mb: float = typer.Option(Limits.max_weights_mb, help="POST /v1/weights body limit (413 above)"),
     allow_weight_updates_without_key: bool = typer.Option(
         False, "--allow-weight-updates-without-key",
         help="Accept POST /v1/weights without --api-key (trusted machines only)"),
@@ -262,9 +269,7 @@ def serve(
         need_extra("serve", module, "serve")
     if log_level.lower() not in ("debug", "info", "warning", "error"):
         fail(f"--log-level must be debug, info, warning or error, got {log_level!r}")
-    from .serve.settings import ServerSettings
-
-    settings = ServerSettings(api_key=api_key or None, max_batch_tokens=max_batch_tokens, max_wait_ms=max_wait_ms,
+    settings = Limits(api_key=api_key or None, max_batch_tokens=max_batch_tokens, max_wait_ms=max_wait_ms,
                               max_queue=max_queue, max_body_mb=max_body_mb, request_timeout_s=request_timeout_s,
                               header_timeout_s=header_timeout_s, body_timeout_s=body_timeout_s,
                               max_request_pixels_mb=max_request_pixels_mb, max_queue_pixels_mb=max_queue_pixels_mb,

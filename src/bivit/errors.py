@@ -34,3 +34,8 @@ class MediaError(BivitError):
         if self.source is not None and msg.startswith(f"{self.source}: "):
             return msg[len(self.source) + 2:]
         return msg
+
+    def about(self, name: str) -> str:
+        """The message for a report already keyed by input `name`: the reason alone when the error is about
+        that input, else the whole message (which names the file at fault, e.g. one frame of a video)."""
+        return self.reason if self.source == name else str(self)

@@ -165,6 +165,10 @@ class Placeholder:
     text: str
     tokens: int
 
+    def to_dict(self) -> dict:
+        """The JSON form in `bivit encode` metadata and the service's item metadata."""
+        return {"text": self.text, "tokens": self.tokens}
+
 
 def image_placeholder_text(processing: ProcessorConfig, width: int, height: int) -> str:
     if processing.processor == "kimi_k3":

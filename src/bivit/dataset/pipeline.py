@@ -93,7 +93,7 @@ def prepare(sha: str, kind: str, path: Path, name: str, processing: Any = None, 
             return Prepared(sha, error="no frames decoded")
         return Prepared(sha, batch)
     except MediaError as e:
-        return Prepared(sha, error=e.reason if e.source == name else str(e))
+        return Prepared(sha, error=e.about(name))
     except OSError as e:
         return Prepared(sha, error=f"cannot read ({e.strerror or e})")
     except Exception as e:  # a decoder bug must not stop the job; it is recorded with its type

@@ -263,7 +263,7 @@ class Service:
             pool = self.video_pool if item.kind == "video" else self.pool
             batch = await loop.run_in_executor(pool, self._preprocess, item, deadline)
         except MediaError as e:
-            res.error, res.error_kind = e.reason if e.source == item.name else str(e), "media"
+            res.error, res.error_kind = e.about(item.name), "media"
             return res
         except BivitError as e:
             res.error, res.error_kind = str(e), "invalid"
@@ -290,8 +290,7 @@ class Service:
         res.embedding = join_chunks(outs)
         res.grid_thw = batch.grid_thw.tolist()
         res.timestamps = list(batch.timestamps) if batch.timestamps is not None else None
-        res.placeholders = [{"text": p.text, "tokens": p.tokens}
-                            for p in batch_placeholders(batch, self.encoder.processing)]
+        res.placeholders = [p.to_dict() for p in batch_placeholders(batch, self.encoder.processing)]
         return res
 
     async def encode_request(self, items: list[UploadItem], json_response: bool = False
