@@ -21,6 +21,7 @@ from typing import Any, Callable, List, Optional
 
 import typer
 
+from .dataset import format as dataset_format  # light: file names and defaults
 from .errors import BivitError
 from .serve.settings import ServerSettings as Limits  # light: no web framework
 
@@ -304,9 +305,9 @@ def encode_dataset(
                                                          "default: start a local Ray."),
     workers: int = typer.Option(1, help="Ray engine: encoder actors (each loads the model once)."),
     cpus_per_worker: int = typer.Option(1, help="Ray engine: CPUs (torch threads) per encoder actor."),
-    batch_tokens: int = typer.Option(4096, help="Tokens per encode call (memory bound; results do not depend "
-                                                "on it)."),
-    shard_mb: float = typer.Option(256.0, help="Target size of one safetensors shard, MiB."),
+    batch_tokens: int = typer.Option(dataset_format.DEFAULT_BATCH_TOKENS,
+                                     help="Tokens per encode call (memory bound; results do not depend on it)."),
+    shard_mb: float = typer.Option(dataset_format.DEFAULT_SHARD_MB, help="Target size of one safetensors shard, MiB."),
     progress: bool = typer.Option(True, help="Show a progress bar."),
     allow_failures: bool = typer.Option(False, "--allow-failures",
                                         help="Exit 0 even when some inputs could not be encoded."),
@@ -317,11 +318,8 @@ def encode_dataset(
     Inputs that cannot be encoded are listed in OUT/errors.jsonl (and `open_dataset(OUT).errors`) until they
     are encoded; the exit status is then 1 unless --allow-failures.
     """
-    if engine == "ray":
-        need_extra("encode-dataset --engine ray", "ray", "ray")
-    from .dataset.format import ERRORS, HEADER
-
-    writable(out / HEADER, option="--out")  # before the model loads
+    # A missing Ray extra, bad --engine/--workers values: encode_dataset says so before any work.
+    writable(out / dataset_format.HEADER, option="--out")  # before the model loads
     from .dataset.job import encode_dataset as run
 
     try:
@@ -333,7 +331,7 @@ def encode_dataset(
         raise typer.Exit(130) from None
     typer.echo(summary.line())
     if summary.failed:
-        typer.echo(f"{summary.failed} inputs failed; see {Path(out) / ERRORS}", err=True)
+        typer.echo(f"{summary.failed} inputs failed; see {Path(out) / dataset_format.ERRORS}", err=True)
         if not allow_failures:
             raise typer.Exit(FAILURE)
 

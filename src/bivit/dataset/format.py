@@ -23,6 +23,10 @@ from typing import Optional
 
 from ..errors import BivitError
 
+# Defaults of a dataset job (`encode_dataset`, `bivit encode-dataset`), here so the CLI reads them cheaply.
+DEFAULT_BATCH_TOKENS = 4096  # tokens per encode call: a memory bound; results do not depend on it
+DEFAULT_SHARD_MB = 256  # target size of one safetensors shard
+
 FORMAT = "bivit-encoded-dataset"
 FORMAT_VERSION = 1
 HEADER = "dataset.json"

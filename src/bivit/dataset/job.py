@@ -21,9 +21,8 @@ from ..errors import BivitError, ConfigError
 from .local import run_local
 from .pipeline import Encoded
 from .sources import list_sources, plan
-from .writer import DEFAULT_FLUSH_SECONDS, DEFAULT_SHARD_MB, DatasetWriter, header_for
-
-DEFAULT_BATCH_TOKENS = 4096
+from .format import DEFAULT_BATCH_TOKENS, DEFAULT_SHARD_MB
+from .writer import DEFAULT_FLUSH_SECONDS, DatasetWriter, header_for
 
 
 @dataclass

@@ -26,11 +26,10 @@ import torch
 from ..encoder import dtype_name
 from ..errors import BivitError
 from ..fileio import TMP_PREFIX, append_lines, fsync_dir, write_atomic
-from .format import (ERRORS, FORMAT, FORMAT_VERSION, HEADER, LOCK, MANIFEST, SHARD_RE, ErrorRecord, Record,
-                     current_state, read_header, read_jsonl)
+from .format import (DEFAULT_SHARD_MB, ERRORS, FORMAT, FORMAT_VERSION, HEADER, LOCK, MANIFEST, SHARD_RE,
+                     ErrorRecord, Record, current_state, read_header, read_jsonl)
 from .pipeline import Source
 
-DEFAULT_SHARD_MB = 256
 # A pending shard is also committed after this many seconds, so a kill loses at most this much work even when
 # shards are large and encoding is slow.
 DEFAULT_FLUSH_SECONDS = 60.0
