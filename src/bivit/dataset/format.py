@@ -115,12 +115,18 @@ def current_state(directory: Path) -> tuple[dict[str, Record], dict[str, ErrorRe
 
     Returns (encoded sources -> Record, failed sources -> ErrorRecord); a source is in exactly one of them.
     """
+    return state_from_rows(read_jsonl(directory / MANIFEST)[0], read_jsonl(directory / ERRORS)[0])
+
+
+def state_from_rows(manifest_rows: list[dict], error_rows: list[dict]) -> tuple[dict[str, Record],
+                                                                                dict[str, ErrorRecord]]:
+    """`current_state` of rows already read (a writer opening a folder reads each file once)."""
     records: dict[str, Record] = {}
-    for row in read_jsonl(directory / MANIFEST)[0]:
+    for row in manifest_rows:
         rec = Record.from_json(row)
         records[rec.source] = rec
     errors: dict[str, ErrorRecord] = {}
-    for row in read_jsonl(directory / ERRORS)[0]:
+    for row in error_rows:
         err = ErrorRecord.from_json(row)
         errors[err.source] = err
     for source, err in list(errors.items()):

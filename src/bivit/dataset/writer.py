@@ -27,7 +27,7 @@ from ..encoder import dtype_name
 from ..errors import BivitError
 from ..fileio import TMP_PREFIX, append_lines, fsync_dir, write_atomic
 from .format import (DEFAULT_SHARD_MB, ERRORS, FORMAT, FORMAT_VERSION, HEADER, LOCK, MANIFEST, SHARD_RE,
-                     ErrorRecord, Record, current_state, read_header, read_jsonl)
+                     ErrorRecord, Record, read_header, read_jsonl, state_from_rows)
 from .pipeline import Source
 
 # A pending shard is also committed after this many seconds, so a kill loses at most this much work even when
@@ -125,11 +125,11 @@ class DatasetWriter:
         for p in self.dir.iterdir():
             if p.name.startswith(TMP_PREFIX):
                 p.unlink()  # a shard or header that was being written when a previous run died
-        seq = 0
-        for name in (MANIFEST, ERRORS):
+        seq, rows = 0, {}
+        for name in (MANIFEST, ERRORS):  # each file read (and parsed) once
             path = self.dir / name
-            rows, end = read_jsonl(path)
-            seq = max([seq, *(int(r.get("seq", 0)) for r in rows)])
+            rows[name], end = read_jsonl(path)
+            seq = max([seq, *(int(r.get("seq", 0)) for r in rows[name])])
             if path.exists() and path.stat().st_size != end:
                 with open(path, "r+b") as f:  # drop a line cut short by a kill
                     f.truncate(end)
@@ -137,11 +137,11 @@ class DatasetWriter:
         self._seq = seq
         # Only what resuming needs, kept small: (size, mtime_ns, sha256) per source that is encoded now (a
         # source that failed since is not: it must be read again), one record per stored content.
-        current, _ = current_state(self.dir)
+        current, failed = state_from_rows(rows[MANIFEST], rows[ERRORS])
         self.by_source: dict[str, tuple[Optional[int], Optional[int], str]] = {
             r.source: (r.size, r.mtime_ns, r.sha256) for r in current.values()}
         self.by_hash: dict[str, Record] = {}
-        for row in read_jsonl(self.dir / MANIFEST)[0]:
+        for row in rows[MANIFEST]:
             rec = Record.from_json(row)
             self.by_hash.setdefault(rec.sha256, rec)
         referenced = {r.shard for r in self.by_hash.values()}
@@ -159,7 +159,7 @@ class DatasetWriter:
             raise BivitError(f"{self.dir / MANIFEST}: references shard {missing[0]!r}, which is missing "
                              "(the folder was changed outside bivit)")
         self._next_shard = max(numbers) + 1
-        self.compact_errors()
+        self._write_errors(failed, len(rows[ERRORS]))
         fsync_dir(self.dir)
 
     def _next_seq(self) -> int:
@@ -172,13 +172,16 @@ class DatasetWriter:
         `folders_failing`: after a run that listed SRC, the folders (sources ending in "/") it could not list;
         the error of a folder that could be listed this time is dropped (its files speak for themselves now).
         """
-        path = self.dir / ERRORS
-        rows, _ = read_jsonl(path)
-        _, failed = current_state(self.dir)
+        error_rows, _ = read_jsonl(self.dir / ERRORS)
+        _, failed = state_from_rows(read_jsonl(self.dir / MANIFEST)[0], error_rows)
         if folders_failing is not None:
             failed = {s: e for s, e in failed.items() if not s.endswith("/") or s in folders_failing}
-        if len(failed) != len(rows):
-            write_atomic(path, "".join(e.to_json() + "\n" for e in failed.values()).encode("utf-8"))
+        self._write_errors(failed, len(error_rows))
+
+    def _write_errors(self, failed: dict[str, ErrorRecord], lines: int) -> None:
+        """errors.jsonl as one line per failed source, unless it has exactly that many `lines` already."""
+        if len(failed) != lines:
+            write_atomic(self.dir / ERRORS, "".join(e.to_json() + "\n" for e in failed.values()).encode("utf-8"))
 
     # -- writing ---------------------------------------------------------------------------------------------
 
