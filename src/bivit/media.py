@@ -19,7 +19,6 @@ import os
 import threading
 from dataclasses import dataclass, field
 from functools import lru_cache
-from pathlib import Path
 from typing import Sequence, Union
 
 import numpy as np
@@ -249,26 +248,7 @@ def _load_image(src: ImageInput, max_pixels: int, name: str) -> Image.Image:
         _check_pixels((src.shape[1], src.shape[0]), name, max_pixels)
         return Image.fromarray(np.ascontiguousarray(src), "RGB")
     elif isinstance(src, (str, os.PathLike, bytes)):
-        if isinstance(src, bytes):
-            data = src
-        else:
-            try:
-                data = read_regular(src)  # a directory, FIFO or device is refused without blocking
-            except FileNotFoundError:
-                raise MediaError(f"{name}: no such file") from None
-            except OSError as e:
-                raise MediaError(f"{name}: cannot read ({e.strerror or e})") from None
-        if not data:
-            raise MediaError(f"{name}: file is empty")
-        try:
-            img = _open_header(data, name, max_pixels)
-            img.load()
-        except MediaError:
-            raise
-        except UnidentifiedImageError:
-            raise MediaError(f"{name}: not an image format Pillow can read") from None
-        except (OSError, SyntaxError, ValueError) as e:
-            raise MediaError(f"{name}: corrupt or truncated image ({e})") from None
+        img = _decode(_input_bytes(src, name), name, max_pixels, load=True)
     else:
         raise MediaError(f"{name}: unsupported input type; pass a PIL.Image, an HxWx3 uint8 array, bytes or a path")
     if img.width < 1 or img.height < 1:
@@ -280,16 +260,39 @@ def image_size(src: ImageInput, max_pixels: int = MAX_IMAGE_PIXELS) -> tuple[int
     """(width, height) of an image input; files and bytes are read up to their header only."""
     if isinstance(src, (str, os.PathLike, bytes)):
         name = _describe(src)
-        data = src if isinstance(src, bytes) else (Path(src).read_bytes() if Path(src).is_file() else None)
-        if not data:
-            return load_image(src, max_pixels).size  # raises the right MediaError
-        try:
-            return _open_header(data, name, max_pixels).size
-        except UnidentifiedImageError:
-            raise MediaError(f"{name}: not an image format Pillow can read") from None
-        except (OSError, SyntaxError, ValueError) as e:
-            raise MediaError(f"{name}: corrupt or truncated image ({e})") from None
+        return _decode(_input_bytes(src, name), name, max_pixels, load=False).size
     return load_image(src, max_pixels).size
+
+
+def _input_bytes(src: str | os.PathLike | bytes, name: str) -> bytes:
+    """The bytes of an encoded image given as bytes or a path."""
+    if isinstance(src, bytes):
+        data = src
+    else:
+        try:
+            data = read_regular(src)  # a directory, FIFO or device is refused without blocking
+        except FileNotFoundError:
+            raise MediaError(f"{name}: no such file") from None
+        except OSError as e:
+            raise MediaError(f"{name}: cannot read ({e.strerror or e})") from None
+    if not data:
+        raise MediaError(f"{name}: file is empty")
+    return data
+
+
+def _decode(data: bytes, name: str, max_pixels: int, load: bool) -> Image.Image:
+    """The image in `data`, its header checked against `max_pixels`; its pixels decoded too when `load`."""
+    try:
+        img = _open_header(data, name, max_pixels)
+        if load:
+            img.load()
+        return img
+    except MediaError:
+        raise
+    except UnidentifiedImageError:
+        raise MediaError(f"{name}: not an image format Pillow can read") from None
+    except (OSError, SyntaxError, ValueError) as e:
+        raise MediaError(f"{name}: corrupt or truncated image ({e})") from None
 
 
 def open_image(src: ImageInput, max_pixels: int = MAX_IMAGE_PIXELS, name: str | None = None) -> Image.Image:
