@@ -5,6 +5,7 @@ selection rules (cache, missing compiler, `BIVIT_ATTENTION`)."""
 import logging
 import math
 import os
+import shutil
 import subprocess
 import sys
 
@@ -16,6 +17,7 @@ from bivit import kernels, ops
 
 CAN_RUN = (all(f in kernels.cpu_info()[1] for f in kernels.ATTENTION_NEEDS)
            and torch.backends.cpu.get_cpu_capability() == "AVX512")
+HAS_CC = bool(os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc"))
 AUTO_USES_IT = CAN_RUN and "amx_bf16" not in kernels.cpu_info()[1]  # BIVIT_ATTENTION=auto picks it here
 needs_cpu = pytest.mark.skipif(not CAN_RUN, reason="this CPU lacks AVX-512 BF16: the compiled attention cannot run")
 
@@ -139,7 +141,7 @@ def test_unsupported_dtypes_and_shapes_use_pytorchs_attention(kernel):
 # ----------------------------------------------------------------------------------------- build and choice
 
 def test_build_is_cached_and_atomic(tmp_path, monkeypatch):
-    if not (os.environ.get("CC") or any(map(os.path.exists, ("/usr/bin/cc", "/usr/bin/gcc")))):
+    if not HAS_CC:
         pytest.skip("no C compiler")
     monkeypatch.setenv("BIVIT_KERNEL_CACHE", str(tmp_path / "cache"))
     source = tmp_path / "tiny.c"
@@ -160,7 +162,7 @@ def test_build_errors_name_the_cause(tmp_path, monkeypatch):
     with pytest.raises(kernels.KernelUnavailable, match="no-such-cc"):
         kernels.build(source)
     monkeypatch.delenv("CC")
-    if kernels.shutil.which("cc") or kernels.shutil.which("gcc"):
+    if HAS_CC:
         with pytest.raises(kernels.KernelUnavailable, match="could not build broken.c"):
             kernels.build(source)
         blocked = tmp_path / "file"

@@ -271,12 +271,12 @@ def serve(
     if log_level.lower() not in ("debug", "info", "warning", "error"):
         fail(f"--log-level must be debug, info, warning or error, got {log_level!r}")
     settings = Limits(api_key=api_key or None, max_batch_tokens=max_batch_tokens, max_wait_ms=max_wait_ms,
-                              max_queue=max_queue, max_body_mb=max_body_mb, request_timeout_s=request_timeout_s,
-                              header_timeout_s=header_timeout_s, body_timeout_s=body_timeout_s,
-                              max_request_pixels_mb=max_request_pixels_mb, max_queue_pixels_mb=max_queue_pixels_mb,
-                              max_response_mb=max_response_mb, max_video_mpixels=max_video_mpixels,
-                              cache_mb=cache_mb, max_weights_mb=max_weights_mb,
-                              allow_weight_updates_without_key=allow_weight_updates_without_key)
+                      max_queue=max_queue, max_body_mb=max_body_mb, request_timeout_s=request_timeout_s,
+                      header_timeout_s=header_timeout_s, body_timeout_s=body_timeout_s,
+                      max_request_pixels_mb=max_request_pixels_mb, max_queue_pixels_mb=max_queue_pixels_mb,
+                      max_response_mb=max_response_mb, max_video_mpixels=max_video_mpixels,
+                      cache_mb=cache_mb, max_weights_mb=max_weights_mb,
+                      allow_weight_updates_without_key=allow_weight_updates_without_key)
     from .encoder import load_encoder
     from .serve.app import configure_logging, run
 

@@ -216,19 +216,25 @@ PRESETS: dict[str, ModelConfig] = {
 PRESETS["kimi-k2.5"] = PRESETS["kimi-k2.6"]
 
 
+def read_json_file(path: Path) -> Any:
+    """A config file's JSON value (config.json, preprocessor_config.json); a ConfigError naming the file when
+    it cannot be read or is not JSON."""
+    try:
+        return read_json(path)
+    except ValueError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    except OSError as e:  # a directory, a FIFO (not waited on), a dangling link, a permission problem, ...
+        raise ConfigError(f"{path}: cannot read ({e.strerror or e})") from None
+
+
 def load_config(path: str | Path) -> ModelConfig:
     """Read a checkpoint's config.json in either the Moonshot (`vt_*`) or the transformers layout."""
     path = Path(path)
     if path.is_dir():
         path = path / "config.json"
-    try:
-        raw = read_json(path)
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no config.json") from None
-    except ValueError as e:
-        raise ConfigError(f"{path}: not valid JSON ({e})") from None
-    except OSError as e:  # a directory, a FIFO (not waited on), a permission problem, ...
-        raise ConfigError(f"{path}: cannot read ({e.strerror or e})") from None
+    if not path.exists():  # missing, or a dangling link
+        raise ConfigError(f"{path}: no config.json")
+    raw = read_json_file(path)
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a JSON object")
     try:

@@ -38,9 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from .config import ModelConfig
+from .config import ModelConfig, read_json_file
 from .errors import ConfigError
-from .fileio import read_json
 
 log = logging.getLogger("bivit")
 
@@ -300,13 +299,8 @@ def load_processing(directory: str | Path, cfg: ModelConfig) -> ProcessorConfig:
     path = Path(directory) / PREPROCESSOR_CONFIG
     if not os.path.lexists(path):
         return default_processing(cfg)
-    try:  # present but unreadable (a directory, a FIFO, a dangling link): an error, not silently the defaults
-        raw = read_json(path)
-    except ValueError as e:
-        raise ConfigError(f"{path}: not valid JSON ({e})") from None
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read ({e.strerror or e})") from None
-    return processing_from_dict(raw, cfg, str(path))
+    # Present but unreadable (a directory, a FIFO, a dangling link): an error, not silently the defaults.
+    return processing_from_dict(read_json_file(path), cfg, str(path))
 
 
 def resolve_processing(value: Any, cfg: ModelConfig) -> ProcessorConfig:
