@@ -153,9 +153,10 @@ def test_threads_and_repeats(paths, dtype):
 def test_exact_fallback_path_is_invariant_and_exact(monkeypatch, paths):
     """If the probe found the pinned GEMM not row-invariant, the row-by-row path must still be invariant."""
     from bivit import ops
+    from bivit.ops import gemm
 
-    monkeypatch.setattr(ops, "_probe", lambda *a: ops.GemmPlan(()))
-    monkeypatch.setattr(ops._plans, "by_shape", {})
+    monkeypatch.setattr(gemm, "_probe", lambda *a: ops.GemmPlan(()))
+    monkeypatch.setattr(gemm._plans, "by_shape", {})
     enc = bivit.load_encoder(paths["kimi"], dtype="float32")
     items = [_item(i, 2) for i in range(4)]
     assert differing(enc, items, [3, 1, 0, 2], None) == []
@@ -207,6 +208,7 @@ def test_fused_gemm_gelu_rows_do_not_depend_on_position_batch_or_threads(approxi
     it the row sits, or the thread count, in bf16 and fp32. Control: the stock ops (default mode) give some row
     other bits (stock fp32 GEMMs switch kernels with the row count; bf16 may or may not, by CPU)."""
     from bivit import ops
+    from bivit.ops.gemm import Gemm
 
     g = torch.Generator().manual_seed(0)
     k, n, rows = 288, 436, 700  # 436: not a multiple of any vector width; 700 rows: several tiles and a tail
@@ -217,9 +219,9 @@ def test_fused_gemm_gelu_rows_do_not_depend_on_position_batch_or_threads(approxi
             w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype)
             b = (0.02 * torch.randn(n, generator=g)).to(dtype)
             x = torch.randn(rows, k, generator=g).to(dtype)
-            fused = ops._Gemm(w, b, w, gelu=approximate)
-            if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
-                assert fused.fuses and not ops.gemm_plan(fused).exact_fallback  # the fused kernel runs below
+            fused = Gemm(w, b, w, gelu=approximate)
+            if ops.gemm_path(dtype).fused_gelu:  # where this CPU and build fuse GELU, the fused kernel runs below
+                assert fused.fuses and not ops.gemm_plan(fused).exact_fallback
             for invariant in (False, True):
                 with ops.batch_invariant(invariant), torch.inference_mode():
                     torch.set_num_threads(2)

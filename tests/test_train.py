@@ -270,19 +270,27 @@ def test_checkpoint_recomputes_in_the_forward_mode():
 # ------------------------------------------------------------------------------ private kernels fall back
 
 def test_private_kernels_missing_or_raising_fall_back_and_stay_invariant(monkeypatch, paths):
+    """A build whose oneDNN packed GEMM raises and that lacks GELU with `out=`: the paths chosen for the process
+    avoid them from the start (decided on a tiny tensor, not by a failure mid-run), and stay invariant."""
+    import functools
+
+    from bivit.ops import backend, gemm, pointwise
+
     def broken(*args, **kwargs):
         raise RuntimeError("simulated: kernel not available in this build")
 
-    monkeypatch.setattr(ops, "_broken", set())
-    monkeypatch.setattr(ops._plans, "packed", type(ops._plans.packed)())
-    monkeypatch.setattr(ops._plans, "by_shape", {})
+    # Fresh per-process decisions and weight copies for this test only (monkeypatch restores the real ones).
+    monkeypatch.setattr(gemm, "gemm_path", functools.cache(backend.gemm_path.__wrapped__))
+    monkeypatch.setattr(pointwise, "gelu_out", functools.cache(backend.gelu_out.__wrapped__))
+    monkeypatch.setattr(gemm, "_plans", gemm._Plans())
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", broken)  # present but raising
     monkeypatch.setattr(torch._C._nn, "gelu", None)  # missing
     with pytest.raises(RuntimeError):
         torch.ops.mkldnn._linear_pointwise()
     enc = bivit.load_encoder(paths["kimi"], dtype="bfloat16")
     trainer = bivit.load_model(paths["kimi"], dtype="bfloat16")
-    assert "_linear_pointwise" in ops._broken
+    path = gemm.gemm_path(torch.bfloat16)
+    assert not path.packed and not path.fused_gelu and pointwise.gelu_out() is None
     items = _control_items()[:8] + [_item(4, 1)]
     alone = [enc.encode_batch(it)[0] for it in items]
     assert all(torch.equal(a, b) for a, b in zip(enc.encode_batch(MediaBatch.concat(items)), alone))

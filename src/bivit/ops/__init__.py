@@ -1,0 +1,40 @@
+"""The op layer: the only place that knows about batch invariance.
+
+Every reduction-bearing op of the model (GEMMs, the patch conv, norms, attention, the temporal mean) is called
+through this package. One switch, `batch_invariant(True)` (`mode`), makes each of them compute an item's rows in
+a way that does not depend on which other rows share the call:
+
+* `gemm`: GEMMs and the patch conv (a GEMM over flattened patches) run only at row counts a load-time probe
+  proved row-position invariant on this machine; GELU after a GEMM is fused into it where the kernel allows.
+* `pointwise`: GELU in fixed-size chunks (vectorised kernels round a thread's scalar tail differently); the
+  temporal mean adds frames in a fixed order in float32.
+* `norms`: row-wise kernels; LayerNorm's weight gradient is summed in a fixed order.
+* `attend`: attention per item, so its shapes depend on the item only (bivit's compiled kernel or PyTorch's).
+* `backend`: which kernel each op uses, decided once per process and dtype from the CPU and the PyTorch build,
+  never switched by a failure (an item's bits depend only on the checkpoint, the dtype settings, the input and
+  the machine kind).
+
+Every op returns exactly the dtype the op it replaces returns (never a silently promoted float32): that is the
+dtype contract that vLLM's invariant `mean` broke on Kimi-K2.6 (issue 41638).
+
+Every op is differentiable in both modes. Where the invariant path calls a kernel that autograd cannot see
+through (the pre-packed GEMM, the chunked GELU) or whose stock backward is not invariant (LayerNorm's weight
+gradient is summed in per-thread partials), a `torch.autograd.Function` supplies the backward, computed the
+invariant way too: the input gradient of a GEMM runs at the same pinned tiles, so an item's input gradient does
+not depend on its batch; weight gradients sum over the batch (by definition they depend on it) but in a fixed
+order, so they do not depend on the thread count. Without autograd (`encode` runs under `inference_mode`) the
+Functions are skipped: the fast path stays the fast path.
+"""
+
+from .attend import attention
+from .backend import GemmPath, KernelFailed, gemm_path
+from .gemm import CANDIDATE_TILES, REFERENCE_TILE, GemmPlan, gemm_plan, linear, patch_conv, self_check
+from .mode import batch_invariant, checkpoint, is_batch_invariant, trace
+from .norms import layer_norm, rms_norm
+from .pointwise import POINTWISE_CHUNK, gelu, temporal_mean
+
+__all__ = [
+    "CANDIDATE_TILES", "POINTWISE_CHUNK", "REFERENCE_TILE", "GemmPath", "GemmPlan", "KernelFailed", "attention",
+    "batch_invariant", "checkpoint", "gelu", "gemm_path", "gemm_plan", "is_batch_invariant", "layer_norm",
+    "linear", "patch_conv", "rms_norm", "self_check", "temporal_mean", "trace",
+]

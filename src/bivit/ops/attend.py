@@ -1,0 +1,100 @@
+"""Attention over packed items: each item attends only to itself and runs alone, in bivit's compiled kernel
+where it is the faster one on this CPU, else in PyTorch's fused attention.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .. import kernels
+from .backend import flash_attention_backward
+from .mode import emit, needs_grad
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: Sequence[int]) -> torch.Tensor:
+    """Non-causal attention over packed `[L, heads, head_dim]` q/k/v where item i owns `seqlens[i]` rows -> `[L,
+    heads * head_dim]`.
+
+    Each item attends only to itself, so it runs alone: its kernel shapes depend on that item alone, which
+    makes attention batch-invariant in both modes (and is what the reference does on CPU too). On CPUs where
+    it is the faster kernel, bf16 and fp32 run bivit's compiled attention (`bivit.kernels`: a fixed split of
+    each item into units computed by one thread each, so its bits depend on neither batch nor thread count);
+    elsewhere PyTorch's fused attention.
+    """
+    kernel = kernels.attention() if all(kernels.Attention.supports(t) for t in (q, k, v)) else None
+    if kernel is None:
+        out = _sdpa(q, k, v, seqlens)
+    elif needs_grad(q, k, v):
+        out = _CompiledAttention.apply(q, k, v, list(seqlens), kernel)
+    else:
+        out = q.new_empty(q.shape)
+        with torch.profiler.record_function("bivit::attention"):  # else invisible to torch.profiler
+            for s, e in _spans(seqlens):
+                kernel(q[s:e], k[s:e], v[s:e], out[s:e])
+    return emit("attention", out.view(q.shape[0], -1))
+
+
+def _spans(seqlens: Sequence[int]) -> list[tuple[int, int]]:
+    ends = list(itertools.accumulate(seqlens))
+    return list(zip([0] + ends[:-1], ends))
+
+
+def _heads_first(*ts: torch.Tensor) -> list[torch.Tensor]:
+    # [n, heads, d] -> [1, heads, n, d]: the 4-D form is what selects PyTorch's fused CPU (flash) kernel; 3-D
+    # inputs fall back to the unfused math path, 3x slower at Kimi's shapes.
+    return [t.transpose(0, 1)[None] for t in ts]
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: Sequence[int]) -> torch.Tensor:
+    out = q.new_empty(q.shape)
+    for s, e in _spans(seqlens):
+        out[s:e].copy_(F.scaled_dot_product_attention(*_heads_first(q[s:e], k[s:e], v[s:e]))[0].transpose(0, 1))
+    return out
+
+
+class _CompiledAttention(torch.autograd.Function):
+    """The compiled attention's forward (the bits `encode` serves) with PyTorch's flash-attention backward,
+    fed the forward's output and log-sum-exp; per item, so gradients are batch-invariant too. Where that
+    private backward is missing (`backend.flash_attention_backward`), the gradient of PyTorch's own attention,
+    recomputed (same math, its rounding).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, seqlens, kernel):
+        out = q.new_empty(q.shape)
+        lse = torch.empty(q.shape[0] * q.shape[1], dtype=torch.float32)
+        for s, e in _spans(seqlens):
+            kernel(q[s:e], k[s:e], v[s:e], out[s:e], lse[s * q.shape[1]:e * q.shape[1]].view(q.shape[1], e - s))
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.seqlens = seqlens
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse = ctx.saved_tensors
+        heads = q.shape[1]
+        grads = [torch.zeros_like(t) for t in (q, k, v)]
+        flash_backward = flash_attention_backward()
+        for s, e in _spans(ctx.seqlens):
+            item = _heads_first(grad[s:e], q[s:e], k[s:e], v[s:e], out[s:e])
+            item_lse = lse[s * heads:e * heads].view(1, heads, e - s)
+            if flash_backward is None:
+                parts = _sdpa_grads(*item)
+            else:
+                parts = flash_backward(*item, item_lse, 0.0, False, scale=1 / math.sqrt(q.shape[2]))
+            for g, part in zip(grads, parts):
+                g[s:e] = part[0].transpose(0, 1)
+        return *grads, None, None
+
+
+def _sdpa_grads(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                _out: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The gradient of PyTorch's attention at q/k/v (recomputed: the compiled forward's output is not used)."""
+    with torch.enable_grad():
+        qkv = [t.detach().requires_grad_() for t in (q, k, v)]
+        return torch.autograd.grad(F.scaled_dot_product_attention(*qkv), qkv, grad)

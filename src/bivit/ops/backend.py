@@ -1,0 +1,161 @@
+"""Which kernel computes each op: decided once per process, per dtype, from the CPU and the PyTorch build.
+
+Why decided up front and never changed: an item's bits depend on which kernel computed them. bivit once
+switched a private kernel off process-wide the first time it raised; on a CPU where oneDNN has no bf16 GEMM,
+loading a bf16 encoder then changed the bits of a float32 encoder loaded earlier in the same process. Now each
+choice is a pure function of (dtype, what oneDNN and PyTorch report about this CPU, which private entry points
+this PyTorch build has), checked once on a tiny tensor before any weight is touched, and fixed for the life of
+the process. A kernel that raises after it was chosen is a bug and raises (`KernelFailed`), it is never
+replaced silently by one that rounds differently.
+
+The choices, per dtype `D` of a GEMM's weights:
+* `compute`: the dtype the GEMM multiplies in. `D` where oneDNN has a native GEMM for it (float32 always;
+  bfloat16 where it reports bf16 support: AVX-512 BW/VL/DQ, AVX-NE-CONVERT or AMX; float16 likewise), else
+  float32: the weights are widened once, activations per call, and the float32 result is rounded back to `D`.
+  A product of two bf16 (or fp16) numbers is exact in float32, so this is the same math as a bf16 GEMM with
+  float32 accumulation, several times faster than PyTorch's generic bf16 GEMM on a CPU without bf16 units.
+* `packed`: the weights are pre-packed once into oneDNN's blocked layout (`torch.ops.mkldnn`), where this build
+  has those entry points and they run here.
+* `fused_gelu`: GELU runs as oneDNN's post-op on the float32 accumulator inside the packed GEMM.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger("bivit")
+
+
+class KernelFailed(RuntimeError):
+    """A kernel chosen for this process raised. Not recoverable by switching kernels: that would change bits."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def private(namespace, name: str) -> Callable | None:
+    """A private PyTorch entry point, or None when this build lacks it."""
+    fn = getattr(namespace, name, None)
+    return fn if callable(fn) else None
+
+
+@dataclass(frozen=True)
+class GemmPath:
+    """How invariant-mode GEMMs of one weight dtype run in this process."""
+
+    dtype: torch.dtype
+    compute: torch.dtype
+    packed: bool
+    fused_gelu: bool
+    note: str = ""  # why a faster kind of path is not used here ("" when none is missing)
+
+    def describe(self) -> str:
+        how = "oneDNN pre-packed" if self.packed else "PyTorch"
+        via = "" if self.compute == self.dtype else f" (weights widened to {dtype_name(self.compute)})"
+        fused = ", GELU fused" if self.fused_gelu else ""
+        return f"{dtype_name(self.dtype)}: {how} {dtype_name(self.compute)} GEMM{via}{fused}"
+
+
+# What oneDNN needs for a native GEMM per dtype (what a user can look for in the CPU's flags).
+_NATIVE_NEEDS = {torch.bfloat16: "AVX-512 BW/VL/DQ, AVX-NE-CONVERT or AMX",
+                 torch.float16: "AVX-512 FP16, AVX-NE-CONVERT or AMX-FP16"}
+
+
+def _onednn_native(dtype: torch.dtype) -> bool:
+    """Whether oneDNN has a native GEMM for the 16-bit `dtype` on this CPU (it honours ONEDNN_MAX_CPU_ISA)."""
+    query = {torch.bfloat16: "_is_mkldnn_bf16_supported", torch.float16: "_is_mkldnn_fp16_supported"}.get(dtype)
+    fn = private(torch.ops.mkldnn, query) if query else None
+    if fn is None or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        return bool(fn())
+    except Exception:  # an odd build: treat as absent (decided once, the same way in every process)
+        return False
+
+
+def _packed_gemm_runs(dtype: torch.dtype, gelu: str | None) -> bool:
+    """One tiny pre-packed GEMM (with GELU `gelu` as post-op) in `dtype`: does this build run it, correctly?"""
+    reorder = private(torch.ops.mkldnn, "_reorder_linear_weight")
+    pointwise = private(torch.ops.mkldnn, "_linear_pointwise")
+    if reorder is None or pointwise is None or not torch.backends.mkldnn.is_available():
+        return False
+    g = torch.Generator().manual_seed(0)
+    w, b, x = (torch.randn(*s, generator=g).to(dtype) for s in ((24, 40), (24,), (8, 40)))
+    try:
+        packed = reorder(w, 8)
+        y = pointwise(x, packed, b, "none", [], "") if gelu is None else pointwise(x, packed, b, "gelu", [], gelu)
+    except Exception as e:
+        log.debug("bivit: oneDNN packed GEMM (%s, gelu=%s) does not run here: %s", dtype_name(dtype), gelu, e)
+        return False
+    ref = F.linear(x.float(), w.float(), b.float())
+    if gelu is not None:
+        ref = F.gelu(ref, approximate=gelu)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    return (y.dtype == dtype and y.shape == ref.shape
+            and bool(torch.allclose(y.float(), ref, rtol=tol, atol=tol * float(ref.abs().max()))))
+
+
+@functools.cache
+def gemm_path(dtype: torch.dtype, device_type: str = "cpu") -> GemmPath:
+    """The GEMM path of weights in `dtype` on `device_type`, the same in every process on this machine."""
+    if device_type != "cpu":
+        return GemmPath(dtype, dtype, packed=False, fused_gelu=False)
+    compute = torch.float32 if dtype in _NATIVE_NEEDS and not _onednn_native(dtype) else dtype
+    packed = _packed_gemm_runs(compute, None)
+    fused = packed and all(_packed_gemm_runs(compute, g) for g in ("tanh", "none"))
+    note = ""
+    if not packed:
+        note = ("this PyTorch build has no usable oneDNN pre-packed GEMM (torch.ops.mkldnn._linear_pointwise); "
+                "GEMMs are re-packed on every call")
+    elif not fused:
+        note = "oneDNN's GELU post-op does not run in this build; GELU is a separate pass"
+    elif compute != dtype:
+        needs = _NATIVE_NEEDS.get(dtype, "")
+        note = (f"oneDNN has no {dtype_name(dtype)} GEMM on this CPU (it needs {needs}); its weights are widened to "
+                "float32 once, exact products")
+    path = GemmPath(dtype, compute, packed, fused, note)
+    (log.warning if not fused else log.info)("bivit: %s%s", path.describe(), f" — {note}" if note else "")
+    return path
+
+
+@functools.cache
+def gelu_out() -> Callable | None:
+    """GELU with an `out=` argument (`torch._C._nn.gelu`), or None: F.gelu computes the same bits, with a
+    temporary per call."""
+    fn = private(torch._C._nn, "gelu")
+    if fn is None:
+        return None
+    try:
+        x = torch.randn(16)
+        out = torch.empty(16)
+        fn(x, approximate="tanh", out=out)
+        if not torch.equal(out, F.gelu(x, approximate="tanh")):
+            return None
+    except Exception:
+        return None
+    return fn
+
+
+@functools.cache
+def flash_attention_backward() -> Callable | None:
+    """PyTorch's flash-attention backward for CPU (a private op), or None where this build lacks it or it does not
+    run: gradients then come from autograd through PyTorch's attention (same math, its own rounding)."""
+    fn = private(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward")
+    forward = private(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
+    if fn is None or forward is None:
+        return None
+    try:
+        q, k, v = torch.randn(3, 1, 1, 4, 8).unbind(0)
+        out, lse = forward(q, k, v)[:2]
+        fn(torch.ones_like(out), q, k, v, out, lse, 0.0, False, scale=1 / math.sqrt(8))
+    except Exception:
+        return None
+    return fn

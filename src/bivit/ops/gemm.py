@@ -1,0 +1,328 @@
+"""GEMMs (Linear layers and the patch conv) at pinned row counts: the invariant GEMM of `bivit.ops`.
+
+Library GEMMs pick kernels and reduction orders by shape (on an AVX-512 EPYC, stock fp32 `F.linear` computes a
+row three ways: M = 1, M in {2, 3}, M >= 4), but at one fixed shape a row's result does not depend on its
+position or its neighbours. In invariant mode GEMMs therefore run only at pinned row counts ("tiles"). Which
+row counts are allowed (`CANDIDATE_TILES`) is decided by a probe on this machine and library, at load: the
+reference tile must compute moved rows bit-identically, and every other size is used only if it computes every
+row bit-identically to the reference tile. The rows of a call are cut into the largest proven tiles, the
+remainder zero-padded up to a proven size. If even the reference tile is not row-position invariant, every row
+is computed alone (M = 1 always: slow, exact) and the probe says so.
+
+Which kernel a GEMM uses (pre-packed oneDNN or not, fused GELU or not, bf16 widened to float32 or not) is
+`backend.gemm_path(dtype)`: fixed per process and dtype, never switched by a failure.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .backend import KernelFailed, gemm_path
+from .mode import emit, is_batch_invariant, needs_grad
+from .pointwise import chunked_gelu, chunked_gelu_backward
+
+log = logging.getLogger("bivit")
+
+# Row counts GEMMs may run at in invariant mode, ascending. REFERENCE_TILE is the tile whose row-position
+# invariance the probe proves directly; every other size is used only if it computes each row bit-identically
+# to it. Large tiles mean few calls (each call is one OpenMP fork/join, which is what hurts on a busy machine,
+# and one output copy less when a whole input fits one call); small ones keep the zero-padding of tails small.
+# The probe computes about 2.5x the largest tile's rows per GEMM shape at load, hence no larger tile.
+CANDIDATE_TILES = (64, 128, 256, 512, 1024)
+REFERENCE_TILE = 256
+
+
+@dataclass
+class GemmPlan:
+    """Which row counts a GEMM of one shape may run at in invariant mode, as proven by the probe."""
+
+    tiles: tuple[int, ...]  # ascending; empty means: row by row (M = 1), the exact slow path
+
+    @property
+    def exact_fallback(self) -> bool:
+        return not self.tiles
+
+
+@dataclass
+class _Plans:
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    by_shape: dict[tuple, GemmPlan] = field(default_factory=dict)
+    # Weights prepared for the GEMM kernel (pre-packed for oneDNN, or widened to the compute dtype), per weight
+    # tensor -> {(transposed?, packed?): (version, prepared)}: dropped with the weight, prepared again when the
+    # weight is updated in place (optimizer step, update_weights).
+    prepared: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)
+
+
+_plans = _Plans()
+
+
+def _version(t: torch.Tensor) -> int:
+    try:
+        return t._version
+    except RuntimeError:  # an inference tensor: cannot be updated in place outside inference mode
+        return -1
+
+
+def _prepared(weight: torch.Tensor, key: torch.Tensor, transposed: bool, compute: torch.dtype,
+              packed: bool) -> torch.Tensor:
+    """`weight` in `compute` dtype, pre-packed for oneDNN when `packed`; made once per version of `key`."""
+    slot = _plans.prepared.setdefault(key, {})
+    version, ready = slot.get((transposed, packed), (None, None))
+    if version != _version(key) or ready is None:
+        ready = weight.detach().to(compute).contiguous()
+        if packed:
+            try:
+                ready = torch.ops.mkldnn._reorder_linear_weight(ready, REFERENCE_TILE)
+            except Exception as e:
+                raise KernelFailed(f"oneDNN weight packing of a {tuple(weight.shape)} weight failed: {e}") from e
+        slot[(transposed, packed)] = (_version(key), ready)
+    return ready
+
+
+class Gemm:
+    """The one GEMM call of invariant mode, `x @ weight.t() + bias` (then GELU when `gelu` names its
+    approximation); the probe proves facts about exactly this call.
+
+    With the pre-packed path, weights are packed once (oneDNN's blocked layout): stock bf16 `F.linear` re-packs
+    the weight on every call, which at a 256-row tile costs about as much as the multiply itself (the packed
+    call computes the same bits); in fp32 oneDNN's packed GEMM is faster than MKL's. GELU then runs as oneDNN's
+    post-op on the float32 accumulator, inside the GEMM: no second pass over the output (its bits differ from
+    GELU of the rounded output, within rounding; both are exact per row). Without fusion, `fuses` is False and
+    the caller applies GELU itself. Where the compute dtype is wider than the weights' (bf16 on a CPU without a
+    bf16 GEMM), inputs are widened per call and the result rounded back to the weights' dtype.
+    `key` is the tensor the prepared copy belongs to (the Linear or conv weight); `transposed` says `weight` is
+    that tensor's transpose (the input-gradient GEMM), which gets its own copy. `pack=False` forces PyTorch's
+    GEMM (the row-by-row exact path).
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, key: torch.Tensor,
+                 transposed: bool = False, gelu: str | None = None, pack: bool = True) -> None:
+        path = gemm_path(weight.dtype, weight.device.type)
+        self.weight, self.dtype, self.compute = weight, weight.dtype, path.compute
+        self.bias = None if bias is None else bias.detach().to(self.compute)  # exact: bias is never wider
+        packed = pack and path.packed
+        self.packed = _prepared(weight, key, transposed, self.compute, True) if packed else None
+        self.plain = (weight if self.compute == weight.dtype or packed
+                      else _prepared(weight, key, transposed, self.compute, False))
+        self.gelu = gelu if packed and path.fused_gelu else None
+
+    @property
+    def fuses(self) -> bool:
+        return self.gelu is not None
+
+    def plan_key(self) -> tuple:
+        w = self.weight
+        return (w.shape[0], w.shape[1], w.stride(), w.dtype, self.compute, w.device, self.bias is None,
+                self.packed is not None, self.gelu)
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The GEMM of `x`'s rows, into `out` when given (else a new tensor of the weights' dtype)."""
+        xc = x if x.dtype == self.compute else x.to(self.compute)
+        if self.packed is not None:
+            try:
+                if self.gelu is not None:
+                    y = torch.ops.mkldnn._linear_pointwise(xc, self.packed, self.bias, "gelu", [], self.gelu)
+                else:
+                    y = torch.ops.mkldnn._linear_pointwise(xc, self.packed, self.bias, "none", [], "")
+            except Exception as e:
+                raise KernelFailed(f"oneDNN's packed GEMM raised for input {tuple(x.shape)}: {e}") from e
+        elif out is not None and self.compute == self.dtype:
+            # MKL writes straight into `out` (a row block of the caller's output: no temporary, no copy).
+            return self._mm(xc, out)
+        else:
+            y = self._mm(xc, xc.new_empty(xc.shape[0], self.plain.shape[0]))
+        if out is not None:
+            return out.copy_(y)
+        return y if y.dtype == self.dtype else y.to(self.dtype)
+
+    def _mm(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        if self.bias is None:
+            return torch.mm(x, self.plain.t(), out=out)
+        return torch.addmm(self.bias, x, self.plain.t(), out=out)
+
+
+def _probe(gemm: Gemm) -> GemmPlan:
+    """Prove, on this machine and library, which tile sizes compute a row the same way as REFERENCE_TILE.
+
+    Row-position invariance at the reference tile: the tile is computed, then computed again with half of its
+    rows moved (reversed) to other positions beside other neighbours; each moved row must come back
+    bit-identical. Then every other candidate size is allowed only if it reproduces, bit for bit, what
+    reference tiles compute for the same rows. Kernel choice depends on shapes, not values, so one probe per
+    GEMM shape (and post-op) suffices.
+    """
+    g = torch.Generator(device="cpu").manual_seed(1234)
+    ref_rows, half, most = REFERENCE_TILE, REFERENCE_TILE // 2, max(CANDIDATE_TILES)
+    w = gemm.weight
+    x = torch.randn(max(most, ref_rows), w.shape[1], generator=g).to(w.device, w.dtype)
+    ref = torch.cat([gemm(x[i:i + ref_rows]) for i in range(0, x.shape[0] - ref_rows + 1, ref_rows)])
+    moved = torch.randn(ref_rows, w.shape[1], generator=g).to(w.device, w.dtype)
+    moved[half:] = torch.flip(x[:half], [0])
+    if not torch.equal(torch.flip(gemm(moved)[half:], [0]), ref[:half]):
+        return GemmPlan(())
+    tiles = [t for t in CANDIDATE_TILES
+             if t == ref_rows or (t <= ref.shape[0] and torch.equal(gemm(x[:t]), ref[:t]))]
+    return GemmPlan(tuple(sorted(tiles)))
+
+
+def gemm_plan(gemm: Gemm) -> GemmPlan:
+    """The proven plan for GEMMs of this weight's shape, dtype, device and kernel (probed once, then cached)."""
+    key = gemm.plan_key()
+    plan = _plans.by_shape.get(key)
+    if plan is None:
+        with _plans.lock:
+            plan = _plans.by_shape.get(key)
+            if plan is None:
+                plan = _probe(gemm)
+                if plan.exact_fallback and not gemm.fuses:
+                    w = gemm.weight
+                    log.warning("bivit: GEMM %sx%s %s is not row-position invariant on this machine; using the "
+                                "exact row-by-row path (slower)", w.shape[0], w.shape[1], w.dtype)
+                _plans.by_shape[key] = plan
+    return plan
+
+
+def self_check(gemms: Sequence[tuple]) -> list[GemmPlan]:
+    """Prepare and probe the GEMMs `(weight, bias[, gelu])` of a model at load, so a failure is known (and said)
+    up front. `weight` is a Linear weight `[out, in]` or a patch-conv weight `[out, C, p, p]`; `gelu` (None,
+    "tanh" or "none") names the GELU that follows the GEMM: the fused call is what is probed then, unless it
+    cannot fuse or is not invariant (the plain GEMM is probed instead). Returns the plan inference will use."""
+    plans = []
+    with torch.no_grad():
+        for w, b, *rest in gemms:
+            w2 = w.reshape(w.shape[0], -1)
+            gelu = rest[0] if rest else None
+            plan = None
+            if gelu is not None:
+                fused = Gemm(w2, b, w, gelu=gelu)
+                plan = gemm_plan(fused) if fused.fuses else None
+            if plan is None or plan.exact_fallback:
+                plan = gemm_plan(Gemm(w2, b, w))
+            plans.append(plan)
+    return plans
+
+
+def _calls(m: int, tiles: tuple[int, ...]) -> list[tuple[int, int, int]]:
+    """Cut m rows into GEMM calls (start, rows, tile): the largest tiles first; a remainder runs zero-padded in
+    one call when that wastes at most a quarter of it (or when it is below the smallest tile)."""
+    calls, start = [], 0
+    while start < m:
+        rest = m - start
+        up = next((t for t in tiles if t >= rest), None)
+        if up is not None and (up == tiles[0] or 4 * rest >= 3 * up):
+            calls.append((start, rest, up))
+            break
+        tile = max(t for t in tiles if t <= rest)
+        calls.append((start, tile, tile))
+        start += tile
+    return calls
+
+
+def _tiled(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, key: torch.Tensor,
+           transposed: bool = False, gelu: str | None = None) -> torch.Tensor:
+    """`x2 @ weight.t() + bias` (then GELU if `gelu`) at the proven tile sizes only: each row's bits depend on
+    that row alone."""
+    if gelu is not None:
+        fused = Gemm(weight, bias, key, transposed, gelu)
+        if fused.fuses and not gemm_plan(fused).exact_fallback:
+            return _tiled_with(fused, x2)
+    gemm = Gemm(weight, bias, key, transposed)
+    if gemm.packed is not None and gemm_plan(gemm).exact_fallback:
+        gemm = Gemm(weight, bias, key, transposed, pack=False)  # row by row: PyTorch's GEMM at M = 1
+    out = _tiled_with(gemm, x2)
+    return out if gelu is None else chunked_gelu(out, gelu)
+
+
+def _tiled_with(gemm: Gemm, x2: torch.Tensor) -> torch.Tensor:
+    m = x2.shape[0]
+    plan = gemm_plan(gemm)
+    if plan.exact_fallback:
+        out = x2.new_empty(m, gemm.weight.shape[0])
+        for i in range(m):
+            gemm(x2[i:i + 1], out=out[i:i + 1])
+        return out
+    calls = _calls(m, plan.tiles)
+    if len(calls) == 1:  # the whole input in one call: its result is the output (no copy)
+        return gemm(x2 if m == calls[0][2] else _zero_padded(x2, calls[0][2]))[:m]
+    out = x2.new_empty(m, gemm.weight.shape[0])
+    for start, rows, tile in calls:
+        if rows == tile:
+            gemm(x2[start:start + rows], out=out[start:start + rows])
+        else:  # the zero-padded tail: its rows are computed as in a full tile
+            out[start:] = gemm(_zero_padded(x2[start:], tile))[:rows]
+    return out
+
+
+def _zero_padded(x2: torch.Tensor, rows: int) -> torch.Tensor:
+    pad = x2.new_zeros(rows, x2.shape[1])
+    pad[:x2.shape[0]] = x2
+    return pad
+
+
+class _InvariantLinear(torch.autograd.Function):
+    """`x2 @ weight.t() + bias` (then GELU if `gelu`) at pinned tiles, forward and input gradient; `key` owns
+    the prepared copies.
+
+    The forward is the inference call itself (fused GELU included), so a trainer's outputs are the bits an
+    encoder serves. A fused GEMM keeps no pre-activation; backward recomputes it (one plain tiled GEMM of the
+    saved input) instead of storing an `[rows, out]` tensor per layer.
+    """
+
+    @staticmethod
+    def forward(ctx, x2, weight, bias, key, gelu):
+        ctx.save_for_backward(x2, weight, bias, key)
+        ctx.gelu = gelu
+        return _tiled(x2, weight.detach(), None if bias is None else bias.detach(), key, gelu=gelu)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x2, weight, bias, key = ctx.saved_tensors
+        grad = grad.contiguous()
+        if ctx.gelu is not None:
+            pre = _tiled(x2, weight.detach(), None if bias is None else bias.detach(), key)
+            grad = chunked_gelu_backward(grad, pre, ctx.gelu)
+        gx = gw = gb = None
+        if ctx.needs_input_grad[0]:
+            gx = _tiled(grad, weight.detach().t(), None, key, transposed=True)
+        if ctx.needs_input_grad[1]:
+            gw = grad.t().mm(x2)  # sums over the batch; one GEMM of a fixed shape, whatever the threads
+        if bias is not None and ctx.needs_input_grad[2]:
+            gb = grad.sum(0, dtype=torch.float32).to(grad.dtype)  # per column, rows added in order
+        return gx, gw, gb, None, None
+
+
+def _invariant_linear(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      key: torch.Tensor, gelu: str | None = None) -> torch.Tensor:
+    if needs_grad(x2, weight, bias):
+        return _InvariantLinear.apply(x2, weight, bias, key, gelu)
+    return _tiled(x2, weight, bias, key, gelu=gelu)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           gelu: str | None = None) -> torch.Tensor:
+    """`x @ weight.t() + bias`, then GELU when `gelu` names its approximation ("tanh" or "none" = erf).
+
+    Traced as "linear" then "gelu" in default mode (two stock ops), as one "linear_gelu" in invariant mode."""
+    if not is_batch_invariant():
+        out = emit("linear", F.linear(x, weight, bias))
+        return out if gelu is None else emit("gelu", F.gelu(out, approximate=gelu))
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    out = _invariant_linear(x2, weight, bias, weight, gelu)
+    return emit("linear" if gelu is None else "linear_gelu", out.view(*lead, weight.shape[0]))
+
+
+def patch_conv(pixels: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """Conv2d with kernel = stride = patch size on `[L, C, p, p]` patches -> `[L, D]`."""
+    if not is_batch_invariant():
+        return emit("patch_conv", F.conv2d(pixels, weight, bias, stride=weight.shape[-1]).flatten(1))
+    # A kernel-sized conv over one patch is exactly a GEMM over the flattened patch; pin it like any GEMM.
+    out = _invariant_linear(pixels.reshape(pixels.shape[0], -1).contiguous(), weight.reshape(weight.shape[0], -1),
+                            bias, weight)
+    return emit("patch_conv", out)
