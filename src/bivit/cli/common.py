@@ -15,6 +15,7 @@ from typing import Any, Callable, Optional
 
 import typer
 
+from ..dtypes import CHOICES as DTYPE_CHOICES, DEFAULT_DTYPE
 from ..errors import BivitError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -26,7 +27,7 @@ ModelOpt = typer.Option(None, "--model", help="Checkpoint directory (Moonshot we
                         "(org/name[@revision]; only config and vision shards are fetched). Default: the demo model.")
 AlphaOpt = typer.Option("model", "--alpha", help="Transparency: model (what the model's processor does), drop, "
                         "or white (vLLM's loader: RGBA onto white).")
-DtypeOpt = typer.Option("bfloat16", "--dtype", help="Tower compute dtype: bfloat16, float32 or float16.")
+DtypeOpt = typer.Option(DEFAULT_DTYPE, "--dtype", help=f"Tower compute dtype: {DTYPE_CHOICES}.")
 ProjDtypeOpt = typer.Option(None, "--projector-dtype", help="Projector dtype (default: --dtype).")
 OutDtypeOpt = typer.Option(None, "--output-dtype", help="Output dtype (default: projector dtype).")
 

@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 from ..dataset import format as dataset_format  # light: file names and defaults
-from .common import FAILURE, AlphaOpt, command, writable
+from .common import FAILURE, AlphaOpt, DtypeOpt, OutDtypeOpt, ProjDtypeOpt, command, writable
 
 @command("encode-dataset")
 def encode_dataset(
@@ -19,9 +19,9 @@ def encode_dataset(
                              help="Output folder (created; re-running resumes it)."),
     model: Optional[str] = typer.Option(None, help="Checkpoint folder or hub repo id; default: the tiny built-in "
                                                    "demo model."),
-    dtype: str = typer.Option("bfloat16", help="Tower dtype: bfloat16, float16 or float32."),
-    projector_dtype: Optional[str] = typer.Option(None, help="Projector dtype (default: the tower dtype)."),
-    output_dtype: Optional[str] = typer.Option(None, help="Stored embedding dtype (default: the projector's)."),
+    dtype: str = DtypeOpt,
+    projector_dtype: Optional[str] = ProjDtypeOpt,
+    output_dtype: Optional[str] = OutDtypeOpt,
     engine: str = typer.Option("local", help="local (in-process) or ray (Ray Data actor pool)."),
     ray_address: Optional[str] = typer.Option(None, help="Ray cluster to join (e.g. auto or ray://host:10001); "
                                                          "default: start a local Ray."),

@@ -42,7 +42,7 @@ def encode(
     from safetensors.torch import save_file
     from tqdm import tqdm
 
-    from ..encoder import dtype_name
+    from ..dtypes import dtype_name
     from ..fileio import write_atomic
     from ..media import MediaBatch, batch_placeholders
     from ..video import is_video_path, join_chunks, split_by_input

@@ -7,7 +7,7 @@ from typing import Optional
 import typer
 
 from ..serve.settings import ServerSettings as Limits  # light: no web framework
-from .common import AlphaOpt, command, fail, need_extra
+from .common import AlphaOpt, DtypeOpt, command, fail, need_extra
 
 @command()
 def serve(
@@ -15,7 +15,7 @@ def serve(
                                         "model)"),
     host: str = typer.Option("127.0.0.1", help="Interface to bind; loopback by default"),
     port: int = typer.Option(8000, help="TCP port"),
-    dtype: str = typer.Option("bfloat16", help="Tower dtype: bfloat16 or float32"),
+    dtype: str = DtypeOpt,
     device: str = typer.Option("cpu", help="torch device"),
     batch_invariant: bool = typer.Option(True, "--batch-invariant/--no-batch-invariant",
                                          help="Bit-identical answers however requests are batched (the cache is "

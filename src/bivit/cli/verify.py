@@ -23,7 +23,7 @@ def verify(
 ) -> None:
     """Items alone vs in random batch layouts, invariant and default mode; exit 1 unless invariant is bit-stable."""
     from .. import verify as v
-    from ..encoder import dtype_name
+    from ..dtypes import dtype_name
 
     if plot is not None:
         need_extra("verify --plot", "matplotlib", "plot")
