@@ -19,6 +19,8 @@ _LAZY = {
     "Client": ".client",
     "open_dataset": ".dataset.reader",
     "Encoder": ".encoder",
+    "ItemResult": ".items",
+    "VideoFrames": ".items",
     "load_encoder": ".encoder",
     "load_model": ".train",
     "TrainableModel": ".train",

@@ -49,26 +49,14 @@ def _pause(phase: str) -> None:
 
 
 def header_for(encoder: Any, model: Optional[str]) -> dict:
-    """What a dataset folder records about the encoder that wrote it; a later run must match the checked keys."""
+    """What a dataset folder records about the encoder that wrote it (`Encoder.describe`, under this format's key
+    names); a later run must match the checked keys."""
     from .. import __version__
 
-    return {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "bivit_version": __version__,
-        "model": model,
-        "model_name": encoder.model_name,
-        "is_demo": bool(encoder.is_demo),
-        "fingerprint": encoder.fingerprint,
-        "dtype": dtype_name(encoder.dtype),
-        "projector_dtype": dtype_name(encoder.projector_dtype),
-        "output_dtype": dtype_name(encoder.output_dtype),
-        "text_hidden_size": int(encoder.config.text_hidden_size),
-        "batch_invariant": bool(encoder.batch_invariant),
-        "alpha": encoder.alpha,  # transparency handling and preprocessing (both also in the fingerprint)
-        "processing": encoder.processing.to_dict(),
-        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-    }
+    about = encoder.describe()
+    return {"format": FORMAT, "format_version": FORMAT_VERSION, "bivit_version": __version__, "model": model,
+            "model_name": about.pop("model"), "is_demo": about.pop("demo"), **about,
+            "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
 
 
 class DatasetWriter:
