@@ -131,16 +131,16 @@ class ItemResult(_Item):
         return out
 
 
-def prepare(src: Any, *, processing: ProcessorConfig | str | None = None, alpha: str = "model", name: Optional[str] = None,
-            kind: Optional[str] = None, sha256: Optional[str] = None, pixels: bool = True,
+def prepare(src: Any, *, processing: ProcessorConfig | str | None = None, alpha: str = "model",
+            name: Optional[str] = None, kind: Optional[str] = None, sha256: Optional[str] = None, pixels: bool = True,
             video_options: Optional[dict] = None) -> Prepared:
     """Read, classify, hash and preprocess one input under the model's `processing` and `alpha`.
 
-    `processing`: a ProcessorConfig or a preset name (default: K2.x's, as in `bivit.media`). Never raises for a
-    bad input: a BivitError (MediaError for an unreadable or undecodable input) becomes `Prepared.error`; a bad
-    `processing` or `alpha` raises ConfigError. `name`: how results and messages call it (default: its path, `<N bytes>`, ...); `kind`:
-    "image" or "video" when the caller has decided (else `bivit.kinds` decides); `sha256`: its content hash when
-    the caller has computed it already. `pixels=False`: images are read up to their header only (grid and
+    Never raises for a bad input: a BivitError (MediaError for an unreadable or undecodable input) becomes
+    `Prepared.error`; a bad `processing` (a ProcessorConfig or a preset name; default K2.x's) or `alpha` raises
+    ConfigError. `name`: how results and messages call it (default: its path, `<N bytes>`, ...); `kind`: "image"
+    or "video" when the caller has decided (else `bivit.kinds` decides); `sha256`: its content hash when the
+    caller has computed it already. `pixels=False`: images are read up to their header only (grid and
     placeholders without pixels); videos are decoded all the same (their chunks come from the frames).
     `video_options`: passed to `bivit.video.preprocess_video` (limits, `deadline`, ...).
     """

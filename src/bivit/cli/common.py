@@ -81,13 +81,15 @@ def DeprecatedOpt(flag: str) -> Any:
 
 def renamed_option(value: Any, old_value: Any, flag: str, old_flag: str, factor: int = 1,
                    why: str = "") -> Any:
-    """`value`, or the value given under a deprecated spelling (times `factor`), said in one line on stderr."""
+    """`value`, or the value given under a deprecated spelling (times `factor`), said in one line on stderr; either
+    must be a whole number >= 1 (or not given: None)."""
+    for v, f in ((value, flag), (old_value, old_flag)):
+        if v is not None and v < 1:
+            fail(f"{f} {v!r}: expected a whole number >= 1")
     if old_value is None:
         return value
     if value is not None:
         fail(f"{old_flag} is the deprecated spelling of {flag}; give only {flag}")
-    if old_value < 1:
-        fail(f"{old_flag} {old_value!r}: expected a whole number >= 1")
     how = f" ({old_flag} {old_value} = {flag} {old_value * factor}{why})" if factor != 1 else ""
     typer.echo(f"bivit: {old_flag} is deprecated, use {flag}{how}", err=True)
     return old_value * factor

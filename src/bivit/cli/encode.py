@@ -42,6 +42,7 @@ def encode(
     reported and skipped; exit status 1 if any failed.
     """
     budget = renamed_option(max_batch_patches, max_batch_tokens, "--max-batch-patches", "--max-batch-tokens")
+    budget = DEFAULT_BATCH_PATCHES if budget is None else budget
     writable(out, files)  # before anything is loaded or encoded
     from safetensors.torch import save_file
     from tqdm import tqdm
@@ -53,7 +54,7 @@ def encode(
     tensors, items, failed = {}, [], 0
     # Files share forward passes (prepared one by one as passes fill, so memory holds about one pass); in
     # invariant mode each result is the bits of encoding it alone.
-    results = enc.encode_stream((enc.prepare(path) for path in files), budget or DEFAULT_BATCH_PATCHES)
+    results = enc.encode_stream((enc.prepare(path) for path in files), budget)
     for r in tqdm(results, total=len(files), desc="encoding", unit="file", disable=len(files) < 2, file=sys.stderr):
         if r.error is not None:
             failed += 1

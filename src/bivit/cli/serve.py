@@ -59,8 +59,8 @@ def serve(
     if log_level.lower() not in ("debug", "info", "warning", "error"):
         fail(f"--log-level must be debug, info, warning or error, got {log_level!r}")
     budget = renamed_option(max_batch_patches, max_batch_tokens, "--max-batch-patches", "--max-batch-tokens")
-    settings = Limits(api_key=api_key or None, max_batch_patches=budget or Limits.max_batch_patches,
-                      max_wait_ms=max_wait_ms,
+    budget = Limits.max_batch_patches if budget is None else budget
+    settings = Limits(api_key=api_key or None, max_batch_patches=budget, max_wait_ms=max_wait_ms,
                       max_queue=max_queue, max_body_mb=max_body_mb, request_timeout_s=request_timeout_s,
                       header_timeout_s=header_timeout_s, body_timeout_s=body_timeout_s,
                       max_request_pixels_mb=max_request_pixels_mb, max_queue_pixels_mb=max_queue_pixels_mb,
