@@ -223,3 +223,6 @@ def test_cli_old_spellings_say_so_in_one_line(media, tmp_path):
     assert header["fingerprint"] == d["fingerprint"] and header["kernels"] == d["kernels"]
     r = _cli("encode", media["png"], "--out", out, "--max-batch-tokens", "64", "--max-batch-patches", "64")
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "give only --max-batch-patches" in r.stderr
+    for flag in ("--max-batch-patches", "--max-batch-tokens"):
+        r = _cli("encode", media["png"], "--out", out, flag, "0")
+        assert r.returncode == 2 and r.stderr == f"bivit: error: {flag} 0: expected a whole number >= 1\n"
