@@ -55,7 +55,10 @@ def write_atomic(path: Union[str, os.PathLike], data: Union[bytes, Callable[[str
                  before_replace: Optional[Callable[[], None]] = None) -> None:
     """Replace `path` with `data` (bytes, or a function that writes the file at the path it is given).
 
-    `before_replace` runs after the temp file is durable and before the rename (a test pause point).
+    `before_replace` runs after the temp file is durable and before the rename (a test pause point). A write
+    that fails (a full disk, a file size limit) raises OSError naming `path`; the temp file is removed. A writer
+    function must raise OSError for its own write errors: serialise to bytes instead of handing the path to a
+    library that wraps them in its own exception (safetensors' `save_file` raises SafetensorError).
     """
     path = Path(path)
     tmp = path.parent / f"{TMP_PREFIX}{path.name}.{os.getpid()}"
@@ -81,10 +84,12 @@ def write_atomic(path: Union[str, os.PathLike], data: Union[bytes, Callable[[str
         if before_replace is not None:
             before_replace()
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         if fd >= 0:
             os.close(fd)
         tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError) and e.filename is None and e.errno is not None:  # os.write names no file
+            raise OSError(e.errno, e.strerror, str(path)) from None
         raise
     fsync_dir(path.parent)
 

@@ -509,6 +509,7 @@ def preprocess_video(path: VideoInput, *, max_frames: Optional[int] = MAX_FRAMES
         raise MediaError(f"{name}: this model's processor ({proc.processor}) accepts images only, as its published "
                          "code does; videos cannot be encoded for it", name)
     limits.deadline, limits.max_decoded_pixels = deadline, max_decoded_pixels
+    limits.check_time()  # queued until after its deadline: not started
     with _naming(name):
         return _preprocess(path, name, limits, sample_fps, chunk_size, patch_limit, proc)
 
