@@ -286,17 +286,19 @@ def _bicubic_bytes(size_in: int, size_out: int) -> int:
     return size_out * ((math.ceil(support) * 2 + 1) * 8 + 8)
 
 
-def _decoder_bytes(img: Image.Image) -> int:
-    """Memory a format's decoder works in beyond the image it fills (0 for formats decoded row by row)."""
+def _decoder_bytes(img: Image.Image) -> tuple[int, int]:
+    """Memory a format's decoder takes beyond the image it fills: (while it decodes, kept with the decoded image);
+    (0, 0) for formats decoded row by row."""
     w, h = img.size
     fmt = img.format
     if fmt in ("JPEG", "MPO") and img.info.get("progressive"):
         # libjpeg keeps every DCT coefficient (2 bytes) of every component of a progressive JPEG, MCU-padded.
-        return 2 * len(img.getbands()) * (-(-w // 16) * 16) * (-(-h // 16) * 16)
+        return 2 * len(img.getbands()) * (-(-w // 16) * 16) * (-(-h // 16) * 16), 0
     if fmt == "WEBP":
-        return 24 * w * h  # libwebp's canvases and output buffer, and Pillow's copy of it (measured ~17 B/px)
+        # Pillow keeps libwebp's decoder (its canvases) and the RGBA it returned as long as the image lives.
+        return 0, 24 * w * h
     if fmt == "GIF":
-        return 8 * w * h  # the frame and its palette conversion
+        return 8 * w * h, 0  # the frame and its palette conversion
     if fmt == "TIFF":
         tags = img.tag_v2
         bits = tags.get(258, (8,))
@@ -306,19 +308,19 @@ def _decoder_bytes(img: Image.Image) -> int:
         else:  # one strip at a time; a missing RowsPerStrip means one strip of the whole image
             block = w * min(h, int(tags.get(278, h)))
         rgba = 4 * w * h if tags.get(262) == 6 and tags.get(259) in (6, 7) else 0  # YCbCr JPEG: decoded as RGBA
-        return -(-block * bits_per_pixel // 8) + rgba
-    return 0
+        return -(-block * bits_per_pixel // 8) + rgba, 0
+    return 0, 0
 
 
 def image_work_bytes(width: int, height: int, mode: str = "RGB", processing: ProcessorConfig | None = None,
-                     decoder: int = 0) -> int:
+                     decoder: tuple[int, int] = (0, 0)) -> int:
     """An upper bound of the memory (bytes) decoding an image and preprocessing it for the model takes, beyond
-    its encoded bytes: the decoded image, the decoder's working memory (`decoder`; `_decoder_bytes`), then two
-    full-size copies for a mode other than RGB (conversion, alpha handling), the resize's filter weights and
-    intermediate image, and normalisation at the resized size. Checked against MAX_IMAGE_BYTES before decoding;
-    tests measure the peak RSS against it per format and path."""
+    its encoded bytes: the decoded image; the decoder's working memory (`decoder`: while decoding, and kept with
+    the image; `_decoder_bytes`); then two full-size copies for a mode other than RGB (conversion, alpha
+    handling), the resize's filter weights and intermediate image, and normalisation at the resized size.
+    Checked against MAX_IMAGE_BYTES before decoding; tests measure the peak RSS against it per format and path."""
     p = processing_of(processing)
-    decoded = pillow_bytes(width, height, mode)
+    decoded = pillow_bytes(width, height, mode) + decoder[1]
     copies = 0 if mode == "RGB" else 2 * pillow_bytes(width, height)
     new_w, new_h = navit_size(width, height, p.in_patch_limit, p.patch_size, p.patch_limit_on_one_side)
     resize = 0
@@ -327,17 +329,21 @@ def image_work_bytes(width: int, height: int, mode: str = "RGB", processing: Pro
                   + (pillow_bytes(new_w, height) if new_w != width else 0))
     grid_h, grid_w = image_grid(width, height, p)
     normalize = grid_h * grid_w * p.patch_size ** 2 * _NORMALIZE_BYTES
-    return decoded + max(decoder, copies + resize + normalize) + _FIXED_BYTES
+    return decoded + max(decoder[0], copies + resize + normalize) + _FIXED_BYTES
 
 
 def _check_work(img: Image.Image, name: str, max_bytes: int | None, processing: ProcessorConfig | None,
-                decoder: int = 0) -> None:
+                decoder: tuple[int, int] = (0, 0)) -> None:
     if max_bytes is None:
         return
-    need = image_work_bytes(img.width, img.height, img.mode, processing, decoder)
+    if processing is None:  # decoding only (`load_image`)
+        need = pillow_bytes(img.width, img.height, img.mode) + sum(decoder) + _FIXED_BYTES
+    else:
+        need = image_work_bytes(img.width, img.height, img.mode, processing, decoder)
     if need > max_bytes:
         raise MediaError(f"{name}: a {img.width}x{img.height} {img.mode} image needs about {need} bytes of memory to "
-                         f"decode and preprocess, more than the limit of {max_bytes} bytes")
+                         f"decode{'' if processing is None else ' and preprocess'}, more than the limit of "
+                         f"{max_bytes} bytes")
 
 
 # --------------------------------------------------------------------------------------------- loading
