@@ -7,7 +7,10 @@ pattern, checking that a normal request still succeeds after it:
 
 * copies: one JSON request with 500 copies of a 470-byte 1-bit PNG that decodes to 1792x1792;
 * distinct: one request with 48 distinct such PNGs (each 38 MB of float32 pixels once preprocessed);
-* slow clients: 32 connections sending headers at 1 byte/s and 32 sending a body at 1 byte/s, for 15 s.
+* slow clients: 32 connections sending headers at 1 byte/s and 32 sending a body at 1 byte/s, for 15 s;
+* tall: a 117 KB PNG of 1x60,000,000 pixels (under the pixel limit; its decoding would take gigabytes);
+* heavy (a second server, `--request-timeout-s 5`): two 14000x14000 PNGs in one request, then three small
+  requests a second later; their status and latency (before the heavy-image pool, all three answered 504).
 """
 
 from __future__ import annotations
@@ -17,11 +20,13 @@ import base64
 import io
 import shlex
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import zlib
 from pathlib import Path
 
 import httpx
@@ -45,6 +50,50 @@ def one_bit_png(size: int, seed: int) -> bytes:
 
 def json_body(images: list[bytes]) -> dict:
     return {"items": [{"name": f"{i}.png", "data": base64.b64encode(d).decode()} for i, d in enumerate(images)]}
+
+
+def png(width: int, height: int, color_type: int = 0) -> bytes:
+    """A black PNG written row block by row block (never holding the decoded image)."""
+    row = b"\x00" * (1 + width * {0: 1, 2: 3}[color_type])
+    rows_per = max(1, (1 << 20) // len(row))
+    z, parts, left = zlib.compressobj(9), [], height
+    while left:
+        n = min(rows_per, left)
+        parts.append(z.compress(row * n))
+        left -= n
+    parts.append(z.flush())
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, color_type, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", b"".join(parts)) + chunk(b"IEND", b"")
+
+
+def heavy_images() -> None:
+    """Two heavy images, then three small requests 1 s later, under --request-timeout-s 5."""
+    big = png(14000, 14000, 2)  # sent in two requests (the cache is off: both are decoded)
+    with ServerProcess(["--cache-mb", "0", "--request-timeout-s", "5"], Path(tempfile.mkdtemp())) as srv:
+        results: dict[str, tuple[int, float]] = {}
+
+        def post(key: str, files: list) -> None:
+            t0 = time.monotonic()
+            r = httpx.post(f"{srv.url}/v1/encode", files=files, timeout=120)
+            results[key] = (r.status_code, time.monotonic() - t0)
+
+        heavy = [threading.Thread(target=post, args=(f"heavy{i}", [("file", (f"big{i}.png", big, "image/png"))]))
+                 for i in range(2)]
+        for t in heavy:
+            t.start()
+        time.sleep(1)
+        small = [threading.Thread(target=post, args=(f"small{i}", [("file", (f"s{i}.png", one_bit_png(56, i + 1),
+                                                                              "image/png"))])) for i in range(3)]
+        for t in small:
+            t.start()
+        for t in heavy + small:
+            t.join()
+        print(f"heavy ({len(big)} B PNG of 14000x14000): " + ", ".join(
+            f"{k} HTTP {code} in {sec:.2f} s" for k, (code, sec) in sorted(results.items())))
 
 
 def slow_client(port: int, seconds: float, body: bool) -> None:
@@ -99,6 +148,12 @@ def main() -> None:
         for t in threads:
             t.join()
         print(f"after slow clients: RSS {rss_mb(pid) - base:+.0f} MB; next request {normal()}")
+        tall = png(1, 60_000_000)
+        t0 = time.monotonic()
+        r = httpx.post(f"{srv.url}/v1/encode", files=[("file", ("tall.png", tall, "image/png"))], timeout=300)
+        print(f"tall ({len(tall)} B PNG of 1x60000000): HTTP {r.status_code} in {time.monotonic() - t0:.2f} s; "
+              f"RSS {rss_mb(pid) - base:+.0f} MB; next request {normal()}")
+    heavy_images()
 
 
 if __name__ == "__main__":

@@ -5,6 +5,10 @@ Everything here is per item and independent of batching: pixels are a pure funct
 the model's `ProcessorConfig` (`bivit.preprocess_config`). Video decoding lives in `bivit.video`; it reuses
 `frames_to_item` so a video frame is processed the way an image is, with the per-frame budget.
 
+Decoding reads only `IMAGE_FORMATS`, and refuses before decoding an image whose header claims more than
+`MAX_IMAGE_PIXELS` pixels or whose decoding and preprocessing would take more than `MAX_IMAGE_BYTES` of memory
+(`image_work_bytes`); every decoder failure is a MediaError naming the input (docs/limits.md).
+
 Transparency (`alpha`): "model" does what the model's processor does (K2.5/K2.6 drop alpha with
 `convert("RGB")`; K3 composites onto its `transparent_bg_config` background at its fill stage), "drop" always
 drops it, "white" first does what vLLM's image loader does (an RGBA image pasted onto white with its alpha as
@@ -301,13 +305,18 @@ def _decoder_bytes(img: Image.Image) -> tuple[int, int]:
         return 8 * w * h, 0  # the frame and its palette conversion
     if fmt == "TIFF":
         tags = img.tag_v2
-        bits = tags.get(258, (8,))
-        bits_per_pixel = sum(bits) if isinstance(bits, tuple) else int(bits) * int(tags.get(277, 1))
-        if 322 in tags and 323 in tags:  # one tile at a time
-            block = int(tags[322]) * int(tags[323])
-        else:  # one strip at a time; a missing RowsPerStrip means one strip of the whole image
-            block = w * min(h, int(tags.get(278, h)))
         rgba = 4 * w * h if tags.get(262) == 6 and tags.get(259) in (6, 7) else 0  # YCbCr JPEG: decoded as RGBA
+        try:
+            samples = int(tags.get(277, 1))
+            bits = tags.get(258, (8,))
+            bits = tuple(bits) if isinstance(bits, (tuple, list)) else (bits,)
+            bits_per_pixel = sum(map(int, bits)) if len(bits) >= samples else int(bits[0]) * samples
+            if 322 in tags and 323 in tags:  # one tile at a time
+                block = int(tags[322]) * int(tags[323])
+            else:  # one strip at a time; a missing RowsPerStrip means one strip of the whole image
+                block = w * min(h, int(tags.get(278, h)))
+        except (TypeError, ValueError, IndexError):  # tags Pillow parsed but that make no sense: assume the worst
+            bits_per_pixel, block = 64, w * h
         return -(-block * bits_per_pixel // 8) + rgba, 0
     return 0, 0
 
@@ -332,18 +341,18 @@ def image_work_bytes(width: int, height: int, mode: str = "RGB", processing: Pro
     return decoded + max(decoder[0], copies + resize + normalize) + _FIXED_BYTES
 
 
-def _check_work(img: Image.Image, name: str, max_bytes: int | None, processing: ProcessorConfig | None,
-                decoder: tuple[int, int] = (0, 0)) -> None:
+def _check_work(size: tuple[int, int], mode: str, name: str, max_bytes: int | None,
+                processing: ProcessorConfig | None, decoder: tuple[int, int] = (0, 0)) -> None:
     if max_bytes is None:
         return
+    w, h = size
     if processing is None:  # decoding only (`load_image`)
-        need = pillow_bytes(img.width, img.height, img.mode) + sum(decoder) + _FIXED_BYTES
+        need = pillow_bytes(w, h, mode) + sum(decoder) + _FIXED_BYTES
     else:
-        need = image_work_bytes(img.width, img.height, img.mode, processing, decoder)
+        need = image_work_bytes(w, h, mode, processing, decoder)
     if need > max_bytes:
-        raise MediaError(f"{name}: a {img.width}x{img.height} {img.mode} image needs about {need} bytes of memory to "
-                         f"decode{'' if processing is None else ' and preprocess'}, more than the limit of "
-                         f"{max_bytes} bytes")
+        raise MediaError(f"{name}: a {w}x{h} {mode} image needs about {need} bytes of memory to decode"
+                         f"{'' if processing is None else ' and preprocess'}, more than the limit of {max_bytes} bytes")
 
 
 # --------------------------------------------------------------------------------------------- loading
@@ -382,16 +391,15 @@ def _load_image(name: str, src: ImageInput, max_pixels: int, max_bytes: int | No
     if isinstance(src, Image.Image):
         img = src
         _check_pixels(img.size, name, max_pixels)
-        _check_work(img, name, max_bytes, processing)
+        _check_work(img.size, img.mode, name, max_bytes, processing)
     elif isinstance(src, np.ndarray):
         if src.ndim != 3 or src.shape[2] != 3 or src.dtype != np.uint8:
             raise MediaError(f"{name}: numpy images must be HxWx3 uint8, got shape {src.shape} dtype {src.dtype}")
         if src.shape[0] == 0 or src.shape[1] == 0:
             raise MediaError(f"{name}: image has no pixels (shape {src.shape})")
         _check_pixels((src.shape[1], src.shape[0]), name, max_pixels)
-        img = Image.fromarray(np.ascontiguousarray(src), "RGB")
-        _check_work(img, name, max_bytes, processing)
-        return img
+        _check_work((src.shape[1], src.shape[0]), "RGB", name, max_bytes, processing)
+        return Image.fromarray(np.ascontiguousarray(src), "RGB")
     elif isinstance(src, (str, os.PathLike, bytes)):
         img = _decode(_input_bytes(src, name, max_bytes), name, max_pixels, max_bytes, deadline, processing)
     else:
@@ -405,7 +413,7 @@ def image_size(src: ImageInput, max_pixels: int = MAX_IMAGE_PIXELS) -> tuple[int
     """(width, height) of an image input; files and bytes are read up to their header only."""
     if isinstance(src, (str, os.PathLike, bytes)):
         name = _describe(src)
-        return _decode(_input_bytes(src, name), name, max_pixels, None, None, None, load=False).size
+        return _decode(_input_bytes(src, name, MAX_IMAGE_BYTES), name, max_pixels, None, None, None, load=False).size
     return load_image(src, max_pixels).size
 
 
@@ -455,7 +463,7 @@ def _decode(data: bytes, name: str, max_pixels: int, max_bytes: int | None, dead
     try:
         img = _open_header(data, name, max_pixels, deadline)
         if load:
-            _check_work(img, name, max_bytes, processing, _decoder_bytes(img))
+            _check_work(img.size, img.mode, name, max_bytes, processing, _decoder_bytes(img))
             limit = _pillow_limit()
             with _pillow_guard_off() if limit is not None and img.width * img.height > limit else nullcontext():
                 img.load()
