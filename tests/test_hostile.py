@@ -443,7 +443,7 @@ def test_duplicate_weight_map_keys_are_refused(tmp_path):
 
 @pytest.fixture(scope="module")
 def server(secret):
-    from bivit.serve.launch import ServerProcess
+    from support.server import ServerProcess
 
     pytest.importorskip("fastapi")
     cwd = os.getcwd()

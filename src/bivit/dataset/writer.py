@@ -24,7 +24,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from ..encoder import dtype_name
+from ..dtypes import dtype_name
 from ..errors import BivitError
 from ..fileio import append_lines, fsync_dir, temp_target, write_atomic
 from .format import (DEFAULT_SHARD_MB, ERRORS, FORMAT, FORMAT_VERSION, HEADER, LOCK, MANIFEST, SHARD_RE,

@@ -38,7 +38,8 @@ from typing import Optional
 from fastapi import Request
 from starlette.requests import ClientDisconnect
 
-from ..encoder import Encoder, dtype_name
+from ..dtypes import dtype_name
+from ..encoder import Encoder
 from ..errors import BivitError, MediaError
 from ..media import (PATCH_SIZE, MediaBatch, batch_placeholders, grid_tokens, image_grid, image_header,
                      image_work_bytes, preprocess_images)
