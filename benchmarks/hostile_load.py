@@ -41,6 +41,16 @@ def rss_mb(pid: int) -> float:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
 
 
+def reset_peak(pid: int) -> None:
+    with open(f"/proc/{pid}/clear_refs", "w") as f:
+        f.write("5")  # VmHWM restarts from the current RSS
+
+
+def peak_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
+
+
 def one_bit_png(size: int, seed: int) -> bytes:
     img = Image.new("1", (size, size))
     img.putpixel((seed % size, 0), 1)
@@ -150,10 +160,13 @@ def main() -> None:
             t.join()
         print(f"after slow clients: RSS {rss_mb(pid) - base:+.0f} MB; next request {normal()}")
         tall = png(1, 60_000_000)
+        before = rss_mb(pid)
+        reset_peak(pid)
         t0 = time.monotonic()
         r = httpx.post(f"{srv.url}/v1/encode", files=[("file", ("tall.png", tall, "image/png"))], timeout=300)
         print(f"tall ({len(tall)} B PNG of 1x60000000): HTTP {r.status_code} in {time.monotonic() - t0:.2f} s; "
-              f"RSS {rss_mb(pid) - base:+.0f} MB; next request {normal()}")
+              f"RSS {before:.0f} MB before, peak {peak_mb(pid):.0f} MB, after {rss_mb(pid):.0f} MB; "
+              f"next request {normal()}")
     heavy_images()
 
 
