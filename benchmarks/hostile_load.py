@@ -20,19 +20,18 @@ import base64
 import io
 import shlex
 import socket
-import struct
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import zlib
 from pathlib import Path
 
 import httpx
 from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the test helpers' real server process
+from support.media import blank_png  # noqa: E402
 from support.server import ServerProcess  # noqa: E402
 
 
@@ -63,27 +62,9 @@ def json_body(images: list[bytes]) -> dict:
     return {"items": [{"name": f"{i}.png", "data": base64.b64encode(d).decode()} for i, d in enumerate(images)]}
 
 
-def png(width: int, height: int, color_type: int = 0) -> bytes:
-    """A black PNG written row block by row block (never holding the decoded image)."""
-    row = b"\x00" * (1 + width * {0: 1, 2: 3}[color_type])
-    rows_per = max(1, (1 << 20) // len(row))
-    z, parts, left = zlib.compressobj(9), [], height
-    while left:
-        n = min(rows_per, left)
-        parts.append(z.compress(row * n))
-        left -= n
-    parts.append(z.flush())
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-
-    ihdr = struct.pack(">IIBBBBB", width, height, 8, color_type, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", b"".join(parts)) + chunk(b"IEND", b"")
-
-
 def heavy_images() -> None:
     """Two heavy images, then three small requests 1 s later, under --request-timeout-s 5."""
-    big = png(14000, 14000, 2)  # sent in two requests (the cache is off: both are decoded)
+    big = blank_png(14000, 14000, 2)  # sent in two requests (the cache is off: both are decoded)
     with ServerProcess(["--cache-mb", "0", "--request-timeout-s", "5"], Path(tempfile.mkdtemp())) as srv:
         results: dict[str, tuple[int, float]] = {}
 
@@ -159,7 +140,7 @@ def main() -> None:
         for t in threads:
             t.join()
         print(f"after slow clients: RSS {rss_mb(pid) - base:+.0f} MB; next request {normal()}")
-        tall = png(1, 60_000_000)
+        tall = blank_png(1, 60_000_000)
         before = rss_mb(pid)
         reset_peak(pid)
         t0 = time.monotonic()

@@ -16,12 +16,10 @@ import os
 import platform
 import resource
 import signal
-import struct
 import subprocess
 import sys
 import textwrap
 import threading
-import zlib
 from pathlib import Path
 
 import httpx
@@ -39,7 +37,7 @@ from bivit.fileio import MAX_JSON_DEPTH
 from bivit.media import MAX_IMAGE_BYTES, load_image, preprocess_images
 from bivit.preprocess_config import load_processing
 from bivit.video import preprocess_video
-from support.media import make_video, png_bytes
+from support.media import blank_png, make_video, png_bytes
 
 REPO = Path(__file__).resolve().parents[1]
 DEEP = b"[" * 200_000
@@ -61,25 +59,6 @@ def one_error_line(r: subprocess.CompletedProcess, code: int = 2) -> str:
     lines = [ln for ln in r.stderr.splitlines() if ln.startswith("bivit: error: ")]
     assert len(lines) == 1, r.stderr[-3000:]
     return lines[0]
-
-
-def blank_png(width: int, height: int, color_type: int = 0) -> bytes:
-    """A black PNG of any size, compressed as it is written (a 1x60,000,000 grey one is 117 KB, written in a
-    second without ever holding its 120 MB of rows)."""
-    row = b"\x00" * (1 + width * {0: 1, 2: 3, 4: 2, 6: 4}[color_type])
-    rows_per = max(1, (1 << 20) // len(row))
-    z, parts, left = zlib.compressobj(9), [], height
-    while left:
-        n = min(rows_per, left)
-        parts.append(z.compress(row * n))
-        left -= n
-    parts.append(z.flush())
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-
-    ihdr = struct.pack(">IIBBBBB", width, height, 8, color_type, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", b"".join(parts)) + chunk(b"IEND", b"")
 
 
 @pytest.fixture(scope="module")
