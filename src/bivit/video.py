@@ -210,6 +210,8 @@ def _translate_errors(name: str, doing: str) -> Iterator[None]:
         raise
     except (av.FFmpegError, OSError, EOFError, ValueError, IndexError, RuntimeError) as e:
         raise MediaError(f"{name}: {doing} failed, corrupt or unsupported video ({_reason(e)})") from None
+    except MemoryError:
+        raise MediaError(f"{name}: {doing} failed: not enough memory") from None
 
 
 class _Source:
@@ -427,6 +429,8 @@ def _chunk_items(src: VideoInput, name: str, info: VideoInfo, indices: list[int]
             pixels, grid = frames_to_item(buffer, limit, proc)
         except MediaError as e:  # e.g. the resolution changed inside a chunk
             raise MediaError(f"{name}: chunk {c}: {e}") from None
+        except MemoryError:
+            raise MediaError(f"{name}: chunk {c}: not enough memory to preprocess its frames") from None
         stamp = chunk_timestamp(indices[c * chunk_size], info.fps, proc.timestamp_mode)
         items.append(MediaBatch(pixels, torch.tensor([grid], dtype=torch.int64), [stamp], [f"{name}#chunk{c}"],
                                 [buffer[0].size]))
