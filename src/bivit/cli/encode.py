@@ -44,7 +44,7 @@ def encode(
     budget = renamed_option(max_batch_patches, max_batch_tokens, "--max-batch-patches", "--max-batch-tokens")
     budget = DEFAULT_BATCH_PATCHES if budget is None else budget
     writable(out, files)  # before anything is loaded or encoded
-    from safetensors.torch import save_file
+    from safetensors.torch import save
     from tqdm import tqdm
 
     from ..fileio import write_atomic
@@ -65,7 +65,7 @@ def encode(
         items.append({"key": key, **r.to_dict()})
     if tensors:
         meta = {"bivit": json.dumps({"format": ENCODE_FORMAT, **enc.describe(), "items": items})}
-        write_atomic(out, lambda tmp: save_file(tensors, tmp, metadata=meta))
+        write_atomic(out, save(tensors, metadata=meta))  # a full disk is an OSError naming --out
     tokens = sum(i["tokens"] for i in items)
     where = f" -> {out}" if tensors else " (nothing written)"
     typer.echo(f"encoded {len(items)} of {len(files)} inputs, {tokens} tokens in "
