@@ -34,8 +34,9 @@ from PIL import Image
 from .errors import BivitError, MediaError
 from .fileio import sha256_file
 from .kinds import media_kind
-from .media import (MAX_IMAGE_BYTES, MediaBatch, Placeholder, batch_placeholders, grid_tokens, image_grid,
-                    image_placeholder_text, image_size, input_bytes, input_name, preprocess_images, processing_of)
+from .decode import MAX_IMAGE_BYTES, image_size, input_bytes, input_name
+from .grids import grid_tokens, image_grid, processing_of
+from .media import MediaBatch, Placeholder, batch_placeholders, image_placeholder_text, preprocess_images
 from .preprocess_config import ProcessorConfig, check_alpha
 from .video import preprocess_frames, preprocess_video
 
