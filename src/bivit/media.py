@@ -26,8 +26,8 @@ from .decode import (IMAGE_FORMATS, MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, ImageHead
                      check_deadline, image_header, image_size, image_work_bytes, input_name, load_for_model,
                      load_image, open_image, pillow_bytes)
 from .errors import MediaError
-from .grids import (IN_PATCH_LIMIT, PATCH_SIZE, grid_tokens, image_grid, image_token_count, navit_size,  # noqa: F401
-                    padded_grid, processing_of)
+from .grids import (IN_PATCH_LIMIT, MERGE_KERNEL, PATCH_LIMIT_ON_ONE_SIDE, PATCH_SIZE, grid_tokens,  # noqa: F401
+                    image_grid, image_token_count, navit_size, padded_grid, processing_of)
 from .preprocess_config import ProcessorConfig, TransparentBg, check_alpha
 
 MEDIA_PAD = "<|media_pad|>"

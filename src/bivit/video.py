@@ -70,7 +70,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from .container import VIDEO_DEMUXERS, Source, VideoInput, check_complete, translate_errors  # noqa: F401 (re-exported)
+from .container import (TRUNCATION_SLACK, VIDEO_DEMUXERS, Source, VideoInput, check_complete,  # noqa: F401
+                        translate_errors)  # the limits' names re-exported where callers found them
 from .decode import check_deadline, load_image
 from .errors import ConfigError, MediaError
 from .grids import processing_of
