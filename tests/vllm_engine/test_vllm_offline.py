@@ -246,9 +246,9 @@ def test_batched_requests_get_the_same_rows(llm, own, media, target, ec_dir, inp
 
     others = [bv.ec_prompt(tok.encode(text_of(PROMPTS[p], media), add_special_tokens=False),
                            [media[n] for n in PROMPTS[p]], target=target, ec_dir=ec_dir, tokenizer=tok)
-              for p in ("two images", "image and video")]
-    raw = {"prompt_token_ids": own["one image"][3],
-           "multi_modal_data": {"vision_chunk": inputs["square"][1]}}  # vLLM encodes this one itself
+              for p in ("one image", "image and video")]
+    raw = {"prompt_token_ids": tok.encode(text_of(["wide"], media), add_special_tokens=False),
+           "multi_modal_data": {"vision_chunk": inputs["wide"][1]}}  # vLLM encodes this one itself
     batch = [others[0], raw, bv.ec_prompt(ids, [m], target=target, ec_dir=ec_dir, tokenizer=tok), others[1],
              {"prompt_token_ids": tok.encode(USER + "no media" + ASSISTANT, add_special_tokens=False)},
              bv.ec_prompt(ids, [twin], target=bv.Target(target.hidden_size, target.dtype), ec_dir=ec_dir,
@@ -258,6 +258,6 @@ def test_batched_requests_get_the_same_rows(llm, own, media, target, ec_dir, inp
     same = [r for r in rows_in if r.shape == file_rows.shape and torch.equal(r, file_rows)]
     near = [r for r in rows_in if r.shape == file_rows.shape and torch.equal(r, nudged)]
     assert len(same) == 1 and len(near) == 1  # exactly the file's bits; the nudged twin is told apart
-    for n in ("wide", "tall", "video"):  # every other EC item of the batch came in as its file holds it
+    for n in ("square", "tall", "video"):  # every other EC item of the batch came in as its file holds it
         for rows in media[n].chunks():
             assert any(r.shape == rows.shape and torch.equal(r, rows) for r in rows_in), n
