@@ -32,7 +32,7 @@ from PIL import Image
 pytest.importorskip("vllm", reason="vLLM is not installed here; run scripts/vllm-env.sh test (its own venv)")
 
 import vllm_hooks  # noqa: E402
-from conftest import ENGINE, engine_environment  # noqa: E402
+from engine_support import ASSISTANT, ENGINE, USER, engine_environment  # noqa: E402
 from support.media import make_video, random_image  # noqa: E402
 
 from bivit.engines import vllm as bv  # noqa: E402
@@ -42,7 +42,6 @@ ROWS_RTOL = 1e-5  # (1): max |bivit - vLLM| / max |vLLM| per item, float32
 LOGPROB_ATOL = 1e-4  # (2): the rows differ by ~1e-6 relative; through two layers the log-probs move less than this
 MAX_TOKENS = 8
 IMAGE_SIZES = {"square": (112, 112), "wide": (140, 112), "odd": (203, 97), "tall": (60, 250)}
-USER, ASSISTANT = "<|im_user|>user<|im_middle|>", "<|im_end|><|im_assistant|>assistant<|im_middle|>"
 
 
 @pytest.fixture(scope="module")

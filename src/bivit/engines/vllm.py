@@ -486,6 +486,35 @@ def ec_prompt(prompt: Union[str, Sequence[int]], media: Sequence[Media], *, targ
             "multi_modal_uuids": {MODALITY: [i for m in media for i in m.ec_ids()]}}
 
 
+
+def ec_chat_content(segments: Sequence[Union[str, Media]], *, target: Target,
+                    ec_dir: Union[str, os.PathLike]) -> list[dict]:
+    """A chat message's content for vLLM's OpenAI-compatible server started as encoder-cache consumer on
+    `ec_dir`: text parts and, per image, an `image_url` part holding a black stand-in of the image's size (a
+    PNG data URL) with the item's id as its `uuid`. Refuses media whose files are missing, and videos (the
+    server decodes and splits a video itself; send video rows as `chat_content`'s prompt embeddings).
+    """
+    media = _checked([s for s in segments if not isinstance(s, str)], target)
+    for m in media:
+        if m.kind != "image":
+            raise BivitError(f"{m.source or 'media'}: the server splits videos into chunks itself; send a video's "
+                             "rows with chat_content (prompt embeddings) instead")
+    check_encoder_cache(ec_dir, media, target)
+    parts: list[dict] = []
+    it = iter(media)
+    for seg in segments:
+        if isinstance(seg, str):
+            if seg:
+                parts.append({"type": "text", "text": seg})
+            continue
+        m = next(it)
+        (item,), (id_,) = stand_ins(m), m.ec_ids()
+        buf = io.BytesIO()
+        item["image"].save(buf, format="PNG")
+        url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+        parts.append({"type": "image_url", "image_url": {"url": url}, "uuid": id_})
+    return parts
+
 # ---------------------------------------------------------------------------------------- reading outputs
 
 def load_media(path: Union[str, os.PathLike]) -> list[Media]:
