@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import stat
+import threading
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Optional, Sequence, Union
 
@@ -37,12 +38,14 @@ def write_atomic(path: Union[str, os.PathLike], data: Union[bytes, Callable[[str
     `before_replace` runs after the temp file is durable and before the rename (a test pause point).
     """
     path = Path(path)
-    tmp = path.parent / f"{TMP_PREFIX}{path.name}.{os.getpid()}"
+    # One temp name per process and thread: concurrent writers of one path (threads of an encoder-cache
+    # producer) never share, or unlink, each other's temp file.
+    tmp = path.parent / f"{TMP_PREFIX}{path.name}.{os.getpid()}.{threading.get_ident()}"
     try:
         old_mode = stat.S_IMODE(os.stat(path).st_mode)
     except FileNotFoundError:
         old_mode = None
-    tmp.unlink(missing_ok=True)  # a leftover of a killed process that had our pid
+    tmp.unlink(missing_ok=True)  # a leftover of a killed process that had our pid and thread id
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the kernel applies the umask
     try:
         new_mode = stat.S_IMODE(os.fstat(fd).st_mode)
