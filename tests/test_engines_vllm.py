@@ -14,6 +14,7 @@ import json
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -261,3 +262,66 @@ def test_a_consumer_request_refuses_missing_or_foreign_files(media, target, tmp_
         bv.ec_chat_content(["x", c], target=target, ec_dir=tmp_path)
     (part,) = [p for p in bv.ec_chat_content(["x", a], target=target, ec_dir=tmp_path) if p["type"] != "text"]
     assert part["uuid"] == a.ec_ids()[0] and part["image_url"]["url"].startswith("data:image/png;base64,")
+
+
+# ----------------------------------------------------------------- front ends: one id per item, everywhere
+
+def cli(*args):
+    return subprocess.run([sys.executable, "-m", "bivit.cli", *map(str, args)], capture_output=True, text=True,
+                          timeout=600)
+
+
+def test_encode_command_writes_the_encoder_cache_under_the_apis_ids(files, media, tmp_path):
+    inputs = [files / "a.png", files / "b.png", files / "c.mp4"]
+    out, ec = tmp_path / "e.safetensors", tmp_path / "ec"
+    r = cli("encode", *inputs, "--out", out, "--dtype", "float32", "--ec-dir", ec)
+    assert r.returncode == 0, r.stderr
+    assert "encoder cache: 4 items" in r.stdout
+    loaded = bv.load_media(out)
+    for got, want in zip(loaded, media):  # the file gives back what the API encodes, ids and all
+        assert torch.equal(got.embedding, want.embedding) and got.placeholders == want.placeholders
+        assert got.ec_ids() == want.ec_ids() and got.sizes == want.sizes and got.kind == want.kind
+        for i, rows in zip(got.ec_ids(), want.chunks()):
+            assert torch.equal(load_file(str(ec / i / "encoder_cache.safetensors"))["ec_cache"], rows)
+    from safetensors import safe_open
+
+    with safe_open(str(out), framework="pt") as f:
+        meta = json.loads(f.metadata()["bivit"])
+    assert [i["ec_ids"] for i in meta["items"]] == [m.ec_ids() for m in media]
+
+
+def test_encode_dataset_command_writes_the_encoder_cache_under_the_same_ids(files, media, tmp_path):
+    out, ec = tmp_path / "ds", tmp_path / "ec"
+    r = cli("encode-dataset", files, "--out", out, "--dtype", "float32", "--ec-dir", ec, "--no-progress")
+    assert r.returncode == 0, r.stderr
+    by_name = {Path(m.source).name: m for m in bv.load_media(out)}
+    assert len(by_name) == 3
+    for want in media:
+        got = by_name[Path(want.source).name]
+        assert torch.equal(got.embedding, want.embedding) and got.placeholders == want.placeholders
+        assert got.ec_ids() == want.ec_ids()  # the dataset job and the API name an item alike
+        for i in got.ec_ids():
+            assert (ec / i / "encoder_cache.safetensors").is_file()
+
+
+def test_service_writes_the_encoder_cache_and_answers_the_ids(files, media, tmp_path):
+    pytest.importorskip("fastapi")
+    from bivit.client import Client
+    from bivit.serve.launch import ServerProcess
+
+    ec = tmp_path / "ec"
+    with ServerProcess(["--dtype", "float32", "--ec-dir", str(ec)], tmp_path) as srv, Client(srv.url) as c:
+        results = c.encode_results([files / "a.png", files / "c.mp4"])
+    for r, want in zip(results, (media[0], media[2])):
+        assert r.error is None and r.ec_ids == want.ec_ids()
+        for i, rows in zip(r.ec_ids, want.chunks()):
+            assert torch.equal(load_file(str(ec / i / "encoder_cache.safetensors"))["ec_cache"], rows)
+
+
+def test_an_unwritable_ec_dir_is_one_line_before_any_work(files, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    r = cli("encode", files / "a.png", "--out", tmp_path / "o.safetensors", "--ec-dir", blocker)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert [ln for ln in r.stderr.splitlines() if ln.startswith("bivit: error: --ec-dir")], r.stderr
+    assert not (tmp_path / "o.safetensors").exists()

@@ -41,6 +41,9 @@ AlphaOpt = typer.Option("model", "--alpha", help="Transparency: model (what the 
 DtypeOpt = typer.Option("bfloat16", "--dtype", help="Tower compute dtype: bfloat16, float32 or float16.")
 ProjDtypeOpt = typer.Option(None, "--projector-dtype", help="Projector dtype (default: --dtype).")
 OutDtypeOpt = typer.Option(None, "--output-dtype", help="Output dtype (default: projector dtype).")
+EcDirOpt = typer.Option(None, "--ec-dir", help="Also write each image's / video chunk's rows to this folder in vLLM's "
+                        "encoder-cache layout (ECExampleConnector's shared_storage_path; docs/encode-once.md).")
+EC_PROBE = ".bivit-ec-probe"  # the name --ec-dir's writability is checked with
 
 
 def fail(message: str, code: int = USAGE) -> None:
@@ -109,19 +112,25 @@ def encode(
     max_batch_tokens: Optional[int] = typer.Option(None, help="At most this many patches per forward pass."),
     no_batch_invariant: bool = typer.Option(False, "--no-batch-invariant", help="Stock kernels (not invariant)."),
     alpha: str = AlphaOpt,
+    ec_dir: Optional[Path] = EcDirOpt,
 ) -> None:
     """Encode files into one safetensors file: tensor "i" is input i's embedding, shape (tokens, text_hidden).
 
-    Per-input metadata (source, grid_thw per chunk, tokens, video chunk timestamps, and the prompt placeholders:
-    per image or chunk the text the model's processor writes and the rows that replace its <|media_pad|>) is
-    stored as JSON under the "bivit" header key. Bad files are reported and skipped; exit status 1 if any failed.
+    Per-input metadata (source, content sha256, size, grid_thw per chunk, tokens, video chunk timestamps, and
+    the prompt placeholders: per image or chunk the text the model's processor writes and the rows that replace
+    its <|media_pad|>) and the encoder fingerprint are stored as JSON under the "bivit" header key. With
+    --ec-dir, each image's / chunk's rows also go to vLLM's encoder cache and its ids into the metadata
+    ("ec_ids"). Bad files are reported and skipped; exit status 1 if any failed.
     """
     writable(out, files)  # before anything is loaded or encoded
+    if ec_dir is not None:
+        writable(ec_dir / EC_PROBE, option="--ec-dir")
     import torch
     from safetensors.torch import save_file
     from tqdm import tqdm
 
     from .encoder import dtype_name
+    from .engines.vllm import Media, content_sha256, write_encoder_cache
     from .fileio import write_atomic
     from .media import MediaBatch, batch_placeholders
     from .video import is_video_path, join_chunks, split_by_input
@@ -143,7 +152,15 @@ def encode(
                      "grid_thw": batch.grid_thw.tolist(), "chunk_tokens": [int(c.shape[0]) for c in chunks]}
             if batch.timestamps is not None:
                 entry["timestamps"] = batch.timestamps
-            entry["placeholders"] = [p.to_dict() for p in batch_placeholders(batch, enc.processing)]
+            placeholders = batch_placeholders(batch, enc.processing)
+            entry["placeholders"] = [p.to_dict() for p in placeholders]
+            entry["sha256"] = content_sha256(path)
+            entry["sizes"] = [list(s) if s else None for s in batch.sizes]
+            if ec_dir is not None:
+                media = Media(tensors[key], tuple(placeholders), enc.fingerprint, entry["sha256"],
+                              "video" if batch.timestamps is not None else "image", tuple(batch.sizes),
+                              tuple(t for t, _, _ in entry["grid_thw"]), str(path))
+                entry["ec_ids"] = write_encoder_cache(ec_dir, [media])[0]
             items.append(entry)
         pending.clear()
 
@@ -162,6 +179,7 @@ def encode(
         flush()
     if tensors:
         meta = {"bivit": json.dumps({"format": ENCODE_FORMAT, "model": enc.model_name, "demo": enc.is_demo,
+                                     "fingerprint": enc.fingerprint,
                                      "dtype": dtype_name(enc.dtype), "projector_dtype": dtype_name(enc.projector_dtype),
                                      "output_dtype": dtype_name(enc.output_dtype),
                                      "batch_invariant": enc.batch_invariant, "alpha": enc.alpha,
@@ -171,6 +189,9 @@ def encode(
     where = f" -> {out}" if tensors else " (nothing written)"
     typer.echo(f"encoded {len(items)} of {len(files)} inputs, {tokens} tokens in "
                f"{time.perf_counter() - t0:.2f} s{where}" + (f"; {failed} failed" if failed else ""))
+    if ec_dir is not None:
+        typer.echo(f"encoder cache: {sum(len(i['ec_ids']) for i in items)} items in {ec_dir} (ids: \"ec_ids\" of "
+                   "each item in the file's metadata)")
     if failed:
         raise typer.Exit(FAILURE)
 
@@ -264,8 +285,11 @@ def serve(
         help="Accept POST /v1/weights without --api-key (trusted machines only)"),
     log_level: str = typer.Option("info", help="debug, info, warning or error"),
     alpha: str = AlphaOpt,
+    ec_dir: Optional[Path] = EcDirOpt,
 ) -> None:
-    """Serve the encoder over HTTP: POST /v1/encode, /v1/weights, GET /health, /ready, /metrics (serve extra)."""
+    """Serve the encoder over HTTP: POST /v1/encode, /v1/weights, GET /health, /ready, /metrics (serve extra).
+
+    With --ec-dir every encoded item's rows also go to vLLM's encoder cache; its ids are each item's "ec_ids"."""
     for module in ("fastapi", "uvicorn", "prometheus_client", "multipart"):
         need_extra("serve", module, "serve")
     if log_level.lower() not in ("debug", "info", "warning", "error"):
@@ -276,7 +300,10 @@ def serve(
                       max_request_pixels_mb=max_request_pixels_mb, max_queue_pixels_mb=max_queue_pixels_mb,
                       max_response_mb=max_response_mb, max_video_mpixels=max_video_mpixels,
                       cache_mb=cache_mb, max_weights_mb=max_weights_mb,
-                      allow_weight_updates_without_key=allow_weight_updates_without_key)
+                      allow_weight_updates_without_key=allow_weight_updates_without_key,
+                      ec_dir=None if ec_dir is None else str(ec_dir))
+    if ec_dir is not None:
+        writable(ec_dir / EC_PROBE, option="--ec-dir")
     from .encoder import load_encoder
     from .serve.app import configure_logging, run
 
@@ -312,6 +339,7 @@ def encode_dataset(
     allow_failures: bool = typer.Option(False, "--allow-failures",
                                         help="Exit 0 even when some inputs could not be encoded."),
     alpha: str = AlphaOpt,
+    ec_dir: Optional[Path] = EcDirOpt,
 ) -> None:
     """Encode every image and video under SRC into sharded safetensors in --out (resumable, crash-safe).
 
@@ -320,6 +348,8 @@ def encode_dataset(
     """
     # A missing Ray extra, bad --engine/--workers values: encode_dataset says so before any work.
     writable(out / dataset_format.HEADER, option="--out")  # before the model loads
+    if ec_dir is not None:
+        writable(ec_dir / EC_PROBE, option="--ec-dir")
     from .dataset.job import encode_dataset as run
 
     try:
@@ -330,6 +360,12 @@ def encode_dataset(
         typer.echo(f"interrupted; everything encoded so far is in {out}, run the same command to resume", err=True)
         raise typer.Exit(130) from None
     typer.echo(summary.line())
+    if ec_dir is not None:
+        from .engines.vllm import iter_media, write_encoder_cache
+
+        # Every record of the folder (a resumed run's earlier ones too); ids already there are left as they are.
+        written = sum(len(ids) for ids in (write_encoder_cache(ec_dir, [m])[0] for m in iter_media(out)))
+        typer.echo(f"encoder cache: {written} items in {ec_dir} (ids: bivit.engines.vllm.load_media(OUT))")
     if summary.failed:
         typer.echo(f"{summary.failed} inputs failed; see {Path(out) / dataset_format.ERRORS}", err=True)
         if not allow_failures:

@@ -38,8 +38,10 @@ from PIL import Image
 from starlette.requests import ClientDisconnect
 
 from ..encoder import Encoder, dtype_name
+from ..engines.vllm import Media, write_encoder_cache
 from ..errors import BivitError, MediaError
-from ..media import PATCH_SIZE, MediaBatch, batch_placeholders, grid_tokens, image_grid, preprocess_images
+from ..media import PATCH_SIZE, MediaBatch, Placeholder, batch_placeholders, grid_tokens, image_grid, \
+    preprocess_images
 from ..video import join_chunks, preprocess_video
 from .batcher import Batcher
 from .cache import EmbeddingCache
@@ -291,7 +293,17 @@ class Service:
         res.grid_thw = batch.grid_thw.tolist()
         res.timestamps = list(batch.timestamps) if batch.timestamps is not None else None
         res.placeholders = [p.to_dict() for p in batch_placeholders(batch, self.encoder.processing)]
+        if self.settings.ec_dir is not None:
+            try:
+                res.ec_ids = await loop.run_in_executor(self.pool, self._write_encoder_cache, res, key[0])
+            except (OSError, BivitError) as e:
+                res.embedding, res.error, res.error_kind = None, f"cannot write the encoder cache ({e})", "internal"
         return res
+
+    def _write_encoder_cache(self, res: ItemResult, fingerprint: str) -> list[str]:
+        media = Media(res.embedding, tuple(Placeholder(p["text"], p["tokens"]) for p in res.placeholders),
+                      fingerprint, res.sha256, res.kind, (), tuple(t for t, _, _ in res.grid_thw), res.name)
+        return write_encoder_cache(self.settings.ec_dir, [media])[0]
 
     async def encode_request(self, items: list[UploadItem], json_response: bool = False
                              ) -> tuple[list[ItemResult], dict]:
