@@ -158,8 +158,24 @@ def load_ec(ec_dir, id_: str) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------------------------- tests
 
-def test_rows_match_vllms_own_vision_tower(own, media):
-    """(1) The same pixels through bivit and through vLLM's Kimi-K2.5 tower + projector (its EC dump)."""
+def test_bivit_does_not_import_vllm():
+    """Here vLLM is installed, so this can fail: bivit's vLLM module builds plain dicts and tensors."""
+    import subprocess
+    import sys
+
+    code = "import sys, bivit, bivit.engines.vllm; print('vllm' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out == "False\n"
+
+
+def test_rows_match_vllms_own_vision_tower(own, media, inputs, tiny_kimi):
+    """(1) The same pixels through bivit and through vLLM's Kimi-K2.5 tower + projector (its EC dump).
+
+    Also reported, not asserted: whether bivit with stock PyTorch kernels (`batch_invariant=False`, the ops
+    vLLM's tower calls too) gives vLLM's bits."""
+    import bivit
+
+    stock = bivit.load_encoder(str(tiny_kimi), dtype="float32", batch_invariant=False)
     report = {}
     for _, _, rows, _ in own.values():
         for name, theirs in rows.items():
@@ -167,7 +183,10 @@ def test_rows_match_vllms_own_vision_tower(own, media):
             assert ours.shape == theirs.shape, name  # the same token count per image / chunk
             assert ours.dtype == theirs.dtype == torch.float32
             rel = float((ours - theirs).abs().max() / theirs.abs().max())
-            report[name] = {"tokens": ours.shape[0], "max_rel": rel, "bit_equal": torch.equal(ours, theirs)}
+            (plain,) = stock.encode([inputs[name][0]])
+            report[name] = {"tokens": ours.shape[0], "max_rel": rel, "bit_equal": torch.equal(ours, theirs),
+                            "stock_kernels_max_rel": float((plain - theirs).abs().max() / theirs.abs().max()),
+                            "stock_kernels_bit_equal": torch.equal(plain, theirs)}
             assert rel <= ROWS_RTOL, (name, rel)
     print("\n(1) bivit vs vLLM rows, float32:", json.dumps(report, indent=1))
 
