@@ -302,7 +302,7 @@ def test_encode_dataset_command_writes_the_encoder_cache_under_the_same_ids(file
 def test_service_writes_the_encoder_cache_and_answers_the_ids(files, media, tmp_path):
     pytest.importorskip("fastapi")
     from bivit.client import Client
-    from bivit.serve.launch import ServerProcess
+    from support.server import ServerProcess
 
     ec = tmp_path / "ec"
     with ServerProcess(["--dtype", "float32", "--ec-dir", str(ec)], tmp_path) as srv, Client(srv.url) as c:

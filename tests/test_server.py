@@ -24,7 +24,7 @@ from safetensors.torch import load as st_load
 
 import bivit
 from bivit.client import Client, EncodeError, ServerError, parse_response
-from bivit.serve.launch import ServerProcess, free_port, metric_values
+from support.server import ServerProcess, free_port, metric_values
 from support.media import make_video, png_bytes
 
 pytest.importorskip("fastapi")

@@ -171,7 +171,7 @@ class Target:
         """The language model of a checkpoint directory (its config.json's `text_config.hidden_size`), run in
         `dtype` (what vLLM's `--dtype` resolves to)."""
         from ..config import read_json_file
-        from ..encoder import parse_dtype
+        from ..dtypes import parse_dtype
 
         config = Path(path) / "config.json" if Path(path).is_dir() else Path(path)
         raw = read_json_file(config)
@@ -190,7 +190,7 @@ class Target:
 
     def check(self, media: Media) -> None:
         """Refuse rows this language model must not be fed (another encoder, width or dtype)."""
-        from ..encoder import dtype_name
+        from ..dtypes import dtype_name
 
         name = media.source or "media"
         if self.fingerprint is not None and media.fingerprint != self.fingerprint:
@@ -423,7 +423,7 @@ def check_encoder_cache(directory: Union[str, os.PathLike], media: Sequence[Medi
     (a consumer request must never fall back to vLLM's vision tower on a stand-in image)."""
     from safetensors import safe_open
 
-    from ..encoder import dtype_name
+    from ..dtypes import dtype_name
 
     for m in media:
         for i, p in zip(m.ec_ids(), m.placeholders):
