@@ -54,7 +54,9 @@ case "${1:-}" in
   test)
     shift
     cd "$ROOT"
-    # bivit from this checkout (not installed into the shared, cached environment).
+    # bivit from this checkout (not installed into the shared, cached environment); the tests never reach the
+    # network (no vLLM usage report, no hub look-ups).
+    export VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
     PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}" exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider \
       tests/vllm_engine "$@" ;;
   *) say "unknown command ${1}; use no argument or 'test'"; exit 2 ;;

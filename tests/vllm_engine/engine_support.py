@@ -22,3 +22,5 @@ def engine_environment() -> None:
     if str(HERE) not in paths.split(os.pathsep):
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), paths) if p)
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # LLM.apply_model sends the probes by pickle
+    # Tests never reach the network: no usage report to vLLM's collector, no hub look-ups.
+    os.environ.update(VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
