@@ -57,7 +57,8 @@ def encode_dataset(
         raise typer.Exit(130) from None
     typer.echo(summary.line())
     if ec_dir is not None:
-        from ..engines.vllm import iter_media, write_encoder_cache
+        from ..engines.media import iter_media
+        from ..engines.vllm import write_encoder_cache
 
         # Every record of the folder (a resumed run's earlier ones too); ids already there are left as they are.
         written = sum(len(ids) for ids in (write_encoder_cache(ec_dir, [m])[0] for m in iter_media(out)))

@@ -48,7 +48,8 @@ def encode(
     from tqdm import tqdm
 
     from ..dtypes import dtype_name
-    from ..engines.vllm import Media, content_sha256, write_encoder_cache
+    from ..engines.media import Media, content_sha256
+    from ..engines.vllm import write_encoder_cache
     from ..fileio import write_atomic
     from ..media import MediaBatch, batch_placeholders
     from ..video import is_video_path, join_chunks, split_by_input

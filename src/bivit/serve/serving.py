@@ -39,7 +39,8 @@ from starlette.requests import ClientDisconnect
 
 from ..dtypes import dtype_name
 from ..encoder import Encoder
-from ..engines.vllm import Media, write_encoder_cache
+from ..engines.media import Media
+from ..engines.vllm import write_encoder_cache
 from ..errors import BivitError, MediaError
 from ..media import PATCH_SIZE, MediaBatch, Placeholder, batch_placeholders, grid_tokens, image_grid, \
     preprocess_images
