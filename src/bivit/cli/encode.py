@@ -44,7 +44,7 @@ def encode(
     if ec_dir is not None:
         writable(ec_dir / EC_PROBE, option="--ec-dir")
     import torch
-    from safetensors.torch import save_file
+    from safetensors.torch import save
     from tqdm import tqdm
 
     from ..dtypes import dtype_name
@@ -103,7 +103,7 @@ def encode(
                                      "output_dtype": dtype_name(enc.output_dtype),
                                      "batch_invariant": enc.batch_invariant, "alpha": enc.alpha,
                                      "processing": enc.processing.to_dict(), "items": items})}
-        write_atomic(out, lambda tmp: save_file(tensors, tmp, metadata=meta))
+        write_atomic(out, save(tensors, metadata=meta))  # a full disk is an OSError naming --out
     tokens = sum(i["tokens"] for i in items)
     where = f" -> {out}" if tensors else " (nothing written)"
     typer.echo(f"encoded {len(items)} of {len(files)} inputs, {tokens} tokens in "
