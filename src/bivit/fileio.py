@@ -28,8 +28,9 @@ from pathlib import Path
 from typing import Any, BinaryIO, Callable, Optional, Sequence, Union
 
 TMP_PREFIX = ".tmp-"
-# `write_atomic`'s temp file for TARGET is `.tmp-TARGET.PID`; `check_writable`'s probe adds `.probe`.
-_TMP_NAME = re.compile(re.escape(TMP_PREFIX) + r"(?P<target>.+)\.\d+(?:\.probe)?")
+# `write_atomic`'s temp file for TARGET is `.tmp-TARGET.PID.THREAD` (`.tmp-TARGET.PID` before threads were named);
+# `check_writable`'s probe is `.tmp-TARGET.PID.probe`.
+_TMP_NAME = re.compile(re.escape(TMP_PREFIX) + r"(?P<target>.+?)\.\d+(?:\.\d+)?(?:\.probe)?")
 
 # JSON bivit reads from outside: config.json and preprocessor_config.json are a few KB and Kimi-K2.6's weight
 # index about 10 MB; none nests deeper than 4 levels, a request body 3.

@@ -292,7 +292,7 @@ def write_encoder_cache(directory: Union[str, os.PathLike], media: Sequence[Medi
     encoder and the content, and each writer's file is complete). With `target`, rows the language model must
     not be fed are refused before anything is written.
     """
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     from ..fileio import write_atomic
 
@@ -308,8 +308,8 @@ def write_encoder_cache(directory: Union[str, os.PathLike], media: Sequence[Medi
             if path.is_file():
                 continue
             path.parent.mkdir(parents=True, exist_ok=True)
-            tensor = {EC_KEY: rows.detach().cpu().contiguous().clone()}
-            write_atomic(path, lambda tmp, t=tensor: save_file(t, tmp))
+            # Serialised first: write_atomic then owns every write error (an OSError naming the file).
+            write_atomic(path, save({EC_KEY: rows.detach().cpu().contiguous().clone()}))
         out.append(ids)
     return out
 
