@@ -12,12 +12,13 @@ on how inputs are batched.
 Inputs: a path or bytes (an image or a video by `bivit.kinds`: the name's extension, else the first bytes), a
 PIL image, an HxWx3 uint8 array, or `VideoFrames` (a video already decoded and sampled).
 
-Content hash (`sha256`): for a path or bytes, the sha256 of the bytes. For a PIL image or an array, which have
-no file bytes, the sha256 of a tag, the mode and size, then the raw pixels (and the palette and transparency
-when the image has them): two images with the same pixels share it, an array and `Image.fromarray(array)`
-share it, and it never collides with a file's hash by accident of layout. For `VideoFrames`, the same over
-the frame rate, the frame indices and every frame. Equal hashes mean the same encoder input, so the same
-embedding under one encoder fingerprint.
+Content hash (`sha256`, `content_sha256`): for a path or bytes, the sha256 of the bytes. For a PIL image or an
+array, which have no file bytes, the sha256 of a tag, the mode and size, then the raw pixels (and the palette and
+transparency when the image has them): two images with the same pixels share it, an array and
+`Image.fromarray(array)` share it, and it never collides with a file's hash by accident of layout. For
+`VideoFrames`, the same over the frame rate, the frame indices and every frame. Equal hashes mean the same
+encoder input, so the same embedding under one encoder fingerprint (and the same ids in vLLM's encoder cache,
+`bivit.engines.media.ec_id`).
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ class VideoFrames:
 @dataclass
 class _Item:
     """What a prepared input and its result share: its name, kind and content hash; per chunk its `grid_thw`
-    [t, h, w], `timestamps` (videos only) and prompt `placeholders`; or the `error` that stopped it."""
+    [t, h, w], `timestamps` (videos only), prompt `placeholders` and `sizes` (the image's or the chunk's frames'
+    (width, height) before resizing, None where unknown); or the `error` that stopped it."""
 
     source: str
     kind: str
@@ -68,6 +70,7 @@ class _Item:
     timestamps: Optional[list] = None
     placeholders: list = field(default_factory=list)
     error: Optional[BaseException] = None
+    sizes: list = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -122,9 +125,10 @@ class ItemResult(_Item):
         return [] if self.embedding is None else list(self.embedding.split(self.chunk_tokens))
 
     def to_dict(self) -> dict:
-        """The JSON form of its metadata (no embedding): source, kind, sha256, tokens, grid_thw, chunk_tokens,
-        timestamps (videos only), placeholders."""
-        out = {"source": self.source, "kind": self.kind, "sha256": self.sha256, "tokens": self.tokens,
+        """The JSON form of its metadata (no embedding): source, kind, sha256, sizes, tokens, grid_thw,
+        chunk_tokens, timestamps (videos only), placeholders."""
+        out = {"source": self.source, "kind": self.kind, "sha256": self.sha256,
+               "sizes": [list(s) if s else None for s in self.sizes], "tokens": self.tokens,
                "grid_thw": self.grid_thw, "chunk_tokens": self.chunk_tokens}
         if self.timestamps is not None:
             out["timestamps"] = self.timestamps
@@ -166,7 +170,7 @@ def _prepare(src: Any, name: str, kind: Optional[str], sha: Optional[str], proc:
     video_options = {"deadline": deadline, **video_options}
     if isinstance(src, VideoFrames):
         batch = preprocess_frames(src.frames, src.fps, src.indices, processing=proc, name=name)
-        return _with_batch(name, "video", sha or frames_sha256(src), batch, proc)
+        return _with_batch(name, "video", sha or content_sha256(src), batch, proc)
     if isinstance(src, (str, os.PathLike)):
         kind = kind or media_kind(src)
         if kind == "video":  # decoded from the path: a video may not fit in memory
@@ -179,18 +183,18 @@ def _prepare(src: Any, name: str, kind: Optional[str], sha: Optional[str], proc:
     else:
         kind = "image"
     if isinstance(src, bytes):
-        sha = sha or hashlib.sha256(src).hexdigest()
+        sha = sha or content_sha256(src)
         if kind == "video":
             return _with_batch(name, kind, sha, preprocess_video(src, processing=proc, name=name, **video_options),
                                proc)
     if not pixels:
         w, h = image_size(src, name=name)
         gh, gw = image_grid(w, h, proc)
-        return Prepared(name, kind, sha, grid_thw=[[1, gh, gw]],
+        return Prepared(name, kind, sha, grid_thw=[[1, gh, gw]], sizes=[(w, h)],
                         placeholders=[Placeholder(image_placeholder_text(proc, w, h), grid_tokens(gh, gw))])
     batch = preprocess_images([src], names=[name], processing=proc, alpha=alpha, deadline=deadline)
     if isinstance(src, (Image.Image, np.ndarray)):
-        sha = sha or pixels_sha256(src)
+        sha = sha or content_sha256(src)
     return _with_batch(name, kind, sha, batch, proc)
 
 
@@ -198,7 +202,8 @@ def _with_batch(name: str, kind: str, sha: Optional[str], batch: MediaBatch, pro
     if len(batch) == 0:
         raise MediaError(f"{name}: no frames to encode", name)
     stamps = None if batch.timestamps is None else list(batch.timestamps)
-    return Prepared(name, kind, sha, batch.grid_thw.tolist(), stamps, batch_placeholders(batch, proc), batch=batch)
+    return Prepared(name, kind, sha, batch.grid_thw.tolist(), stamps, batch_placeholders(batch, proc),
+                    sizes=list(batch.sizes), batch=batch)
 
 
 def assemble(prepared: Prepared, outputs: Sequence[Any] = ()) -> ItemResult:
@@ -212,11 +217,26 @@ def assemble(prepared: Prepared, outputs: Sequence[Any] = ()) -> ItemResult:
         raise ValueError(f"{len(outputs)} outputs for the {len(p.grid_thw)} chunks of {p.source}")
     # A fresh tensor, never a view into a pass's output buffer (which it would keep alive, and which
     # safetensors refuses to save twice).
-    return ItemResult(p.source, p.kind, p.sha256, p.grid_thw, p.timestamps, p.placeholders,
+    return ItemResult(p.source, p.kind, p.sha256, p.grid_thw, p.timestamps, p.placeholders, sizes=p.sizes,
                       embedding=torch.cat(list(outputs)))
 
 
 # ------------------------------------------------------------------------------------------- content hash
+
+def content_sha256(src: Any) -> str:
+    """The content hash of an input (see the module docstring): a path's or bytes' sha256, an image's or array's
+    pixels', a `VideoFrames`'. BivitError for anything else."""
+    if isinstance(src, bytes):
+        return hashlib.sha256(src).hexdigest()
+    if isinstance(src, (str, os.PathLike)):
+        return sha256_file(src)
+    if isinstance(src, (Image.Image, np.ndarray)):
+        return pixels_sha256(src)
+    if isinstance(src, VideoFrames):
+        return frames_sha256(src)
+    raise BivitError(f"cannot hash an input of type {type(src).__name__}; pass a path, bytes, a PIL image, an "
+                     "HxWx3 uint8 array or VideoFrames")
+
 
 def _file_sha256(path: str | os.PathLike, name: str) -> str:
     try:

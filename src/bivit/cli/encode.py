@@ -10,8 +10,8 @@ from typing import List, Optional
 
 import typer
 
-from .common import (FAILURE, AlphaOpt, DeprecatedOpt, DtypeOpt, ModelOpt, OutDtypeOpt, ProjDtypeOpt, command,
-                     open_encoder, renamed_option, writable)
+from .common import (EC_PROBE, FAILURE, AlphaOpt, DeprecatedOpt, DtypeOpt, EcDirOpt, ModelOpt, OutDtypeOpt,
+                     ProjDtypeOpt, command, open_encoder, renamed_option, writable)
 
 # The schema of the file `bivit encode` writes (its "bivit" header key).
 ENCODE_FORMAT = "bivit.encode/1"
@@ -33,20 +33,27 @@ def encode(
     max_batch_tokens: Optional[int] = DeprecatedOpt("--max-batch-tokens"),
     no_batch_invariant: bool = typer.Option(False, "--no-batch-invariant", help="Stock kernels (not invariant)."),
     alpha: str = AlphaOpt,
+    ec_dir: Optional[Path] = EcDirOpt,
 ) -> None:
     """Encode files into one safetensors file: tensor "i" is input i's embedding, shape (tokens, text_hidden).
 
-    Per-input metadata (source, kind, sha256, grid_thw per chunk, tokens, video chunk timestamps, and the prompt
-    placeholders: per image or chunk the text the model's processor writes and the rows that replace its
-    <|media_pad|>) and the encoder's description are stored as JSON under the "bivit" header key. Bad files are
-    reported and skipped; exit status 1 if any failed.
+    Per-input metadata (source, kind, content sha256, sizes, grid_thw per chunk, tokens, video chunk timestamps,
+    and the prompt placeholders: per image or chunk the text the model's processor writes and the rows that
+    replace its <|media_pad|>) and the encoder's description (`Encoder.describe`: fingerprint included) are
+    stored as JSON under the "bivit" header key. With --ec-dir, each image's / chunk's rows also go to vLLM's
+    encoder cache and its ids into the metadata ("ec_ids"). Bad files are reported and skipped; exit status 1 if
+    any failed.
     """
     budget = renamed_option(max_batch_patches, max_batch_tokens, "--max-batch-patches", "--max-batch-tokens")
     budget = DEFAULT_BATCH_PATCHES if budget is None else budget
     writable(out, files)  # before anything is loaded or encoded
+    if ec_dir is not None:
+        writable(ec_dir / EC_PROBE, option="--ec-dir")
     from safetensors.torch import save
     from tqdm import tqdm
 
+    from ..engines.media import media_of
+    from ..engines.vllm import write_encoder_cache
     from ..fileio import write_atomic
 
     enc = open_encoder(model, dtype, projector_dtype, output_dtype, not no_batch_invariant, alpha=alpha)
@@ -63,6 +70,8 @@ def encode(
         key = str(len(items))
         tensors[key] = r.embedding
         items.append({"key": key, **r.to_dict()})
+        if ec_dir is not None:
+            items[-1]["ec_ids"] = write_encoder_cache(ec_dir, [media_of(r, enc.fingerprint)])[0]
     if tensors:
         meta = {"bivit": json.dumps({"format": ENCODE_FORMAT, **enc.describe(), "items": items})}
         write_atomic(out, save(tensors, metadata=meta))  # a full disk is an OSError naming --out
@@ -70,5 +79,8 @@ def encode(
     where = f" -> {out}" if tensors else " (nothing written)"
     typer.echo(f"encoded {len(items)} of {len(files)} inputs, {tokens} tokens in "
                f"{time.perf_counter() - t0:.2f} s{where}" + (f"; {failed} failed" if failed else ""))
+    if ec_dir is not None:
+        typer.echo(f"encoder cache: {sum(len(i['ec_ids']) for i in items)} items in {ec_dir} (ids: \"ec_ids\" of "
+                   "each item in the file's metadata)")
     if failed:
         raise typer.Exit(FAILURE)

@@ -4,9 +4,9 @@ Crash safety (a SIGKILL at any instant leaves nothing half-written that a reader
 for data):
   1. A shard is written to a `.tmp-*` file in DIR, fsynced, renamed to its final name, then DIR is fsynced.
   2. Manifest lines are appended (one write, then fsync) only after their shard is durable.
-  3. The next run (holding DIR's lock) deletes the temp files bivit writes there (`.tmp-<shard or header>.<pid>`;
-     no other file), truncates a trailing partial line and deletes shards no manifest line references (renamed
-     but killed before their lines were appended).
+  3. The next run (holding DIR's lock) deletes the temp files bivit writes there
+     (`.tmp-<shard or header>.<pid>.<thread>`; no other file), truncates a trailing partial line and deletes
+     shards no manifest line references (renamed but killed before their lines were appended).
 Every manifest and error line carries the next `seq` (see `bivit.dataset.format`), so an error stays the
 source's state until the source is encoded again.
 """

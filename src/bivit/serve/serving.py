@@ -35,11 +35,13 @@ import time
 from dataclasses import replace
 from typing import Optional
 
-from ..encoder import Encoder
-from ..errors import BivitError, MediaError
-from ..items import Prepared, assemble
 from ..decode import image_header, image_work_bytes
+from ..encoder import Encoder
+from ..engines.media import media_of
+from ..engines.vllm import write_encoder_cache
+from ..errors import BivitError, MediaError
 from ..grids import PATCH_SIZE, grid_tokens, image_grid
+from ..items import ItemResult as CoreResult, Prepared, assemble
 from .batcher import Batcher
 from .bodies import BodyReader
 from .cache import EmbeddingCache
@@ -198,7 +200,16 @@ class Service:
         done = assemble(prepared, outs)
         res.embedding, res.grid_thw, res.timestamps = done.embedding, done.grid_thw, done.timestamps
         res.placeholders = [p.to_dict() for p in done.placeholders]
+        if self.settings.ec_dir is not None:
+            try:
+                res.ec_ids = await asyncio.get_running_loop().run_in_executor(self.pool, self._write_encoder_cache,
+                                                                              done, key[0])
+            except (OSError, BivitError) as e:
+                res.embedding, res.error, res.error_kind = None, f"cannot write the encoder cache ({e})", "internal"
         return res
+
+    def _write_encoder_cache(self, result: CoreResult, fingerprint: str) -> list[str]:
+        return write_encoder_cache(self.settings.ec_dir, [media_of(result, fingerprint)])[0]
 
     async def encode_request(self, items: list[UploadItem], json_response: bool = False
                              ) -> tuple[list[ItemResult], dict]:
