@@ -76,10 +76,8 @@ def writable(path: Path, inputs: Any = (), option: str = "--out") -> None:
 
 def open_encoder(model: Optional[Path], dtype: str, projector_dtype: Optional[str], output_dtype: Optional[str],
                  batch_invariant: bool = True, max_batch_tokens: Optional[int] = None, alpha: str = "model") -> Any:
-    from ..encoder import DEMO_NOTICE, load_encoder
+    from ..encoder import load_encoder
 
-    enc = load_encoder(model, dtype=dtype, projector_dtype=projector_dtype, output_dtype=output_dtype,
-                       batch_invariant=batch_invariant, max_batch_tokens=max_batch_tokens, alpha=alpha)
-    if enc.is_demo:
-        typer.echo(DEMO_NOTICE, err=True)
-    return enc
+    # The demo notice and any fast path that is off are said by the library's log (see cli.main), once.
+    return load_encoder(model, dtype=dtype, projector_dtype=projector_dtype, output_dtype=output_dtype,
+                        batch_invariant=batch_invariant, max_batch_tokens=max_batch_tokens, alpha=alpha)

@@ -204,8 +204,6 @@ def run(encoder: Encoder, settings: ServerSettings, *, host: str, port: int, log
     """Serve until SIGTERM/SIGINT; accepted requests get their answers first (bounded graceful shutdown)."""
     import uvicorn
 
-    if encoder.is_demo:
-        log.warning("serving the built-in DEMO model (tiny, seeded random weights): its embeddings are not Kimi's")
     if host not in ("127.0.0.1", "localhost", "::1") and not settings.api_key:
         log.warning("serving on a non-loopback interface without --api-key", extra={"fields": {"host": host}})
     config = uvicorn.Config(create_app(encoder, settings), host=host, port=port, log_config=None,
