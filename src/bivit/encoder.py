@@ -257,9 +257,12 @@ def build_model(model: str | os.PathLike | None, *, device: torch.device, dtype:
     else:
         path, name = Path(model), str(model)
         if not path.is_dir():
+            if path.exists():
+                raise ConfigError(f"{path}: not a directory; model must be a checkpoint directory (config.json and "
+                                  "the safetensors shards), a hub repo id (org/name[@rev]) or None for the demo model")
             if parse_repo_ref(model, revision) is None:
-                raise BivitError(f"{path}: model must be a checkpoint directory, a hub repo id (org/name[@rev]) "
-                                 "or None for the demo model")
+                raise ConfigError(f"{path}: does not exist; model must be a checkpoint directory, a hub repo id "
+                                  "(org/name[@rev]) or None for the demo model")
             path = resolve_repo(str(model), revision)
             name = str(model) + (f"@{revision}" if revision and "@" not in str(model) else "")
         cfg = load_config(path)

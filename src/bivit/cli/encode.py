@@ -45,13 +45,24 @@ def encode(
     from ..dtypes import dtype_name
     from ..fileio import write_atomic
     from ..media import MediaBatch, batch_placeholders
-    from ..video import is_video_path, join_chunks, split_by_input
+    from ..video import check_input, is_video_path, join_chunks, split_by_input
 
+    failed = 0
+    readable = []
+    for path in files:  # each input's existence, kind and header, before the model loads
+        try:
+            check_input(path)
+            readable.append(path)
+        except BivitError as e:
+            failed += 1
+            typer.echo(f"bivit: skipped: {e}", err=True)
+    if not readable:
+        typer.echo(f"encoded 0 of {len(files)} inputs (nothing written); {failed} failed")
+        raise typer.Exit(FAILURE)
     enc = open_encoder(model, dtype, projector_dtype, output_dtype, not no_batch_invariant, max_batch_tokens, alpha)
     t0 = time.perf_counter()
     tensors: dict[str, torch.Tensor] = {}
     items: list[dict] = []
-    failed = 0
     pending: list[tuple[Path, MediaBatch]] = []
 
     def flush() -> None:
@@ -69,7 +80,7 @@ def encode(
         pending.clear()
 
     group_patches = max_batch_tokens or GROUP_PATCHES
-    for path in tqdm(files, desc="encoding", unit="file", disable=len(files) < 2, file=sys.stderr):
+    for path in tqdm(readable, desc="encoding", unit="file", disable=len(readable) < 2, file=sys.stderr):
         try:
             batch = enc.preprocess_video(path) if is_video_path(path) else enc.preprocess([str(path)])
         except BivitError as e:

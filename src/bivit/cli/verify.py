@@ -28,6 +28,10 @@ def verify(
     if plot is not None:
         need_extra("verify --plot", "matplotlib", "plot")
         writable(plot, files or (), "--plot")
+    from ..video import check_input
+
+    for f in files or ():
+        check_input(f)  # every input exists and is an image or video, before the models load
     encoders = [open_encoder(model, dtype, projector_dtype, None, inv) for inv in (True, False)]
     if files:
         batch = encoders[0].preprocess([str(f) for f in files])
