@@ -136,6 +136,20 @@ def test_verify_demo_invariant_stable_default_differs_and_bisect(tmp_path):
         assert im.format == "PNG"
 
 
+def test_verify_by_default_shows_default_mode_differing_and_bisects_an_item_that_differs():
+    """No options: the demo run must demonstrate (default mode not bit-stable, on every CPU kind: float32 by default)
+    and --bisect must pick an item that differs in default mode, not always item 0."""
+    r = run("verify", "--bisect", "--layouts", "4")
+    assert r.returncode == 0, r.stdout + r.stderr
+    inv, default = r.stdout.split("default mode")
+    assert "invariant mode (float32): BIT-STABLE" in inv and "NOT bit-stable" in default
+    needle = re.search(r"bisect \((.+?) alone vs first of \d+\): first difference at", default).group(1)
+    listed = {m.group(1).strip(): m.group(2) for m in re.finditer(r"^  (synthetic \S+)\s+\d+ tokens  (\S+)", default, re.M)}
+    assert listed[needle] == "DIFFERS", default
+    # Invariant mode is bisected on the same item, and no op differs there.
+    assert f"bisect ({needle} alone vs first of" in inv and "no op differs" in inv
+
+
 def test_verify_on_files(files):
     r = run("verify", *files["good"], "--dtype", "float32", "--layouts", "3")
     assert r.returncode == 0 and r.stdout.count("img") >= 6
