@@ -155,6 +155,22 @@ def test_verify_on_files(files):
     assert r.returncode == 0 and r.stdout.count("img") >= 6
 
 
+def test_encode_dataset_says_the_demo_notice_once_and_a_local_ray_run_adds_no_noise(files, tmp_path):
+    """Both engines say the demo notice once (the library's, shown by the CLI); a local Ray run prints no
+    error-level core_worker line, no token-auth warning, no worker-prefixed repeat and no raw ANSI escapes."""
+    pytest.importorskip("ray")
+    src = tmp_path / "in"
+    src.mkdir()
+    for p in files["good"][:2]:
+        (src / p.name).write_bytes(p.read_bytes())
+    for engine in ("local", "ray"):
+        r = run("encode-dataset", src, "--out", tmp_path / engine, "--engine", engine, "--no-progress")
+        assert r.returncode == 0, r.stderr
+        assert r.stderr.count("DEMO model") == 1, r.stderr
+        for noise in ("core_worker", "Token authentication", "\x1b[", "pid=", "Progress bars", "Traceback"):
+            assert noise not in r.stderr, (noise, r.stderr)
+
+
 def run_without(module, *args):
     """The CLI in a process where `module` cannot be imported, as on a machine without its extra."""
     code = (f"import sys; sys.modules[{module!r}] = None; sys.argv[0] = 'bivit'; "
