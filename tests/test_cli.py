@@ -171,6 +171,18 @@ def test_encode_dataset_says_the_demo_notice_once_and_a_local_ray_run_adds_no_no
             assert noise not in r.stderr, (noise, r.stderr)
 
 
+@pytest.mark.parametrize("command", ["", "encode", "verify", "serve", "encode-dataset", "bench", "doctor"])
+def test_help_fits_80_columns_without_type_noise(command):
+    """--help in an 80-column terminal: every option name whole (no "…"), no line past 80 columns, no <bool> on
+    flags; bivit serve's --dtype names float16 like the other commands'."""
+    r = run(*([command] if command else []), "--help", env={**os.environ, "COLUMNS": "80"})
+    assert r.returncode == 0, r.stderr
+    assert "<bool>" not in r.stdout and "…" not in r.stdout
+    assert max(len(line) for line in r.stdout.splitlines()) <= 80
+    if command in ("encode", "serve", "encode-dataset"):
+        assert "--dtype" in r.stdout and "float16" in r.stdout.split("--dtype", 1)[1].split("--", 1)[0]
+
+
 def run_without(module, *args):
     """The CLI in a process where `module` cannot be imported, as on a machine without its extra."""
     code = (f"import sys; sys.modules[{module!r}] = None; sys.argv[0] = 'bivit'; "

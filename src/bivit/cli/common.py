@@ -18,7 +18,7 @@ import typer
 from ..dtypes import CHOICES as DTYPE_CHOICES, DEFAULT_DTYPE
 from ..errors import BivitError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="bivit: batch-invariant vision encoding for Kimi-K2.5/K2.6/K3.")
 
 USAGE, FAILURE = 2, 1

@@ -12,7 +12,7 @@ from .common import FAILURE, AlphaOpt, DtypeOpt, OutDtypeOpt, ProjDtypeOpt, comm
 
 @command("encode-dataset")
 def encode_dataset(
-    src: Path = typer.Argument(..., show_default=False,
+    src: Path = typer.Argument(..., show_default=False, metavar="SRC",
                                help="Folder of images/videos (recursive) or a manifest file (one path per line, "
                                     "or JSONL with a 'path' field)."),
     out: Path = typer.Option(..., "--out", "-o", show_default=False,

@@ -21,7 +21,7 @@ GROUP_PATCHES = 4096
 
 @command()
 def encode(
-    files: List[Path] = typer.Argument(..., help="Images and/or videos."),
+    files: List[Path] = typer.Argument(..., metavar="FILE", help="Images and/or videos."),
     out: Path = typer.Option(Path("embeddings.safetensors"), "--out", "-o", help="Output safetensors file."),
     model: Optional[Path] = ModelOpt,
     dtype: str = DtypeOpt,

@@ -21,7 +21,8 @@ VERIFY_DTYPE = "float32"
 
 @command()
 def verify(
-    files: List[Path] = typer.Argument(None, help="Images (default: a built-in synthetic set)."),
+    files: List[Path] = typer.Argument(None, metavar="FILE", show_default=False,
+                                       help="Images and videos (default: a built-in synthetic set of images)."),
     model: Optional[Path] = ModelOpt,
     dtype: str = typer.Option(VERIFY_DTYPE, "--dtype", help=f"Tower compute dtype: {DTYPE_CHOICES}. float32 by "
                               "default: stock float32 GEMMs change their reduction order with the row count on every "
