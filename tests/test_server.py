@@ -266,6 +266,16 @@ def test_request_level_errors(server, enc32):
     _assert_serving(server, enc32, seed=17)
 
 
+def test_unknown_route_and_wrong_method_answer_in_the_error_shape(server):
+    """The router's own 404 and 405 are the service's {"error": {"kind", "message"}}, like every other error."""
+    r = httpx.get(f"{server.url}/v1/nope", headers=server.headers, timeout=10)
+    assert r.status_code == 404 and r.json()["error"]["kind"] == "not_found"
+    assert "/v1/nope" in r.json()["error"]["message"] and "POST /v1/encode" in r.json()["error"]["message"]
+    r = httpx.get(f"{server.url}/v1/encode", headers=server.headers, timeout=10)
+    assert r.status_code == 405 and r.json()["error"]["kind"] == "method_not_allowed"
+    assert r.json()["error"]["message"] == "GET is not allowed on /v1/encode" and "POST" in r.headers["allow"]
+
+
 def test_auth(server, enc32):
     img = png_bytes(28, 28, seed=18)
     files = [("file", ("a.png", img))]

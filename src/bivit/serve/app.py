@@ -24,6 +24,7 @@ from typing import Optional
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..encoder import Encoder
 from .protocol import (SAFETENSORS_MEDIA_TYPE, RequestError, encode_json, encode_safetensors, error_body,
@@ -31,6 +32,8 @@ from .protocol import (SAFETENSORS_MEDIA_TYPE, RequestError, encode_json, encode
 from .serving import Service, content_type, log
 from .settings import ServerSettings
 
+
+ROUTES = "POST /v1/encode, POST /v1/weights, GET /health, GET /ready, GET /metrics"
 
 # What a client may choose as its request id: it is echoed in a header and written to the log.
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:+=/-]{1,128}")
@@ -100,6 +103,16 @@ def create_app(encoder: Encoder, settings: Optional[ServerSettings] = None) -> F
         svc.metrics.errors.labels(exc.kind).inc()
         request.state.error = exc.message
         return JSONResponse(error_body(exc.kind, exc.message), exc.status, headers=exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _routing_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # The router's own answers (no such route, a method the route does not take) in the service's one shape.
+        kind, message = {404: ("not_found", f"no route {request.url.path}; the service answers {ROUTES}"),
+                         405: ("method_not_allowed", f"{request.method} is not allowed on {request.url.path}")
+                         }.get(exc.status_code, ("http_error", str(exc.detail)))
+        svc.metrics.errors.labels(kind).inc()
+        request.state.error = message
+        return JSONResponse(error_body(kind, message), exc.status_code, headers=getattr(exc, "headers", None))
 
     @app.middleware("http")
     async def _frame(request: Request, call_next):
