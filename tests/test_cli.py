@@ -119,6 +119,26 @@ def test_user_errors_are_one_line(tmp_path):
     assert r.returncode == 2 and "int3" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_inputs_and_options_are_checked_before_the_model_loads(files, tmp_path):
+    """Every unusable input is named with its reason before any model loads (so before a checkpoint is read or
+    a hub is asked); when none is left, nothing loads at all. A model path that does not exist says so."""
+    (tmp_path / "notes.txt").write_text("not media\n")
+    (tmp_path / "fake.mp4").write_text("not a video\n")
+    bad = {tmp_path / "missing.png": "does not exist", tmp_path: "a directory", files["empty"]: "file is empty",
+           tmp_path / "notes.txt": "not an image", tmp_path / "fake.mp4": "corrupt or unsupported video",
+           files["corrupt"]: "not an image format"}
+    r = run("encode", *bad, "--out", tmp_path / "e.safetensors")
+    assert r.returncode == 1 and "Traceback" not in r.stderr and "DEMO" not in r.stderr, r.stderr
+    lines = r.stderr.splitlines()
+    for path, reason in bad.items():
+        assert any(ln.startswith(f"bivit: skipped: {path}: ") and reason in ln for ln in lines), (path, r.stderr)
+    assert "encoded 0 of 6 inputs (nothing written)" in r.stdout
+    r = run("encode", files["good"][0], "--model", tmp_path / "no-such-checkpoint")
+    assert "no-such-checkpoint: does not exist" in one_error_line(r) and "DEMO" not in r.stderr
+    r = run("verify", files["good"][0], tmp_path / "missing.png")
+    assert "missing.png: does not exist" in one_error_line(r) and "DEMO" not in r.stderr
+
+
 def test_verify_demo_invariant_stable_default_differs_and_bisect(tmp_path):
     plot = tmp_path / "new folder" / "v.png"  # created
     r = run("verify", "--dtype", "float32", "--bisect", "--plot", plot, "--layouts", "4")

@@ -25,7 +25,7 @@ from .errors import BivitError, CheckpointError, ConfigError, MediaError
 from .media import MediaBatch, Placeholder, batch_placeholders, image_placeholder_text, image_size, \
     image_token_count, preprocess_images
 from .model import VisionModel, gemms
-from .hub import parse_repo_ref, resolve as resolve_repo
+from .hub import check_model, resolve as resolve_repo
 from .preprocess_config import ProcessorConfig, check_alpha, default_processing, load_processing, resolve_processing
 from .video import is_video_path, join_chunks, preprocess_video, split_by_input, video_chunks
 
@@ -256,13 +256,8 @@ def build_model(model: str | os.PathLike | None, *, device: torch.device, dtype:
         log.warning(DEMO_NOTICE)
     else:
         path, name = Path(model), str(model)
+        check_model(model, revision)
         if not path.is_dir():
-            if path.exists():
-                raise ConfigError(f"{path}: not a directory; model must be a checkpoint directory (config.json and "
-                                  "the safetensors shards), a hub repo id (org/name[@rev]) or None for the demo model")
-            if parse_repo_ref(model, revision) is None:
-                raise ConfigError(f"{path}: does not exist; model must be a checkpoint directory, a hub repo id "
-                                  "(org/name[@rev]) or None for the demo model")
             path = resolve_repo(str(model), revision)
             name = str(model) + (f"@{revision}" if revision and "@" not in str(model) else "")
         cfg = load_config(path)

@@ -47,6 +47,22 @@ def parse_repo_ref(model: str | os.PathLike, revision: Optional[str] = None) -> 
     return repo, (rev or revision or None)
 
 
+def check_model(model: str | os.PathLike | None, revision: Optional[str] = None) -> None:
+    """The cheap checks of a `model` argument, before anything is read: None (the demo model), an existing
+    directory, or a repo id; ConfigError naming it otherwise (an existing file; a path that does not exist)."""
+    if model is None or str(model) == "demo":
+        return
+    path = Path(model)
+    if path.is_dir():
+        return
+    if path.exists():
+        raise ConfigError(f"{path}: not a directory; a model is a checkpoint directory (config.json and the "
+                          "safetensors shards) or a hub repo id (org/name[@rev]); without one, the demo model runs")
+    if parse_repo_ref(model, revision) is None:
+        raise ConfigError(f"{path}: does not exist; a model is a checkpoint directory or a hub repo id "
+                          "(org/name[@rev]); without one, the demo model runs")
+
+
 def _hub(model: str):
     try:
         import huggingface_hub

@@ -74,6 +74,20 @@ def writable(path: Path, inputs: Any = (), option: str = "--out") -> None:
         fail(f"{option} {path}: {e.strerror or e}")
 
 
+def check_options(model: Any = None, dtype: Optional[str] = None, projector_dtype: Optional[str] = None,
+                  output_dtype: Optional[str] = None, alpha: str = "model") -> None:
+    """The encoder options a command was given, checked before its inputs are read and before the model loads
+    (ConfigError, one line, exit 2)."""
+    from ..dtypes import canonical_name
+    from ..hub import check_model
+    from ..preprocess_config import check_alpha
+
+    for flag, value in (("--dtype", dtype), ("--projector-dtype", projector_dtype), ("--output-dtype", output_dtype)):
+        canonical_name(value, flag)
+    check_alpha(alpha, "--alpha")
+    check_model(model)
+
+
 def open_encoder(model: Optional[Path], dtype: str, projector_dtype: Optional[str], output_dtype: Optional[str],
                  batch_invariant: bool = True, max_batch_tokens: Optional[int] = None, alpha: str = "model") -> Any:
     from ..encoder import load_encoder

@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 from ..dataset import format as dataset_format  # light: file names and defaults
-from .common import FAILURE, AlphaOpt, DtypeOpt, OutDtypeOpt, ProjDtypeOpt, command, writable
+from .common import FAILURE, AlphaOpt, DtypeOpt, OutDtypeOpt, ProjDtypeOpt, check_options, command, writable
 
 @command("encode-dataset")
 def encode_dataset(
@@ -41,6 +41,7 @@ def encode_dataset(
     are encoded; the exit status is then 1 unless --allow-failures.
     """
     # A missing Ray extra, bad --engine/--workers values: encode_dataset says so before any work.
+    check_options(model, dtype, projector_dtype, output_dtype, alpha)
     writable(out / dataset_format.HEADER, option="--out")  # before the model loads
     from ..dataset.job import encode_dataset as run
 

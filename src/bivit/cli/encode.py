@@ -11,8 +11,8 @@ from typing import List, Optional
 import typer
 
 from ..errors import BivitError
-from .common import (FAILURE, AlphaOpt, DtypeOpt, ModelOpt, OutDtypeOpt, ProjDtypeOpt, command, open_encoder,
-                     writable)
+from .common import (FAILURE, AlphaOpt, DtypeOpt, ModelOpt, OutDtypeOpt, ProjDtypeOpt, check_options, command,
+                     open_encoder, writable)
 
 # The schema of the file `bivit encode` writes (its "bivit" header key).
 ENCODE_FORMAT = "bivit.encode/1"
@@ -37,7 +37,8 @@ def encode(
     per image or chunk the text the model's processor writes and the rows that replace its <|media_pad|>) is
     stored as JSON under the "bivit" header key. Bad files are reported and skipped; exit status 1 if any failed.
     """
-    writable(out, files)  # before anything is loaded or encoded
+    check_options(model, dtype, projector_dtype, output_dtype, alpha)  # options, output, inputs: all before
+    writable(out, files)  # anything is loaded or encoded
     import torch
     from safetensors.torch import save_file
     from tqdm import tqdm

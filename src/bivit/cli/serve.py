@@ -7,7 +7,7 @@ from typing import Optional
 import typer
 
 from ..serve.settings import ServerSettings as Limits  # light: no web framework
-from .common import AlphaOpt, DtypeOpt, command, fail, need_extra
+from .common import AlphaOpt, DtypeOpt, check_options, command, fail, need_extra
 
 @command()
 def serve(
@@ -52,6 +52,7 @@ def serve(
     """Serve the encoder over HTTP: POST /v1/encode, /v1/weights, GET /health, /ready, /metrics (serve extra)."""
     for module in ("fastapi", "uvicorn", "prometheus_client", "multipart"):
         need_extra("serve", module, "serve")
+    check_options(model, dtype, alpha=alpha)
     if log_level.lower() not in ("debug", "info", "warning", "error"):
         fail(f"--log-level must be debug, info, warning or error, got {log_level!r}")
     settings = Limits(api_key=api_key or None, max_batch_tokens=max_batch_tokens, max_wait_ms=max_wait_ms,

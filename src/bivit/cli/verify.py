@@ -8,7 +8,8 @@ from typing import List, Optional
 
 import typer
 
-from .common import DTYPE_CHOICES, FAILURE, ModelOpt, ProjDtypeOpt, command, need_extra, open_encoder, writable
+from .common import (DTYPE_CHOICES, FAILURE, ModelOpt, ProjDtypeOpt, check_options, command, need_extra,
+                     open_encoder, writable)
 
 # Why float32: stock float32 GEMMs (MKL/oneDNN, AVX2 or AVX-512; float32 never runs on AMX tiles, so AMX Xeons
 # behave like AVX-512 CPUs here) compute a single row (a 1-token item alone: M = 1) with another kernel and
@@ -43,6 +44,7 @@ def verify(
         writable(plot, files or (), "--plot")
     from ..video import check_input
 
+    check_options(model, dtype, projector_dtype)
     for f in files or ():
         check_input(f)  # every input exists and is an image or video, before the models load
     encoders = [open_encoder(model, dtype, projector_dtype, None, inv) for inv in (True, False)]
