@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+import in_process  # benchmarks/in_process.py, next to this script
 from bivit import bench
 from bivit.config import PRESETS
 from bivit.encoder import load_encoder
@@ -51,15 +52,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="both", choices=sorted(bench.DTYPE_CHOICES))
     p.add_argument("--cases", nargs="*", default=None, help="substrings of case names (default: all four)")
     p.add_argument("--modes", nargs="*", default=list(MODES), choices=MODES)
-    p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--top", type=int, default=12, help="ops shown per table")
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--checkpoint", type=Path, default=None,
                    help="reuse (or create) the seeded checkpoint here instead of a temporary directory")
-    args = p.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    in_process.add_options(p, repeats=1)
+    args = in_process.parse(p, argv)
     cfg = PRESETS[args.preset]
     cases = bench.standard_cases(args.seed)
     if args.cases:

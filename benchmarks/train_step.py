@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+import in_process  # benchmarks/in_process.py, next to this script
 from bivit import bench
 from bivit.config import PRESETS
 
@@ -132,13 +133,8 @@ def main(argv=None) -> int:
     p.add_argument("--preset", default="kimi-k2.6", choices=sorted(PRESETS))
     p.add_argument("--dtype", dest="dtypes", action="append", choices=("bfloat16", "float32"))
     p.add_argument("--patches", type=int, default=1024, help="patches of the square image (a square, even side)")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch threads (default: torch's); 1 makes a shared machine's ratios less noisy")
-    args = p.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    in_process.add_options(p, repeats=3)
+    args = in_process.parse(p, argv)
     args.dtypes = args.dtypes or ["bfloat16", "float32"]
     print(report(args, run(args)), flush=True)
     return 0

@@ -1,5 +1,6 @@
 """The `bivit` command line, run as a real process: outputs, one-line errors, exit codes."""
 
+import hashlib
 import json
 import os
 import re
@@ -48,26 +49,41 @@ def test_encode_writes_one_tensor_per_input_with_metadata(files, tmp_path):
     assert "Traceback" not in r.stderr and "DEMO" in r.stderr
     assert r.stdout.strip().startswith("encoded 4 of 4 inputs")
     enc = bivit.load_encoder(dtype="float32")
-    with safe_open(str(out), "pt") as f:
-        meta = json.loads(f.metadata()["bivit"])
-        assert [i["source"] for i in meta["items"]] == [str(p) for p in files["good"] + [files["video"]]]
-        assert meta["demo"] is True and meta["dtype"] == "float32" and meta["batch_invariant"] is True
-        for i, p in enumerate(files["good"]):
-            t = f.get_tensor(str(i))
-            assert torch.equal(t, enc.encode([p])[0])  # the CLI's bits are the library's bits
-            assert meta["items"][i]["grid_thw"] == enc.preprocess([p]).grid_thw.tolist()
-        video = meta["items"][3]
-        chunks = enc.encode_video(files["video"])
-        assert len(chunks) == 3  # 6 s at 10 fps -> 12 frames sampled at 2 fps -> chunks of 4
-        assert video["timestamps"] == [c.timestamp for c in chunks] and chunks[0].timestamp == "00:00:00.000"
-        assert video["grid_thw"] == [list(c.grid_thw) for c in chunks]
-        assert video["chunk_tokens"] == [c.token_count for c in chunks]
-        assert torch.equal(f.get_tensor("3"), torch.cat([c.embedding for c in chunks]))
-        # The prompt placeholders, one per image or chunk, are the encoder's, and their rows add up.
-        got = [[bivit.Placeholder(**p) for p in item["placeholders"]] for item in meta["items"]]
-        assert got == enc.placeholders(files["good"] + [files["video"]])
-        assert [sum(p.tokens for p in ps) for ps in got] == [i["tokens"] for i in meta["items"]]
-        assert meta["alpha"] == "model" and meta["processing"]["processor"] == "kimi_k25"
+    inputs = files["good"] + [files["video"]]
+    with safe_open(str(out), "pt") as f:  # the raw file: the format's three keys, tensor "i" for input i
+        meta = f.metadata()
+        assert meta["format"] == "bivit.embeddings/1" and sorted(f.keys()) == ["0", "1", "2", "3"]
+        written, here = json.loads(meta["encoder"]), enc.describe()
+        assert written.pop("kernels")["gemm"] == here.pop("kernels")["gemm"] and written == here
+    items = bivit.load_embeddings(out)
+    assert items.encoder["demo"] is True and items.encoder["dtype"] == "float32"
+    assert items.encoder["batch_invariant"] is True and items.encoder["fingerprint"] == enc.fingerprint
+    assert items.sources == [str(p) for p in inputs]
+    for i, p in enumerate(files["good"]):
+        assert torch.equal(items[i].embedding, enc.encode([p])[0])  # the CLI's bits are the library's bits
+        assert items[i].grid_thw == enc.preprocess([p]).grid_thw.tolist() and items[i].kind == "image"
+        assert items[i].sha256 == hashlib.sha256(p.read_bytes()).hexdigest() and items[i].dtype == "float32"
+    video = items[3]
+    chunks = enc.encode_video(files["video"])
+    assert len(chunks) == 3  # 6 s at 10 fps -> 12 frames sampled at 2 fps -> chunks of 4
+    assert video.kind == "video" and video.timestamps == [c.timestamp for c in chunks]
+    assert chunks[0].timestamp == "00:00:00.000"
+    assert video.grid_thw == [list(c.grid_thw) for c in chunks]
+    assert video.chunk_tokens == [c.token_count for c in chunks]
+    assert torch.equal(video.embedding, torch.cat([c.embedding for c in chunks]))
+    assert all(torch.equal(a, c.embedding) for a, c in zip(video.chunks, chunks))
+    # The prompt placeholders, one per image or chunk, are the encoder's, and their rows add up.
+    got = [[bivit.Placeholder(**p) for p in item.placeholders] for item in items]
+    assert got == enc.placeholders(inputs)
+    assert [sum(p.tokens for p in ps) for ps in got] == [i.tokens for i in items]
+    assert items.encoder["alpha"] == "model" and items.encoder["processing"]["processor"] == "kimi_k25"
+
+
+def test_encode_of_a_long_video_shows_progress(files, tmp_path):
+    """One video: the bar counts its chunks (3 here, one forward pass each under a small patch budget)."""
+    r = run("encode", files["video"], "--out", tmp_path / "e.safetensors", "--max-batch-patches", "64")
+    assert r.returncode == 0, r.stderr
+    assert "encoding: 100%" in r.stderr and "3/3" in r.stderr and "chunk" in r.stderr, r.stderr
 
 
 def test_encode_alpha_option(tmp_path):
@@ -84,7 +100,7 @@ def test_encode_alpha_option(tmp_path):
         assert r.returncode == 0, r.stderr
         with safe_open(str(out), "pt") as f:
             outs[alpha] = f.get_tensor("0")
-            assert json.loads(f.metadata()["bivit"])["alpha"] == alpha
+            assert json.loads(f.metadata()["encoder"])["alpha"] == alpha
     enc = bivit.load_encoder(dtype="float32")
     assert torch.equal(outs["white"], enc.encode([img], alpha="white")[0])
     assert torch.equal(outs["model"], enc.encode([img])[0]) and not torch.equal(outs["model"], outs["white"])
@@ -101,8 +117,12 @@ def test_bad_files_are_reported_skipped_and_exit_nonzero(files, tmp_path):
     for bad in ("corrupt.png", "empty.jpg", "missing.png"):
         assert sum(bad in line for line in r.stderr.splitlines()) == 1
     assert "encoded 2 of 5 inputs" in r.stdout and "3 failed" in r.stdout
-    with safe_open(str(out), "pt") as f:
-        assert sorted(f.keys()) == ["0", "1"]
+    with safe_open(str(out), "pt") as f:  # tensor "i" is input i's: the failed ones have none
+        assert sorted(f.keys()) == ["0", "4"]
+    items = bivit.load_embeddings(out)  # every input in order, the failed ones with their error
+    assert [r.ok for r in items] == [True, False, False, False, True]
+    assert [r.tensor for r in items] == ["0", None, None, None, "4"] and items[2].embedding is None
+    assert "empty" in items[2].error and "does not exist" in items[3].error
 
 
 def test_nothing_half_written_when_everything_fails(files, tmp_path):
@@ -263,7 +283,7 @@ def test_replacing_an_output_keeps_its_permissions(files, tmp_path):
     r = run("encode", files["good"][1], "--out", out)
     assert r.returncode == 0 and out.stat().st_mode & 0o777 == 0o640
     with safe_open(str(out), "pt") as f:
-        assert json.loads(f.metadata()["bivit"])["items"][0]["source"] == str(files["good"][1])
+        assert bivit.load_embeddings(out)[0].source == str(files["good"][1])
     assert [p.name for p in tmp_path.iterdir()] == ["e.safetensors"]  # no temp file left behind
 
 

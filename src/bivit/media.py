@@ -194,7 +194,8 @@ def batch_placeholders(batch: MediaBatch, processing: ProcessorConfig) -> list[P
 
 # ---------------------------------------------------------------------------------------------- decoding
 
-def _describe(src: object) -> str:
+def input_name(src: object) -> str:
+    """How messages call an image input that has no name given: its path, `<N bytes>` or `<TypeName>`."""
     if isinstance(src, (str, os.PathLike)):
         return str(src)
     if isinstance(src, bytes):
@@ -226,7 +227,7 @@ def load_image(src: ImageInput, max_pixels: int = MAX_IMAGE_PIXELS, name: str | 
 
     `name` is how messages call the input (default: its path, or `<N bytes>`); it becomes `MediaError.source`.
     """
-    name = name or _describe(src)
+    name = name or input_name(src)
     try:
         return _load_image(src, max_pixels, name)
     except MediaError as e:
@@ -246,7 +247,7 @@ def _load_image(src: ImageInput, max_pixels: int, name: str) -> Image.Image:
         _check_pixels((src.shape[1], src.shape[0]), name, max_pixels)
         return Image.fromarray(np.ascontiguousarray(src), "RGB")
     elif isinstance(src, (str, os.PathLike, bytes)):
-        img = _decode(_input_bytes(src, name), name, max_pixels, load=True)
+        img = _decode(input_bytes(src, name), name, max_pixels, load=True)
     else:
         raise MediaError(f"{name}: unsupported input type; pass a PIL.Image, an HxWx3 uint8 array, bytes or a path")
     if img.width < 1 or img.height < 1:
@@ -254,15 +255,16 @@ def _load_image(src: ImageInput, max_pixels: int, name: str) -> Image.Image:
     return img
 
 
-def image_size(src: ImageInput, max_pixels: int = MAX_IMAGE_PIXELS) -> tuple[int, int]:
-    """(width, height) of an image input; files and bytes are read up to their header only."""
+def image_size(src: ImageInput, max_pixels: int = MAX_IMAGE_PIXELS, name: str | None = None) -> tuple[int, int]:
+    """(width, height) of an image input; files and bytes are read up to their header only. `name`: as in
+    `load_image`."""
     if isinstance(src, (str, os.PathLike, bytes)):
-        name = _describe(src)
-        return _decode(_input_bytes(src, name), name, max_pixels, load=False).size
-    return load_image(src, max_pixels).size
+        name = name or input_name(src)
+        return _decode(input_bytes(src, name), name, max_pixels, load=False).size
+    return load_image(src, max_pixels, name).size
 
 
-def _input_bytes(src: str | os.PathLike | bytes, name: str) -> bytes:
+def input_bytes(src: str | os.PathLike | bytes, name: str) -> bytes:
     """The bytes of an encoded image given as bytes or a path."""
     if isinstance(src, bytes):
         data = src
@@ -430,7 +432,7 @@ def preprocess_images(images: Sequence[ImageInput], max_pixels: int = MAX_IMAGE_
     proc = processing_of(processing)
     items = []
     for i, src in enumerate(images):
-        name = names[i] if names is not None else _describe(src)
+        name = names[i] if names is not None else input_name(src)
         img = load_image(src, max_pixels, name)
         try:
             pixels, grid = image_to_item(img, proc, alpha)

@@ -24,7 +24,7 @@ key its record names. A record (`Record`, `RECORD_KEYS`) is:
     error         why the item has no embedding (null when it has one)
 
 plus what only one writer knows, under keys of its own (the service: `cached`, `error_kind`; a dataset:
-`shard`, `key`, `size`, `mtime_ns`, `seq`), read back into `Record.extra`. A dataset folder keeps the same
+`shard`, `size`, `mtime_ns`, `seq`), read back into `Record.extra` (and readable as attributes: `r.cached`). A dataset folder keeps the same
 records in `manifest.jsonl` and the encoder in `dataset.json` (see `bivit.dataset.format`).
 
 Files of older bivit versions still open: `bivit.encode/1` (`bivit encode`: one "bivit" JSON key),
@@ -86,6 +86,13 @@ class Record:
     _load: Optional[Callable[[str], "torch.Tensor"]] = field(default=None, repr=False, compare=False)
     _embedding: Optional["torch.Tensor"] = field(default=None, repr=False, compare=False)
 
+    def __getattr__(self, name: str) -> Any:
+        # A writer's own keys read as attributes too (`r.cached` of a service answer); only those.
+        extra = self.__dict__.get("extra") or {}
+        if name in extra and not name.startswith("_"):
+            return extra[name]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     @property
     def ok(self) -> bool:
         return self.error is None
@@ -142,6 +149,9 @@ class Record:
                       encoder=encoder if encoder is not None else {}, _load=load)
 
 
+EmbeddingRecord = Record  # its public name: `bivit.EmbeddingRecord`
+
+
 def record(source: str, *, kind: str, sha256: Optional[str], grid_thw: Sequence, chunk_tokens: Sequence[int],
            timestamps: Optional[Sequence[str]], placeholders: Sequence[Any], tensor: Optional[str] = None,
            error: Optional[str] = None, **extra: Any) -> Record:
@@ -151,6 +161,25 @@ def record(source: str, *, kind: str, sha256: Optional[str], grid_thw: Sequence,
                   timestamps=None if timestamps is None else list(timestamps),
                   placeholders=[p if isinstance(p, dict) else p.to_dict() for p in placeholders], error=error,
                   tensor=tensor if error is None else None, extra=dict(extra))
+
+
+def error_text(error: BaseException, source: str) -> str:
+    """An item's error as its record keeps it: the reason, without the source the record names already (a
+    MediaError about another file, e.g. one frame of a video, keeps its whole message)."""
+    from .errors import MediaError
+
+    return error.about(source) if isinstance(error, MediaError) else str(error)
+
+
+def of_result(result: Any, tensor: Optional[str] = None, **extra: Any) -> Record:
+    """The record of a core result (`bivit.items.ItemResult`: source, kind, sha256, grid_thw, chunk_tokens,
+    timestamps, placeholders, error), its embedding stored under `tensor`; `extra`: the writer's own keys."""
+    if result.error is not None:
+        return record(result.source, kind=result.kind, sha256=result.sha256, grid_thw=[], chunk_tokens=[],
+                      timestamps=None, placeholders=[], error=error_text(result.error, result.source), **extra)
+    return record(result.source, kind=result.kind, sha256=result.sha256, grid_thw=result.grid_thw,
+                  chunk_tokens=result.chunk_tokens, timestamps=result.timestamps, placeholders=result.placeholders,
+                  tensor=tensor, **extra)
 
 
 def metadata(encoder: Mapping[str, Any], records: Sequence[Record]) -> dict[str, str]:
@@ -278,6 +307,16 @@ def load_embeddings(path: str | os.PathLike) -> Embeddings:
     except OSError as e:
         raise BivitError(f"{p}: cannot read ({e.strerror or e})") from None
     meta = _header_metadata(header, str(p))
+    from .dataset import format as dataset_format  # light
+
+    if meta.get("format") == dataset_format.FORMAT:  # a shard of an older dataset folder: its records are there
+        if not (p.parent / dataset_format.HEADER).is_file():
+            raise FormatError(f"{p}: a dataset shard written by an older bivit, whose records are in its folder's "
+                              f"{dataset_format.MANIFEST}; open it inside that folder (no {dataset_format.HEADER} "
+                              f"next to it)")
+        from .dataset.reader import open_dataset
+
+        return open_dataset(p.parent).embeddings(shard=p.name)
     handle: dict[str, Any] = {}
 
     def load(key: str) -> "torch.Tensor":
@@ -290,7 +329,7 @@ def load_embeddings(path: str | os.PathLike) -> Embeddings:
         except Exception as e:  # noqa: BLE001 - a missing key or a damaged file, named
             raise FormatError(f"{p}: no readable tensor {key!r} ({e})") from None
 
-    return _records(meta, str(p), load, handle.clear, p)
+    return _records(meta, str(p), load, handle.clear)
 
 
 def from_bytes(body: bytes, name: str = "response") -> Embeddings:
@@ -312,7 +351,7 @@ def from_bytes(body: bytes, name: str = "response") -> Embeddings:
             raise FormatError(f"{name}: no tensor {key!r}")
         return tensors[key]
 
-    out = _records(meta, name, load, None, None)
+    out = _records(meta, name, load, None)
     for r in out:  # an answer is read whole: its tensors are already in memory
         r.embedding  # noqa: B018 - loads it
     return out
@@ -337,7 +376,7 @@ def _json(meta: dict, key: str, name: str, fmt: str) -> Any:
         raise FormatError(f"{name}: {fmt} metadata {key!r} is not JSON ({e})") from None
 
 
-def _records(meta: dict, name: str, load: Callable, close: Optional[Callable], path: Optional[Path]) -> Embeddings:
+def _records(meta: dict, name: str, load: Callable, close: Optional[Callable]) -> Embeddings:
     """The records of a file's header metadata, in whichever format it was written."""
     fmt = meta.get("format")
     if fmt is None and "bivit" in meta:  # bivit.encode/1: everything under one JSON key
@@ -359,11 +398,7 @@ def _records(meta: dict, name: str, load: Callable, close: Optional[Callable], p
                    "output_dtype": meta.get("dtype")}
         return _build(rows, encoder, fmt, name, load, close)
     if fmt is None:
-        hint = ""
-        if path is not None and path.name.startswith("shard-") and (path.parent / "dataset.json").exists():
-            hint = (f"; it is a shard of a dataset folder written by an older bivit, whose records are in the "
-                    f"folder's manifest: open the folder ({path.parent})")
-        raise FormatError(f"{name}: not a bivit embedding file (no 'format' in its metadata){hint}")
+        raise FormatError(f"{name}: not a bivit embedding file (no 'format' in its metadata)")
     raise FormatError(f"{name}: format {fmt!r}, which this bivit does not read (it reads {', '.join(READS)}); "
                       "a newer bivit wrote it?")
 

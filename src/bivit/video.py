@@ -14,6 +14,7 @@ chunk of `temporal_merge_kernel_size` consecutive *sampled* frames (the last chu
   rounds to microseconds) for the clock, plus the milliseconds truncated from the float (frame 23 at 10 fps
   prints `00:00:02.299`, frame 24000 at 24000/1001 fps `00:16:41.999`), hours wrapping past 24 h.
 - Kimi-K3's published processor takes images only; bivit refuses a video for it with a MediaError.
+- A video the caller decoded and sampled already (`preprocess_frames`) is chunked and timestamped the same way.
 
 Decisions this module makes (the reference does not say):
 
@@ -30,7 +31,7 @@ Decisions this module makes (the reference does not say):
   is dropped, not composited, as the image path does. The reference uses its own reader, which we could not
   run: if it converts colours differently (chroma upsampling, range handling), pixels can differ by a level or
   two; the sampled frame indices cannot.
-- `.gif` is always a video (`is_video_path` decides by extension only), even with a single frame: how a path
+- `.gif` is always a video (`bivit.kinds` decides by extension first), even with a single frame: how a path
   is encoded never depends on its content. Pass a GIF to the image path yourself to treat it as an image.
 - Still-image files (PNG/JPEG/... even when renamed `.mp4`) are refused: FFmpeg would open them as a
   one-frame video, silently giving them the video budget and a timestamp.
@@ -52,7 +53,7 @@ from datetime import datetime, timezone
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional, Sequence, Union
+from typing import Callable, Iterable, Iterator, Optional, Sequence, Union
 
 import av
 import numpy as np
@@ -62,7 +63,7 @@ from PIL import Image
 from .errors import ConfigError, MediaError
 from .fileio import NotRegularFile, open_regular
 from .kinds import VIDEO_EXTENSIONS, is_video_path, looks_like_video, media_kind  # noqa: F401  (re-exported)
-from .media import MediaBatch, frames_to_item, image_size, processing_of
+from .media import MediaBatch, frames_to_item, image_size, load_image, processing_of
 from .preprocess_config import K25_PROCESSING, ProcessorConfig
 
 SAMPLE_FPS = K25_PROCESSING.sample_fps
@@ -103,24 +104,6 @@ class VideoInfo:
     @property
     def duration_s(self) -> float:
         return self.num_frames / self.fps
-
-
-def join_chunks(chunks: Sequence[torch.Tensor]) -> torch.Tensor:
-    """A video's embedding is its chunks' embeddings concatenated along the token axis (an image: its one item).
-
-    Always a fresh tensor, never a view into a batch's output buffer (which it would keep alive, and which
-    safetensors refuses to save twice).
-    """
-    return torch.cat(list(chunks))
-
-
-def split_by_input(outputs: Sequence[torch.Tensor], items_per_input: Sequence[int]) -> list[list[torch.Tensor]]:
-    """Cut a flat list of per-item outputs (images and video chunks in order) back into one list per input."""
-    out, i = [], 0
-    for n in items_per_input:
-        out.append(list(outputs[i:i + n]))
-        i += n
-    return out
 
 
 def _num_samples(num_frames: int, fps: float, sample_fps: float) -> int:
@@ -345,8 +328,10 @@ def _decode_selected(src: VideoInput, name: str, indices: Sequence[int], limits:
             frames.close()  # finish the decode generator while its container is still open
 
 
-def _chunk_items(src: VideoInput, name: str, info: VideoInfo, indices: list[int], chunk_size: int,
-                 patch_limit: Optional[int], limits: _Limits, proc: ProcessorConfig) -> list[MediaBatch]:
+def chunk_frames(frames: Iterable[Image.Image], name: str, fps: float, indices: Sequence[int], chunk_size: int,
+                 patch_limit: Optional[int], proc: ProcessorConfig,
+                 check_time: Callable[[], None] = lambda: None) -> list[MediaBatch]:
+    """Sampled RGB frames (video frame `indices[i]` at `fps`) -> one item per `chunk_size` frames, timestamped."""
     items: list[MediaBatch] = []
     buffer: list[Image.Image] = []
 
@@ -357,19 +342,37 @@ def _chunk_items(src: VideoInput, name: str, info: VideoInfo, indices: list[int]
             pixels, grid = frames_to_item(buffer, limit, proc)
         except MediaError as e:  # e.g. the resolution changed inside a chunk
             raise MediaError(f"{name}: chunk {c}: {e}") from None
-        stamp = chunk_timestamp(indices[c * chunk_size], info.fps, proc.timestamp_mode)
+        stamp = chunk_timestamp(indices[c * chunk_size], fps, proc.timestamp_mode)
         items.append(MediaBatch(pixels, torch.tensor([grid], dtype=torch.int64), [stamp], [f"{name}#chunk{c}"],
                                 [buffer[0].size]))
         buffer.clear()  # the chunk's decoded frames are not kept once patchified
 
-    for image in _decode_selected(src, name, indices, limits):
+    for image in frames:
         buffer.append(image)
         if len(buffer) == chunk_size:
-            limits.check_time()
+            check_time()
             flush()
     if buffer:
         flush()
     return items
+
+
+def preprocess_frames(frames: Sequence[Image.Image | np.ndarray], fps: float, indices: Optional[Sequence[int]] = None,
+                      *, processing: ProcessorConfig | str | None = None, name: str = "<video frames>") -> MediaBatch:
+    """A video already decoded and sampled -> the MediaBatch `preprocess_video` makes of a file whose sampler
+    picked these frames: `frames[i]` (PIL or HxWx3 uint8) is frame `indices[i]` (default i) of a video at `fps`."""
+    proc = processing_of(processing)
+    if not proc.accepts_video:
+        raise MediaError(f"{name}: this model's processor ({proc.processor}) accepts images only", name)
+    indices = list(range(len(frames))) if indices is None else [int(i) for i in indices]
+    _check_positive("fps", fps)
+    if not frames or len(indices) != len(frames) or any(b < a for a, b in zip(indices, indices[1:])):
+        raise MediaError(f"{name}: need at least one frame and one non-decreasing frame index per frame, got "
+                         f"{len(frames)} frames and {len(indices)} indices", name)
+    images = [load_image(f, name=f"{name} frame {i}").convert("RGB") for i, f in enumerate(frames)]
+    with _naming(name):
+        return MediaBatch.concat(chunk_frames(images, name, float(fps), indices, proc.temporal_merge_kernel_size,
+                                              None, proc))
 
 
 def preprocess_video(path: VideoInput, *, max_frames: Optional[int] = MAX_FRAMES,
@@ -409,7 +412,8 @@ def _preprocess(path: VideoInput, name: str, limits: _Limits, sample_fps: float,
     for attempt in range(2):
         indices = sample_frame_indices(info.num_frames, info.fps, sample_fps)
         try:
-            items = _chunk_items(path, name, info, indices, chunk_size, patch_limit, limits, proc)
+            items = chunk_frames(_decode_selected(path, name, indices, limits), name, info.fps, indices,
+                                 chunk_size, patch_limit, proc, limits.check_time)
         except _ShortStream as short:
             if short.decoded == 0:
                 raise MediaError(f"{name}: the video stream has no decodable frames") from None

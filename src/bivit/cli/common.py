@@ -88,10 +88,31 @@ def check_options(model: Any = None, dtype: Optional[str] = None, projector_dtyp
     check_model(model)
 
 
+def DeprecatedOpt(flag: str) -> Any:
+    """A hidden option under an old spelling (see `renamed_option`)."""
+    return typer.Option(None, flag, hidden=True)
+
+
+def renamed_option(value: Any, old_value: Any, flag: str, old_flag: str, factor: int = 1,
+                   why: str = "") -> Any:
+    """`value`, or the value given under a deprecated spelling (times `factor`), said in one line on stderr; either
+    must be a whole number >= 1 (or not given: None)."""
+    for v, f in ((value, flag), (old_value, old_flag)):
+        if v is not None and v < 1:
+            fail(f"{f} {v!r}: expected a whole number >= 1")
+    if old_value is None:
+        return value
+    if value is not None:
+        fail(f"{old_flag} is the deprecated spelling of {flag}; give only {flag}")
+    how = f" ({old_flag} {old_value} = {flag} {old_value * factor}{why})" if factor != 1 else ""
+    typer.echo(f"bivit: {old_flag} is deprecated, use {flag}{how}", err=True)
+    return old_value * factor
+
+
 def open_encoder(model: Optional[Path], dtype: str, projector_dtype: Optional[str], output_dtype: Optional[str],
-                 batch_invariant: bool = True, max_batch_tokens: Optional[int] = None, alpha: str = "model") -> Any:
+                 batch_invariant: bool = True, alpha: str = "model") -> Any:
     from ..encoder import load_encoder
 
     # The demo notice and any fast path that is off are said by the library's log (see cli.main), once.
     return load_encoder(model, dtype=dtype, projector_dtype=projector_dtype, output_dtype=output_dtype,
-                        batch_invariant=batch_invariant, max_batch_tokens=max_batch_tokens, alpha=alpha)
+                        batch_invariant=batch_invariant, alpha=alpha)

@@ -8,7 +8,10 @@ from typing import Optional
 import typer
 
 from ..dataset import format as dataset_format  # light: file names and defaults
-from .common import FAILURE, AlphaOpt, DtypeOpt, OutDtypeOpt, ProjDtypeOpt, check_options, command, writable
+from ..packing import PATCHES_PER_TOKEN  # light
+from .common import (FAILURE, AlphaOpt, DeprecatedOpt, DtypeOpt, OutDtypeOpt, ProjDtypeOpt, check_options, command,
+                     renamed_option, writable)
+
 
 @command("encode-dataset")
 def encode_dataset(
@@ -27,8 +30,10 @@ def encode_dataset(
                                                          "default: start a local Ray."),
     workers: int = typer.Option(1, help="Ray engine: encoder actors (each loads the model once)."),
     cpus_per_worker: int = typer.Option(1, help="Ray engine: CPUs (torch threads) per encoder actor."),
-    batch_tokens: int = typer.Option(dataset_format.DEFAULT_BATCH_TOKENS,
-                                     help="Tokens per encode call (memory bound; results do not depend on it)."),
+    batch_patches: Optional[int] = typer.Option(
+        None, "--batch-patches", help=f"Patches per forward pass (memory bound; results do not depend on it) "
+                                      f"(default {dataset_format.DEFAULT_BATCH_PATCHES})."),
+    batch_tokens: Optional[int] = DeprecatedOpt("--batch-tokens"),
     shard_mb: float = typer.Option(dataset_format.DEFAULT_SHARD_MB, help="Target size of one safetensors shard, MiB."),
     progress: bool = typer.Option(True, help="Show a progress bar."),
     allow_failures: bool = typer.Option(False, "--allow-failures",
@@ -42,13 +47,16 @@ def encode_dataset(
     """
     # A missing Ray extra, bad --engine/--workers values: encode_dataset says so before any work.
     check_options(model, dtype, projector_dtype, output_dtype, alpha)
+    # --batch-tokens counted tokens: 4 patches each is what it allowed an image (a video chunk of t frames has 4t).
+    batch_patches = renamed_option(batch_patches, batch_tokens, "--batch-patches", "--batch-tokens",
+                                   PATCHES_PER_TOKEN, " patches, 4 per token of an image")
     writable(out / dataset_format.HEADER, option="--out")  # before the model loads
     from ..dataset.job import encode_dataset as run
 
     try:
         summary = run(src, out, model=model, dtype=dtype, projector_dtype=projector_dtype, output_dtype=output_dtype,
                       engine=engine, ray_address=ray_address, workers=workers, cpus_per_worker=cpus_per_worker,
-                      batch_tokens=batch_tokens, shard_mb=shard_mb, progress=progress, alpha=alpha)
+                      batch_patches=batch_patches, shard_mb=shard_mb, progress=progress, alpha=alpha)
     except KeyboardInterrupt:
         typer.echo(f"interrupted; everything encoded so far is in {out}, run the same command to resume", err=True)
         raise typer.Exit(130) from None

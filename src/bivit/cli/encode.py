@@ -1,23 +1,21 @@
-"""`bivit encode`: files in, one safetensors file of embeddings and per-input metadata out."""
+"""`bivit encode`: files in, one embedding file (`bivit.records`, format bivit.embeddings/1) out."""
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, List, Optional
 
 import typer
 
 from ..errors import BivitError
-from .common import (FAILURE, AlphaOpt, DtypeOpt, ModelOpt, OutDtypeOpt, ProjDtypeOpt, check_options, command,
-                     open_encoder, writable)
+from .common import (FAILURE, AlphaOpt, DeprecatedOpt, DtypeOpt, ModelOpt, OutDtypeOpt, ProjDtypeOpt, check_options,
+                     command, open_encoder, renamed_option, writable)
 
-# The schema of the file `bivit encode` writes (its "bivit" header key).
-ENCODE_FORMAT = "bivit.encode/1"
-# Patches per forward pass when `bivit encode` groups files (no effect on results in invariant mode).
-GROUP_PATCHES = 4096
+# Patches per forward pass unless --max-batch-patches says otherwise (no effect on results in invariant mode).
+DEFAULT_BATCH_PATCHES = 4096
+
 
 @command()
 def encode(
@@ -27,82 +25,82 @@ def encode(
     dtype: str = DtypeOpt,
     projector_dtype: Optional[str] = ProjDtypeOpt,
     output_dtype: Optional[str] = OutDtypeOpt,
-    max_batch_tokens: Optional[int] = typer.Option(None, help="At most this many patches per forward pass."),
+    max_batch_patches: Optional[int] = typer.Option(
+        None, "--max-batch-patches", help=f"At most this many patches per forward pass (default "
+                                          f"{DEFAULT_BATCH_PATCHES})."),
+    max_batch_tokens: Optional[int] = DeprecatedOpt("--max-batch-tokens"),
     no_batch_invariant: bool = typer.Option(False, "--no-batch-invariant", help="Stock kernels (not invariant)."),
     alpha: str = AlphaOpt,
 ) -> None:
-    """Encode files into one safetensors file: tensor "i" is input i's embedding, shape (tokens, text_hidden).
+    """Encode files into one embedding file: tensor "i" is input i's embedding, shape (tokens, text_hidden).
 
-    Per-input metadata (source, grid_thw per chunk, tokens, video chunk timestamps, and the prompt placeholders:
-    per image or chunk the text the model's processor writes and the rows that replace its <|media_pad|>) is
-    stored as JSON under the "bivit" header key. Bad files are reported and skipped; exit status 1 if any failed.
+    The file (format bivit.embeddings/1, read back with bivit.load_embeddings) records the encoder (model,
+    fingerprint, dtypes, preprocessing, kernels) and one record per input, in order: source, kind, sha256,
+    tokens, grid_thw and tokens per chunk, video chunk timestamps, the prompt placeholders (per image or chunk
+    the text the model's processor writes and the rows that replace its <|media_pad|>), or the error. Bad files
+    are reported and skipped; exit status 1 if any failed.
     """
     check_options(model, dtype, projector_dtype, output_dtype, alpha)  # options, output, inputs: all before
+    budget = renamed_option(max_batch_patches, max_batch_tokens, "--max-batch-patches", "--max-batch-tokens")
+    budget = DEFAULT_BATCH_PATCHES if budget is None else budget
     writable(out, files)  # anything is loaded or encoded
-    import torch
-    from safetensors.torch import save_file
-    from tqdm import tqdm
+    from .. import records as rec
+    from ..video import check_input
 
-    from ..dtypes import dtype_name
-    from ..fileio import write_atomic
-    from ..media import MediaBatch, batch_placeholders
-    from ..video import check_input, is_video_path, join_chunks, split_by_input
-
-    failed = 0
-    readable = []
-    for path in files:  # each input's existence, kind and header, before the model loads
+    results: list[Any] = [None] * len(files)  # per input: its result, or its error before any model loaded
+    kinds = {}
+    for i, path in enumerate(files):  # each input's existence, kind and header
         try:
-            check_input(path)
-            readable.append(path)
+            kinds[i] = check_input(path)
         except BivitError as e:
-            failed += 1
+            results[i] = e
             typer.echo(f"bivit: skipped: {e}", err=True)
-    if not readable:
-        typer.echo(f"encoded 0 of {len(files)} inputs (nothing written); {failed} failed")
+    if not kinds:
+        typer.echo(f"encoded 0 of {len(files)} inputs (nothing written); {len(files)} failed")
         raise typer.Exit(FAILURE)
-    enc = open_encoder(model, dtype, projector_dtype, output_dtype, not no_batch_invariant, max_batch_tokens, alpha)
+
+    enc = open_encoder(model, dtype, projector_dtype, output_dtype, not no_batch_invariant, alpha=alpha)
     t0 = time.perf_counter()
-    tensors: dict[str, torch.Tensor] = {}
-    items: list[dict] = []
-    pending: list[tuple[Path, MediaBatch]] = []
+    with _progress(show=len(kinds) > 1 or "video" in kinds.values()) as bar:
+        def prepared():
+            for i, kind in kinds.items():
+                if kind == "video":  # decoding a long video takes a while of its own
+                    bar.set_description(f"decoding {files[i].name}")
+                p = enc.prepare(files[i])
+                bar.total += len(p.grid_thw)
+                bar.set_description("encoding")
+                yield p
 
-    def flush() -> None:
-        # Files share forward passes; in invariant mode each result is the bits of encoding it alone.
-        outs = enc.encode_batch(MediaBatch.concat([b for _, b in pending]))
-        for (path, batch), chunks in zip(pending, split_by_input(outs, [len(b) for _, b in pending])):
-            key = str(len(items))
-            tensors[key] = join_chunks(chunks)
-            entry = {"key": key, "source": str(path), "tokens": int(tensors[key].shape[0]),
-                     "grid_thw": batch.grid_thw.tolist(), "chunk_tokens": [int(c.shape[0]) for c in chunks]}
-            if batch.timestamps is not None:
-                entry["timestamps"] = batch.timestamps
-            entry["placeholders"] = [p.to_dict() for p in batch_placeholders(batch, enc.processing)]
-            items.append(entry)
-        pending.clear()
+        # Files share forward passes (prepared one by one as passes fill, so memory holds about one pass); in
+        # invariant mode each result is the bits of encoding it alone.
+        for i, r in zip(kinds, enc.encode_stream(prepared(), budget, on_pass=bar.update)):
+            results[i] = r
+            if r.error is not None:
+                bar.write(f"bivit: skipped: {r.error}", file=sys.stderr)
 
-    group_patches = max_batch_tokens or GROUP_PATCHES
-    for path in tqdm(readable, desc="encoding", unit="file", disable=len(readable) < 2, file=sys.stderr):
-        try:
-            batch = enc.preprocess_video(path) if is_video_path(path) else enc.preprocess([str(path)])
-        except BivitError as e:
-            failed += 1
-            tqdm.write(f"bivit: skipped: {e}", file=sys.stderr)
+    records, embeddings = [], []
+    for i, (path, r) in enumerate(zip(files, results)):
+        if isinstance(r, BaseException):  # refused before the model loaded
+            records.append(rec.record(str(path), kind="image", sha256=None, grid_thw=[], chunk_tokens=[],
+                                      timestamps=None, placeholders=[], error=str(r)))
+            embeddings.append(None)
             continue
-        pending.append((path, batch))
-        if sum(sum(b.patch_counts) for _, b in pending) >= group_patches:
-            flush()
-    if pending:
-        flush()
-    if tensors:
-        meta = {"bivit": json.dumps({"format": ENCODE_FORMAT, "model": enc.model_name, "demo": enc.is_demo,
-                                     "dtype": dtype_name(enc.dtype), "projector_dtype": dtype_name(enc.projector_dtype),
-                                     "output_dtype": dtype_name(enc.output_dtype),
-                                     "batch_invariant": enc.batch_invariant, "alpha": enc.alpha,
-                                     "processing": enc.processing.to_dict(), "items": items})}
-        write_atomic(out, lambda tmp: save_file(tensors, tmp, metadata=meta))
-    tokens = sum(i["tokens"] for i in items)
-    where = f" -> {out}" if tensors else " (nothing written)"
-    typer.echo(f"encoded {len(items)} of {len(files)} inputs, {tokens} tokens in "
+        records.append(rec.of_result(r, tensor=str(i)))
+        embeddings.append(r.embedding)
+    done = [r for r in records if r.ok]
+    if done:
+        rec.save(out, enc.describe(), records, embeddings)
+    failed = len(records) - len(done)
+    where = f" -> {out}" if done else " (nothing written)"
+    typer.echo(f"encoded {len(done)} of {len(files)} inputs, {sum(r.tokens for r in done)} tokens in "
                f"{time.perf_counter() - t0:.2f} s{where}" + (f"; {failed} failed" if failed else ""))
     if failed:
         raise typer.Exit(FAILURE)
+
+
+def _progress(show: bool) -> Any:
+    """A bar in chunks (an image is one, a video one per 4 sampled frames), growing as inputs are decoded, so a
+    single long video shows where it is."""
+    from tqdm import tqdm
+
+    return tqdm(total=0, desc="encoding", unit="chunk", disable=not show, file=sys.stderr, dynamic_ncols=True)

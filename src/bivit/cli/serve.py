@@ -7,7 +7,8 @@ from typing import Optional
 import typer
 
 from ..serve.settings import ServerSettings as Limits  # light: no web framework
-from .common import AlphaOpt, DtypeOpt, check_options, command, fail, need_extra
+from .common import AlphaOpt, DeprecatedOpt, DtypeOpt, check_options, command, fail, need_extra, renamed_option
+
 
 @command()
 def serve(
@@ -23,7 +24,9 @@ def serve(
     api_key: Optional[str] = typer.Option(None, envvar="BIVIT_API_KEY",
                                           help="Require 'Authorization: Bearer KEY' (all but /health)"),
     # Defaults are ServerSettings' own (one home for each limit).
-    max_batch_tokens: int = typer.Option(Limits.max_batch_tokens, help="Patch budget of one forward pass"),
+    max_batch_patches: Optional[int] = typer.Option(
+        None, "--max-batch-patches", help=f"Patches per forward pass (default {Limits.max_batch_patches})"),
+    max_batch_tokens: Optional[int] = DeprecatedOpt("--max-batch-tokens"),
     max_wait_ms: float = typer.Option(Limits.max_wait_ms, help="Max wait for more items before a forward pass"),
     max_queue: int = typer.Option(Limits.max_queue, help="Items in flight before 429"),
     max_body_mb: float = typer.Option(Limits.max_body_mb, help="Request body limit (413 above)"),
@@ -49,13 +52,16 @@ def serve(
     log_level: str = typer.Option("info", help="debug, info, warning or error"),
     alpha: str = AlphaOpt,
 ) -> None:
-    """Serve the encoder over HTTP: POST /v1/encode, /v1/weights, GET /health, /ready, /metrics (serve extra)."""
+    """Serve the encoder over HTTP: POST /v1/encode, /v1/weights, GET /health, /ready, /v1/info, /metrics (serve
+    extra)."""
     for module in ("fastapi", "uvicorn", "prometheus_client", "multipart"):
         need_extra("serve", module, "serve")
     check_options(model, dtype, alpha=alpha)
     if log_level.lower() not in ("debug", "info", "warning", "error"):
         fail(f"--log-level must be debug, info, warning or error, got {log_level!r}")
-    settings = Limits(api_key=api_key or None, max_batch_tokens=max_batch_tokens, max_wait_ms=max_wait_ms,
+    budget = renamed_option(max_batch_patches, max_batch_tokens, "--max-batch-patches", "--max-batch-tokens")
+    budget = Limits.max_batch_patches if budget is None else budget
+    settings = Limits(api_key=api_key or None, max_batch_patches=budget, max_wait_ms=max_wait_ms,
                       max_queue=max_queue, max_body_mb=max_body_mb, request_timeout_s=request_timeout_s,
                       header_timeout_s=header_timeout_s, body_timeout_s=body_timeout_s,
                       max_request_pixels_mb=max_request_pixels_mb, max_queue_pixels_mb=max_queue_pixels_mb,
@@ -66,6 +72,6 @@ def serve(
     from ..serve.app import configure_logging, run
 
     configure_logging(log_level)  # the service logs JSON lines, its demo warning included
-    encoder = load_encoder(model, device=device, dtype=dtype, batch_invariant=batch_invariant,
-                           max_batch_tokens=max_batch_tokens, alpha=alpha)
+    # The batching worker cuts passes by --max-batch-patches; the encoder needs no budget of its own.
+    encoder = load_encoder(model, device=device, dtype=dtype, batch_invariant=batch_invariant, alpha=alpha)
     run(encoder, settings, host=host, port=port, log_level=log_level)

@@ -49,10 +49,9 @@ def verify(
         check_input(f)  # every input exists and is an image or video, before the models load
     encoders = [open_encoder(model, dtype, projector_dtype, None, inv) for inv in (True, False)]
     if files:
-        batch = encoders[0].preprocess([str(f) for f in files])
+        batch = v.items_of(encoders[0], [str(f) for f in files])
     else:
-        batch = encoders[0].preprocess(v.synthetic_images(seed))
-        batch.sources = [f"synthetic {w}x{h}" for w, h in v.SYNTHETIC_SIZES]
+        batch = v.items_of(encoders[0], v.synthetic_images(seed), [f"synthetic {w}x{h}" for w, h in v.SYNTHETIC_SIZES])
     plan = v.random_layouts(len(batch), layouts, random.Random(seed), batch.patch_counts)
     reports = []
     for enc in encoders:

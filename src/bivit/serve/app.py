@@ -2,9 +2,9 @@
 
 `POST /v1/encode` (see `bivit.serve.protocol` for the wire format and `bivit.serve.serving` for what happens
 to a request), `POST /v1/weights` (a safetensors body replacing every weight; refused while no API key is
-set unless explicitly allowed), `GET /health` (liveness, no auth), `GET /ready`, `GET /metrics`. Auth guards
-every route but /health, with a constant-time compare. `run` serves an app with uvicorn (what `bivit serve`
-calls).
+set unless explicitly allowed), `GET /health` (liveness, no auth), `GET /ready`, `GET /v1/info` (the encoder's
+`describe()`), `GET /metrics`. Auth guards every route but /health, with a constant-time compare. `run` serves
+an app with uvicorn (what `bivit serve` calls).
 """
 
 from __future__ import annotations
@@ -27,13 +27,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..encoder import Encoder
-from .protocol import (SAFETENSORS_MEDIA_TYPE, RequestError, encode_json, encode_safetensors, error_body,
-                       item_meta)
-from .serving import Service, content_type, log
+from .. import records
+from .protocol import SAFETENSORS_MEDIA_TYPE, RequestError, answer, error_body
+from .bodies import content_type
+from .serving import Service, log
 from .settings import ServerSettings
 
 
-ROUTES = "POST /v1/encode, POST /v1/weights, GET /health, GET /ready, GET /metrics"
+ROUTES = "POST /v1/encode, POST /v1/weights, GET /health, GET /ready, GET /v1/info, GET /metrics"
 
 # What a client may choose as its request id: it is echoed in a header and written to the log.
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:+=/-]{1,128}")
@@ -75,6 +76,11 @@ def configure_logging(level: str = "info") -> None:
         logging.getLogger(name).propagate = True
 
 
+def _names(info: dict) -> dict:
+    """What /ready and the start-up log line say about the encoder: its model, fingerprint and output dtype."""
+    return {"model": info["model"], "fingerprint": info["fingerprint"], "dtype": info["output_dtype"]}
+
+
 def create_app(encoder: Encoder, settings: Optional[ServerSettings] = None) -> FastAPI:
     """The service around a loaded Encoder. The app starts its worker on startup and drains it on shutdown."""
     settings = settings or ServerSettings()
@@ -83,7 +89,7 @@ def create_app(encoder: Encoder, settings: Optional[ServerSettings] = None) -> F
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         svc.start()
-        log.info("ready", extra={"fields": {**svc.header, "max_batch_tokens": settings.max_batch_tokens,
+        log.info("ready", extra={"fields": {**_names(svc.info), "max_batch_patches": settings.max_batch_patches,
                                             "max_queue": settings.max_queue,
                                             "cache_mb": settings.cache_mb if svc.cache.max_bytes else 0}})
         try:
@@ -157,8 +163,13 @@ def create_app(encoder: Encoder, settings: Optional[ServerSettings] = None) -> F
     @app.get("/ready")
     async def ready() -> JSONResponse:
         ok = svc.batcher.alive and not svc.draining
-        body = {"ready": ok, "worker_alive": svc.batcher.alive, "draining": svc.draining, **svc.header}
+        body = {"ready": ok, "worker_alive": svc.batcher.alive, "draining": svc.draining, **_names(svc.info)}
         return JSONResponse(body, 200 if ok else 503)
+
+    @app.get("/v1/info")
+    async def encoder_info() -> dict:
+        """The encoder's description (`Encoder.describe`: model, dtypes, fingerprint, preprocessing, kernels)."""
+        return svc.info
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -170,12 +181,12 @@ def create_app(encoder: Encoder, settings: Optional[ServerSettings] = None) -> F
         if fmt not in ("safetensors", "json"):
             raise RequestError(400, "bad_request", f"format must be 'safetensors' or 'json', got {fmt!r}")
         ctype = content_type(request)  # 415 before reading a byte of the body
-        body = await svc.read_body(request)
-        items = await svc.parse_items(ctype, request, body)
+        body = await svc.bodies.read(request)
+        items = await svc.bodies.parse_items(ctype, request, body)
         if not items:
             raise RequestError(400, "bad_request", "no items: send at least one 'file' part or JSON item")
         request.state.items = len(items)
-        results, header = await svc.encode_request(items, json_response=fmt == "json")
+        results, info = await svc.encode_request(items, json_response=fmt == "json")
 
         failed = [r for r in results if r.error is not None]
         request.state.failed = len(failed)
@@ -190,15 +201,12 @@ def create_app(encoder: Encoder, settings: Optional[ServerSettings] = None) -> F
             request.state.error = failed[0].error
             return JSONResponse(error_body(failed[0].error_kind or "internal",
                                             "every item failed: " + "; ".join(str(r.error) for r in failed),
-                                            **header, items=[item_meta(i, r) for i, r in enumerate(results)]),
+                                            format=records.FORMAT, encoder=info,
+                                            items=[r.record(i).to_json() for i, r in enumerate(results)]),
                                 status)
         # Serialising can take a while for big answers (JSON above all); keep it off the event loop.
-        loop = asyncio.get_running_loop()
-        if fmt == "json":
-            return Response(await loop.run_in_executor(None, encode_json, header, results),
-                            media_type="application/json")
-        return Response(await loop.run_in_executor(None, encode_safetensors, header, results),
-                        media_type=SAFETENSORS_MEDIA_TYPE)
+        body = await asyncio.get_running_loop().run_in_executor(None, answer, info, results, fmt == "json")
+        return Response(body, media_type="application/json" if fmt == "json" else SAFETENSORS_MEDIA_TYPE)
 
     @app.post("/v1/weights")
     async def weights(request: Request) -> JSONResponse:
@@ -207,7 +215,7 @@ def create_app(encoder: Encoder, settings: Optional[ServerSettings] = None) -> F
                                "(or --allow-weight-updates-without-key on a trusted machine)")
         content_type(request, ("application/octet-stream", SAFETENSORS_MEDIA_TYPE),
                      "send the weights as a safetensors file, application/octet-stream")
-        body = await svc.read_body(request, settings.max_weights_mb, "--max-weights-mb")
+        body = await svc.bodies.read(request, settings.max_weights_mb, "--max-weights-mb")
         return JSONResponse(await svc.update_weights(body))
 
     return app

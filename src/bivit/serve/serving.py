@@ -1,12 +1,12 @@
-"""One request's life in the service: body, items, cache lookup, admission, preprocessing, encoding, answer.
+"""One request's life in the service: items, cache lookup, admission, the core's stages, answer.
 
-1. The event loop reads the body (bounded by `max_body_mb`), splits it into items (multipart `file` parts or
-   JSON base64 items), hashes each item and looks it up in the embedding cache.
-2. Cache misses are admitted against `max_queue` (else 429 + Retry-After) and preprocessed in a thread pool,
-   so decoding and resizing never block the event loop.
-3. Each preprocessed item (each chunk, for a video) goes to the Batcher, whose single worker coalesces queued
-   items from all concurrent requests into forward passes.
-4. The request assembles its items' embeddings in input order (a video: its chunks concatenated).
+1. The event loop reads the body (bounded by `max_body_mb`) and splits it into items (`bivit.serve.bodies`),
+   hashes each item and looks it up in the embedding cache.
+2. Cache misses are admitted against `max_queue` (else 429 + Retry-After) and prepared in a thread pool
+   (`Encoder.prepare`: decoding, resizing, chunking), so that work never blocks the event loop.
+3. Each prepared item's chunks (one for an image) go to the Batcher, whose single worker coalesces queued
+   chunks from all concurrent requests into forward passes by the packing rule.
+4. Each item's result is `bivit.items.assemble`'s (a video: its chunks joined), answered in input order.
 
 Weight updates (`POST /v1/weights`) pass a gate that requests hold shared and an update holds alone: the
 update waits for the requests in flight (they finish on the old weights, none is lost), new requests wait for
@@ -27,25 +27,20 @@ import collections
 import concurrent.futures
 import contextlib
 import hashlib
-import io
 import logging
 import time
 from dataclasses import replace
 from typing import Optional
 
-from fastapi import Request
-from PIL import Image
-from starlette.requests import ClientDisconnect
-
-from ..dtypes import dtype_name
 from ..encoder import Encoder
 from ..errors import BivitError, MediaError
-from ..media import PATCH_SIZE, MediaBatch, batch_placeholders, grid_tokens, image_grid, preprocess_images
-from ..video import join_chunks, preprocess_video
+from ..items import Prepared, assemble
+from ..media import PATCH_SIZE
 from .batcher import Batcher
+from .bodies import BodyReader
 from .cache import EmbeddingCache
 from .metrics import Metrics
-from .protocol import RESPONSE_FORMAT, ItemResult, RequestError, UploadItem, parse_json_request
+from .protocol import ItemResult, RequestError, UploadItem
 from .settings import ServerSettings
 
 log = logging.getLogger("bivit.server")
@@ -55,18 +50,6 @@ log = logging.getLogger("bivit.server")
 PATCH_BYTES = 3 * PATCH_SIZE * PATCH_SIZE * 4
 # A JSON response writes each value as text: at most ~20 bytes with its separator.
 JSON_BYTES_PER_VALUE = 20
-
-
-ENCODE_MEDIA_TYPES = ("multipart/form-data", "application/json")
-ENCODE_HINT = "send multipart/form-data with 'file' parts or application/json {\"items\": [{\"data\": <base64>}]}"
-
-
-def content_type(request: Request, accepted: tuple[str, ...] = ENCODE_MEDIA_TYPES, hint: str = ENCODE_HINT) -> str:
-    """The request's media type if the route accepts it, else RequestError 415 (before reading the body)."""
-    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    if ctype not in accepted:
-        raise RequestError(415, "unsupported_media_type", f"Content-Type {ctype or '(none)'!r} is not accepted; {hint}")
-    return ctype
 
 
 class WeightsGate:
@@ -110,9 +93,10 @@ class Service:
         self.encoder = encoder
         self.settings = settings
         self.metrics = Metrics()
+        self.bodies = BodyReader(settings)
         # Without batch invariance a cached embedding may differ from a fresh one, so no cache at all.
         self.cache = EmbeddingCache(int(settings.cache_mb * 2**20) if encoder.batch_invariant else 0)
-        self.batcher = Batcher(encoder, settings.max_batch_tokens, settings.max_wait_ms / 1000.0, self.metrics)
+        self.batcher = Batcher(encoder, settings.max_batch_patches, settings.max_wait_ms / 1000.0, self.metrics)
         # Images and videos decode in separate pools: a video that is slow to decode (until its request's deadline)
         # never makes an image request wait for a thread.
         self.pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
@@ -120,16 +104,16 @@ class Service:
         self.inflight = 0  # items admitted and not yet answered; touched only on the event loop
         self.pixels_held = 0  # preprocessed pixel bytes of admitted requests (see _Budget); event loop only
         self.draining = False
-        # Hashes every weight: do it once here, never on the event loop during a request.
-        self.header = {"format": RESPONSE_FORMAT, "model": encoder.model_name, "fingerprint": encoder.fingerprint,
-                       "dtype": dtype_name(encoder.output_dtype)}
+        # What computes the answers (Encoder.describe(): every answer's `encoder`, /v1/info). It hashes every
+        # weight (the fingerprint): done once here, never on the event loop during a request.
+        self.info = encoder.describe()
         self.gate = WeightsGate()
         self.updating = asyncio.Lock()  # one weight update at a time
 
     @property
     def fingerprint(self) -> str:
-        """The fingerprint of the weights serving now (the one the response header names)."""
-        return self.header["fingerprint"]
+        """The fingerprint of the weights serving now (the one the answers' `encoder` names)."""
+        return self.info["fingerprint"]
 
     # -- lifecycle
     def start(self) -> None:
@@ -146,135 +130,35 @@ class Service:
             if pool is not None:
                 pool.shutdown(wait=True)
 
-    # -- request parsing
-    async def read_body(self, request: Request, limit_mb: Optional[float] = None,
-                        option: str = "--max-body-mb") -> bytes:
-        limit_mb = self.settings.max_body_mb if limit_mb is None else limit_mb
-        limit = self.settings.mb(limit_mb)
-        declared = request.headers.get("content-length")
-        if declared is not None:
-            try:
-                n = int(declared)
-            except ValueError:
-                raise RequestError(400, "bad_request", f"invalid Content-Length {declared!r}") from None
-            if n > limit:
-                await self._discard_body(request, n)
-                raise RequestError(413, "too_large", f"request body of {n} bytes exceeds {option} "
-                                   f"{limit_mb:g} ({limit} bytes)")
-        try:
-            return await asyncio.wait_for(self._read(request, limit, f"{option} {limit_mb:g}"),
-                                          self.settings.body_timeout_s)
-        except asyncio.TimeoutError:
-            # A client sending slower than this holds a connection and a buffer: drop it (408 closes it).
-            raise RequestError(408, "body_timeout", f"request body not received within --body-timeout-s "
-                               f"{self.settings.body_timeout_s:g}", {"Connection": "close"}) from None
-
-    async def _read(self, request: Request, limit: int, option: str) -> bytes:
-        chunks, size = [], 0
-        try:
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > limit:  # a chunked or lying body: stop at the limit, never hold more than it
-                    await self._discard_body(request, limit)
-                    raise RequestError(413, "too_large", f"request body exceeds {option} ({limit} bytes)")
-                chunks.append(chunk)
-        except ClientDisconnect:
-            raise RequestError(400, "bad_request", "client disconnected while sending the body") from None
-        return b"".join(chunks)
-
-    async def _discard_body(self, request: Request, up_to: int) -> None:
-        # Read and drop (a bounded amount of) the rest of the body before answering 413: closing a socket with
-        # unread data sends a TCP reset, and the client would see "connection reset" instead of the 413.
-        # A client that sent `Expect: 100-continue` has not sent the body; reading would invite it to.
-        if "100-continue" in request.headers.get("expect", "").lower():
-            return
-        budget = min(up_to, self.settings.mb(self.settings.max_body_mb) + 64 * 2**20)
-        deadline = time.monotonic() + 5.0
-        seen = 0
-        with contextlib.suppress(Exception):
-            async for chunk in request.stream():
-                seen += len(chunk)
-                if seen > budget or time.monotonic() > deadline:
-                    return
-
-    async def parse_items(self, ctype: str, request: Request, body: bytes) -> list[UploadItem]:
-        """The items of a body of media type `ctype` (as `content_type` returned it)."""
-        if ctype == "multipart/form-data":
-            return await self._parse_multipart(request, body)
-        return parse_json_request(body)
-
-    async def _parse_multipart(self, request: Request, body: bytes) -> list[UploadItem]:
-        sent = False
-
-        async def replay() -> dict:  # feed the already-bounded body to Starlette's multipart parser
-            nonlocal sent
-            if sent:
-                return {"type": "http.disconnect"}
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-
-        try:
-            form = await Request(request.scope, replay).form(max_files=self.settings.max_queue + 1)
-        except Exception as e:  # noqa: BLE001 - malformed multipart in any of the parser's ways
-            raise RequestError(400, "bad_request", f"malformed multipart body: {getattr(e, 'detail', None) or e}") \
-                from None
-        items = []
-        try:
-            for key, value in form.multi_items():
-                if key != "file":
-                    raise RequestError(400, "bad_request", f"unexpected form field {key!r}; send each image or "
-                                       "video as a file part named 'file'")
-                if isinstance(value, str):
-                    raise RequestError(400, "bad_request",
-                                       "form field 'file' must be a file part (curl -F file=@path)")
-                data = await value.read()
-                name = value.filename or f"item{len(items)}"
-                items.append(UploadItem(name, data, (value.content_type or "").lower().startswith("video/")))
-        finally:
-            await form.close()
-        return items
-
     # -- encoding
-    def _preprocess(self, item: UploadItem, deadline: float) -> MediaBatch:
-        """Runs in the thread pool: bytes -> MediaBatch (one item per image, one per video chunk)."""
-        proc = self.encoder.processing  # the model's preprocessing and the server's --alpha, as offline
-        if item.kind == "image":
-            return preprocess_images([item.data], names=[item.name], processing=proc, alpha=self.encoder.alpha)
-        # From the bytes (no temp file); decoding stops at the request's deadline, so a request that timed out
-        # does not keep a preprocessing thread from the next one.
-        return preprocess_video(item.data, name=item.name, processing=proc, deadline=deadline,
-                                max_decoded_pixels=int(self.settings.max_video_mpixels * 1e6))
+    def _prepare(self, item: UploadItem, sha256: str, deadline: float) -> Prepared:
+        """Runs in the thread pool: the item's bytes -> its chunks (the model's preprocessing and the server's
+        --alpha, as offline). Decoding a video stops at the request's deadline, so a request that timed out
+        does not keep a preprocessing thread from the next one."""
+        return self.encoder.prepare(item.data, name=item.name, kind=item.kind, sha256=sha256, video_options=dict(
+            deadline=deadline, max_decoded_pixels=int(self.settings.max_video_mpixels * 1e6)))
 
-    def _image_cost(self, data: bytes) -> Optional[tuple[int, int]]:
+    def _image_cost(self, item: UploadItem, sha256: str) -> Optional[tuple[int, int]]:
         """(preprocessed pixel bytes, tokens) of an image from its header alone, under the model's preprocessing;
         None if the header is unreadable (decoding will then say what is wrong)."""
-        try:
-            with Image.open(io.BytesIO(data)) as im:
-                gh, gw = image_grid(*im.size, self.encoder.processing)
-        except Exception:  # noqa: BLE001 - any header Pillow refuses
-            return None
-        return gh * gw * PATCH_BYTES, grid_tokens(gh, gw)
+        p = self.encoder.prepare(item.data, name=item.name, kind="image", sha256=sha256, pixels=False)
+        return None if p.error is not None else (p.patches * PATCH_BYTES, p.tokens)
 
     async def encode_item(self, item: UploadItem, key: tuple, deadline: float, budget: "_Budget",
                           paid: bool, copies: int) -> ItemResult:
         """One distinct item of a request; errors are reasons (the caller names each copy of the item)."""
         res = ItemResult(item.name, item.kind, key[2])
-        loop = asyncio.get_running_loop()
-        try:
-            pool = self.video_pool if item.kind == "video" else self.pool
-            batch = await loop.run_in_executor(pool, self._preprocess, item, deadline)
-        except MediaError as e:
-            res.error, res.error_kind = e.about(item.name), "media"
+        pool = self.video_pool if item.kind == "video" else self.pool
+        prepared = await asyncio.get_running_loop().run_in_executor(pool, self._prepare, item, key[2], deadline)
+        if isinstance(prepared.error, MediaError):
+            res.error, res.error_kind = prepared.error.about(item.name), "media"
             return res
-        except BivitError as e:
-            res.error, res.error_kind = str(e), "invalid"
-            return res
-        if len(batch) == 0:
-            res.error, res.error_kind = "no frames to encode", "media"
+        if prepared.error is not None:
+            res.error, res.error_kind = str(prepared.error), "invalid"
             return res
         if not paid:  # a video (or an image whose header said nothing): counted once decoded
-            budget.take(batch.pixel_values.nbytes, sum(batch.token_counts) * copies)
-        futures = [asyncio.wrap_future(self.batcher.submit(batch.item(c))) for c in range(len(batch))]
+            budget.take(prepared.batch.pixel_values.nbytes, prepared.tokens * copies)
+        futures = [asyncio.wrap_future(self.batcher.submit(chunk)) for chunk in prepared.chunks()]
         try:
             outs = await asyncio.gather(*futures)
         except asyncio.CancelledError:
@@ -288,17 +172,16 @@ class Service:
             log.error("encode failed", exc_info=e, extra={"fields": {"item": item.name}})
             res.error, res.error_kind = f"encoding failed ({type(e).__name__}: {e})", "internal"
             return res
-        res.embedding = join_chunks(outs)
-        res.grid_thw = batch.grid_thw.tolist()
-        res.timestamps = list(batch.timestamps) if batch.timestamps is not None else None
-        res.placeholders = [p.to_dict() for p in batch_placeholders(batch, self.encoder.processing)]
+        done = assemble(prepared, outs)
+        res.embedding, res.grid_thw, res.timestamps = done.embedding, done.grid_thw, done.timestamps
+        res.chunk_tokens, res.placeholders = done.chunk_tokens, [p.to_dict() for p in done.placeholders]
         return res
 
     async def encode_request(self, items: list[UploadItem], json_response: bool = False
                              ) -> tuple[list[ItemResult], dict]:
-        """-> (one result per item, the response header naming the fingerprint of the weights used)."""
+        """-> (one result per item, the encoder's description with the fingerprint of the weights used)."""
         async with self.gate.shared():
-            return await self._encode_request(items, json_response), dict(self.header)
+            return await self._encode_request(items, json_response), self.info
 
     async def _encode_request(self, items: list[UploadItem], json_response: bool) -> list[ItemResult]:
         deadline = time.monotonic() + self.settings.request_timeout_s
@@ -338,7 +221,7 @@ class Service:
                                    f"{self.settings.max_queue}; retry later",
                                    {"Retry-After": str(self.settings.retry_after_s)})
             # Images are counted from their headers, before anything is decoded.
-            cost = {key: self._image_cost(items[i].data) if items[i].kind == "image" else None
+            cost = {key: self._image_cost(items[i], key[2]) if items[i].kind == "image" else None
                     for key, i in unique.items()}
             try:
                 budget.take(sum(c[0] for c in cost.values() if c),
@@ -382,7 +265,7 @@ class Service:
 
         def apply() -> str:  # on the batching worker, between forward passes
             fingerprint = self.encoder.update_weights(tensors, source="POST /v1/weights")
-            self.header = {**self.header, "fingerprint": fingerprint}  # a new dict: responses in flight keep theirs
+            self.info = {**self.info, "fingerprint": fingerprint}  # a new dict: answers in flight keep theirs
             self.cache.clear()  # entries are keyed by the old fingerprint: unreachable, only taking memory
             self.metrics.cache_bytes.set(self.cache.nbytes)
             return fingerprint
