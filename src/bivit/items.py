@@ -32,12 +32,12 @@ import torch
 from PIL import Image
 
 from .errors import BivitError, MediaError
-from .fileio import sha256_file
+from .fileio import NotRegularFile, open_regular, sha256_file
 from .kinds import media_kind
 from .media import (MediaBatch, Placeholder, batch_placeholders, grid_tokens, image_grid, image_placeholder_text,
                     image_size, input_bytes, input_name, preprocess_images, processing_of)
 from .preprocess_config import ProcessorConfig, check_alpha
-from .video import preprocess_frames, preprocess_video
+from .video import check_container, preprocess_frames, preprocess_video
 
 PIXELS_TAG = b"bivit.pixels/1"
 FRAMES_TAG = b"bivit.frames/1"
@@ -187,6 +187,31 @@ def _with_batch(name: str, kind: str, sha: Optional[str], batch: MediaBatch, pro
         raise MediaError(f"{name}: no frames to encode", name)
     stamps = None if batch.timestamps is None else list(batch.timestamps)
     return Prepared(name, kind, sha, batch.grid_thw.tolist(), stamps, batch_placeholders(batch, proc), batch=batch)
+
+
+def check_input(path: str | os.PathLike, name: Optional[str] = None) -> str:
+    """Before any model loads: `path` names a readable, non-empty regular file of a kind bivit reads -> "image"
+    or "video"; else MediaError naming it and the reason (does not exist, a directory, cannot be read, empty,
+    not an image or video). An image is read up to its header (its size checked against the pixel limit); a
+    video's container is opened and its stream list read, no frame decoded. What decoding finds later (a
+    truncated stream, a corrupt frame) is still reported then."""
+    name = name or os.fspath(path)
+    try:
+        with open_regular(path) as f:
+            head = f.read(4096)
+    except FileNotFoundError:
+        raise MediaError(f"{name}: does not exist", name) from None
+    except NotRegularFile as e:
+        raise MediaError(f"{name}: {e.strerror}", name) from None
+    except OSError as e:
+        raise MediaError(f"{name}: cannot read ({e.strerror or e})", name) from None
+    if not head:
+        raise MediaError(f"{name}: file is empty", name)
+    if media_kind(path, head) == "video":
+        check_container(path, name)
+        return "video"
+    image_size(path, name=name)  # its own messages: not an image format Pillow can read, corrupt, too many pixels
+    return "image"
 
 
 def assemble(prepared: Prepared, outputs: Sequence[Any] = ()) -> ItemResult:

@@ -61,9 +61,8 @@ import torch
 from PIL import Image
 
 from .errors import ConfigError, MediaError
-from .fileio import NotRegularFile, open_regular
 from .kinds import VIDEO_EXTENSIONS, is_video_path, looks_like_video, media_kind  # noqa: F401  (re-exported)
-from .media import MediaBatch, frames_to_item, image_size, load_image, processing_of
+from .media import MediaBatch, frames_to_item, load_image, processing_of
 from .preprocess_config import K25_PROCESSING, ProcessorConfig
 
 SAMPLE_FPS = K25_PROCESSING.sample_fps
@@ -438,30 +437,10 @@ def probe_video(path: VideoInput, *, max_frames: Optional[int] = MAX_FRAMES,
         return _probe(path, name, limits)
 
 
-def check_input(path: str | os.PathLike, name: Optional[str] = None) -> str:
-    """Before any model loads: `path` names a readable, non-empty regular file of a kind bivit reads -> "image"
-    or "video"; else MediaError naming it and the reason (does not exist, a directory, cannot be read, empty,
-    not an image or video). An image is read up to its header (its size checked against the pixel limit); a
-    video's container is opened and its stream list read (a video stream with a frame rate), no frame decoded.
-    What decoding finds later (a truncated stream, a corrupt frame) is still reported then."""
-    name = name or os.fspath(path)
-    with _naming(name):
-        try:
-            with open_regular(path) as f:
-                head = f.read(4096)
-        except FileNotFoundError:
-            raise MediaError(f"{name}: does not exist") from None
-        except NotRegularFile as e:
-            raise MediaError(f"{name}: {e.strerror}") from None
-        except OSError as e:
-            raise MediaError(f"{name}: cannot read ({e.strerror or e})") from None
-        if not head:
-            raise MediaError(f"{name}: file is empty")
-        if media_kind(path, head) == "video":
-            with _Source(path, name):
-                return "video"
-        image_size(path)  # its own messages: not an image format Pillow can read, corrupt, too many pixels
-        return "image"
+def check_container(path: VideoInput, name: str) -> None:
+    """Open a video's container and read its stream list (a video stream with a frame rate); no frame decoded."""
+    with _naming(name), _Source(path, name):
+        pass
 
 
 @contextmanager

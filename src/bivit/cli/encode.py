@@ -45,7 +45,7 @@ def encode(
     budget = DEFAULT_BATCH_PATCHES if budget is None else budget
     writable(out, files)  # anything is loaded or encoded
     from .. import records as rec
-    from ..video import check_input
+    from ..items import check_input
 
     results: list[Any] = [None] * len(files)  # per input: its result, or its error before any model loaded
     kinds = {}
