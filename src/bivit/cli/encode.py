@@ -46,6 +46,7 @@ def encode(
     writable(out, files)  # anything is loaded or encoded
     from .. import records as rec
     from ..items import check_input
+    from ..kinds import media_kind
 
     results: list[Any] = [None] * len(files)  # per input: its result, or its error before any model loaded
     kinds = {}
@@ -81,8 +82,8 @@ def encode(
     records, embeddings = [], []
     for i, (path, r) in enumerate(zip(files, results)):
         if isinstance(r, BaseException):  # refused before the model loaded
-            records.append(rec.record(str(path), kind="image", sha256=None, grid_thw=[], chunk_tokens=[],
-                                      timestamps=None, placeholders=[], error=str(r)))
+            records.append(rec.record(str(path), kind=media_kind(path) or "image", sha256=None, grid_thw=[],
+                                      chunk_tokens=[], timestamps=None, placeholders=[], error=str(r)))
             embeddings.append(None)
             continue
         records.append(rec.of_result(r, tensor=str(i)))
