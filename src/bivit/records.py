@@ -211,13 +211,11 @@ def to_bytes(encoder: Mapping[str, Any], records: Sequence[Record], embeddings: 
 
 def save(path: str | os.PathLike, encoder: Mapping[str, Any], records: Sequence[Record],
          embeddings: Sequence[Optional["torch.Tensor"]]) -> None:
-    """Write a file atomically (`bivit.fileio.write_atomic`: a reader sees the old file or the whole new one)."""
-    from safetensors.torch import save_file
-
+    """Write a file atomically (`bivit.fileio.write_atomic`: a reader sees the old file or the whole new one),
+    serialised in memory first so that a full disk is an OSError naming `path`."""
     from .fileio import write_atomic
 
-    tensors, meta = tensors_of(records, embeddings), metadata(encoder, records)
-    write_atomic(path, lambda tmp: save_file(tensors, tmp, metadata=meta))
+    write_atomic(path, to_bytes(encoder, records, embeddings))
 
 
 def to_json(encoder: Mapping[str, Any], records: Sequence[Record], embeddings: Sequence[Optional["torch.Tensor"]]
