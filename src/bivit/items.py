@@ -34,8 +34,8 @@ from PIL import Image
 from .errors import BivitError, MediaError
 from .fileio import NotRegularFile, open_regular, sha256_file
 from .kinds import media_kind
-from .media import (MediaBatch, Placeholder, batch_placeholders, grid_tokens, image_grid, image_placeholder_text,
-                    image_size, input_bytes, input_name, preprocess_images, processing_of)
+from .media import (MAX_IMAGE_BYTES, MediaBatch, Placeholder, batch_placeholders, grid_tokens, image_grid,
+                    image_placeholder_text, image_size, input_bytes, input_name, preprocess_images, processing_of)
 from .preprocess_config import ProcessorConfig, check_alpha
 from .video import check_container, preprocess_frames, preprocess_video
 
@@ -124,7 +124,7 @@ class ItemResult(_Item):
 
 def prepare(src: Any, *, processing: ProcessorConfig | str | None = None, alpha: str = "model",
             name: Optional[str] = None, kind: Optional[str] = None, sha256: Optional[str] = None, pixels: bool = True,
-            video_options: Optional[dict] = None) -> Prepared:
+            deadline: Optional[float] = None, video_options: Optional[dict] = None) -> Prepared:
     """Read, classify, hash and preprocess one input under the model's `processing` and `alpha`.
 
     Never raises for a bad input: a BivitError (MediaError for an unreadable or undecodable input) becomes
@@ -133,7 +133,8 @@ def prepare(src: Any, *, processing: ProcessorConfig | str | None = None, alpha:
     or "video" when the caller has decided (else `bivit.kinds` decides); `sha256`: its content hash when the
     caller has computed it already. `pixels=False`: images are read up to their header only (grid and
     placeholders without pixels); videos are decoded all the same (their chunks come from the frames).
-    `video_options`: passed to `bivit.video.preprocess_video` (limits, `deadline`, ...).
+    `deadline` (a `time.monotonic()` value): decoding stops with a MediaError once it has passed (nobody waits for
+    the result any more). `video_options`: passed to `bivit.video.preprocess_video` (its limits).
     """
     proc = processing_of(processing)  # a bad option is the caller's mistake, not the input's: it raises
     check_alpha(alpha)
@@ -142,7 +143,7 @@ def prepare(src: Any, *, processing: ProcessorConfig | str | None = None, alpha:
     else:
         name = name or (f"<video {len(src)} bytes>" if kind == "video" and isinstance(src, bytes) else input_name(src))
     try:
-        return _prepare(src, name, kind, sha256, proc, alpha, pixels, video_options or {})
+        return _prepare(src, name, kind, sha256, proc, alpha, pixels, deadline, video_options or {})
     except BivitError as e:
         guess = kind or ("video" if isinstance(src, VideoFrames) else None)
         if guess is None and isinstance(src, (str, os.PathLike)):
@@ -151,7 +152,8 @@ def prepare(src: Any, *, processing: ProcessorConfig | str | None = None, alpha:
 
 
 def _prepare(src: Any, name: str, kind: Optional[str], sha: Optional[str], proc: ProcessorConfig, alpha: str,
-             pixels: bool, video_options: dict) -> Prepared:
+             pixels: bool, deadline: Optional[float], video_options: dict) -> Prepared:
+    video_options = {"deadline": deadline, **video_options}
     if isinstance(src, VideoFrames):
         batch = preprocess_frames(src.frames, src.fps, src.indices, processing=proc, name=name)
         return _with_batch(name, "video", sha or frames_sha256(src), batch, proc)
@@ -160,7 +162,7 @@ def _prepare(src: Any, name: str, kind: Optional[str], sha: Optional[str], proc:
         if kind == "video":  # decoded from the path: a video may not fit in memory
             batch = preprocess_video(src, processing=proc, name=name, **video_options)
             return _with_batch(name, kind, sha or _file_sha256(src, name), batch, proc)
-        data = input_bytes(src, name)  # read once: the bytes hashed are the bytes decoded
+        data = input_bytes(src, name, MAX_IMAGE_BYTES)  # read once: the bytes hashed are the bytes decoded
         src, kind = data, kind or media_kind(src, data) or "image"
     elif isinstance(src, bytes):
         kind = kind or media_kind(name, src) or "image"
@@ -176,7 +178,7 @@ def _prepare(src: Any, name: str, kind: Optional[str], sha: Optional[str], proc:
         gh, gw = image_grid(w, h, proc)
         return Prepared(name, kind, sha, grid_thw=[[1, gh, gw]],
                         placeholders=[Placeholder(image_placeholder_text(proc, w, h), grid_tokens(gh, gw))])
-    batch = preprocess_images([src], names=[name], processing=proc, alpha=alpha)  # the input's own errors first
+    batch = preprocess_images([src], names=[name], processing=proc, alpha=alpha, deadline=deadline)
     if isinstance(src, (Image.Image, np.ndarray)):
         sha = sha or pixels_sha256(src)
     return _with_batch(name, kind, sha, batch, proc)

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from .. import records
 from ..errors import BivitError
+from ..fileio import parse_json
 from ..kinds import media_kind
 
 if TYPE_CHECKING:
@@ -89,23 +90,16 @@ class ItemResult:
                               error_kind=self.error_kind)
 
 
-def _unique_keys(pairs: list) -> dict:
-    keys = [k for k, _ in pairs]
-    if len(set(keys)) != len(keys):
-        dup = next(k for k in keys if keys.count(k) > 1)
-        raise ValueError(f"key {dup!r} appears more than once in one object")
-    return dict(pairs)
-
-
 def parse_json_request(body: bytes) -> list[UploadItem]:
     """The items of a JSON request body; RequestError (400) when the body is not the documented shape.
 
-    A key repeated in one object is refused (which one counts differs between parsers); base64 may be split
-    into lines (MIME's 76 columns), any other non-alphabet character is an error.
+    A key repeated in one object is refused (which one counts differs between parsers), and so is nesting
+    deeper than `bivit.fileio.MAX_JSON_DEPTH`; base64 may be split into lines (MIME's 76 columns), any other
+    non-alphabet character is an error.
     """
     try:
-        doc = json.loads(body, object_pairs_hook=_unique_keys)
-    except (ValueError, UnicodeDecodeError) as e:
+        doc = parse_json(body)
+    except ValueError as e:  # UnicodeDecodeError included
         raise RequestError(400, "bad_request", f"invalid JSON body: {e}") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("items"), list):
         raise RequestError(400, "bad_request", 'JSON body must be {"items": [{"data": "<base64>", "name": ...}]}')

@@ -2,8 +2,11 @@
 
 1. The event loop reads the body (bounded by `max_body_mb`) and splits it into items (`bivit.serve.bodies`),
    hashes each item and looks it up in the embedding cache.
-2. Cache misses are admitted against `max_queue` (else 429 + Retry-After) and prepared in a thread pool
-   (`Encoder.prepare`: decoding, resizing, chunking), so that work never blocks the event loop.
+2. Cache misses are admitted against `max_queue` (else 429 + Retry-After) and prepared in thread pools
+   (`Encoder.prepare`: decoding, resizing, chunking), so that work never blocks the event loop: videos in one,
+   images in another, and images whose header says they are heavy (`HEAVY_IMAGE_SIZE`) in a third of one
+   thread, so a heavy item never makes a small one wait for a thread. Every decode stops at its request's
+   deadline (an item still queued then is never started).
 3. Each prepared item's chunks (one for an image) go to the Batcher, whose single worker coalesces queued
    chunks from all concurrent requests into forward passes by the packing rule.
 4. Each item's result is `bivit.items.assemble`'s (a video: its chunks joined), answered in input order.
@@ -35,7 +38,7 @@ from typing import Optional
 from ..encoder import Encoder
 from ..errors import BivitError, MediaError
 from ..items import Prepared, assemble
-from ..media import PATCH_SIZE
+from ..media import PATCH_SIZE, grid_tokens, image_grid, image_header, image_work_bytes
 from .batcher import Batcher
 from .bodies import BodyReader
 from .cache import EmbeddingCache
@@ -50,6 +53,11 @@ log = logging.getLogger("bivit.server")
 PATCH_BYTES = 3 * PATCH_SIZE * PATCH_SIZE * 4
 # A JSON response writes each value as text: at most ~20 bytes with its separator.
 JSON_BYTES_PER_VALUE = 20
+# An image whose decoding and preprocessing takes more memory than an RGB photo of this size does (as the model
+# preprocesses it; `bivit.media.image_work_bytes`) is heavy: decoded in the one-thread heavy pool, so at most one
+# such image is in memory at a time and none holds a thread a small image needs. A 64 MP PNG decodes in about 2 s
+# on one core; the 14000x14000 PNGs that starved small requests take 5-7 s each.
+HEAVY_IMAGE_SIZE = (8192, 8192)
 
 
 class WeightsGate:
@@ -97,10 +105,12 @@ class Service:
         # Without batch invariance a cached embedding may differ from a fresh one, so no cache at all.
         self.cache = EmbeddingCache(int(settings.cache_mb * 2**20) if encoder.batch_invariant else 0)
         self.batcher = Batcher(encoder, settings.max_batch_patches, settings.max_wait_ms / 1000.0, self.metrics)
-        # Images and videos decode in separate pools: a video that is slow to decode (until its request's deadline)
-        # never makes an image request wait for a thread.
+        # Images, heavy images and videos decode in separate pools: a video or a heavy image that is slow to decode
+        # (until its request's deadline) never makes a small image wait for a thread.
         self.pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self.heavy_pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self.video_pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self.heavy_bytes = image_work_bytes(*HEAVY_IMAGE_SIZE, "RGB", encoder.processing)
         self.inflight = 0  # items admitted and not yet answered; touched only on the event loop
         self.pixels_held = 0  # preprocessed pixel bytes of admitted requests (see _Budget); event loop only
         self.draining = False
@@ -119,6 +129,7 @@ class Service:
     def start(self) -> None:
         self.pool = concurrent.futures.ThreadPoolExecutor(self.settings.preprocess_threads,
                                                           thread_name_prefix="bivit-preprocess")
+        self.heavy_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="bivit-heavy")
         self.video_pool = concurrent.futures.ThreadPoolExecutor(self.settings.preprocess_threads,
                                                                 thread_name_prefix="bivit-video")
         self.batcher.start()
@@ -126,29 +137,39 @@ class Service:
     def stop(self) -> None:
         self.draining = True
         self.batcher.stop()
-        for pool in (self.pool, self.video_pool):
+        for pool in (self.pool, self.heavy_pool, self.video_pool):
             if pool is not None:
                 pool.shutdown(wait=True)
 
     # -- encoding
     def _prepare(self, item: UploadItem, sha256: str, deadline: float) -> Prepared:
-        """Runs in the thread pool: the item's bytes -> its chunks (the model's preprocessing and the server's
-        --alpha, as offline). Decoding a video stops at the request's deadline, so a request that timed out
-        does not keep a preprocessing thread from the next one."""
-        return self.encoder.prepare(item.data, name=item.name, kind=item.kind, sha256=sha256, video_options=dict(
-            deadline=deadline, max_decoded_pixels=int(self.settings.max_video_mpixels * 1e6)))
+        """Runs in a thread pool: the item's bytes -> its chunks (the model's preprocessing and the server's
+        --alpha, as offline). From the bytes (no temp file); decoding stops at the request's deadline, so a
+        request that timed out does not keep a preprocessing thread from the next one."""
+        return self.encoder.prepare(item.data, name=item.name, kind=item.kind, sha256=sha256, deadline=deadline,
+                                    video_options=dict(max_decoded_pixels=int(self.settings.max_video_mpixels * 1e6)))
 
-    def _image_cost(self, item: UploadItem, sha256: str) -> Optional[tuple[int, int]]:
-        """(preprocessed pixel bytes, tokens) of an image from its header alone, under the model's preprocessing;
-        None if the header is unreadable (decoding will then say what is wrong)."""
-        p = self.encoder.prepare(item.data, name=item.name, kind="image", sha256=sha256, pixels=False)
-        return None if p.error is not None else (p.patches * PATCH_BYTES, p.tokens)
+    def _image_cost(self, data: bytes) -> Optional[tuple[int, int, bool]]:
+        """(preprocessed pixel bytes, tokens, heavy) of an image from its header alone, under the model's
+        preprocessing; None if the header is unreadable (decoding will then say what is wrong)."""
+        try:
+            head = image_header(data, self.encoder.processing)
+        except MediaError:
+            return None
+        gh, gw = image_grid(head.width, head.height, self.encoder.processing)
+        return gh * gw * PATCH_BYTES, grid_tokens(gh, gw), head.work_bytes > self.heavy_bytes
+
+    def _pool_for(self, item: UploadItem, heavy: bool) -> concurrent.futures.ThreadPoolExecutor:
+        if item.kind == "video":
+            return self.video_pool
+        return self.heavy_pool if heavy else self.pool
 
     async def encode_item(self, item: UploadItem, key: tuple, deadline: float, budget: "_Budget",
-                          paid: bool, copies: int) -> ItemResult:
-        """One distinct item of a request; errors are reasons (the caller names each copy of the item)."""
+                          cost: Optional[tuple[int, int, bool]], copies: int) -> ItemResult:
+        """One distinct item of a request (`cost`: `_image_cost`'s, None if not known before decoding); errors
+        are reasons (the caller names each copy of the item)."""
         res = ItemResult(item.name, item.kind, key[2])
-        pool = self.video_pool if item.kind == "video" else self.pool
+        pool = self._pool_for(item, cost is not None and cost[2])
         prepared = await asyncio.get_running_loop().run_in_executor(pool, self._prepare, item, key[2], deadline)
         if isinstance(prepared.error, MediaError):
             res.error, res.error_kind = prepared.error.about(item.name), "media"
@@ -156,7 +177,7 @@ class Service:
         if prepared.error is not None:
             res.error, res.error_kind = str(prepared.error), "invalid"
             return res
-        if not paid:  # a video (or an image whose header said nothing): counted once decoded
+        if cost is None:  # a video (or an image whose header said nothing): counted once decoded
             budget.take(prepared.batch.pixel_values.nbytes, prepared.tokens * copies)
         futures = [asyncio.wrap_future(self.batcher.submit(chunk)) for chunk in prepared.chunks()]
         try:
@@ -221,15 +242,15 @@ class Service:
                                    f"{self.settings.max_queue}; retry later",
                                    {"Retry-After": str(self.settings.retry_after_s)})
             # Images are counted from their headers, before anything is decoded.
-            cost = {key: self._image_cost(items[i], key[2]) if items[i].kind == "image" else None
+            cost = {key: self._image_cost(items[i].data) if items[i].kind == "image" else None
                     for key, i in unique.items()}
             try:
                 budget.take(sum(c[0] for c in cost.values() if c),
                             sum(c[1] * copies[key] for key, c in cost.items() if c))
                 self.inflight += n
                 self.metrics.inflight_items.set(self.inflight)
-                tasks = [asyncio.ensure_future(self.encode_item(items[i], key, deadline, budget, cost[key] is not None,
-                                                                copies[key])) for key, i in unique.items()]
+                tasks = [asyncio.ensure_future(self.encode_item(items[i], key, deadline, budget, cost[key], copies[key]))
+                         for key, i in unique.items()]
                 try:
                     fresh = await asyncio.wait_for(asyncio.gather(*tasks), self.settings.request_timeout_s)
                 except asyncio.TimeoutError:
