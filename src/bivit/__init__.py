@@ -28,7 +28,7 @@ _LAZY = {
     "load_model": ".train",
     "TrainableModel": ".train",
     "MediaBatch": ".media",
-    "image_token_count": ".media",
+    "image_token_count": ".grids",
     "Placeholder": ".media",
     "ProcessorConfig": ".preprocess_config",
     "VideoChunk": ".video",

@@ -21,7 +21,8 @@ from .config import ModelConfig
 from .dtypes import dtype_name, resolve_dtypes
 from .errors import ConfigError
 from .items import ItemResult, Prepared, assemble, prepare
-from .media import MediaBatch, Placeholder, image_token_count, preprocess_images
+from .grids import image_token_count
+from .media import MediaBatch, Placeholder, preprocess_images
 from .model import VisionModel, gemms
 from .packing import check_budget, check_pixels, pack, renamed, starts_new_pass
 from .preprocess_config import ProcessorConfig, check_alpha, default_processing, resolve_processing

@@ -31,13 +31,15 @@ import numpy as np
 import torch
 from PIL import Image
 
+from .container import check_container
 from .errors import BivitError, MediaError
 from .fileio import NotRegularFile, open_regular, sha256_file
 from .kinds import media_kind
-from .media import (MAX_IMAGE_BYTES, MediaBatch, Placeholder, batch_placeholders, grid_tokens, image_grid,
-                    image_placeholder_text, image_size, input_bytes, input_name, preprocess_images, processing_of)
+from .decode import MAX_IMAGE_BYTES, image_size, input_bytes, input_name
+from .grids import grid_tokens, image_grid, processing_of
+from .media import MediaBatch, Placeholder, batch_placeholders, image_placeholder_text, preprocess_images
 from .preprocess_config import ProcessorConfig, check_alpha
-from .video import check_container, preprocess_frames, preprocess_video
+from .video import preprocess_frames, preprocess_video
 
 PIXELS_TAG = b"bivit.pixels/1"
 FRAMES_TAG = b"bivit.frames/1"
@@ -209,11 +211,15 @@ def check_input(path: str | os.PathLike, name: Optional[str] = None) -> str:
         raise MediaError(f"{name}: cannot read ({e.strerror or e})", name) from None
     if not head:
         raise MediaError(f"{name}: file is empty", name)
-    if media_kind(path, head) == "video":
-        check_container(path, name)
-        return "video"
-    image_size(path, name=name)  # its own messages: not an image format Pillow can read, corrupt, too many pixels
-    return "image"
+    try:
+        if media_kind(path, head) == "video":
+            check_container(path, name)
+            return "video"
+        image_size(path, name=name)  # its own messages: not an image format bivit reads, corrupt, too many pixels
+        return "image"
+    except MediaError as e:
+        e.source = name
+        raise
 
 
 def assemble(prepared: Prepared, outputs: Sequence[Any] = ()) -> ItemResult:

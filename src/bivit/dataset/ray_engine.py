@@ -29,7 +29,8 @@ from ..dtypes import dtype_name, parse_dtype
 from ..encoder import load_encoder
 from ..errors import BivitError
 from ..items import ItemResult, Prepared
-from ..media import MediaBatch, Placeholder, grid_tokens
+from ..grids import grid_tokens
+from ..media import MediaBatch, Placeholder
 from .pipeline import Work, encode_prepared, prepare, reason
 
 # Rows entering the encoders: one per distinct file (a `bivit.items.Prepared`).

@@ -38,7 +38,8 @@ from typing import Optional
 from ..encoder import Encoder
 from ..errors import BivitError, MediaError
 from ..items import Prepared, assemble
-from ..media import PATCH_SIZE, grid_tokens, image_grid, image_header, image_work_bytes
+from ..decode import image_header, image_work_bytes
+from ..grids import PATCH_SIZE, grid_tokens, image_grid
 from .batcher import Batcher
 from .bodies import BodyReader
 from .cache import EmbeddingCache
@@ -54,7 +55,7 @@ PATCH_BYTES = 3 * PATCH_SIZE * PATCH_SIZE * 4
 # A JSON response writes each value as text: at most ~20 bytes with its separator.
 JSON_BYTES_PER_VALUE = 20
 # An image whose decoding and preprocessing takes more memory than an RGB photo of this size does (as the model
-# preprocesses it; `bivit.media.image_work_bytes`) is heavy: decoded in the one-thread heavy pool, so at most one
+# preprocesses it; `bivit.decode.image_work_bytes`) is heavy: decoded in the one-thread heavy pool, so at most one
 # such image is in memory at a time and none holds a thread a small image needs. A 64 MP PNG decodes in about 2 s
 # on one core; the 14000x14000 PNGs that starved small requests take 5-7 s each.
 HEAVY_IMAGE_SIZE = (8192, 8192)
