@@ -86,8 +86,8 @@ def check_options(model: Any = None, dtype: Optional[str] = None, projector_dtyp
         canonical_name(value, flag)
     check_alpha(alpha, "--alpha")
     check_model(model)
-    if model is not None and str(model) != "demo" and Path(model).is_dir():  # a checkpoint's config.json is read now, before the inputs
-        from ..config import load_config
+    if model is not None and str(model) != "demo" and Path(model).is_dir():
+        from ..config import load_config  # a checkpoint's config.json is read now, before the inputs
 
         load_config(Path(model))
 
