@@ -32,11 +32,11 @@ import torch
 from PIL import Image
 
 from .container import check_container
+from .decode import MAX_IMAGE_BYTES, image_size, input_bytes, input_name
 from .errors import BivitError, MediaError
 from .fileio import NotRegularFile, open_regular, sha256_file
-from .kinds import media_kind
-from .decode import MAX_IMAGE_BYTES, image_size, input_bytes, input_name
 from .grids import grid_tokens, image_grid, processing_of
+from .kinds import media_kind
 from .media import MediaBatch, Placeholder, batch_placeholders, image_placeholder_text, preprocess_images
 from .preprocess_config import ProcessorConfig, check_alpha
 from .video import preprocess_frames, preprocess_video

@@ -22,8 +22,9 @@ import torch
 from PIL import Image
 
 # Re-exported (noqa: F401) besides what is used here: the names callers and docs have found in this module.
-from .decode import (IMAGE_FORMATS, MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, ImageInput, image_size,  # noqa: F401
-                     image_work_bytes, input_name, load_for_model, load_image, open_image)
+from .decode import (IMAGE_FORMATS, MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, ImageHeader, ImageInput,  # noqa: F401
+                     check_deadline, image_header, image_size, image_work_bytes, input_name, load_for_model,
+                     load_image, open_image, pillow_bytes)
 from .errors import MediaError
 from .grids import (IN_PATCH_LIMIT, PATCH_SIZE, grid_tokens, image_grid, image_token_count, navit_size,  # noqa: F401
                     padded_grid, processing_of)
