@@ -151,7 +151,8 @@ def test_response_metadata_and_fingerprint(server, enc32):
     assert r.headers["content-type"] == "application/vnd.bivit.safetensors"
     assert r.headers["x-request-id"]
     meta, [res] = parse_response(r.content)
-    assert meta["fingerprint"] == enc32.fingerprint and meta["dtype"] == "float32" and meta["model"] == "demo"
+    assert meta["fingerprint"] == enc32.fingerprint and meta["output_dtype"] == "float32" and meta["model"] == "demo"
+    assert res.source == "a.png" and res.dtype == "float32" and res.fingerprint == enc32.fingerprint
     import hashlib
 
     assert res.sha256 == hashlib.sha256(img).hexdigest()
@@ -166,10 +167,12 @@ def test_info_is_the_encoders_description(server, enc32):
     r = httpx.get(f"{server.url}/v1/info", headers=server.headers, timeout=10)
     assert r.status_code == 200
     info = r.json()
-    assert info == enc32.describe()  # the same weights (fingerprint), dtypes, preprocessing and kernels
+    # The same weights (fingerprint), dtypes, preprocessing and kernels; the fallbacks said are each process's.
+    here = enc32.describe()
+    assert info["kernels"].pop("fallbacks") is not None and here["kernels"].pop("fallbacks") is not None
+    assert info == here
     meta, _ = parse_response(_post_files(server, [("a.png", png_bytes(28, 28, seed=40))]).content)
-    assert (meta["model"], meta["fingerprint"], meta["dtype"]) == (info["model"], info["fingerprint"],
-                                                                   info["output_dtype"])
+    assert meta == r.json()  # every answer names its encoder as /v1/info does
 
 
 def test_json_response_round_trips_exactly(server, enc32):
@@ -177,7 +180,8 @@ def test_json_response_round_trips_exactly(server, enc32):
     r = _post_files(server, [("a.png", imgs[0]), ("b.png", imgs[1])], params={"format": "json"})
     assert r.status_code == 200 and r.headers["content-type"].startswith("application/json")
     doc = r.json()
-    assert doc["dtype"] == "float32" and doc["fingerprint"] == enc32.fingerprint
+    assert doc["format"] == "bivit.embeddings/1"
+    assert doc["encoder"]["output_dtype"] == "float32" and doc["encoder"]["fingerprint"] == enc32.fingerprint
     for img, item in zip(imgs, doc["items"]):
         emb = torch.tensor(item["embedding"], dtype=torch.float64).to(torch.float32)
         assert torch.equal(emb, enc32.encode([img])[0])
@@ -190,7 +194,7 @@ def test_json_request_body(server, enc32):
     r = httpx.post(f"{server.url}/v1/encode", json=body, headers=server.headers, timeout=60)
     assert r.status_code == 200
     _, (good, bad) = parse_response(r.content)
-    assert torch.equal(good.embedding, enc32.encode([img])[0]) and good.name == "x.png"
+    assert torch.equal(good.embedding, enc32.encode([img])[0]) and good.source == "x.png"
     assert bad.embedding is None and "base64" in bad.error
 
 
@@ -276,6 +280,16 @@ def test_request_level_errors(server, enc32):
     _assert_serving(server, enc32, seed=17)
 
 
+def test_unknown_route_and_wrong_method_answer_in_the_error_shape(server):
+    """The router's own 404 and 405 are the service's {"error": {"kind", "message"}}, like every other error."""
+    r = httpx.get(f"{server.url}/v1/nope", headers=server.headers, timeout=10)
+    assert r.status_code == 404 and r.json()["error"]["kind"] == "not_found"
+    assert "/v1/nope" in r.json()["error"]["message"] and "POST /v1/encode" in r.json()["error"]["message"]
+    r = httpx.get(f"{server.url}/v1/encode", headers=server.headers, timeout=10)
+    assert r.status_code == 405 and r.json()["error"]["kind"] == "method_not_allowed"
+    assert r.json()["error"]["message"] == "GET is not allowed on /v1/encode" and "POST" in r.headers["allow"]
+
+
 def test_auth(server, enc32):
     img = png_bytes(28, 28, seed=18)
     files = [("file", ("a.png", img))]
@@ -313,7 +327,7 @@ def test_cache_hit_is_exact_and_counted(server, enc32):
     assert torch.equal(t["0"], t["1"]) and torch.equal(t["0"], enc32.encode([img2])[0])
     assert later["bivit_batch_items_sum"] == after["bivit_batch_items_sum"] + 1
     _, both = parse_response(_post_files(server, [("x.png", img2), ("y.png", img2)]).content)  # two hits
-    assert [b.cached for b in both] == [True, True] and [b.name for b in both] == ["x.png", "y.png"]
+    assert [b.cached for b in both] == [True, True] and [b.source for b in both] == ["x.png", "y.png"]
     assert all(torch.equal(b.embedding, t["0"]) for b in both)
 
 

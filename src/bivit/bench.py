@@ -551,9 +551,13 @@ CPU_FLAGS = ("amx_bf16", "amx_tile", "avx512_bf16", "avx512f")
 def environment(threads: int) -> dict:
     from . import kernels
 
+    from . import notices, ops
+
     model, present = kernels.cpu_info()
     cpu, flags = model or platform.processor(), [f for f in CPU_FLAGS if f in present]
     attention = "bivit compiled" if kernels.attention() is not None else "PyTorch SDPA"
+    # The invariant-mode GEMM paths of the dtypes bench runs, and every faster path this machine leaves off.
+    gemm = {name: ops.gemm_path(TORCH_DTYPES[name]).describe() for name in TORCH_DTYPES}
     try:
         import transformers
         tf_version = transformers.__version__
@@ -568,7 +572,8 @@ def environment(threads: int) -> dict:
         git = None
     return {"python": platform.python_version(), "torch": torch.__version__, "transformers": tf_version,
             "git_head": git,
-            "cpu": cpu, "cpu_flags": flags, "attention": attention, "cpu_count": os.cpu_count(), "threads": threads,
+            "cpu": cpu, "cpu_flags": flags, "attention": attention, "gemm": gemm, "fallbacks": notices.warnings(),
+            "cpu_count": os.cpu_count(), "threads": threads,
             "loadavg": os.getloadavg() if hasattr(os, "getloadavg") else None}
 
 
@@ -829,6 +834,9 @@ def format_report(record: dict, summary: dict | None = None) -> str:
              f"transformers {env['transformers']}, CPU {env['cpu']} ({cpu_flags_text(env)}); {record['repeats']} interleaved repeat(s) "
              f"(+{record['warmup']} warm-up), medians; load average {_fmt_load(env.get('loadavg'))} -> "
              f"{_fmt_load(env.get('loadavg_end'))}"]
+    if env.get("gemm"):
+        lines.append("Kernels: attention " + env["attention"] + "; GEMMs " + "; ".join(env["gemm"].values()))
+    lines += [f"Fallback: {line.removeprefix('bivit: ')}" for line in env.get("fallbacks") or ()]
     for name, reason in record["skipped"].items():
         lines.append(f"{name} skipped: {reason}")
     lines.append("")

@@ -24,11 +24,12 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from .. import records
 from ..dtypes import dtype_name
 from ..errors import BivitError
 from ..fileio import append_lines, fsync_dir, temp_target, write_atomic
 from .format import (DEFAULT_SHARD_MB, ERRORS, FORMAT, FORMAT_VERSION, HEADER, LOCK, MANIFEST, SHARD_RE,
-                     ErrorRecord, Record, read_header, read_jsonl, state_from_rows)
+                     ErrorRecord, Record, encoder_of, read_header, read_jsonl, state_from_rows)
 from .pipeline import Source
 
 # A pending shard is also committed after this many seconds, so a kill loses at most this much work even when
@@ -206,8 +207,10 @@ class DatasetWriter:
             self.by_source.pop(s.source, None)
 
     def add(self, sha: str, tensor: torch.Tensor, grid_thw: list, timestamps: Optional[list],
-            sources: Sequence[Source], stats: Sequence[Optional[os.stat_result]]) -> None:
-        """One encoded item (its tensor and every source with these bytes); commits a shard when one is full."""
+            sources: Sequence[Source], stats: Sequence[Optional[os.stat_result]], chunk_tokens: Sequence[int] = (),
+            placeholders: Sequence[dict] = ()) -> None:
+        """One encoded item (its tensor and every source with these bytes, its record's chunk_tokens and
+        placeholders); commits a shard when one is full."""
         stored = self.by_hash.get(sha)
         if stored is not None:  # bytes already durable: the sources only need lines pointing there
             self.add_lines([dataclasses.replace(stored, source=s.source, kind=s.kind, size=st and st.st_size,
@@ -219,7 +222,9 @@ class DatasetWriter:
             raise BivitError(f"encoder returned {tuple(tensor.shape)} {tensor.dtype} for {sources[0].source}; "
                              f"expected [tokens, {width}] {expected}")
         lines = [Record(s.source, sha, "", sha, int(tensor.shape[0]), grid_thw, s.kind, timestamps,
-                        st.st_size if st else None, st.st_mtime_ns if st else None) for s, st in zip(sources, stats)]
+                        st.st_size if st else None, st.st_mtime_ns if st else None,
+                        chunk_tokens=[int(n) for n in chunk_tokens], placeholders=[dict(p) for p in placeholders])
+                 for s, st in zip(sources, stats)]
         if sha in self._pending:
             self._pending[sha][1].extend(lines)
             return
@@ -239,11 +244,14 @@ class DatasetWriter:
         name = f"shard-{self._next_shard:06d}.safetensors"
         self._next_shard += 1
         tensors = {k: t for k, (t, _) in self._pending.items()}
-        meta = {"format": FORMAT, "fingerprint": str(self.header["fingerprint"])}
-        # Serialised in memory (one shard, --shard-mb) so that a full disk is an OSError naming the shard.
+        lines = [dataclasses.replace(r, shard=name) for _, pending in self._pending.values() for r in pending]
+        # The shard is an embedding file of its own: the records committed with it (`bivit.records`). Serialised
+        # in memory (one shard, --shard-mb) so that a full disk is an OSError naming the shard.
+        encoder = encoder_of(self.header)
+        meta = records.metadata(encoder, [r.record(encoder) for r in lines])
         write_atomic(self.dir / name, save(tensors, metadata=meta), before_replace=lambda: _pause("before_rename"))
         _pause("after_rename")
-        self.add_lines([dataclasses.replace(r, shard=name) for _, lines in self._pending.values() for r in lines])
+        self.add_lines(lines)
         self.tokens_written += sum(int(t.shape[0]) for t, _ in self._pending.values())
         self._pending.clear()
         self._pending_bytes = 0

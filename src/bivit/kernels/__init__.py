@@ -8,7 +8,8 @@ ctypes releases the GIL during the call. The library links the OpenMP runtime Py
 (`libgomp.so.1`), so its threads are PyTorch's threads.
 
 Where a kernel cannot be used (no compiler, another CPU, a failed build or self-test), `attention()` returns None
-and says why once in the log; callers then use PyTorch's own kernel. `BIVIT_ATTENTION` chooses: `auto`
+and says why once, with the fix (`bivit.notices`: a warning where a faster path is lost, else a note); callers
+then use PyTorch's own kernel. `status()` reports what happened, for `bivit doctor` and `Encoder.describe()`. `BIVIT_ATTENTION` chooses: `auto`
 (default: the bivit kernel on CPUs with AVX-512 BF16 but without AMX, where it was measured the faster one),
 `bivit` (wherever the CPU can run it) or `sdpa` (never).
 """
@@ -28,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from .. import notices
 
 log = logging.getLogger("bivit")
 
@@ -57,18 +60,34 @@ def cpu_info() -> tuple[str, frozenset[str]]:
 
 
 class KernelUnavailable(Exception):
-    """Why a compiled kernel is not used (logged once; PyTorch's kernel runs instead). `chosen`: by the
-    configuration or the CPU (an info line), not by a failure on a CPU that could run it (a warning)."""
+    """Why a compiled kernel is not used (said once; PyTorch's kernel runs instead). `chosen`: by the
+    configuration or because a faster kernel runs (a note), not lost to a failure or to the CPU (a warning).
+    `fix`: what the user can do about it (None: nothing)."""
 
-    def __init__(self, reason: str, chosen: bool = False) -> None:
+    def __init__(self, reason: str, chosen: bool = False, fix: str | None = None) -> None:
         super().__init__(reason)
         self.chosen = chosen
+        self.fix = fix
+
+
+INSTALL_CC = "install a C compiler (e.g. apt install gcc), or set CC to one"
+
+
+def find_compiler() -> tuple[str | None, str]:
+    """(the C compiler kernels are built with, where it was found): `$CC`, else `cc` or `gcc` on PATH."""
+    if os.environ.get("CC"):
+        return os.environ["CC"], "$CC"
+    for name in ("cc", "gcc"):
+        found = shutil.which(name)
+        if found:
+            return found, "PATH"
+    return None, "PATH"
 
 
 def _compiler() -> str:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    cc, _ = find_compiler()
     if not cc:
-        raise KernelUnavailable("no C compiler found (set CC, or install gcc)")
+        raise KernelUnavailable("no C compiler found (no $CC, no cc or gcc on PATH)", fix=INSTALL_CC)
     return cc
 
 
@@ -86,9 +105,13 @@ def build(source: Path) -> Path:
     replicas) never load a half-written library."""
     cc = _compiler()
     try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+        probe = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError) as e:
-        raise KernelUnavailable(f"the C compiler {cc} does not run: {e}") from e
+        raise KernelUnavailable(f"the C compiler {cc} does not run ({e})", fix=INSTALL_CC) from e
+    if probe.returncode != 0:
+        raise KernelUnavailable(f"the C compiler {cc} does not work (`{cc} --version` exited {probe.returncode})",
+                                fix=INSTALL_CC)
+    version = probe.stdout
     key = hashlib.sha256(source.read_bytes() + " ".join(CFLAGS).encode() + version.encode()).hexdigest()[:16]
     target = cache_dir() / f"{source.stem}-{key}.so"
     if target.is_file():
@@ -98,14 +121,17 @@ def build(source: Path) -> Path:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
     except OSError as e:
-        raise KernelUnavailable(f"cannot write the kernel cache {target.parent}: {e}") from e
+        raise KernelUnavailable(f"cannot write the kernel cache {target.parent}: {e}",
+                                fix="set BIVIT_KERNEL_CACHE to a writable folder") from e
     try:
         done = subprocess.run([cc, *CFLAGS, "-o", tmp, str(source)], capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
-            raise KernelUnavailable(f"{cc} could not build {source.name}: {done.stderr.strip()[-500:]}")
+            detail = " ".join(done.stderr.split())[-300:] or f"exit status {done.returncode}"
+            raise KernelUnavailable(f"{cc} could not build {source.name}: {detail}",
+                                    fix="set CC to a compiler with AVX-512 BF16 support (gcc >= 10, clang >= 9)")
         os.replace(tmp, target)
     except (OSError, subprocess.SubprocessError) as e:
-        raise KernelUnavailable(f"building {source.name} failed: {e}") from e
+        raise KernelUnavailable(f"building {source.name} failed: {e}", fix=INSTALL_CC) from e
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -154,12 +180,15 @@ def _load_attention() -> Attention:
     _, flags = cpu_info()
     missing = [f for f in ATTENTION_NEEDS if f not in flags]
     if missing:
-        raise KernelUnavailable(f"this CPU lacks {', '.join(missing)}", chosen=True)
+        raise KernelUnavailable(f"this CPU lacks {', '.join(missing)}")  # no fix: the CPU's limit
     # /proc/cpuinfo lists what the CPU has; PyTorch's capability also says the OS saves AVX-512 state (else the
     # first instruction would be SIGILL, not an exception) and honours ATEN_CPU_CAPABILITY.
     capability = torch.backends.cpu.get_cpu_capability()
     if capability != "AVX512":
-        raise KernelUnavailable(f"PyTorch runs {capability} kernels here, not AVX512", chosen=True)
+        forced = os.environ.get("ATEN_CPU_CAPABILITY")
+        raise KernelUnavailable(f"PyTorch runs {capability} kernels here, not AVX512"
+                                + (f" (ATEN_CPU_CAPABILITY={forced})" if forced else " (the OS does not enable AVX-512)"),
+                                fix="unset ATEN_CPU_CAPABILITY" if forced else None)
     if choice == "auto" and "amx_bf16" in flags:
         raise KernelUnavailable(f"AMX-BF16 CPU: PyTorch's fused attention runs on AMX here ({ATTENTION_ENV}=bivit "
                                 "overrides)", chosen=True)
@@ -184,18 +213,34 @@ def _self_test(kernel: Attention, dtype: torch.dtype, bound: float) -> None:
     ref = torch.nn.functional.scaled_dot_product_attention(*(t.double().transpose(0, 1) for t in (q, k, v)))
     err = (out.double() - ref.transpose(0, 1)).abs().max().item()
     if not err <= bound:
-        raise KernelUnavailable(f"the compiled attention failed its self-test in {dtype} (max error {err:.3g})")
+        raise KernelUnavailable(f"the compiled attention failed its self-test in {dtype} (max error {err:.3g})",
+                                fix="set CC to another compiler, and report it with the output of `bivit doctor`")
 
 
 @functools.cache
 def attention() -> Attention | None:
-    """The compiled attention for this process, or None (PyTorch's fused attention is used instead)."""
+    """The compiled attention for this process, or None (PyTorch's fused attention is used instead; why is said
+    once, with the fix: `bivit.notices`)."""
     try:
         kernel = _load_attention()
     except (KernelUnavailable, OSError, AttributeError) as e:
-        chosen = isinstance(e, KernelUnavailable) and e.chosen
-        (log.info if chosen else log.warning)("bivit: compiled attention not used (%s); PyTorch's fused attention "
-                                              "runs instead%s", e, "" if chosen else ", slower")
+        if isinstance(e, KernelUnavailable) and e.chosen:
+            notices.note("attention", "compiled attention not used", str(e), "PyTorch's fused attention runs")
+        else:
+            notices.fallback("attention", "compiled attention off", str(e),
+                             "PyTorch's fused attention runs instead, slower", getattr(e, "fix", None))
         return None
     log.info("bivit: compiled attention in use (%s)", kernel.lib._name)
     return kernel
+
+
+def status() -> dict:
+    """The compiled attention in this process, as JSON: `in_use`, and `library` (the cached build it runs) or
+    `why` (and `fix`) it does not. Builds it on first call, like `attention()`."""
+    kernel = attention()
+    if kernel is not None:
+        return {"in_use": True, "kernel": "bivit compiled (AVX-512 BF16)", "library": kernel.lib._name}
+    said = notices.said("attention")
+    why = said[0] if said else None
+    return {"in_use": False, "kernel": "PyTorch SDPA", "why": why.why if why else "unknown",
+            "fix": why.fix if why else None}
