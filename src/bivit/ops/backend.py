@@ -103,9 +103,14 @@ def _packed_gemm_runs(dtype: torch.dtype, gelu: str | None) -> bool:
             and bool(torch.allclose(y.float(), ref, rtol=tol, atol=tol * float(ref.abs().max()))))
 
 
-@functools.cache
 def gemm_path(dtype: torch.dtype, device_type: str = "cpu") -> GemmPath:
-    """The GEMM path of weights in `dtype` on `device_type`, the same in every process on this machine."""
+    """The GEMM path of weights in `dtype` on `device_type`, the same in every process on this machine: decided
+    on the first call, then fixed (one decision per (dtype, device type), however the call is spelled)."""
+    return _decide_gemm_path(dtype, device_type)
+
+
+@functools.cache
+def _decide_gemm_path(dtype: torch.dtype, device_type: str) -> GemmPath:
     if device_type != "cpu":
         return GemmPath(dtype, dtype, packed=False, fused_gelu=False)
     compute = torch.float32 if dtype in _NATIVE_NEEDS and not _onednn_native(dtype) else dtype
