@@ -27,7 +27,8 @@ from pathlib import Path
 import httpx
 from PIL import Image
 
-from bivit.serve.launch import ServerProcess
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the test helpers' real server process
+from support.server import ServerProcess  # noqa: E402
 
 
 def rss_mb(pid: int) -> float:

@@ -26,7 +26,7 @@ from bivit import ops
 from bivit.client import parse_response
 from bivit.media import preprocess_images
 from bivit.ops import backend, gemm
-from bivit.serve.launch import ServerProcess
+from support.server import ServerProcess
 from support.controls import differences_found_by_check, differing
 from support.media import make_video, random_image
 

@@ -25,7 +25,7 @@ from safetensors.torch import load as st_load
 
 import bivit
 from bivit.client import Client, EncodeError, ServerError, parse_response
-from bivit.serve.launch import ServerProcess, free_port, metric_values
+from support.server import ServerProcess, free_port
 from support.media import make_video, png_bytes
 
 pytest.importorskip("fastapi")
@@ -56,12 +56,6 @@ def client(server):
         yield c
 
 
-def _metrics(srv: ServerProcess) -> dict[str, float]:
-    r = httpx.get(f"{srv.url}/metrics", headers=srv.headers, timeout=10)
-    assert r.status_code == 200
-    return metric_values(r.text)
-
-
 def _post_files(srv: ServerProcess, parts: list[tuple[str, bytes]], **kw) -> httpx.Response:
     return httpx.post(f"{srv.url}/v1/encode", headers=srv.headers, timeout=60,
                       files=[("file", (name, data, "application/octet-stream")) for name, data in parts], **kw)
@@ -79,7 +73,7 @@ def test_concurrent_clients_get_offline_bits(server, enc32):
 
     The first round is queued whole while the batching worker is held, so the server certainly coalesces
     requests (else this would prove nothing about batching); the second runs as the requests come."""
-    before = _metrics(server)
+    before = server.metrics()
     n_threads, rounds = 32, 2
     work = {(t, r): [png_bytes(*SIZES[(3 * t + 5 * r + k) % len(SIZES)], seed=10_000 + 100 * t + 10 * r + k)
                      for k in range(1 + (t + r) % 3)] for t in range(n_threads) for r in range(rounds)}
@@ -113,7 +107,7 @@ def test_concurrent_clients_get_offline_bits(server, enc32):
             assert emb.dtype == torch.float32 and emb.shape == ref.shape
             assert torch.equal(emb, ref), key
             n_items += 1
-    after = _metrics(server)
+    after = server.metrics()
     batches = after["bivit_batch_items_count"] - before.get("bivit_batch_items_count", 0)
     items = after["bivit_batch_items_sum"] - before.get("bivit_batch_items_sum", 0)
     assert items == n_items
@@ -148,7 +142,7 @@ def test_control_without_batch_invariance(tmp_path):
         with Client(srv.url) as c:
             again = c.encode_results([work[0][0]])[0]
         assert not again.cached
-        m = _metrics(srv)
+        m = srv.metrics()
         assert m["bivit_cache_hits_total"] == 0 and m["bivit_cache_bytes"] == 0
 
 
@@ -294,9 +288,9 @@ def test_auth(server, enc32):
 def test_cache_hit_is_exact_and_counted(server, enc32):
     img = png_bytes(150, 200, seed=20)
     first = _post_files(server, [("a.png", img)])
-    before = _metrics(server)
+    before = server.metrics()
     second = _post_files(server, [("same-bytes-other-name.png", img)])
-    after = _metrics(server)
+    after = server.metrics()
     (_, [r1]), (_, [r2]) = parse_response(first.content), parse_response(second.content)
     assert not r1.cached and r2.cached
     assert torch.equal(r1.embedding, r2.embedding) and torch.equal(r2.embedding, enc32.encode([img])[0])
@@ -306,7 +300,7 @@ def test_cache_hit_is_exact_and_counted(server, enc32):
     # The same bytes twice in one request: encoded once, answered twice.
     img2 = png_bytes(84, 56, seed=21)
     r = _post_files(server, [("x.png", img2), ("y.png", img2)])
-    later = _metrics(server)
+    later = server.metrics()
     t = st_load(r.content)
     assert torch.equal(t["0"], t["1"]) and torch.equal(t["0"], enc32.encode([img2])[0])
     assert later["bivit_batch_items_sum"] == after["bivit_batch_items_sum"] + 1
@@ -316,7 +310,7 @@ def test_cache_hit_is_exact_and_counted(server, enc32):
 
 
 def test_metrics_series(server):
-    m = _metrics(server)
+    m = server.metrics()
     for name in ("bivit_queue_depth", "bivit_inflight_items", "bivit_batch_items_count", "bivit_batch_patches_sum",
                  "bivit_request_latency_seconds_count", "bivit_tokens_total", "bivit_cache_hits_total",
                  "bivit_cache_misses_total"):
@@ -356,7 +350,7 @@ def test_queue_full_answers_429_then_recovers(tmp_path, enc32):
         for r in out[1:]:
             assert int(r.headers["retry-after"]) >= 1 and r.json()["error"]["kind"] == "queue_full"
         _assert_serving(srv, enc32, seed=120)
-        assert _metrics(srv)['bivit_errors_total{kind="queue_full"}'] == len(imgs) - 1
+        assert srv.metrics()['bivit_errors_total{kind="queue_full"}'] == len(imgs) - 1
 
 
 def test_request_timeout_gives_504(tmp_path, enc32):

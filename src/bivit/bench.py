@@ -53,7 +53,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 from .config import PRESETS, ModelConfig
-from .encoder import parse_dtype
+from .dtypes import parse_dtype
 from .errors import BivitError
 from .fileio import write_atomic
 from .media import MediaBatch, frames_to_item

@@ -33,8 +33,6 @@ PATCH_SIZE = K25_PROCESSING.patch_size
 MERGE_KERNEL = K25_PROCESSING.merge_kernel_size
 IN_PATCH_LIMIT = K25_PROCESSING.in_patch_limit
 PATCH_LIMIT_ON_ONE_SIDE = K25_PROCESSING.patch_limit_on_one_side
-# Names that are images when a folder is listed (videos: `bivit.video.VIDEO_EXTENSIONS`; `bivit.video.media_kind`).
-IMAGE_EXTENSIONS = frozenset({".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff"})
 # Refuse images whose header claims more pixels than this before decoding them (decompression bombs).
 # K3's 65536 patches of 14x14 is ~12.8 MP after resizing; 200 MP leaves room for any real photo or scan.
 MAX_IMAGE_PIXELS = 200_000_000

@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 
 from ..errors import BivitError
 from ..fileio import check_regular, file_kind, sha256_file
-from ..video import media_kind
+from ..kinds import media_kind
 from .format import Record
 from .pipeline import Source, Work
 from .writer import DatasetWriter

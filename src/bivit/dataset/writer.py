@@ -23,7 +23,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from ..encoder import dtype_name
+from ..dtypes import dtype_name
 from ..errors import BivitError
 from ..fileio import TMP_PREFIX, append_lines, fsync_dir, write_atomic
 from .format import (DEFAULT_SHARD_MB, ERRORS, FORMAT, FORMAT_VERSION, HEADER, LOCK, MANIFEST, SHARD_RE,

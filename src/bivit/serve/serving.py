@@ -37,7 +37,8 @@ from fastapi import Request
 from PIL import Image
 from starlette.requests import ClientDisconnect
 
-from ..encoder import Encoder, dtype_name
+from ..dtypes import dtype_name
+from ..encoder import Encoder
 from ..errors import BivitError, MediaError
 from ..media import PATCH_SIZE, MediaBatch, batch_placeholders, grid_tokens, image_grid, preprocess_images
 from ..video import join_chunks, preprocess_video
