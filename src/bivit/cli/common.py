@@ -30,6 +30,9 @@ AlphaOpt = typer.Option("model", "--alpha", help="Transparency: model (what the 
 DtypeOpt = typer.Option(DEFAULT_DTYPE, "--dtype", help=f"Tower compute dtype: {DTYPE_CHOICES}.")
 ProjDtypeOpt = typer.Option(None, "--projector-dtype", help="Projector dtype (default: --dtype).")
 OutDtypeOpt = typer.Option(None, "--output-dtype", help="Output dtype (default: projector dtype).")
+EcDirOpt = typer.Option(None, "--ec-dir", help="Also write each image's / video chunk's rows to this folder in vLLM's "
+                        "encoder-cache layout (ECExampleConnector's shared_storage_path; docs/encode-once.md).")
+EC_PROBE = ".bivit-ec-probe"  # the name --ec-dir's writability is checked with
 
 
 def fail(message: str, code: int = USAGE) -> None:

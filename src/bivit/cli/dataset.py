@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 from ..dataset import format as dataset_format  # light: file names and defaults
-from .common import FAILURE, AlphaOpt, DtypeOpt, OutDtypeOpt, ProjDtypeOpt, command, writable
+from .common import EC_PROBE, FAILURE, AlphaOpt, DtypeOpt, EcDirOpt, OutDtypeOpt, ProjDtypeOpt, command, writable
 
 @command("encode-dataset")
 def encode_dataset(
@@ -34,14 +34,18 @@ def encode_dataset(
     allow_failures: bool = typer.Option(False, "--allow-failures",
                                         help="Exit 0 even when some inputs could not be encoded."),
     alpha: str = AlphaOpt,
+    ec_dir: Optional[Path] = EcDirOpt,
 ) -> None:
     """Encode every image and video under SRC into sharded safetensors in --out (resumable, crash-safe).
 
     Inputs that cannot be encoded are listed in OUT/errors.jsonl (and `open_dataset(OUT).errors`) until they
-    are encoded; the exit status is then 1 unless --allow-failures.
+    are encoded; the exit status is then 1 unless --allow-failures. With --ec-dir, every record's rows also go
+    to vLLM's encoder cache (ids: `bivit.engines.vllm.load_media(OUT)`).
     """
     # A missing Ray extra, bad --engine/--workers values: encode_dataset says so before any work.
     writable(out / dataset_format.HEADER, option="--out")  # before the model loads
+    if ec_dir is not None:
+        writable(ec_dir / EC_PROBE, option="--ec-dir")
     from ..dataset.job import encode_dataset as run
 
     try:
@@ -52,6 +56,13 @@ def encode_dataset(
         typer.echo(f"interrupted; everything encoded so far is in {out}, run the same command to resume", err=True)
         raise typer.Exit(130) from None
     typer.echo(summary.line())
+    if ec_dir is not None:
+        from ..engines.media import iter_media
+        from ..engines.vllm import write_encoder_cache
+
+        # Every record of the folder (a resumed run's earlier ones too); ids already there are left as they are.
+        written = sum(len(ids) for ids in (write_encoder_cache(ec_dir, [m])[0] for m in iter_media(out)))
+        typer.echo(f"encoder cache: {written} items in {ec_dir} (ids: bivit.engines.vllm.load_media(OUT))")
     if summary.failed:
         typer.echo(f"{summary.failed} inputs failed; see {Path(out) / dataset_format.ERRORS}", err=True)
         if not allow_failures:

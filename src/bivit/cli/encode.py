@@ -11,8 +11,8 @@ from typing import List, Optional
 import typer
 
 from ..errors import BivitError
-from .common import (FAILURE, AlphaOpt, DtypeOpt, ModelOpt, OutDtypeOpt, ProjDtypeOpt, command, open_encoder,
-                     writable)
+from .common import (EC_PROBE, FAILURE, AlphaOpt, DtypeOpt, EcDirOpt, ModelOpt, OutDtypeOpt, ProjDtypeOpt, command,
+                     open_encoder, writable)
 
 # The schema of the file `bivit encode` writes (its "bivit" header key).
 ENCODE_FORMAT = "bivit.encode/1"
@@ -30,19 +30,26 @@ def encode(
     max_batch_tokens: Optional[int] = typer.Option(None, help="At most this many patches per forward pass."),
     no_batch_invariant: bool = typer.Option(False, "--no-batch-invariant", help="Stock kernels (not invariant)."),
     alpha: str = AlphaOpt,
+    ec_dir: Optional[Path] = EcDirOpt,
 ) -> None:
     """Encode files into one safetensors file: tensor "i" is input i's embedding, shape (tokens, text_hidden).
 
-    Per-input metadata (source, grid_thw per chunk, tokens, video chunk timestamps, and the prompt placeholders:
-    per image or chunk the text the model's processor writes and the rows that replace its <|media_pad|>) is
-    stored as JSON under the "bivit" header key. Bad files are reported and skipped; exit status 1 if any failed.
+    Per-input metadata (source, content sha256, size, grid_thw per chunk, tokens, video chunk timestamps, and
+    the prompt placeholders: per image or chunk the text the model's processor writes and the rows that replace
+    its <|media_pad|>) and the encoder fingerprint are stored as JSON under the "bivit" header key. With
+    --ec-dir, each image's / chunk's rows also go to vLLM's encoder cache and its ids into the metadata
+    ("ec_ids"). Bad files are reported and skipped; exit status 1 if any failed.
     """
     writable(out, files)  # before anything is loaded or encoded
+    if ec_dir is not None:
+        writable(ec_dir / EC_PROBE, option="--ec-dir")
     import torch
-    from safetensors.torch import save_file
+    from safetensors.torch import save
     from tqdm import tqdm
 
     from ..dtypes import dtype_name
+    from ..engines.media import Media, content_sha256
+    from ..engines.vllm import write_encoder_cache
     from ..fileio import write_atomic
     from ..media import MediaBatch, batch_placeholders
     from ..video import is_video_path, join_chunks, split_by_input
@@ -64,7 +71,15 @@ def encode(
                      "grid_thw": batch.grid_thw.tolist(), "chunk_tokens": [int(c.shape[0]) for c in chunks]}
             if batch.timestamps is not None:
                 entry["timestamps"] = batch.timestamps
-            entry["placeholders"] = [p.to_dict() for p in batch_placeholders(batch, enc.processing)]
+            placeholders = batch_placeholders(batch, enc.processing)
+            entry["placeholders"] = [p.to_dict() for p in placeholders]
+            entry["sha256"] = content_sha256(path)
+            entry["sizes"] = [list(s) if s else None for s in batch.sizes]
+            if ec_dir is not None:
+                media = Media(tensors[key], tuple(placeholders), enc.fingerprint, entry["sha256"],
+                              "video" if batch.timestamps is not None else "image", tuple(batch.sizes),
+                              tuple(t for t, _, _ in entry["grid_thw"]), str(path))
+                entry["ec_ids"] = write_encoder_cache(ec_dir, [media])[0]
             items.append(entry)
         pending.clear()
 
@@ -83,14 +98,18 @@ def encode(
         flush()
     if tensors:
         meta = {"bivit": json.dumps({"format": ENCODE_FORMAT, "model": enc.model_name, "demo": enc.is_demo,
+                                     "fingerprint": enc.fingerprint,
                                      "dtype": dtype_name(enc.dtype), "projector_dtype": dtype_name(enc.projector_dtype),
                                      "output_dtype": dtype_name(enc.output_dtype),
                                      "batch_invariant": enc.batch_invariant, "alpha": enc.alpha,
                                      "processing": enc.processing.to_dict(), "items": items})}
-        write_atomic(out, lambda tmp: save_file(tensors, tmp, metadata=meta))
+        write_atomic(out, save(tensors, metadata=meta))  # a full disk is an OSError naming --out
     tokens = sum(i["tokens"] for i in items)
     where = f" -> {out}" if tensors else " (nothing written)"
     typer.echo(f"encoded {len(items)} of {len(files)} inputs, {tokens} tokens in "
                f"{time.perf_counter() - t0:.2f} s{where}" + (f"; {failed} failed" if failed else ""))
+    if ec_dir is not None:
+        typer.echo(f"encoder cache: {sum(len(i['ec_ids']) for i in items)} items in {ec_dir} (ids: \"ec_ids\" of "
+                   "each item in the file's metadata)")
     if failed:
         raise typer.Exit(FAILURE)

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Optional
 
 import typer
 
 from ..serve.settings import ServerSettings as Limits  # light: no web framework
-from .common import AlphaOpt, DtypeOpt, command, fail, need_extra
+from .common import EC_PROBE, AlphaOpt, DtypeOpt, EcDirOpt, command, fail, need_extra, writable
 
 @command()
 def serve(
@@ -48,8 +49,11 @@ def serve(
         help="Accept POST /v1/weights without --api-key (trusted machines only)"),
     log_level: str = typer.Option("info", help="debug, info, warning or error"),
     alpha: str = AlphaOpt,
+    ec_dir: Optional[Path] = EcDirOpt,
 ) -> None:
-    """Serve the encoder over HTTP: POST /v1/encode, /v1/weights, GET /health, /ready, /metrics (serve extra)."""
+    """Serve the encoder over HTTP: POST /v1/encode, /v1/weights, GET /health, /ready, /metrics (serve extra).
+
+    With --ec-dir every encoded item's rows also go to vLLM's encoder cache; its ids are each item's "ec_ids"."""
     for module in ("fastapi", "uvicorn", "prometheus_client", "multipart"):
         need_extra("serve", module, "serve")
     if log_level.lower() not in ("debug", "info", "warning", "error"):
@@ -60,7 +64,10 @@ def serve(
                       max_request_pixels_mb=max_request_pixels_mb, max_queue_pixels_mb=max_queue_pixels_mb,
                       max_response_mb=max_response_mb, max_video_mpixels=max_video_mpixels,
                       cache_mb=cache_mb, max_weights_mb=max_weights_mb,
-                      allow_weight_updates_without_key=allow_weight_updates_without_key)
+                      allow_weight_updates_without_key=allow_weight_updates_without_key,
+                      ec_dir=None if ec_dir is None else str(ec_dir))
+    if ec_dir is not None:
+        writable(ec_dir / EC_PROBE, option="--ec-dir")
     from ..encoder import load_encoder
     from ..serve.app import configure_logging, run
 

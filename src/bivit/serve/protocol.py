@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
 from ..errors import BivitError
+from ..fileio import parse_json
 from ..kinds import media_kind
 
 if TYPE_CHECKING:
@@ -71,6 +72,7 @@ class ItemResult:
     grid_thw: list = field(default_factory=list)
     timestamps: Optional[list] = None
     placeholders: Optional[list] = None  # per image / chunk: {"text": prompt placeholder, "tokens": rows}
+    ec_ids: Optional[list] = None  # per image / chunk: its id in vLLM's encoder cache (`bivit serve --ec-dir`)
     cached: bool = False
     error: Optional[str] = None
     error_kind: Optional[str] = None
@@ -80,23 +82,16 @@ class ItemResult:
         return 0 if self.embedding is None else int(self.embedding.shape[0])
 
 
-def _unique_keys(pairs: list) -> dict:
-    keys = [k for k, _ in pairs]
-    if len(set(keys)) != len(keys):
-        dup = next(k for k in keys if keys.count(k) > 1)
-        raise ValueError(f"key {dup!r} appears more than once in one object")
-    return dict(pairs)
-
-
 def parse_json_request(body: bytes) -> list[UploadItem]:
     """The items of a JSON request body; RequestError (400) when the body is not the documented shape.
 
-    A key repeated in one object is refused (which one counts differs between parsers); base64 may be split
-    into lines (MIME's 76 columns), any other non-alphabet character is an error.
+    A key repeated in one object is refused (which one counts differs between parsers), and so is nesting
+    deeper than `bivit.fileio.MAX_JSON_DEPTH`; base64 may be split into lines (MIME's 76 columns), any other
+    non-alphabet character is an error.
     """
     try:
-        doc = json.loads(body, object_pairs_hook=_unique_keys)
-    except (ValueError, UnicodeDecodeError) as e:
+        doc = parse_json(body)
+    except ValueError as e:  # UnicodeDecodeError included
         raise RequestError(400, "bad_request", f"invalid JSON body: {e}") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("items"), list):
         raise RequestError(400, "bad_request", 'JSON body must be {"items": [{"data": "<base64>", "name": ...}]}')
@@ -121,14 +116,14 @@ def item_meta(i: int, r: ItemResult) -> dict:
     return {"index": i, "name": r.name, "kind": r.kind, "sha256": r.sha256,
             "tensor": str(i) if r.embedding is not None else None,
             "tokens": r.tokens, "grid_thw": r.grid_thw, "timestamps": r.timestamps,
-            "placeholders": r.placeholders, "cached": r.cached,
+            "placeholders": r.placeholders, "ec_ids": r.ec_ids, "cached": r.cached,
             "error": r.error, "error_kind": r.error_kind}
 
 
 def result_from_meta(m: dict, embedding: Optional["torch.Tensor"] = None) -> ItemResult:
     return ItemResult(name=m["name"], kind=m["kind"], sha256=m["sha256"], embedding=embedding,
                       grid_thw=m.get("grid_thw") or [], timestamps=m.get("timestamps"),
-                      placeholders=m.get("placeholders"), cached=bool(m.get("cached")),
+                      placeholders=m.get("placeholders"), ec_ids=m.get("ec_ids"), cached=bool(m.get("cached")),
                       error=m.get("error"), error_kind=m.get("error_kind"))
 
 

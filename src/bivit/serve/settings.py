@@ -38,6 +38,7 @@ class ServerSettings:
     retry_after_s: int = 1
     max_weights_mb: float = 8192.0  # body limit of POST /v1/weights (a full K2.6 vision part in fp32: ~1.9 GB)
     allow_weight_updates_without_key: bool = False  # POST /v1/weights is refused while api_key is unset
+    ec_dir: Optional[str] = None  # also write each item's rows to vLLM's encoder cache here (item meta "ec_ids")
 
     def __post_init__(self) -> None:
         for name in ("max_batch_tokens", "max_queue", "preprocess_threads", "retry_after_s"):
