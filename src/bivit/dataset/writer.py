@@ -35,18 +35,19 @@ from .pipeline import Source
 # A pending shard is also committed after this many seconds, so a kill loses at most this much work even when
 # shards are large and encoding is slow.
 DEFAULT_FLUSH_SECONDS = 60.0
-# Test hook, a pause point only: "PHASE:SECONDS" sleeps at PHASE (before_rename | after_rename | after_commit)
-# of every shard commit, so a test can SIGKILL the process at a chosen instant. It changes nothing else.
+# Test hook, a pause point only: "PHASE:SECONDS[:SHARDS]" sleeps at PHASE (before_rename | after_rename |
+# after_commit) of every shard commit once this run has written SHARDS shards before it (default 0), so a test
+# can SIGKILL the process at a chosen instant. It changes nothing else.
 PAUSE_ENV = "BIVIT_DATASET_TEST_PAUSE"
 # A folder written with other values for these keys holds tensors that are not comparable with this run's.
 _MUST_MATCH = ("format_version", "fingerprint", "dtype", "projector_dtype", "output_dtype", "batch_invariant", "alpha")
 
 
-def _pause(phase: str) -> None:
+def _pause(phase: str, shards_before: int) -> None:
     spec = os.environ.get(PAUSE_ENV)
     if spec:
-        want, _, seconds = spec.partition(":")
-        if want == phase:
+        want, seconds, after, *_ = spec.split(":") + ["", ""]
+        if want == phase and shards_before >= int(after or 0):
             time.sleep(float(seconds or 1))
 
 
@@ -107,6 +108,7 @@ class DatasetWriter:
         self._pending_bytes = 0
         self._pending_since: Optional[float] = None
         self.tokens_written = 0
+        self._commits = 0  # shards this run has written (for the test hook's pause)
 
     # -- opening ---------------------------------------------------------------------------------------------
 
@@ -249,14 +251,16 @@ class DatasetWriter:
         # in memory (one shard, --shard-mb) so that a full disk is an OSError naming the shard.
         encoder = encoder_of(self.header)
         meta = records.metadata(encoder, [r.record(encoder) for r in lines])
-        write_atomic(self.dir / name, save(tensors, metadata=meta), before_replace=lambda: _pause("before_rename"))
-        _pause("after_rename")
+        write_atomic(self.dir / name, save(tensors, metadata=meta),
+                     before_replace=lambda: _pause("before_rename", self._commits))
+        _pause("after_rename", self._commits)
         self.add_lines(lines)
         self.tokens_written += sum(int(t.shape[0]) for t, _ in self._pending.values())
         self._pending.clear()
         self._pending_bytes = 0
         self._pending_since = None
-        _pause("after_commit")
+        self._commits += 1
+        _pause("after_commit", self._commits - 1)
 
     def close(self) -> None:
         if getattr(self, "_lock_fd", None) is not None:

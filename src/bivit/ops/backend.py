@@ -131,9 +131,14 @@ def _check_amx() -> None:
         notices.fallback("amx", "AMX not used", lost[0], "bf16 GEMMs run on AVX-512 instead, slower", lost[1])
 
 
-@functools.cache
 def gemm_path(dtype: torch.dtype, device_type: str = "cpu") -> GemmPath:
-    """The GEMM path of weights in `dtype` on `device_type`, the same in every process on this machine."""
+    """The GEMM path of weights in `dtype` on `device_type`, the same in every process on this machine: decided
+    on the first call, then fixed (one decision per (dtype, device type), however the call is spelled)."""
+    return _decide_gemm_path(dtype, device_type)
+
+
+@functools.cache
+def _decide_gemm_path(dtype: torch.dtype, device_type: str) -> GemmPath:
     if device_type != "cpu":
         return GemmPath(dtype, dtype, packed=False, fused_gelu=False)
     if dtype == torch.bfloat16:
