@@ -148,7 +148,6 @@ def test_pixels_in_the_queue_are_budgeted_across_requests(server):
     The batching worker is held, so the first request is still in flight when the second arrives, however fast
     or slow this machine is."""
     first: dict = {}
-    second = png_bytes(896, 896, 4)  # made before the first request starts: its window is short on a busy machine
 
     def send_first() -> None:
         first["r"] = httpx.post(f"{server.url}/v1/encode", files=[("file", ("big.png", png_bytes(896, 896, 3)))],
