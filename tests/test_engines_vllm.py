@@ -291,7 +291,7 @@ def test_encode_dataset_command_writes_the_encoder_cache_under_the_same_ids(file
     for want in media:
         got = by_name[Path(want.source).name]
         assert torch.equal(got.embedding, want.embedding) and got.placeholders == want.placeholders
-        assert got.ec_ids() == want.ec_ids()  # the dataset job and the API name an item alike
+        assert got.ec_ids() == want.ec_ids() and got.sizes == want.sizes  # the dataset job and the API alike
         for i in got.ec_ids():
             assert (ec / i / "encoder_cache.safetensors").is_file()
 

@@ -21,8 +21,8 @@ from bivit import records
 from support.media import make_image, make_video
 
 INPUTS = ("a.png", "clip.mp4", "b.jpg")
-COMPARED = ("source", "kind", "sha256", "tokens", "grid_thw", "chunk_tokens", "timestamps", "placeholders",
-            "error", "model", "fingerprint", "dtype")
+COMPARED = ("source", "kind", "sha256", "tokens", "grid_thw", "chunk_tokens", "sizes", "timestamps",
+            "placeholders", "error", "model", "fingerprint", "dtype")
 
 
 def cli(*args, cwd=None):

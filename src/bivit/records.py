@@ -19,7 +19,7 @@ key its record names. A record (`Record`, `RECORD_KEYS`) is:
     grid_thw      per chunk (an image is one chunk) [t, h, w] in patches
     chunk_tokens  per chunk, its rows of the embedding (in order; they add up to `tokens`)
     sizes         per chunk, [width, height] of the image or the chunk's frames before resizing (null: not
-                  known to the writer; an engine's stand-in pictures need it, see `bivit.engines`)
+                  known, in files of older versions; an engine's stand-in pictures need it, see `bivit.engines`)
     timestamps    per chunk of a video, its start as the model's prompt writes it (null for an image)
     placeholders  per chunk, {"text", "tokens"}: the prompt text with its one <|media_pad|>, and the rows that
                   replace that pad

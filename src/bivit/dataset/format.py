@@ -3,7 +3,7 @@
     DIR/dataset.json              header: format, bivit version, the encoder (`Encoder.describe()`: model name
                                   + fingerprint, dtypes, width, preprocessing, kernels)
     DIR/manifest.jsonl            one line per encoded input: its record (`bivit.records`: source, sha256,
-                                  kind, tokens, grid_thw, chunk_tokens, timestamps, placeholders) with the
+                                  kind, tokens, grid_thw, chunk_tokens, sizes, timestamps, placeholders) with the
                                   tensor's `shard` and `key` (and size, mtime_ns, seq)
     DIR/errors.jsonl              one line per input that failed (source, error, sha256 when it could be read)
     DIR/shard-000000.safetensors  embeddings keyed by the sha256 of the input's bytes; an embedding file of
@@ -61,6 +61,7 @@ class Record:
     seq: int = 0  # order of this line among all manifest and error lines of the folder
     chunk_tokens: Optional[list] = None  # per chunk, its rows (None in lines of older folders: from grid_thw)
     placeholders: Optional[list] = None  # per chunk, {"text", "tokens"} (None in lines of older folders)
+    sizes: Optional[list] = None  # per chunk, [width, height] before resizing (None: older folders, or unknown)
 
     def record(self, encoder: dict, load: Any = None) -> Any:
         """This line as a `bivit.records.Record` (its tensor: `key` in `shard`; the dataset's own keys in

@@ -43,6 +43,7 @@ PREPARED_SCHEMA = pa.schema([
     ("grid", pa.list_(pa.int64())),  # flattened [n, 3]
     ("timestamps", pa.list_(pa.string())),  # null for images
     ("placeholders", pa.list_(pa.string())),  # per chunk, its prompt text (its rows: the chunk's tokens)
+    ("sizes", pa.list_(pa.int64())),  # flattened [n, 2]: per chunk (width, height) before resizing, 0 0 unknown
     ("error", pa.string()),  # null unless preparing failed: the reason
 ])
 # Rows leaving the encoders (a `bivit.items.ItemResult`).
@@ -57,6 +58,7 @@ ENCODED_SCHEMA = pa.schema([
     ("grid", pa.list_(pa.int64())),
     ("timestamps", pa.list_(pa.string())),
     ("placeholders", pa.list_(pa.string())),
+    ("sizes", pa.list_(pa.int64())),
     ("error", pa.string()),  # the reason (`pipeline.reason`)
 ])
 # Local Ray only: the object store holds a few batches of pixels in flight; Ray spills beyond it.
@@ -85,18 +87,20 @@ def _put_common(out: dict, item: Prepared | ItemResult, values: dict) -> None:
     values = {"sha256": item.sha256, "source": item.source, "kind": item.kind,
               "grid": None if failed else [int(v) for g in item.grid_thw for v in g],
               "timestamps": None if failed else item.timestamps,
-              "placeholders": None if failed else [p.text for p in item.placeholders], **values}
+              "placeholders": None if failed else [p.text for p in item.placeholders],
+              "sizes": None if failed else [int(v) for z in item.sizes for v in (z or (0, 0))], **values}
     for k, v in values.items():
         out[k].append(v)
 
 
 def _common(row: dict) -> dict:
-    g = row["grid"] or []
+    g, s = row["grid"] or [], row["sizes"] or []
     grid = [g[i : i + 3] for i in range(0, len(g), 3)]
     return dict(sha256=row["sha256"], source=row["source"], kind=row["kind"], grid_thw=grid,
                 timestamps=row["timestamps"],
                 placeholders=[Placeholder(text, grid_tokens(h, w)) for text, (_, h, w) in
                               zip(row["placeholders"] or [], grid)],
+                sizes=[tuple(z) if z[0] else None for z in (s[i : i + 2] for i in range(0, len(s), 2))],
                 error=None if row["error"] is None else BivitError(row["error"]))
 
 

@@ -210,9 +210,9 @@ class DatasetWriter:
 
     def add(self, sha: str, tensor: torch.Tensor, grid_thw: list, timestamps: Optional[list],
             sources: Sequence[Source], stats: Sequence[Optional[os.stat_result]], chunk_tokens: Sequence[int] = (),
-            placeholders: Sequence[dict] = ()) -> None:
-        """One encoded item (its tensor and every source with these bytes, its record's chunk_tokens and
-        placeholders); commits a shard when one is full."""
+            placeholders: Sequence[dict] = (), sizes: Sequence[Optional[Sequence[int]]] = ()) -> None:
+        """One encoded item (its tensor and every source with these bytes, its record's chunk_tokens,
+        placeholders and sizes); commits a shard when one is full."""
         stored = self.by_hash.get(sha)
         if stored is not None:  # bytes already durable: the sources only need lines pointing there
             self.add_lines([dataclasses.replace(stored, source=s.source, kind=s.kind, size=st and st.st_size,
@@ -225,7 +225,8 @@ class DatasetWriter:
                              f"expected [tokens, {width}] {expected}")
         lines = [Record(s.source, sha, "", sha, int(tensor.shape[0]), grid_thw, s.kind, timestamps,
                         st.st_size if st else None, st.st_mtime_ns if st else None,
-                        chunk_tokens=[int(n) for n in chunk_tokens], placeholders=[dict(p) for p in placeholders])
+                        chunk_tokens=[int(n) for n in chunk_tokens], placeholders=[dict(p) for p in placeholders],
+                        sizes=[None if z is None else [int(v) for v in z] for z in sizes] or None)
                  for s, st in zip(sources, stats)]
         if sha in self._pending:
             self._pending[sha][1].extend(lines)
