@@ -1,46 +1,70 @@
 """bivit's own CPU kernels: C sources shipped in this package, compiled on first use and called through ctypes.
 
 Why compiled here and not shipped built: a kernel is only worth having for the instruction set it is written
-for (AVX-512 BF16 dot products), so it is built on the machine that runs it, by the system C compiler, once,
-into a cache keyed by the source and the compiler (`$BIVIT_KERNEL_CACHE`, else `$XDG_CACHE_HOME/bivit/kernels`,
-else `~/.cache/bivit/kernels`). Plain C with a C ABI, no PyTorch headers: the build takes about a second, and
-ctypes releases the GIL during the call. The library links the OpenMP runtime PyTorch has already loaded
-(`libgomp.so.1`), so its threads are PyTorch's threads.
+for, so it is built on the machine that runs it, by the system C compiler, once, into a cache keyed by the
+source and the compiler (`cache`: checked before anything in it is loaded). Plain C with a C ABI, no PyTorch
+headers: the build takes about a second, and ctypes releases the GIL during the call. The library links the
+OpenMP runtime PyTorch has already loaded (`libgomp.so.1`), so its threads are PyTorch's threads.
 
-Where a kernel cannot be used (no compiler, another CPU, a failed build or self-test), `attention()` returns None
-and says why once in the log; callers then use PyTorch's own kernel. `BIVIT_ATTENTION` chooses: `auto`
-(default: the bivit kernel on CPUs with AVX-512 BF16 but without AMX, where it was measured the faster one),
-`bivit` (wherever the CPU can run it) or `sdpa` (never).
+The attention comes in one variant per instruction set (`VARIANTS`, best first): `avx512` (AVX-512 BF16 dot
+products; fp32 by FMAs) and `avx2` (AVX2 + FMA, all arithmetic in fp32; bf16 widened in registers). A process
+uses the best variant that both the CPU's flags (/proc/cpuinfo) and PyTorch's own dispatch
+(`torch.backends.cpu.get_cpu_capability()`, which honours `ATEN_CPU_CAPABILITY` and says whether the OS saves
+the AVX-512 state) allow. The choice is made once per process, from those facts alone, never from a failure.
+
+Where no kernel is used (`attention()` returns None, and says why once in the log), PyTorch's fused attention
+runs. `BIVIT_ATTENTION` chooses: `auto` (default: the best variant, except on CPUs with AMX, where PyTorch's
+attention runs on AMX tiles), `bivit` (the best variant wherever the CPU can run one), `avx512` or `avx2` (that
+variant, if the CPU can run it: how the tests exercise the AVX2 kernel on an AVX-512 machine) or `sdpa` (never).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import math
 import os
-import shutil
-import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import torch
+
+from .cache import CACHE_ENV, Build, KernelUnavailable, Loaded, cache_dir, compiler, load
+
+__all__ = ["ATTENTION_ENV", "CACHE_ENV", "Attention", "KernelUnavailable", "VARIANTS", "Variant", "attention",
+           "cache_dir", "compiler", "cpu_info", "load_attention", "pick_variant"]
 
 log = logging.getLogger("bivit")
 
 _HERE = Path(__file__).parent
 ATTENTION_ENV = "BIVIT_ATTENTION"
-ATTENTION_CHOICES = ("auto", "bivit", "sdpa")
-# Instruction sets the compiled attention needs. AMX Xeons have them too, but there PyTorch's fused attention
-# runs on AMX tiles (measured at ~840 GFLOP/s in bf16) and `auto` leaves it in place.
-ATTENTION_NEEDS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
-CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp",
-          "-shared", "-fPIC")
 DTYPES = (torch.bfloat16, torch.float32)
-MAX_HEAD_DIM = 128  # the kernel's register blocking covers head dims up to this (K2.x: 72, K3: 128)
+MAX_HEAD_DIM = 128  # every variant's register blocking covers head dims up to this (K2.x: 72, K3: 128)
+COMMON_CFLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One instruction-set variant of the compiled attention."""
+
+    name: str
+    source: str
+    needs: tuple[str, ...]           # /proc/cpuinfo flags the code executes
+    capabilities: tuple[str, ...]    # PyTorch CPU capabilities under which it may run
+    cflags: tuple[str, ...]
+
+    def build(self) -> Build:
+        return Build(_HERE / self.source, (_HERE / "common.h",), (*COMMON_CFLAGS, *self.cflags))
+
+
+VARIANTS = (
+    Variant("avx512", "attention_avx512.c", ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"), ("AVX512",),
+            ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma")),
+    Variant("avx2", "attention_avx2.c", ("avx2", "fma"), ("AVX2", "AVX512"), ("-mavx2", "-mfma")),
+)
+ATTENTION_CHOICES = ("auto", "bivit", *(v.name for v in VARIANTS), "sdpa")
 
 
 @functools.cache
@@ -56,89 +80,6 @@ def cpu_info() -> tuple[str, frozenset[str]]:
     return model, flags
 
 
-class KernelUnavailable(Exception):
-    """Why a compiled kernel is not used (logged once; PyTorch's kernel runs instead). `chosen`: by the
-    configuration or the CPU (an info line), not by a failure on a CPU that could run it (a warning)."""
-
-    def __init__(self, reason: str, chosen: bool = False) -> None:
-        super().__init__(reason)
-        self.chosen = chosen
-
-
-def _compiler() -> str:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not cc:
-        raise KernelUnavailable("no C compiler found (set CC, or install gcc)")
-    return cc
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("BIVIT_KERNEL_CACHE")
-    if root:
-        return Path(root)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "bivit" / "kernels"
-
-
-def build(source: Path) -> Path:
-    """Compile `source` into a shared library in the cache (once per source, flags and compiler) -> its path.
-
-    Written under a temporary name and renamed into place, so concurrent processes (dataset workers, server
-    replicas) never load a half-written library."""
-    cc = _compiler()
-    try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError) as e:
-        raise KernelUnavailable(f"the C compiler {cc} does not run: {e}") from e
-    key = hashlib.sha256(source.read_bytes() + " ".join(CFLAGS).encode() + version.encode()).hexdigest()[:16]
-    target = cache_dir() / f"{source.stem}-{key}.so"
-    if target.is_file():
-        return target
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-        os.close(fd)
-    except OSError as e:
-        raise KernelUnavailable(f"cannot write the kernel cache {target.parent}: {e}") from e
-    try:
-        done = subprocess.run([cc, *CFLAGS, "-o", tmp, str(source)], capture_output=True, text=True, timeout=300)
-        if done.returncode != 0:
-            raise KernelUnavailable(f"{cc} could not build {source.name}: {done.stderr.strip()[-500:]}")
-        os.replace(tmp, target)
-    except (OSError, subprocess.SubprocessError) as e:
-        raise KernelUnavailable(f"building {source.name} failed: {e}") from e
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
-
-
-@dataclass(frozen=True)
-class Attention:
-    """The compiled attention (bf16 and fp32): one call per item, `out[n, heads, d]` written in place."""
-
-    lib: ctypes.CDLL
-
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                 lse: torch.Tensor | None = None) -> None:
-        """q/k/v/out: `[n, heads, d]` views of one dtype with a contiguous last dim; lse: `[heads, n]` float32
-        or None."""
-        n, heads, d = q.shape
-        fn = self.lib.bivit_attention_bf16 if q.dtype == torch.bfloat16 else self.lib.bivit_attention_f32
-        rc = fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), n, heads, d,
-                q.stride(0), k.stride(0), v.stride(0), out.stride(0),
-                q.stride(1), k.stride(1), v.stride(1), out.stride(1), 1 / math.sqrt(d),
-                None if lse is None else lse.data_ptr(), torch.get_num_threads())
-        if rc == 1:
-            raise MemoryError(f"bivit attention: no memory for the scratch of an item of {n} patches")
-        if rc != 0:
-            raise ValueError(f"bivit attention: unsupported head dim {d}")
-
-    @staticmethod
-    def supports(q: torch.Tensor) -> bool:
-        return (q.dtype in DTYPES and q.device.type == "cpu" and q.dim() == 3
-                and q.shape[2] <= MAX_HEAD_DIM and q.stride(2) == 1)
-
-
 def _attention_choice() -> str:
     choice = os.environ.get(ATTENTION_ENV, "auto").strip().lower() or "auto"
     if choice not in ATTENTION_CHOICES:
@@ -147,28 +88,79 @@ def _attention_choice() -> str:
     return choice
 
 
-def _load_attention() -> Attention:
-    choice = _attention_choice()
+def pick_variant(choice: str, flags: frozenset[str], capability: str) -> Variant:
+    """The variant `choice` selects on a CPU with `flags` where PyTorch dispatches `capability` kernels; raises
+    KernelUnavailable (chosen=True) where none is to run. A pure function of its arguments."""
     if choice == "sdpa":
         raise KernelUnavailable(f"{ATTENTION_ENV}=sdpa", chosen=True)
-    _, flags = cpu_info()
-    missing = [f for f in ATTENTION_NEEDS if f not in flags]
-    if missing:
-        raise KernelUnavailable(f"this CPU lacks {', '.join(missing)}", chosen=True)
-    # /proc/cpuinfo lists what the CPU has; PyTorch's capability also says the OS saves AVX-512 state (else the
-    # first instruction would be SIGILL, not an exception) and honours ATEN_CPU_CAPABILITY.
-    capability = torch.backends.cpu.get_cpu_capability()
-    if capability != "AVX512":
-        raise KernelUnavailable(f"PyTorch runs {capability} kernels here, not AVX512", chosen=True)
-    if choice == "auto" and "amx_bf16" in flags:
-        raise KernelUnavailable(f"AMX-BF16 CPU: PyTorch's fused attention runs on AMX here ({ATTENTION_ENV}=bivit "
-                                "overrides)", chosen=True)
-    lib = ctypes.CDLL(str(build(_HERE / "attention.c")))
-    for fn in (lib.bivit_attention_bf16, lib.bivit_attention_f32):
+    named = [v for v in VARIANTS if v.name == choice]
+    for v in named or VARIANTS:
+        missing = [f for f in v.needs if f not in flags]
+        if missing:
+            if named:
+                raise KernelUnavailable(f"{ATTENTION_ENV}={choice}: this CPU lacks {', '.join(missing)}", chosen=True)
+            continue
+        if capability not in v.capabilities:
+            if named:
+                raise KernelUnavailable(f"{ATTENTION_ENV}={choice}: PyTorch runs {capability} kernels here",
+                                        chosen=True)
+            continue
+        if choice == "auto" and "amx_bf16" in flags:
+            raise KernelUnavailable(f"AMX-BF16 CPU: PyTorch's fused attention runs on AMX here ({ATTENTION_ENV}=bivit "
+                                    "overrides)", chosen=True)
+        return v
+    needs = " or ".join("+".join(v.needs) for v in VARIANTS)
+    raise KernelUnavailable(f"neither this CPU nor PyTorch's {capability} kernels allow a variant (needs {needs})",
+                            chosen=True)
+
+
+@dataclass(frozen=True)
+class Attention:
+    """The compiled attention (bf16 and fp32) of one variant: one call per packed batch, each item attending to
+    itself, `out[L, heads, d]` written in place."""
+
+    loaded: Loaded
+    variant: str
+
+    @property
+    def lib(self):
+        return self.loaded.lib
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                 seqlens: Sequence[int], lse: torch.Tensor | None = None) -> None:
+        """q/k/v/out: `[L, heads, d]` views of one dtype with a contiguous last dim, item i owning the next
+        `seqlens[i]` rows; lse: float32 with room for `heads * L` values (item by item, `[heads, n_i]` each), or
+        None."""
+        _, heads, d = q.shape
+        cu = torch.zeros(len(seqlens) + 1, dtype=torch.int64)
+        torch.cumsum(torch.tensor(seqlens, dtype=torch.int64), 0, out=cu[1:])
+        fn = self.lib.bivit_attention_bf16 if q.dtype == torch.bfloat16 else self.lib.bivit_attention_f32
+        rc = fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), cu.data_ptr(), len(seqlens), heads, d,
+                q.stride(0), k.stride(0), v.stride(0), out.stride(0),
+                q.stride(1), k.stride(1), v.stride(1), out.stride(1), 1 / math.sqrt(d),
+                None if lse is None else lse.data_ptr(), torch.get_num_threads())
+        if rc == 1:
+            raise MemoryError(f"bivit attention: no memory for the scratch of {len(seqlens)} item(s) of up to "
+                              f"{max(seqlens)} patches")
+        if rc == 2:
+            raise ValueError(f"bivit attention: unsupported head dim {d}")
+        if rc != 0:
+            raise ValueError(f"bivit attention: bad item lengths {list(seqlens)}")
+
+    @staticmethod
+    def supports(q: torch.Tensor) -> bool:
+        return (q.dtype in DTYPES and q.device.type == "cpu" and q.dim() == 3
+                and q.shape[2] <= MAX_HEAD_DIM and q.stride(2) == 1)
+
+
+def load_attention(variant: Variant) -> Attention:
+    """Build (or find in the cache), load and self-test one variant. The caller has checked the CPU runs it."""
+    loaded = load(variant.build())
+    for fn in (loaded.lib.bivit_attention_bf16, loaded.lib.bivit_attention_f32):
         fn.restype = ctypes.c_int
-        fn.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_int64] * 11
+        fn.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int64] * 11
                        + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int])
-    kernel = Attention(lib)
+    kernel = Attention(loaded, variant.name)
     for dtype, bound in ((torch.bfloat16, 2 ** -7), (torch.float32, 1e-5)):
         _self_test(kernel, dtype, bound)
     return kernel
@@ -176,26 +168,33 @@ def _load_attention() -> Attention:
 
 def _self_test(kernel: Attention, dtype: torch.dtype, bound: float) -> None:
     """Refuse a kernel that does not compute attention (a miscompile, an odd toolchain): compared with float64
-    attention on a small item, it must be as close as rounding to `dtype` allows."""
+    attention on two small items of one call, it must be as close as rounding to `dtype` allows."""
     g = torch.Generator().manual_seed(0)
-    q, k, v = torch.randn(3, 37, 2, 72, generator=g).to(dtype).unbind(0)
+    lens = [37, 20]
+    q, k, v = torch.randn(3, sum(lens), 2, 72, generator=g).to(dtype).unbind(0)
     out = torch.empty_like(q)
-    kernel(q, k, v, out)
-    ref = torch.nn.functional.scaled_dot_product_attention(*(t.double().transpose(0, 1) for t in (q, k, v)))
-    err = (out.double() - ref.transpose(0, 1)).abs().max().item()
+    kernel(q, k, v, out, lens)
+    err, start = 0.0, 0
+    for n in lens:
+        item = [t[start:start + n].double().transpose(0, 1) for t in (q, k, v)]
+        ref = torch.nn.functional.scaled_dot_product_attention(*item).transpose(0, 1)
+        err = max(err, (out[start:start + n].double() - ref).abs().max().item())
+        start += n
     if not err <= bound:
-        raise KernelUnavailable(f"the compiled attention failed its self-test in {dtype} (max error {err:.3g})")
+        raise KernelUnavailable(f"the compiled attention ({kernel.variant}) failed its self-test in {dtype} "
+                                f"(max error {err:.3g})")
 
 
 @functools.cache
 def attention() -> Attention | None:
     """The compiled attention for this process, or None (PyTorch's fused attention is used instead)."""
     try:
-        kernel = _load_attention()
+        variant = pick_variant(_attention_choice(), cpu_info()[1], torch.backends.cpu.get_cpu_capability())
+        kernel = load_attention(variant)
     except (KernelUnavailable, OSError, AttributeError) as e:
         chosen = isinstance(e, KernelUnavailable) and e.chosen
         (log.info if chosen else log.warning)("bivit: compiled attention not used (%s); PyTorch's fused attention "
                                               "runs instead%s", e, "" if chosen else ", slower")
         return None
-    log.info("bivit: compiled attention in use (%s)", kernel.lib._name)
+    log.info("bivit: compiled attention in use (%s, %s)", kernel.variant, kernel.loaded.path)
     return kernel
