@@ -26,20 +26,14 @@
 #define PV_V 3       /* 8-column vectors per p.v microtile */
 #define PV_CHUNK 128 /* value rows summed per chunk */
 
-/* 2^x for x <= 0: n = round(x), 2^(x-n) by a degree-7 polynomial (ln2^k / k!), times 2^n built in the exponent
- * field. Clamped at -126 (the smallest normal power): terms below 2^-126 of the largest cannot move a sum. */
+/* 2^x for x <= 0: n = round(x), 2^(x-n) by EXP2_POLY, times 2^n built in the exponent field. Clamped at -126
+ * (the smallest normal power): terms below 2^-126 of the largest cannot move a sum. */
 static inline __m256 exp2_neg(__m256 x) {
     x = _mm256_max_ps(x, _mm256_set1_ps(-126.0f));
     __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m256 f = _mm256_sub_ps(x, n);
-    __m256 p = _mm256_set1_ps(1.5252733804059841e-05f);
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.5403530393381606e-04f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558146428443e-03f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291076284772e-03f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504108664821580e-02f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022650695910071e-01f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718055994531e-01f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    __m256 p;
+    EXP2_POLY(p, f, _mm256_fmadd_ps, _mm256_set1_ps);
     __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
@@ -262,16 +256,4 @@ static inline __attribute__((always_inline)) void run_unit_t(const struct call *
                         C->out_row, bf);
 }
 
-static void pack_head(const struct call *C, const struct item *it, int64_t h) {
-    if (C->bf) pack_head_t(C, it, h, 1);
-    else pack_head_t(C, it, h, 0);
-}
-
-static void run_unit(const struct call *C, const struct item *it, int64_t h, int64_t i0, void *scratch) {
-    if (C->bf) run_unit_t(C, it, h, i0, scratch, 1);
-    else run_unit_t(C, it, h, i0, scratch, 0);
-}
-
-static const struct variant AVX2 = {BQ, kpack_bytes, vpack_bytes, scratch_bytes, pack_head, run_unit};
-
-BIVIT_ENTRIES(AVX2)
+BIVIT_VARIANT

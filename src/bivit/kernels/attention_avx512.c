@@ -27,19 +27,13 @@ typedef uint32_t word;  /* a pair of bf16 values, or one float */
 #define QK_R 6         /* query rows per QK^T microtile */
 #define QK_C 4         /* 16-key vectors per QK^T microtile */
 
-/* 2^x for x <= 0: n = round(x), 2^(x-n) by a degree-7 polynomial (ln2^k / k!), scaled by 2^n. */
+/* 2^x for x <= 0: n = round(x), 2^(x-n) by EXP2_POLY, scaled by 2^n. */
 static inline __m512 exp2_neg(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-127.0f));
     __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 f = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_set1_ps(1.5252733804059841e-05f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393381606e-04f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-03f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-03f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-02f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-01f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-01f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    __m512 p;
+    EXP2_POLY(p, f, _mm512_fmadd_ps, _mm512_set1_ps);
     return _mm512_scalef_ps(p, n);
 }
 
@@ -317,17 +311,4 @@ static inline __attribute__((always_inline)) void run_unit_t(const struct call *
                     bf);
 }
 
-/* Per-dtype instances: the dtype is a constant inside each, so every branch on it folds away. */
-static void pack_head(const struct call *C, const struct item *it, int64_t h) {
-    if (C->bf) pack_head_t(C, it, h, 1);
-    else pack_head_t(C, it, h, 0);
-}
-
-static void run_unit(const struct call *C, const struct item *it, int64_t h, int64_t i0, void *scratch) {
-    if (C->bf) run_unit_t(C, it, h, i0, scratch, 1);
-    else run_unit_t(C, it, h, i0, scratch, 0);
-}
-
-static const struct variant AVX512 = {BQ, kpack_bytes, vpack_bytes, scratch_bytes, pack_head, run_unit};
-
-BIVIT_ENTRIES(AVX512)
+BIVIT_VARIANT

@@ -27,6 +27,20 @@ typedef uint16_t bf16;
 
 #define MAX_D 128  /* the register blocking of every variant covers head dims up to this (K2.x: 72, K3: 128) */
 
+/* p = 2^f for f in [-0.5, 0.5]: a degree-7 polynomial with coefficients ln2^k / k!, by Horner's rule with the
+ * variant's fused multiply-add and broadcast. */
+#define EXP2_POLY(p, f, FMADD, SET1)                      \
+    do {                                                  \
+        p = SET1(1.5252733804059841e-05f);                \
+        p = FMADD(p, f, SET1(1.5403530393381606e-04f));   \
+        p = FMADD(p, f, SET1(1.3333558146428443e-03f));   \
+        p = FMADD(p, f, SET1(9.6181291076284772e-03f));   \
+        p = FMADD(p, f, SET1(5.5504108664821580e-02f));   \
+        p = FMADD(p, f, SET1(2.4022650695910071e-01f));   \
+        p = FMADD(p, f, SET1(6.9314718055994531e-01f));   \
+        p = FMADD(p, f, SET1(1.0f));                      \
+    } while (0)
+
 static inline size_t round_up(size_t x, size_t m) { return (x + m - 1) / m * m; }
 
 static void *alloc64(size_t bytes) {
@@ -137,31 +151,32 @@ static int run_call(const struct variant *V, const struct call *C, const int64_t
     return failed;
 }
 
-/* The exported entry points of a variant: bf16 and float32 tensors. */
-#define BIVIT_ENTRIES(VARIANT)                                                                                   \
-    static int entry(const void *q, const void *k, const void *v, void *out, const int64_t *cu, int64_t count,  \
-                     int64_t heads, int64_t d, int64_t q_row, int64_t k_row, int64_t v_row, int64_t out_row,    \
-                     int64_t q_head, int64_t k_head, int64_t v_head, int64_t out_head, float scale, float *lse, \
-                     int threads, int bf) {                                                                     \
+/* The exported entry points of a variant whose file defines `BQ`, the size functions and the dtype-generic
+ * `pack_head_t(C, it, h, bf)` and `run_unit_t(C, it, h, i0, scratch, bf)`: per-dtype instances (the dtype is
+ * a constant inside each, so every branch on it folds away) and `bivit_attention_bf16` / `_f32`. */
+#define BIVIT_ATTENTION_PARAMS                                                                                   \
+    const void *q, const void *k, const void *v, void *out, const int64_t *cu, int64_t count, int64_t heads,    \
+        int64_t d, int64_t q_row, int64_t k_row, int64_t v_row, int64_t out_row, int64_t q_head, int64_t k_head, \
+        int64_t v_head, int64_t out_head, float scale, float *lse, int threads
+#define BIVIT_ATTENTION_ENTRY(FN, BF)                                                                            \
+    int FN(BIVIT_ATTENTION_PARAMS) {                                                                            \
         struct call C = {.q = q, .k = k, .v = v, .out = out, .d = d, .heads = heads, .q_row = q_row,            \
                          .k_row = k_row, .v_row = v_row, .out_row = out_row, .q_head = q_head, .k_head = k_head, \
                          .v_head = v_head, .out_head = out_head, .scale2 = scale * 1.4426950408889634f,         \
-                         .lse = lse, .bf = bf, .esize = bf ? 2 : 4};                                            \
+                         .lse = lse, .bf = BF, .esize = BF ? 2 : 4};                                            \
         return run_call(&VARIANT, &C, cu, count, threads);                                                      \
-    }                                                                                                           \
-    int bivit_attention_bf16(const void *q, const void *k, const void *v, void *out, const int64_t *cu,         \
-                             int64_t count, int64_t heads, int64_t d, int64_t q_row, int64_t k_row,             \
-                             int64_t v_row, int64_t out_row, int64_t q_head, int64_t k_head, int64_t v_head,    \
-                             int64_t out_head, float scale, float *lse, int threads) {                          \
-        return entry(q, k, v, out, cu, count, heads, d, q_row, k_row, v_row, out_row, q_head, k_head, v_head,   \
-                     out_head, scale, lse, threads, 1);                                                         \
-    }                                                                                                           \
-    int bivit_attention_f32(const void *q, const void *k, const void *v, void *out, const int64_t *cu,          \
-                            int64_t count, int64_t heads, int64_t d, int64_t q_row, int64_t k_row,              \
-                            int64_t v_row, int64_t out_row, int64_t q_head, int64_t k_head, int64_t v_head,     \
-                            int64_t out_head, float scale, float *lse, int threads) {                           \
-        return entry(q, k, v, out, cu, count, heads, d, q_row, k_row, v_row, out_row, q_head, k_head, v_head,   \
-                     out_head, scale, lse, threads, 0);                                                         \
     }
+#define BIVIT_VARIANT                                                                                            \
+    static void pack_head(const struct call *C, const struct item *it, int64_t h) {                             \
+        if (C->bf) pack_head_t(C, it, h, 1);                                                                    \
+        else pack_head_t(C, it, h, 0);                                                                          \
+    }                                                                                                           \
+    static void run_unit(const struct call *C, const struct item *it, int64_t h, int64_t i0, void *scratch) {   \
+        if (C->bf) run_unit_t(C, it, h, i0, scratch, 1);                                                        \
+        else run_unit_t(C, it, h, i0, scratch, 0);                                                              \
+    }                                                                                                           \
+    static const struct variant VARIANT = {BQ, kpack_bytes, vpack_bytes, scratch_bytes, pack_head, run_unit};   \
+    BIVIT_ATTENTION_ENTRY(bivit_attention_bf16, 1)                                                              \
+    BIVIT_ATTENTION_ENTRY(bivit_attention_f32, 0)
 
 #endif
