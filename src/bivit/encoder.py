@@ -134,7 +134,7 @@ class Encoder:
                 old.copy_(state_dict[key])  # in place: bumps the version that packed copies and tables key on
         self._fingerprint = None
         if self.batch_invariant:
-            ops.self_check(gemms(self.model))  # re-pack now rather than on the next request
+            ops.self_check(gemms(self.model), prepare=True)  # re-pack now rather than on the next request
         return self.fingerprint
 
     # ---------------------------------------------------------------------------------- preprocessing

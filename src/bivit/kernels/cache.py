@@ -13,6 +13,10 @@ nothing is loaded from the cache unless it could only have been written by this 
 * the bytes that were checked are the bytes loaded: they are copied into an anonymous memory file
   (`memfd_create`) and loaded from there, so nothing can swap the file between the check and the load.
 
+The same directory and checks hold small records bivit proves once per machine and library (the GEMM tile
+plans of `bivit.ops.gemm`): a planted record could not run code, but could make invariant mode use tiles it
+never proved.
+
 A library that fails a check in a directory that passes is rebuilt (and the cache entry replaced); a directory
 that fails is not used at all. Either way the reason is said once, and PyTorch's kernel runs where no library
 could be loaded.
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -229,6 +234,40 @@ def library_bytes(build: Build) -> tuple[bytes, Path]:
         except OSError as e:
             raise KernelUnavailable(f"cannot write the kernel cache {path}: {e}") from e
         return data, path / lib
+    finally:
+        os.close(dir_fd)
+
+
+def read_record(name: str) -> dict | None:
+    """A small JSON record kept in the cache (e.g. the GEMM tile plans proven on this machine), under the same
+    checks as a library; None when it is missing, unreadable or fails a check (it is then made anew)."""
+    try:
+        dir_fd, path = open_cache()
+    except KernelUnavailable as e:
+        log.debug("bivit: no kernel cache for %s: %s", name, e)
+        return None
+    try:
+        return json.loads(_read_private(dir_fd, name))
+    except FileNotFoundError:
+        return None
+    except (_Refused, ValueError, OSError) as e:
+        log.warning("bivit: kernel cache %s: not using %s (%s)", path, name, e)
+        return None
+    finally:
+        os.close(dir_fd)
+
+
+def write_record(name: str, record: dict) -> None:
+    """Write a JSON record into the cache atomically; a cache that cannot be written is not an error."""
+    try:
+        dir_fd, path = open_cache()
+    except KernelUnavailable as e:
+        log.debug("bivit: no kernel cache for %s: %s", name, e)
+        return
+    try:
+        _write_private(dir_fd, name, json.dumps(record, sort_keys=True).encode())
+    except OSError as e:
+        log.debug("bivit: cannot write %s to the kernel cache %s: %s", name, path, e)
     finally:
         os.close(dir_fd)
 

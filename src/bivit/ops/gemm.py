@@ -5,7 +5,8 @@ row three ways: M = 1, M in {2, 3}, M >= 4), but at one fixed shape a row's resu
 position or its neighbours. In invariant mode GEMMs therefore run only at pinned row counts ("tiles"). Which
 row counts are allowed (`CANDIDATE_TILES`) is decided by a probe on this machine and library, at load: the
 reference tile must compute moved rows bit-identically, and every other size is used only if it computes every
-row bit-identically to the reference tile. The rows of a call are cut into the largest proven tiles, the
+row bit-identically to the reference tile. What the probe proved is recorded per machine kind and library build
+(the kernel cache), so later loads on the same kind do not repeat it. The rows of a call are cut into the largest proven tiles, the
 remainder zero-padded up to a proven size. If even the reference tile is not row-position invariant, every row
 is computed alone (M = 1 always: slow, exact) and the probe says so.
 
@@ -15,7 +16,11 @@ Which kernel a GEMM uses (pre-packed oneDNN or not, fused GELU or not, bf16 wide
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
 import logging
+import os
 import threading
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -24,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .. import kernels
 from .backend import KernelFailed, gemm_path
 from .mode import emit, is_batch_invariant, needs_grad
 from .pointwise import chunked_gelu, chunked_gelu_backward
@@ -107,11 +113,9 @@ class Gemm:
         path = gemm_path(weight.dtype, weight.device.type)
         self.weight, self.dtype, self.compute = weight, weight.dtype, path.compute
         self.bias = None if bias is None else bias.detach().to(self.compute)  # exact: bias is never wider
-        packed = pack and path.packed
-        self.packed = _prepared(weight, key, transposed, self.compute, True) if packed else None
-        self.plain = (weight if self.compute == weight.dtype or packed
-                      else _prepared(weight, key, transposed, self.compute, False))
-        self.gelu = gelu if packed and path.fused_gelu else None
+        self.key, self.transposed = key, transposed
+        self.packs = pack and path.packed
+        self.gelu = gelu if self.packs and path.fused_gelu else None
 
     @property
     def fuses(self) -> bool:
@@ -120,35 +124,84 @@ class Gemm:
     def plan_key(self) -> tuple:
         w = self.weight
         return (w.shape[0], w.shape[1], w.stride(), w.dtype, self.compute, w.device, self.bias is None,
-                self.packed is not None, self.gelu)
+                self.packs, self.gelu)
+
+    def prepared(self) -> torch.Tensor:
+        """The weight as the kernel takes it (packed and/or widened), made at its first use (`_prepared`)."""
+        if not self.packs and self.compute == self.dtype:
+            return self.weight
+        return _prepared(self.weight, self.key, self.transposed, self.compute, self.packs)
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """The GEMM of `x`'s rows, into `out` when given (else a new tensor of the weights' dtype)."""
         xc = x if x.dtype == self.compute else x.to(self.compute)
-        if self.packed is not None:
+        weight = self.prepared()
+        if self.packs:
             try:
                 if self.gelu is not None:
-                    y = torch.ops.mkldnn._linear_pointwise(xc, self.packed, self.bias, "gelu", [], self.gelu)
+                    y = torch.ops.mkldnn._linear_pointwise(xc, weight, self.bias, "gelu", [], self.gelu)
                 else:
-                    y = torch.ops.mkldnn._linear_pointwise(xc, self.packed, self.bias, "none", [], "")
+                    y = torch.ops.mkldnn._linear_pointwise(xc, weight, self.bias, "none", [], "")
             except Exception as e:
                 raise KernelFailed(f"oneDNN's packed GEMM raised for input {tuple(x.shape)}: {e}") from e
         elif out is not None and self.compute == self.dtype:
             # MKL writes straight into `out` (a row block of the caller's output: no temporary, no copy).
-            return self._mm(xc, out)
+            return self._mm(xc, weight, out)
         else:
-            y = self._mm(xc, xc.new_empty(xc.shape[0], self.plain.shape[0]))
+            y = self._mm(xc, weight, xc.new_empty(xc.shape[0], weight.shape[0]))
         if out is not None:
             return out.copy_(y)
         return y if y.dtype == self.dtype else y.to(self.dtype)
 
-    def _mm(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    def _mm(self, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         if self.bias is None:
-            return torch.mm(x, self.plain.t(), out=out)
-        return torch.addmm(self.bias, x, self.plain.t(), out=out)
+            return torch.mm(x, weight.t(), out=out)
+        return torch.addmm(self.bias, x, weight.t(), out=out)
+
+
+# Bump when what the probe proves changes: plans recorded by an older bivit are then proven again.
+PLAN_FORMAT = 1
+
+
+@functools.cache
+def _build_facts() -> str:
+    model, flags = kernels.cpu_info()
+    env = sorted((k, v) for k, v in os.environ.items()
+                 if k.startswith(("ONEDNN_", "DNNL_", "MKL_", "ATEN_", "OMP_", "KMP_", "GOMP_")))
+    return json.dumps([PLAN_FORMAT, torch.__version__, torch.version.git_version, torch.__config__.show(), model,
+                       sorted(flags), torch.backends.cpu.get_cpu_capability(), env])
+
+
+def _plan_record_name() -> str:
+    """The plan record of this machine kind, library build and thread count: what decides which kernel a GEMM
+    shape gets (CPU flags, PyTorch/oneDNN/MKL versions, the variables that cap their instruction sets, threads).
+    A plan proven under one of them is reused only under the same one."""
+    facts = f"{_build_facts()}|threads={torch.get_num_threads()}"
+    return f"gemm-plans-{hashlib.sha256(facts.encode()).hexdigest()[:16]}.json"
+
+
+_records: dict[str, dict] = {}  # plan records read or written by this process, by name
 
 
 def _probe(gemm: Gemm) -> GemmPlan:
+    """The plan of this GEMM's shape: recorded in the kernel cache when this machine kind and library proved it
+    before (`kernels.cache`: the same ownership checks as a compiled kernel), else proven now and recorded.
+    The proof costs a few hundred GFLOP per model (seconds at load; more on a CPU without bf16 GEMMs)."""
+    name, shape = _plan_record_name(), repr(gemm.plan_key())
+    if name not in _records:
+        _records[name] = kernels.cache.read_record(name) or {}
+    tiles = _records[name].get(shape)
+    if isinstance(tiles, list) and all(t in CANDIDATE_TILES for t in tiles) and tiles == sorted(set(tiles)):
+        return GemmPlan(tuple(tiles))
+    plan = _prove(gemm)
+    record = kernels.cache.read_record(name) or {}  # re-read: another process may have added shapes meanwhile
+    record[shape] = list(plan.tiles)
+    kernels.cache.write_record(name, record)
+    _records[name] = record
+    return plan
+
+
+def _prove(gemm: Gemm) -> GemmPlan:
     """Prove, on this machine and library, which tile sizes compute a row the same way as REFERENCE_TILE.
 
     Row-position invariance at the reference tile: the tile is computed, then computed again with half of its
@@ -188,22 +241,28 @@ def gemm_plan(gemm: Gemm) -> GemmPlan:
     return plan
 
 
-def self_check(gemms: Sequence[tuple]) -> list[GemmPlan]:
-    """Prepare and probe the GEMMs `(weight, bias[, gelu])` of a model at load, so a failure is known (and said)
-    up front. `weight` is a Linear weight `[out, in]` or a patch-conv weight `[out, C, p, p]`; `gelu` (None,
-    "tanh" or "none") names the GELU that follows the GEMM: the fused call is what is probed then, unless it
-    cannot fuse or is not invariant (the plain GEMM is probed instead). Returns the plan inference will use."""
+def self_check(gemms: Sequence[tuple], prepare: bool = False) -> list[GemmPlan]:
+    """Probe the GEMMs `(weight, bias[, gelu])` of a model at load, so a failure is known (and said) up front.
+    `weight` is a Linear weight `[out, in]` or a patch-conv weight `[out, C, p, p]`; `gelu` (None, "tanh" or
+    "none") names the GELU that follows the GEMM: the fused call is what is probed then, unless it cannot fuse
+    or is not invariant (the plain GEMM is probed instead). Returns the plan inference will use.
+
+    A shape whose plan this machine kind has recorded is not computed again, and its weights are then prepared
+    (packed, widened) at their first use, unless `prepare`: loading costs reading the weights, little more."""
     plans = []
     with torch.no_grad():
         for w, b, *rest in gemms:
             w2 = w.reshape(w.shape[0], -1)
             gelu = rest[0] if rest else None
-            plan = None
+            plan, gemm = None, None
             if gelu is not None:
-                fused = Gemm(w2, b, w, gelu=gelu)
-                plan = gemm_plan(fused) if fused.fuses else None
+                gemm = Gemm(w2, b, w, gelu=gelu)
+                plan = gemm_plan(gemm) if gemm.fuses else None
             if plan is None or plan.exact_fallback:
-                plan = gemm_plan(Gemm(w2, b, w))
+                gemm = Gemm(w2, b, w)
+                plan = gemm_plan(gemm)
+            if prepare:
+                gemm.prepared()
             plans.append(plan)
     return plans
 
@@ -233,7 +292,7 @@ def _tiled(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ke
         if fused.fuses and not gemm_plan(fused).exact_fallback:
             return _tiled_with(fused, x2)
     gemm = Gemm(weight, bias, key, transposed)
-    if gemm.packed is not None and gemm_plan(gemm).exact_fallback:
+    if gemm.packs and gemm_plan(gemm).exact_fallback:
         gemm = Gemm(weight, bias, key, transposed, pack=False)  # row by row: PyTorch's GEMM at M = 1
     out = _tiled_with(gemm, x2)
     return out if gelu is None else chunked_gelu(out, gelu)
