@@ -1,7 +1,7 @@
-"""bivit's compiled attention (`bivit.kernels`), every variant this CPU can run: accuracy against float64
-attention, bits independent of the batch and of the thread count (with a control that does depend on the
-batch), gradients, and the selection rules (`BIVIT_ATTENTION`, CPU flags, PyTorch's capability). The kernel
-cache's defences are in test_kernel_cache.py."""
+"""bivit's compiled kernels (`bivit.kernels`), every variant this CPU can run: the attention's accuracy against
+float64 attention, bits independent of the batch and of the thread count (with a control that does depend on
+the batch), gradients; the RoPE kernel's bits equal to PyTorch's; and the selection rules (`BIVIT_ATTENTION`, CPU
+flags, PyTorch's capability). The kernel cache's defences are in test_kernel_cache.py."""
 
 import logging
 import math
@@ -36,7 +36,7 @@ needs_cpu = pytest.mark.skipif(not CAN_RUN, reason="no variant of the compiled a
 
 
 @pytest.fixture(scope="module", params=[v.name for v in kernels.VARIANTS])
-def kernel(request):
+def library(request):
     """Each variant of the compiled attention this CPU (and PyTorch's dispatch) can run, built into the cache and
     loaded directly (also on AMX CPUs, where `auto` would leave PyTorch's attention in place). A CPU that can run
     it must get it: a build failure fails the test. On an AVX-512 machine both variants run (AVX2 code runs
@@ -44,7 +44,12 @@ def kernel(request):
     variant = next(v for v in kernels.VARIANTS if v.name == request.param)
     if variant not in RUNNABLE:
         pytest.skip(f"the {variant.name} variant does not run here (CPU flags / PyTorch capability {CAPABILITY})")
-    return kernels.load_attention(variant)
+    return kernels.load_library(variant)
+
+
+@pytest.fixture(scope="module")
+def kernel(library):
+    return library.attention
 
 
 def _qkv(n: int, heads: int, d: int, seed: int = 0, scale: float = 1.5,
@@ -154,8 +159,36 @@ def test_unsupported_dtypes_and_shapes_use_pytorchs_attention(kernel):
 
 # ------------------------------------------------------------------------------------------------- choice
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows,heads,d", [(2048, 16, 72), (37, 3, 8), (100, 12, 128), (5, 1, 4)])
+def test_rope_kernel_computes_pytorchs_bits(library, rows, heads, d, dtype):
+    """The compiled RoPE against PyTorch's elementwise form on the model's strided q/k view, at 1-3 threads:
+    the same bits, so which one runs never changes an embedding. Control: the exact sum rounded once (instead
+    of each product and the sum) gives other bits, so the comparison can fail."""
+    from bivit.model import rope_tables
+    from bivit.ops.rope import rope_reference
+
+    side = int(math.isqrt(rows))
+    grid = [(1, side, rows // side)] if side * (rows // side) == rows else [(1, 1, rows)]
+    cos, sin = rope_tables(grid, d, 10000.0)
+    qkv = (4 * torch.randn(rows, 3, heads, d, generator=torch.Generator().manual_seed(rows))).to(dtype)
+    x = qkv[:, :2]
+    ref = rope_reference(x, cos, sin)
+    for threads in (1, 2, 3):
+        torch.set_num_threads(threads)
+        out = torch.empty(x.shape, dtype=dtype)
+        library.rope(x.view(rows, 2 * heads, d), cos, sin, out.view(rows, 2 * heads, d))
+        assert torch.equal(out, ref)
+    if dtype == torch.float32 and rows >= 100:  # control: one rounding of the exact sum instead of three
+        xd = x.double()
+        swapped = xd.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+        once = xd * cos.double().view(rows, 1, 1, d) + swapped * sin.double().view(rows, 1, 1, d)
+        assert not torch.equal(once.float(), ref)
+
+
 AVX512_FLAGS = frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16"})
 AVX2_FLAGS = frozenset({"avx2", "fma", "avx"})
+AMX_FLAGS = AVX512_FLAGS | {"amx_bf16", "amx_tile"}
 
 
 @pytest.mark.parametrize("choice,flags,capability,expect", [
@@ -163,14 +196,12 @@ AVX2_FLAGS = frozenset({"avx2", "fma", "avx"})
     ("auto", AVX2_FLAGS, "AVX2", "avx2"),                     # AMD EPYC Zen 2/3
     ("auto", AVX512_FLAGS, "AVX2", "avx2"),                   # ATEN_CPU_CAPABILITY=avx2 on an AVX-512 CPU
     ("auto", AVX512_FLAGS - {"avx512_bf16"}, "AVX512", "avx2"),  # AVX-512 without BF16 (Skylake, Ice Lake)
+    ("auto", AMX_FLAGS, "AVX512", "avx512"),                  # AMX Xeon (the attention stays PyTorch's: below)
     ("auto", AVX512_FLAGS, "DEFAULT", None),                  # ATEN_CPU_CAPABILITY=default: no vector code
     ("auto", frozenset({"asimd", "sve"}), "SVE256", None),    # Arm (Graviton): no variant yet
-    ("auto", AVX512_FLAGS | {"amx_bf16", "amx_tile"}, "AVX512", None),  # AMX: PyTorch's attention
-    ("bivit", AVX512_FLAGS | {"amx_bf16", "amx_tile"}, "AVX512", "avx512"),
     ("avx2", AVX512_FLAGS, "AVX512", "avx2"),                 # the override the tests use
     ("avx512", AVX2_FLAGS, "AVX2", None),                     # never code the CPU cannot run
     ("avx512", AVX512_FLAGS, "AVX2", None),                   # nor code PyTorch was told not to run
-    ("sdpa", AVX512_FLAGS, "AVX512", None),
 ])
 def test_variant_choice_follows_cpu_flags_and_pytorch_capability(choice, flags, capability, expect):
     """The choice is a function of the configuration, the CPU's flags and PyTorch's capability only."""
@@ -182,12 +213,19 @@ def test_variant_choice_follows_cpu_flags_and_pytorch_capability(choice, flags, 
         assert kernels.pick_variant(choice, flags, capability).name == expect
 
 
+@pytest.mark.parametrize("choice,flags,declined", [
+    ("auto", AVX512_FLAGS, False), ("auto", AMX_FLAGS, True), ("bivit", AMX_FLAGS, False),
+    ("sdpa", AVX512_FLAGS, True), ("avx2", AMX_FLAGS, False),
+])
+def test_attention_stays_pytorchs_on_amx_and_when_asked(choice, flags, declined):
+    assert bool(kernels.attention_declined(choice, flags)) == declined
+
+
 @pytest.mark.parametrize("choice,expect", [("sdpa", "BIVIT_ATTENTION=sdpa"), ("nonsense", None)])
 def test_choice_from_environment(monkeypatch, caplog, choice, expect):
     monkeypatch.setenv(kernels.ATTENTION_ENV, choice)
     if expect:
-        with pytest.raises(kernels.KernelUnavailable, match=expect):
-            kernels.pick_variant(kernels._attention_choice(), FLAGS, CAPABILITY)
+        assert expect in kernels.attention_declined(kernels._attention_choice(), FLAGS)
         return
     with caplog.at_level(logging.WARNING, logger="bivit"):
         assert kernels._attention_choice() == "auto"

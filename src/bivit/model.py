@@ -56,7 +56,7 @@ def grids(grid_thw: torch.Tensor) -> list[tuple[int, int, int]]:
 @lru_cache(maxsize=256)
 @torch.inference_mode(False)  # cached tables are shared with autograd forwards, which must be able to save them
 def _rope_cos_sin(h: int, w: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The 2-D RoPE of an h x w grid as fp32 `[h*w, head_dim]` tables in the interleaved layout of `apply_rope`:
+    """The 2-D RoPE of an h x w grid as fp32 `[h*w, head_dim]` tables in the interleaved layout of `ops.rope`:
     cos = (c0, c0, c1, c1, ...), sin = (-s0, s0, -s1, s1, ...); complex slot 2i turns with the column, 2i+1
     with the row.
 
@@ -76,20 +76,6 @@ def rope_tables(grid_thw: list[tuple[int, int, int]], head_dim: int, theta: floa
     tables = [_rope_cos_sin(h, w, head_dim, theta) for _, h, w in grid_thw]
     return (torch.cat([c.repeat(t, 1) for (c, _), (t, _, _) in zip(tables, grid_thw)]),
             torch.cat([s.repeat(t, 1) for (_, s), (t, _, _) in zip(tables, grid_thw)]))
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved pairs (x[..., 2k], x[..., 2k+1]) of `[L, ..., head_dim]` as complex numbers, in fp32:
-    (re, im) -> (re*c - im*s, im*c + re*s) = x * cos + pairs_swapped(x) * sin with `rope_tables`' layout.
-
-    Real multiplies and adds round the same in vector and scalar code (a complex multiply's kernels do not, so
-    its result would depend on where in the batch tensor an element sits). bf16 inputs enter the fp32 multiply
-    directly (the widening is exact): no fp32 copy of x, no stack of the halves.
-    """
-    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
-    out = torch.mul(x, cos.view(shape))
-    out += torch.mul(x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2), sin.view(shape))
-    return out.to(x.dtype)
 
 
 @lru_cache(maxsize=16)
@@ -192,7 +178,7 @@ class Block(nn.Module):
 
     def attention(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], seqlens: list[int]) -> torch.Tensor:
         qkv = self.wqkv(x).view(x.shape[0], 3, self.heads, self.head_dim)
-        qk = apply_rope(qkv[:, :2], *rope)  # q and k rotated together
+        qk = ops.rope(qkv[:, :2], *rope)  # q and k rotated together
         return self.wo(ops.attention(qk[:, 0], qk[:, 1], qkv[:, 2], seqlens))
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], seqlens: list[int]) -> torch.Tensor:

@@ -6,16 +6,17 @@ source and the compiler (`cache`: checked before anything in it is loaded). Plai
 headers: the build takes about a second, and ctypes releases the GIL during the call. The library links the
 OpenMP runtime PyTorch has already loaded (`libgomp.so.1`), so its threads are PyTorch's threads.
 
-The attention comes in one variant per instruction set (`VARIANTS`, best first): `avx512` (AVX-512 BF16 dot
-products; fp32 by FMAs) and `avx2` (AVX2 + FMA, all arithmetic in fp32; bf16 widened in registers). A process
-uses the best variant that both the CPU's flags (/proc/cpuinfo) and PyTorch's own dispatch
-(`torch.backends.cpu.get_cpu_capability()`, which honours `ATEN_CPU_CAPABILITY` and says whether the OS saves
-the AVX-512 state) allow. The choice is made once per process, from those facts alone, never from a failure.
+The library (attention and RoPE) comes in one variant per instruction set (`VARIANTS`, best first): `avx512`
+(attention by AVX-512 BF16 dot products; fp32 by FMAs) and `avx2` (AVX2 + FMA, all arithmetic in fp32, bf16
+widened in registers). A process uses the best variant that both the CPU's flags (/proc/cpuinfo) and
+PyTorch's own dispatch (`torch.backends.cpu.get_cpu_capability()`, which honours `ATEN_CPU_CAPABILITY` and says
+whether the OS saves the AVX-512 state) allow: decided once per process from those facts, never from a failure.
+Elsewhere (Arm, no compiler) `library()` is None, says why once, and PyTorch's kernels run.
 
-Where no kernel is used (`attention()` returns None, and says why once in the log), PyTorch's fused attention
-runs. `BIVIT_ATTENTION` chooses: `auto` (default: the best variant, except on CPUs with AMX, where PyTorch's
-attention runs on AMX tiles), `bivit` (the best variant wherever the CPU can run one), `avx512` or `avx2` (that
-variant, if the CPU can run it: how the tests exercise the AVX2 kernel on an AVX-512 machine) or `sdpa` (never).
+`BIVIT_ATTENTION` chooses: `auto` (default: the best variant, except that on CPUs with AMX PyTorch's attention
+stays, running on AMX tiles), `bivit` (the best variant wherever one runs), `avx512` or `avx2` (that variant,
+if the CPU can run it: how the tests exercise the AVX2 kernels on an AVX-512 machine) or `sdpa` (PyTorch's
+attention; the RoPE kernel computes PyTorch's bits, so it runs whatever the choice).
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ import torch
 
 from .cache import CACHE_ENV, Build, KernelUnavailable, Loaded, cache_dir, compiler, load
 
-__all__ = ["ATTENTION_ENV", "CACHE_ENV", "Attention", "KernelUnavailable", "VARIANTS", "Variant", "attention",
-           "cache_dir", "compiler", "cpu_info", "load_attention", "pick_variant"]
+__all__ = ["ATTENTION_ENV", "CACHE_ENV", "Attention", "KernelUnavailable", "Library", "Rope", "VARIANTS", "Variant",
+           "attention", "attention_declined", "cache_dir", "compiler", "cpu_info", "library", "load_library",
+           "pick_variant", "rope"]
 
 log = logging.getLogger("bivit")
 
@@ -42,7 +44,9 @@ _HERE = Path(__file__).parent
 ATTENTION_ENV = "BIVIT_ATTENTION"
 DTYPES = (torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 128  # every variant's register blocking covers head dims up to this (K2.x: 72, K3: 128)
-COMMON_CFLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
+# -ffp-contract=off: a product and a sum written apart stay apart (rounded twice, as PyTorch rounds them), so
+# the RoPE kernel computes PyTorch's bits; the attention's fused multiply-adds are explicit intrinsics.
+COMMON_CFLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 
 
 @dataclass(frozen=True)
@@ -56,7 +60,7 @@ class Variant:
     cflags: tuple[str, ...]
 
     def build(self) -> Build:
-        return Build(_HERE / self.source, (_HERE / "common.h",), (*COMMON_CFLAGS, *self.cflags))
+        return Build(_HERE / self.source, (_HERE / "common.h", _HERE / "rope.h"), (*COMMON_CFLAGS, *self.cflags))
 
 
 VARIANTS = (
@@ -89,10 +93,9 @@ def _attention_choice() -> str:
 
 
 def pick_variant(choice: str, flags: frozenset[str], capability: str) -> Variant:
-    """The variant `choice` selects on a CPU with `flags` where PyTorch dispatches `capability` kernels; raises
-    KernelUnavailable (chosen=True) where none is to run. A pure function of its arguments."""
-    if choice == "sdpa":
-        raise KernelUnavailable(f"{ATTENTION_ENV}=sdpa", chosen=True)
+    """The variant of the compiled kernels on a CPU with `flags` where PyTorch dispatches `capability` kernels:
+    the best one both allow, or the one `choice` names; raises KernelUnavailable (chosen=True) where none is to
+    run. A pure function of its arguments."""
     named = [v for v in VARIANTS if v.name == choice]
     for v in named or VARIANTS:
         missing = [f for f in v.needs if f not in flags]
@@ -105,13 +108,19 @@ def pick_variant(choice: str, flags: frozenset[str], capability: str) -> Variant
                 raise KernelUnavailable(f"{ATTENTION_ENV}={choice}: PyTorch runs {capability} kernels here",
                                         chosen=True)
             continue
-        if choice == "auto" and "amx_bf16" in flags:
-            raise KernelUnavailable(f"AMX-BF16 CPU: PyTorch's fused attention runs on AMX here ({ATTENTION_ENV}=bivit "
-                                    "overrides)", chosen=True)
         return v
     needs = " or ".join("+".join(v.needs) for v in VARIANTS)
     raise KernelUnavailable(f"neither this CPU nor PyTorch's {capability} kernels allow a variant (needs {needs})",
                             chosen=True)
+
+
+def attention_declined(choice: str, flags: frozenset[str]) -> str | None:
+    """Why `choice` leaves PyTorch's attention in place on a CPU with `flags` (None: the compiled one runs)."""
+    if choice == "sdpa":
+        return f"{ATTENTION_ENV}=sdpa"
+    if choice == "auto" and "amx_bf16" in flags:
+        return f"AMX-BF16 CPU: PyTorch's fused attention runs on AMX here ({ATTENTION_ENV}=bivit overrides)"
+    return None
 
 
 @dataclass(frozen=True)
@@ -119,12 +128,8 @@ class Attention:
     """The compiled attention (bf16 and fp32) of one variant: one call per packed batch, each item attending to
     itself, `out[L, heads, d]` written in place."""
 
-    loaded: Loaded
+    lib: ctypes.CDLL
     variant: str
-
-    @property
-    def lib(self):
-        return self.loaded.lib
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                  seqlens: Sequence[int], lse: torch.Tensor | None = None) -> None:
@@ -153,22 +158,59 @@ class Attention:
                 and q.shape[2] <= MAX_HEAD_DIM and q.stride(2) == 1)
 
 
-def load_attention(variant: Variant) -> Attention:
+@dataclass(frozen=True)
+class Rope:
+    """The compiled rotary embedding (`bivit.ops.rope` holds the math and PyTorch's form of it; same bits)."""
+
+    lib: ctypes.CDLL
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor) -> None:
+        """x, out: `[L, slots, d]` of one dtype, last dim contiguous; cos, sin: contiguous float32 `[L, d]`."""
+        rows, slots, d = x.shape
+        fn = self.lib.bivit_rope_bf16 if x.dtype == torch.bfloat16 else self.lib.bivit_rope_f32
+        rc = fn(x.data_ptr(), out.data_ptr(), cos.data_ptr(), sin.data_ptr(), rows, slots, d, x.stride(0),
+                x.stride(1), out.stride(0), out.stride(1), torch.get_num_threads())
+        if rc != 0:
+            raise ValueError(f"bivit rope: unsupported head dim {d}")
+
+    @staticmethod
+    def supports(x: torch.Tensor, cos: torch.Tensor) -> bool:
+        return (x.dtype in DTYPES and x.device.type == "cpu" and x.dim() == 3 and x.stride(2) == 1
+                and x.shape[2] % 2 == 0 and x.shape[2] <= 256 and cos.dtype == torch.float32
+                and cos.is_contiguous() and tuple(cos.shape) == (x.shape[0], x.shape[2]))
+
+
+@dataclass(frozen=True)
+class Library:
+    """One variant's compiled kernels, loaded and self-tested."""
+
+    loaded: Loaded
+    variant: str
+    attention: Attention
+    rope: Rope
+
+
+def load_library(variant: Variant) -> Library:
     """Build (or find in the cache), load and self-test one variant. The caller has checked the CPU runs it."""
     loaded = load(variant.build())
-    for fn in (loaded.lib.bivit_attention_bf16, loaded.lib.bivit_attention_f32):
+    lib = loaded.lib
+    for fn in (lib.bivit_attention_bf16, lib.bivit_attention_f32):
         fn.restype = ctypes.c_int
         fn.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int64] * 11
                        + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int])
-    kernel = Attention(loaded, variant.name)
+    for fn in (lib.bivit_rope_bf16, lib.bivit_rope_f32):
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 7 + [ctypes.c_int]
+    library = Library(loaded, variant.name, Attention(lib, variant.name), Rope(lib))
     for dtype, bound in ((torch.bfloat16, 2 ** -7), (torch.float32, 1e-5)):
-        _self_test(kernel, dtype, bound)
-    return kernel
+        _self_test(library.attention, dtype, bound)
+    return library
 
 
 def _self_test(kernel: Attention, dtype: torch.dtype, bound: float) -> None:
     """Refuse a kernel that does not compute attention (a miscompile, an odd toolchain): compared with float64
-    attention on two small items of one call, it must be as close as rounding to `dtype` allows."""
+    attention on two small items of one call, it must be as close as rounding to `dtype` allows. (The RoPE
+    kernel is held to PyTorch's bits by `bivit.ops.rope` itself.)"""
     g = torch.Generator().manual_seed(0)
     lens = [37, 20]
     q, k, v = torch.randn(3, sum(lens), 2, 72, generator=g).to(dtype).unbind(0)
@@ -186,15 +228,36 @@ def _self_test(kernel: Attention, dtype: torch.dtype, bound: float) -> None:
 
 
 @functools.cache
-def attention() -> Attention | None:
-    """The compiled attention for this process, or None (PyTorch's fused attention is used instead)."""
+def library() -> Library | None:
+    """This process's compiled kernels (the variant `pick_variant` chooses), or None: PyTorch's kernels are
+    used instead, and why is said once."""
+    choice = _attention_choice()
     try:
-        variant = pick_variant(_attention_choice(), cpu_info()[1], torch.backends.cpu.get_cpu_capability())
-        kernel = load_attention(variant)
+        variant = pick_variant(choice, cpu_info()[1], torch.backends.cpu.get_cpu_capability())
+        lib = load_library(variant)
     except (KernelUnavailable, OSError, AttributeError) as e:
         chosen = isinstance(e, KernelUnavailable) and e.chosen
-        (log.info if chosen else log.warning)("bivit: compiled attention not used (%s); PyTorch's fused attention "
-                                              "runs instead%s", e, "" if chosen else ", slower")
+        (log.info if chosen else log.warning)("bivit: compiled kernels not used (%s); PyTorch's kernels run "
+                                              "instead%s", e, "" if chosen else ", slower")
         return None
-    log.info("bivit: compiled attention in use (%s, %s)", kernel.variant, kernel.loaded.path)
-    return kernel
+    log.info("bivit: compiled kernels in use (%s, %s)", lib.variant, lib.loaded.path)
+    return lib
+
+
+def rope() -> Rope | None:
+    lib = library()
+    return None if lib is None else lib.rope
+
+
+@functools.cache
+def attention() -> Attention | None:
+    """The compiled attention for this process, or None (PyTorch's fused attention is used instead)."""
+    lib = library()
+    if lib is None:
+        return None
+    why = attention_declined(_attention_choice(), cpu_info()[1])
+    if why:
+        log.info("bivit: compiled attention not used (%s); PyTorch's fused attention runs instead", why)
+        return None
+    log.info("bivit: compiled attention in use (%s)", lib.variant)
+    return lib.attention

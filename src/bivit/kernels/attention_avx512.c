@@ -312,3 +312,5 @@ static inline __attribute__((always_inline)) void run_unit_t(const struct call *
 }
 
 BIVIT_VARIANT
+
+#include "rope.h"
