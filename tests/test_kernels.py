@@ -166,7 +166,7 @@ def test_rope_kernel_computes_pytorchs_bits(library, rows, heads, d, dtype):
     the same bits, so which one runs never changes an embedding. Control: the exact sum rounded once (instead
     of each product and the sum) gives other bits, so the comparison can fail."""
     from bivit.model import rope_tables
-    from bivit.ops.rope import rope_reference
+    from bivit.ops.rotary import rope_reference
 
     side = int(math.isqrt(rows))
     grid = [(1, side, rows // side)] if side * (rows // side) == rows else [(1, 1, rows)]

@@ -160,7 +160,7 @@ class Attention:
 
 @dataclass(frozen=True)
 class Rope:
-    """The compiled rotary embedding (`bivit.ops.rope` holds the math and PyTorch's form of it; same bits)."""
+    """The compiled rotary embedding (`bivit.ops.rotary` holds the math and PyTorch's form of it; same bits)."""
 
     lib: ctypes.CDLL
 
@@ -210,7 +210,7 @@ def load_library(variant: Variant) -> Library:
 def _self_test(kernel: Attention, dtype: torch.dtype, bound: float) -> None:
     """Refuse a kernel that does not compute attention (a miscompile, an odd toolchain): compared with float64
     attention on two small items of one call, it must be as close as rounding to `dtype` allows. (The RoPE
-    kernel is held to PyTorch's bits by `bivit.ops.rope` itself.)"""
+    kernel is held to PyTorch's bits by `bivit.ops.rotary` itself.)"""
     g = torch.Generator().manual_seed(0)
     lens = [37, 20]
     q, k, v = torch.randn(3, sum(lens), 2, 72, generator=g).to(dtype).unbind(0)

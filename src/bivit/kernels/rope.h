@@ -2,7 +2,7 @@
  * only makes it faster: the bits are the same everywhere).
  *
  * Per row l, head slot j and interleaved pair (x0, x1) = (x[2i], x[2i + 1]), with the tables of
- * `bivit.ops.rope` (cos = (c0, c0, ...), sin = (-s0, s0, ...)):
+ * `bivit.ops.rotary` (cos = (c0, c0, ...), sin = (-s0, s0, ...)):
  *   out[2i]     = x0 * cos[2i]     + x1 * sin[2i]
  *   out[2i + 1] = x1 * cos[2i + 1] + x0 * sin[2i + 1]
  * each product and the sum rounded to fp32 separately (no fused multiply-add: this file is compiled with

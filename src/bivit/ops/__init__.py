@@ -10,7 +10,7 @@ a way that does not depend on which other rows share the call:
   temporal mean adds frames in a fixed order in float32.
 * `norms`: row-wise kernels; LayerNorm's weight gradient is summed in a fixed order.
 * `attend`: attention per item, so its shapes depend on the item only (bivit's compiled kernel or PyTorch's).
-* `rope`: the rotary embedding of q and k, elementwise in fp32 (bivit's compiled kernel or PyTorch's ops, same
+* `rotary`: the rotary embedding of q and k, elementwise in fp32 (bivit's compiled kernel or PyTorch's ops, same
   bits).
 * `backend`: which kernel each op uses, decided once per process and dtype from the CPU and the PyTorch build,
   never switched by a failure (an item's bits depend only on the checkpoint, the dtype settings, the input and
@@ -34,7 +34,7 @@ from .gemm import CANDIDATE_TILES, REFERENCE_TILE, GemmPlan, gemm_plan, linear, 
 from .mode import batch_invariant, checkpoint, is_batch_invariant, trace
 from .norms import layer_norm, rms_norm
 from .pointwise import POINTWISE_CHUNK, gelu, temporal_mean
-from .rope import rope
+from .rotary import rope
 
 __all__ = [
     "CANDIDATE_TILES", "POINTWISE_CHUNK", "REFERENCE_TILE", "GemmPath", "GemmPlan", "KernelFailed", "attention",
