@@ -115,6 +115,8 @@ def test_bench_command_user_errors_are_one_line(tmp_path):
     assert result.exit_code == 2 and "--dtype 'int8'" in result.output
     result = CliRunner().invoke(app, ["bench", "--preset", "nope", "--skip-hf", "--out-dir", str(tmp_path)])
     assert result.exit_code == 2 and "unknown preset 'nope'" in result.output
+    result = CliRunner().invoke(app, ["bench", "--case", "1x1", "--out-dir", str(tmp_path)])
+    assert result.exit_code == 2 and "--case 1x1: no case matches (cases: image 448x448" in result.output
     assert not (tmp_path / "bench.json").exists()
 
 
