@@ -232,6 +232,28 @@ def test_a_planted_plan_is_not_used(monkeypatch, tmp_path, attack):
     assert len(proven) == 1 and plan.tiles[-1] == max(ops.CANDIDATE_TILES)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_residual_branch_tile_by_tile_gives_the_bits_of_whole_layers(dtype):
+    """`ops.residual_linear` runs the MLP chain one tile at a time into the residual: each row's bits equal
+    those of running each invariant linear over all rows, then adding (2500 rows: several tiles and a padded
+    tail). Control: the same chain in default mode (stock kernels over all rows) gives other bits."""
+    from bivit import ops
+
+    g = torch.Generator().manual_seed(3)
+    x, res = (torch.randn(2500, 96, generator=g).to(dtype) for _ in range(2))
+    w0, b0 = (torch.randn(200, 96, generator=g) / 10).to(dtype), torch.randn(200, generator=g).to(dtype)
+    w1, b1 = (torch.randn(96, 200, generator=g) / 14).to(dtype), torch.randn(96, generator=g).to(dtype)
+    layers = [(w0, b0, "tanh"), (w1, b1, None)]
+    with torch.inference_mode():
+        with ops.batch_invariant():
+            whole = res + ops.linear(ops.linear(x, w0, b0, gelu="tanh"), w1, b1)
+            tiled = ops.residual_linear(res.clone(), x, layers)
+            assert torch.equal(tiled, whole)
+            assert torch.equal(ops.residual_linear(res[:700].clone(), x[:700], layers), whole[:700])
+        with ops.batch_invariant(False):
+            assert not torch.equal(ops.residual_linear(res.clone(), x, layers), whole)
+
+
 @pytest.mark.parametrize("approximate", ["tanh", "none"])
 def test_pointwise_gelu_is_independent_of_tensor_size_and_threads(approximate):
     """Vectorised kernels compute each thread's last elements with scalar code that rounds differently (tanh

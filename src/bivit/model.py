@@ -30,6 +30,11 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.linear(x, self.weight, self.bias, gelu=self.gelu)
 
+    @property
+    def layer(self) -> tuple[torch.Tensor, torch.Tensor | None, str | None]:
+        """(weight, bias, GELU) for `ops.residual_linear`."""
+        return self.weight, self.bias, self.gelu
+
 
 class LayerNorm(nn.LayerNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -160,8 +165,8 @@ class MLP(nn.Module):
         self.fc0 = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.linear_bias, gelu="tanh")
         self.fc1 = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.linear_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc1(self.fc0(x))  # fc1(gelu_tanh(fc0(x)))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return ops.residual_linear(residual, x, [self.fc0.layer, self.fc1.layer])  # residual + fc1(gelu_tanh(fc0(x)))
 
 
 class Block(nn.Module):
@@ -176,16 +181,17 @@ class Block(nn.Module):
         self.norm1 = make_norm(cfg, cfg.hidden_size)
         self.mlp = MLP(cfg)
 
-    def attention(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], seqlens: list[int]) -> torch.Tensor:
+    def attention(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], seqlens: list[int],
+                  residual: torch.Tensor) -> torch.Tensor:
         qkv = self.wqkv(x).view(x.shape[0], 3, self.heads, self.head_dim)
         qk = ops.rope(qkv[:, :2], *rope)  # q and k rotated together
-        return self.wo(ops.attention(qk[:, 0], qk[:, 1], qkv[:, 2], seqlens))
+        return ops.residual_linear(residual, ops.attention(qk[:, 0], qk[:, 1], qkv[:, 2], seqlens), [self.wo.layer])
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], seqlens: list[int]) -> torch.Tensor:
-        # Residual adds in place unless autograd records (it needs x): one allocation less per add in `encode`.
-        add = torch.add if torch.is_grad_enabled() else torch.Tensor.add_
-        x = add(x, self.attention(self.norm0(x), rope, seqlens))
-        return add(x, self.mlp(self.norm1(x)))
+        # x + attention(norm0(x)), then x + mlp(norm1(x)): the residual adds happen in the ops (in place unless
+        # autograd records).
+        x = self.attention(self.norm0(x), rope, seqlens, residual=x)
+        return self.mlp(self.norm1(x), residual=x)
 
 
 class Encoder(nn.Module):

@@ -377,6 +377,59 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return emit("linear" if gelu is None else "linear_gelu", out.view(*lead, weight.shape[0]))
 
 
+Layer = tuple[torch.Tensor, "torch.Tensor | None", "str | None"]  # (weight, bias, GELU after it or None)
+
+
+def residual_linear(residual: torch.Tensor, x: torch.Tensor, layers: Sequence[Layer]) -> torch.Tensor:
+    """`residual + L_k(... L_1(x))` for a chain of linear layers `(weight, bias, gelu)` (a block's output
+    projection: one; its MLP: two), written into `residual` unless autograd records (then a new tensor).
+
+    In invariant mode without autograd the rows go through the whole chain one proven tile at a time (a tile
+    size every GEMM of the chain has proven), and each tile's result is added into its rows of `residual`:
+    per row the same computations as running each linear over all rows and adding (so the same bits), without
+    the chain's intermediate activations and without copying tile outputs into a whole output, which on a
+    busy machine cost more than the GEMMs' own tiling. Traced as one "residual_linear"."""
+    if is_batch_invariant() and not torch.is_grad_enabled():
+        steps = _chain(layers)
+        if steps is not None:
+            _chain_into(residual, x, steps)
+            return emit("residual_linear", residual)
+    y = x
+    for weight, bias, gelu in layers:
+        y = linear(y, weight, bias, gelu=gelu)
+    return emit("residual_linear", residual + y if torch.is_grad_enabled() else residual.add_(y))
+
+
+def _chain(layers: Sequence[Layer]) -> list[tuple[Gemm, str | None]] | None:
+    """Each layer's GEMM call (fused with its GELU where that is proven, else with GELU as a separate step), or
+    None where one of them runs row by row (the exact path of `_tiled`)."""
+    steps = []
+    for weight, bias, gelu in layers:
+        if gelu is not None:
+            fused = Gemm(weight, bias, weight, gelu=gelu)
+            if fused.fuses and not gemm_plan(fused).exact_fallback:
+                steps.append((fused, None))
+                continue
+        gemm = Gemm(weight, bias, weight)
+        if gemm_plan(gemm).exact_fallback:
+            return None
+        steps.append((gemm, gelu))
+    return steps
+
+
+def _chain_into(residual: torch.Tensor, x: torch.Tensor, steps: list[tuple[Gemm, str | None]]) -> None:
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    r2 = residual.view(-1, residual.shape[-1])
+    tiles = tuple(sorted(set.intersection(*(set(gemm_plan(g).tiles) for g, _ in steps))))  # REFERENCE_TILE at least
+    for start, rows, tile in _calls(x2.shape[0], tiles):
+        h = x2[start:start + rows] if rows == tile else _zero_padded(x2[start:], tile)
+        for gemm, gelu in steps:
+            h = gemm(h)
+            if gelu is not None:
+                h = chunked_gelu(h, gelu)
+        r2[start:start + rows].add_(h[:rows])
+
+
 def patch_conv(pixels: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """Conv2d with kernel = stride = patch size on `[L, C, p, p]` patches -> `[L, D]`."""
     if not is_batch_invariant():
