@@ -40,9 +40,13 @@ log = logging.getLogger("bivit")
 # invariance the probe proves directly; every other size is used only if it computes each row bit-identically
 # to it. Large tiles mean few calls (each call is one OpenMP fork/join, which is what hurts on a busy machine,
 # and one output copy less when a whole input fits one call); small ones keep the zero-padding of tails small.
-# The probe computes about 2.5x the largest tile's rows per GEMM shape at load, hence no larger tile.
-CANDIDATE_TILES = (64, 128, 256, 512, 1024)
+# The probe computes about 3x the largest tile's rows per GEMM shape, once per machine kind (the plan is then
+# recorded): tiles above 1024 rows are proven only where that stays under PROBE_TILE_FLOPS per tile, i.e. for
+# the tower's GEMMs (2048 rows: one call for a 2048-patch batch, two for 3072) and not for the projector's
+# 5-7x larger weights, which see a quarter of the rows.
+CANDIDATE_TILES = (64, 128, 256, 512, 1024, 2048)
 REFERENCE_TILE = 256
+PROBE_TILE_FLOPS = 25e9
 
 
 @dataclass
@@ -160,7 +164,7 @@ class Gemm:
 
 
 # Bump when what the probe proves changes: plans recorded by an older bivit are then proven again.
-PLAN_FORMAT = 1
+PLAN_FORMAT = 2
 
 
 @functools.cache
@@ -211,16 +215,16 @@ def _prove(gemm: Gemm) -> GemmPlan:
     GEMM shape (and post-op) suffices.
     """
     g = torch.Generator(device="cpu").manual_seed(1234)
-    ref_rows, half, most = REFERENCE_TILE, REFERENCE_TILE // 2, max(CANDIDATE_TILES)
     w = gemm.weight
+    candidates = [t for t in CANDIDATE_TILES if t <= 1024 or 2 * t * w.shape[0] * w.shape[1] <= PROBE_TILE_FLOPS]
+    ref_rows, half, most = REFERENCE_TILE, REFERENCE_TILE // 2, max(candidates)
     x = torch.randn(max(most, ref_rows), w.shape[1], generator=g).to(w.device, w.dtype)
     ref = torch.cat([gemm(x[i:i + ref_rows]) for i in range(0, x.shape[0] - ref_rows + 1, ref_rows)])
     moved = torch.randn(ref_rows, w.shape[1], generator=g).to(w.device, w.dtype)
     moved[half:] = torch.flip(x[:half], [0])
     if not torch.equal(torch.flip(gemm(moved)[half:], [0]), ref[:half]):
         return GemmPlan(())
-    tiles = [t for t in CANDIDATE_TILES
-             if t == ref_rows or (t <= ref.shape[0] and torch.equal(gemm(x[:t]), ref[:t]))]
+    tiles = [t for t in candidates if t == ref_rows or (t <= ref.shape[0] and torch.equal(gemm(x[:t]), ref[:t]))]
     return GemmPlan(tuple(sorted(tiles)))
 
 
