@@ -7,7 +7,10 @@ pattern, checking that a normal request still succeeds after it:
 
 * copies: one JSON request with 500 copies of a 470-byte 1-bit PNG that decodes to 1792x1792;
 * distinct: one request with 48 distinct such PNGs (each 38 MB of float32 pixels once preprocessed);
-* slow clients: 32 connections sending headers at 1 byte/s and 32 sending a body at 1 byte/s, for 15 s.
+* slow clients: 32 connections sending headers at 1 byte/s and 32 sending a body at 1 byte/s, for 15 s;
+* tall: a 117 KB PNG of 1x60,000,000 pixels (under the pixel limit; its decoding would take gigabytes);
+* heavy (a second server, `--request-timeout-s 5`): two 14000x14000 PNGs in one request, then three small
+  requests a second later; their status and latency (before the heavy-image pool, all three answered 504).
 """
 
 from __future__ import annotations
@@ -27,12 +30,24 @@ from pathlib import Path
 import httpx
 from PIL import Image
 
-from bivit.serve.launch import ServerProcess
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the test helpers' real server process
+from support.media import blank_png  # noqa: E402
+from support.server import ServerProcess  # noqa: E402
 
 
 def rss_mb(pid: int) -> float:
     with open(f"/proc/{pid}/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+
+def reset_peak(pid: int) -> None:
+    with open(f"/proc/{pid}/clear_refs", "w") as f:
+        f.write("5")  # VmHWM restarts from the current RSS
+
+
+def peak_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
 
 
 def one_bit_png(size: int, seed: int) -> bytes:
@@ -45,6 +60,32 @@ def one_bit_png(size: int, seed: int) -> bytes:
 
 def json_body(images: list[bytes]) -> dict:
     return {"items": [{"name": f"{i}.png", "data": base64.b64encode(d).decode()} for i, d in enumerate(images)]}
+
+
+def heavy_images() -> None:
+    """Two heavy images, then three small requests 1 s later, under --request-timeout-s 5."""
+    big = blank_png(14000, 14000, 2)  # sent in two requests (the cache is off: both are decoded)
+    with ServerProcess(["--cache-mb", "0", "--request-timeout-s", "5"], Path(tempfile.mkdtemp())) as srv:
+        results: dict[str, tuple[int, float]] = {}
+
+        def post(key: str, files: list) -> None:
+            t0 = time.monotonic()
+            r = httpx.post(f"{srv.url}/v1/encode", files=files, timeout=120)
+            results[key] = (r.status_code, time.monotonic() - t0)
+
+        heavy = [threading.Thread(target=post, args=(f"heavy{i}", [("file", (f"big{i}.png", big, "image/png"))]))
+                 for i in range(2)]
+        for t in heavy:
+            t.start()
+        time.sleep(1)
+        small = [threading.Thread(target=post, args=(f"small{i}", [("file", (f"s{i}.png", one_bit_png(56, i + 1),
+                                                                              "image/png"))])) for i in range(3)]
+        for t in small:
+            t.start()
+        for t in heavy + small:
+            t.join()
+        print(f"heavy ({len(big)} B PNG of 14000x14000): " + ", ".join(
+            f"{k} HTTP {code} in {sec:.2f} s" for k, (code, sec) in sorted(results.items())))
 
 
 def slow_client(port: int, seconds: float, body: bool) -> None:
@@ -99,6 +140,15 @@ def main() -> None:
         for t in threads:
             t.join()
         print(f"after slow clients: RSS {rss_mb(pid) - base:+.0f} MB; next request {normal()}")
+        tall = blank_png(1, 60_000_000)
+        before = rss_mb(pid)
+        reset_peak(pid)
+        t0 = time.monotonic()
+        r = httpx.post(f"{srv.url}/v1/encode", files=[("file", ("tall.png", tall, "image/png"))], timeout=300)
+        print(f"tall ({len(tall)} B PNG of 1x60000000): HTTP {r.status_code} in {time.monotonic() - t0:.2f} s; "
+              f"RSS {before:.0f} MB before, peak {peak_mb(pid):.0f} MB, after {rss_mb(pid):.0f} MB; "
+              f"next request {normal()}")
+    heavy_images()
 
 
 if __name__ == "__main__":

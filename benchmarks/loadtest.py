@@ -26,7 +26,9 @@ import torch
 from safetensors.torch import load as st_load
 
 from bivit.bench import noise_image
-from bivit.serve.launch import ServerProcess, metric_values
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the test helpers' real server process
+from support.server import ServerProcess, metric_values  # noqa: E402
 
 # (w, h): 1 to 256 tokens; the mix every level cycles through.
 MIX = [(28, 28), (56, 56), (112, 112), (200, 150), (224, 224), (448, 448), (640, 480)]

@@ -203,3 +203,10 @@ def test_replacing_an_output_keeps_its_permissions(files, tmp_path):
     with safe_open(str(out), "pt") as f:
         assert json.loads(f.metadata()["bivit"])["items"][0]["source"] == str(files["good"][1])
     assert [p.name for p in tmp_path.iterdir()] == ["e.safetensors"]  # no temp file left behind
+
+
+def test_import_client_loads_neither_torch_nor_pyav():
+    code = ("import sys, bivit.client; "
+            "print(sorted(m for m in ('torch', 'av', 'numpy', 'PIL', 'httpx', 'bivit.video') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr

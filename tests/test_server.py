@@ -24,7 +24,7 @@ from safetensors.torch import load as st_load
 
 import bivit
 from bivit.client import Client, EncodeError, ServerError, parse_response
-from bivit.serve.launch import ServerProcess, free_port, metric_values
+from support.server import ServerProcess, free_port, metric_values
 from support.media import make_video, png_bytes
 
 pytest.importorskip("fastapi")
@@ -231,7 +231,7 @@ def test_corrupt_item_fails_alone(server, client, enc32):
     assert torch.equal(tensors["2"], enc32.encode([good[1]])[0])
     with pytest.raises(EncodeError) as info:
         client.encode([good[0], b"not an image at all", good[1]])
-    assert list(info.value.errors) == [1] and "Pillow" in info.value.errors[1]
+    assert list(info.value.errors) == [1] and "not an image format bivit reads" in info.value.errors[1]
     assert info.value.results[1] is None and torch.equal(info.value.results[2], tensors["2"])
     _assert_serving(server, enc32, seed=11)
 

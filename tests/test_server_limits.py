@@ -22,7 +22,7 @@ import httpx
 import pytest
 from PIL import Image
 
-from bivit.serve.launch import ServerProcess, free_port, metric_values
+from support.server import ServerProcess, free_port, metric_values
 from support.media import png_bytes
 
 pytest.importorskip("fastapi")

@@ -248,12 +248,18 @@ def test_options_change_sampling_chunking_and_budget(vids):
 
 
 def test_container_that_overstates_its_frame_count(vids):
-    # The avi headers claim 30 frames; the stream holds 20. The decoder's count wins: resample with 20.
-    path = overstate_avi_frame_count(make_video(vids / "liar.avi", frames=20, fps=10), 30)
+    # The avi headers claim 22 frames; the stream holds 20: within the slack of a header off by a frame or two,
+    # the decoder's count wins: resample with 20.
+    path = overstate_avi_frame_count(make_video(vids / "liar.avi", frames=20, fps=10), 22)
     with av.open(str(path)) as c:
-        assert c.streams.video[0].frames == 30
+        assert c.streams.video[0].frames == 22
     batch = preprocess_video(path)
     assert sampled_frame_ids(batch) == sample_frame_indices(20, 10) == [0, 6, 13, 19]
+    # A third of the declared frames missing is not a header slip: the video is truncated (or damaged).
+    path = overstate_avi_frame_count(make_video(vids / "short.avi", frames=20, fps=10), 30)
+    with pytest.raises(MediaError, match=r"truncated or damaged: the container declares 30 frames \(3\.00 s\), "
+                                         r"its frames cover 2\.00 s"):
+        preprocess_video(path)
 
 
 def test_is_video_path():

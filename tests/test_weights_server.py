@@ -19,7 +19,7 @@ from safetensors.torch import save as safetensors_bytes
 import bivit
 from bivit.client import parse_response
 from bivit.media import preprocess_images
-from bivit.serve.launch import ServerProcess
+from support.server import ServerProcess
 from support.media import png_bytes
 
 pytest.importorskip("fastapi")

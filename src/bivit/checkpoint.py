@@ -47,12 +47,15 @@ def is_vision_key(key: str) -> bool:
 
 def vision_weight_map(index: Path) -> dict[str, str]:
     """The vision/projector entries of a checkpoint's index: key -> shard file name (checked to be a file name
-    inside the checkpoint folder). Read by the loader and by hub resolution, which fetches only those shards."""
+    inside the checkpoint folder). Read by the loader and by hub resolution, which fetches only those shards.
+    An index that names a key twice is refused (which entry counts would depend on the JSON parser)."""
     try:
         weight_map = read_json(index)["weight_map"]
         if not isinstance(weight_map, dict):
             raise TypeError("weight_map is not an object")
-    except (ValueError, KeyError, TypeError, OSError) as e:
+    except OSError as e:  # a directory, a FIFO (not waited on), a file too large to be an index, ...
+        raise CheckpointError(f"{index}: cannot read the index ({e.strerror or e})") from None
+    except (ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{index}: unreadable index ({e})") from None
     return {k: _shard_name(index, k, f) for k, f in weight_map.items() if is_vision_key(k)}
 
@@ -70,6 +73,9 @@ def vision_key_files(directory: Path) -> dict[str, Path]:
         with _open(shard) as f:
             for k in f.keys():
                 if is_vision_key(k):
+                    if k in found:  # no index says which copy counts: refuse rather than let the last one win
+                        raise CheckpointError(f"{directory}: tensor {k!r} is in two shards, {found[k].name} and "
+                                              f"{shard.name}, and there is no {INDEX} to say which one counts")
                     found[k] = shard
     return found
 

@@ -12,22 +12,26 @@ Failed items: `encode` raises `EncodeError` if any item failed (its `.errors` ma
 message and its `.results` still holds the tensors of the items that succeeded, None for the failed ones);
 `encode_results` never raises for item failures and returns one `EncodeResult` per input instead.
 Request-level failures (auth, size, overload, timeout, unreachable server) raise `ServerError`.
+
+Importing the client loads neither torch nor PyAV (nor numpy, Pillow or httpx): httpx loads with the first
+Client, torch with the first answer.
 """
 
 from __future__ import annotations
 
 import io
 import os
+import sys
 from pathlib import Path
-from typing import Any, Optional, Sequence
-
-import httpx
-import numpy as np
-import torch
-from PIL import Image
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from .errors import BivitError, MediaError
 from .serve.protocol import ItemResult, decode_safetensors, result_from_meta
+
+if TYPE_CHECKING:
+    import httpx
+    import torch
+    from PIL import Image
 
 # One item of a response: its embedding (None if it failed) and the server's metadata.
 EncodeResult = ItemResult
@@ -45,13 +49,26 @@ class ServerError(BivitError):
 class EncodeError(BivitError):
     """One or more items failed on the server; the message lists them with the server's reasons."""
 
-    def __init__(self, message: str, errors: dict[int, str], results: list[Optional[torch.Tensor]]):
+    def __init__(self, message: str, errors: dict[int, str], results: list[Optional["torch.Tensor"]]):
         super().__init__(message)
         self.errors = errors
         self.results = results
 
 
-def _png(img: Image.Image) -> bytes:
+def _loaded(module: str, name: str) -> Optional[type]:
+    """`module.name` if this process has imported `module`. An input of that type (a PIL image, a numpy array)
+    can only exist once its module is loaded, so the client never imports Pillow or numpy for a caller that
+    sends paths or bytes."""
+    loaded = sys.modules.get(module)
+    return getattr(loaded, name, None) if loaded is not None else None
+
+
+def _is(src: Any, module: str, name: str) -> bool:
+    cls = _loaded(module, name)
+    return cls is not None and isinstance(src, cls)
+
+
+def _png(img: "Image.Image") -> bytes:
     """A lossless PNG of the image as the encoder would see it: transparency is kept (what happens to it is the
     server's --alpha mode, as offline it is the encoder's `alpha`); without any, the RGB conversion every mode
     gets first is done here."""
@@ -73,9 +90,12 @@ def _as_part(src: Any, i: int) -> tuple[str, bytes]:
         return path.name, path.read_bytes()
     if isinstance(src, (bytes, bytearray, memoryview)):
         return f"item{i}", bytes(src)
-    if isinstance(src, Image.Image):
+    if _is(src, "PIL.Image", "Image"):
         return f"item{i}.png", _png(src)
-    if isinstance(src, np.ndarray):
+    if _is(src, "numpy", "ndarray"):
+        import numpy as np
+        from PIL import Image
+
         if src.ndim != 3 or src.shape[2] != 3 or src.dtype != np.uint8 or 0 in src.shape:
             raise MediaError(f"<input {i}>: numpy images must be HxWx3 uint8, got shape {src.shape} dtype {src.dtype}")
         return f"item{i}.png", _png(Image.fromarray(np.ascontiguousarray(src), "RGB"))
@@ -95,6 +115,8 @@ class Client:
     """Synchronous client of one bivit server. Thread-safe (one connection pool shared by all threads)."""
 
     def __init__(self, url: str = "http://127.0.0.1:8000", api_key: Optional[str] = None, timeout: float = 120.0):
+        import httpx
+
         self.url = url.rstrip("/")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
@@ -109,6 +131,8 @@ class Client:
         self.close()
 
     def _request(self, method: str, path: str, **kw: Any) -> httpx.Response:
+        import httpx
+
         try:
             r = self._http.request(method, path, **kw)
         except httpx.TimeoutException as e:
@@ -128,7 +152,8 @@ class Client:
 
     def encode_results(self, inputs: Sequence[Any]) -> list[EncodeResult]:
         """Encode; one EncodeResult per input (failed items carry `.error`, no embedding). Never raises for items."""
-        if isinstance(inputs, (str, os.PathLike, bytes, Image.Image, np.ndarray)):
+        if isinstance(inputs, (str, os.PathLike, bytes)) or _is(inputs, "PIL.Image", "Image") \
+                or _is(inputs, "numpy", "ndarray"):
             inputs = [inputs]
         parts = [_as_part(src, i) for i, src in enumerate(inputs)]
         if not parts:
@@ -142,7 +167,7 @@ class Client:
             raise ServerError(f"server answered {len(results)} items for {len(parts)} inputs")
         return results
 
-    def encode(self, inputs: Sequence[Any]) -> list[torch.Tensor]:
+    def encode(self, inputs: Sequence[Any]) -> list["torch.Tensor"]:
         """One `[tokens, text_hidden]` tensor per input, bit-identical to offline `Encoder.encode`.
 
         Raises EncodeError (with the server's messages and the partial results) if any item failed.

@@ -20,6 +20,13 @@ from .fileio import read_json
 # Bounds on what a config may ask bivit to build: K2.6 has 27 layers and 0.47B parameters.
 MAX_LAYERS = 1024
 MAX_PARAMETERS = 20_000_000_000
+# The float values' ranges, so that no accepted config makes every output NaN. The model computes in float32 or
+# narrower: an eps below float32's smallest normal number rounds to zero or loses precision (a constant row then
+# divides 0 by 0), one above 1 outweighs any normalised activation's variance; a RoPE base at or below 1 gives
+# frequencies of 1 or more (1e-300 overflows them to inf: NaN everywhere), one beyond float32 is inf.
+FLOAT32_TINY = 1.1754943508222875e-38
+FLOAT32_MAX = 3.4028234663852886e+38
+EPS_RANGE = (FLOAT32_TINY, 1.0)
 
 
 @dataclass(frozen=True)
@@ -75,7 +82,11 @@ class ModelConfig:
                     "pos_emb_height", "pos_emb_width", "pos_emb_time"):
             _check(getattr(self, key) > 0, key, getattr(self, key))
         for key in ("norm_eps", "projector_ln_eps"):
-            _check(getattr(self, key) is None or getattr(self, key) > 0, key, getattr(self, key), "must be positive")
+            eps = getattr(self, key)
+            _check(eps is None or (_is_number(eps) and EPS_RANGE[0] <= eps <= EPS_RANGE[1]), key, eps,
+                   f"must be a number in [{EPS_RANGE[0]:g}, {EPS_RANGE[1]:g}]")
+        _check(_is_number(self.rope_theta) and 1 < self.rope_theta <= FLOAT32_MAX, "rope_theta", self.rope_theta,
+               f"the RoPE base must be a number above 1 and at most {FLOAT32_MAX:g} (Kimi's is 10000)")
         # Refused before anything is built: a typo in a size must not allocate for minutes or exhaust memory.
         _check(self.num_layers <= MAX_LAYERS, "num_layers", self.num_layers, f"more than {MAX_LAYERS} layers")
         if self.parameter_estimate > MAX_PARAMETERS:
@@ -116,6 +127,10 @@ class ModelConfig:
         d = dataclasses.asdict(self)
         d["merge_kernel_size"] = list(self.merge_kernel_size)
         return d
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _check(ok: bool, key: str, value: Any, why: str = "unsupported value") -> None:

@@ -20,6 +20,7 @@ import torch
 from . import kernels, ops
 from .checkpoint import all_finite, load_state_dict, random_state_dict
 from .config import PRESETS, ModelConfig, load_config
+from .dtypes import dtype_name, resolve_dtypes
 from .errors import BivitError, CheckpointError, ConfigError, MediaError
 from .media import MediaBatch, Placeholder, batch_placeholders, image_placeholder_text, image_size, \
     image_token_count, preprocess_images
@@ -30,26 +31,8 @@ from .video import is_video_path, join_chunks, preprocess_video, split_by_input,
 
 log = logging.getLogger("bivit")
 
-DTYPES = {
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-}
 DEMO_SEED = 0
 DEMO_NOTICE = "bivit: using the built-in DEMO model (tiny, seeded random weights) — its embeddings are not Kimi's"
-
-
-def parse_dtype(value: str | torch.dtype | None, option: str) -> torch.dtype | None:
-    if value is None or isinstance(value, torch.dtype):
-        return value
-    try:
-        return DTYPES[str(value).lower().removeprefix("torch.")]
-    except KeyError:
-        raise ConfigError(f"option {option!r} = {value!r}: expected one of bfloat16, float32, float16") from None
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 class Encoder:
@@ -326,9 +309,7 @@ def load_encoder(model: str | os.PathLike | None = None, *, device: str | torch.
     if options:
         raise ConfigError(f"unknown option(s) {', '.join(map(repr, sorted(options)))}")
     check_alpha(alpha)
-    tower_dtype = parse_dtype(dtype, "dtype")
-    proj_dtype = parse_dtype(projector_dtype, "projector_dtype") or tower_dtype
-    out_dtype = parse_dtype(output_dtype, "output_dtype") or proj_dtype
+    tower_dtype, proj_dtype, out_dtype = resolve_dtypes(dtype, projector_dtype, output_dtype)
     _check_budget(max_batch_tokens)
     device = parse_device(device)
     net, name, is_demo, proc = build_model(model, device=device, dtype=tower_dtype, projector_dtype=proj_dtype,

@@ -1,7 +1,13 @@
-"""Files: the one way bivit replaces a file, appends lines, and opens a file it expects to be a regular one.
+"""Files: the one way bivit replaces a file, appends lines, opens a file it expects to be a regular one, and
+parses JSON it did not write.
 
 Reading: `open_regular` opens only regular files, without blocking, so a FIFO or a link to a device (where a
-file is expected) is refused at once instead of hanging or reading forever.
+file is expected) is refused at once instead of hanging or reading forever; `read_regular` can refuse a file
+larger than the caller will hold in memory.
+
+JSON from outside (checkpoint files, request bodies, manifests) goes through `parse_json`: nesting deeper than
+`MAX_JSON_DEPTH` is refused before Python's recursive parser sees it (200k nested `[` would otherwise raise
+RecursionError), and a key repeated in one object is refused (parsers disagree on which one counts).
 
 A reader (or a process killed at any instant) sees either the old file or the complete new one: the data goes
 to a temp file in the same folder, is fsynced, renamed over the target, and the folder is fsynced so the
@@ -15,11 +21,19 @@ import errno
 import hashlib
 import json
 import os
+import re
 import stat
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Optional, Sequence, Union
 
 TMP_PREFIX = ".tmp-"
+# `write_atomic`'s temp file for TARGET is `.tmp-TARGET.PID`; `check_writable`'s probe adds `.probe`.
+_TMP_NAME = re.compile(re.escape(TMP_PREFIX) + r"(?P<target>.+)\.\d+(?:\.probe)?")
+
+# JSON bivit reads from outside: config.json and preprocessor_config.json are a few KB and Kimi-K2.6's weight
+# index about 10 MB; none nests deeper than 4 levels, a request body 3.
+MAX_JSON_BYTES = 64 * 2**20
+MAX_JSON_DEPTH = 64
 
 
 def fsync_dir(path: Union[str, os.PathLike]) -> None:
@@ -30,11 +44,21 @@ def fsync_dir(path: Union[str, os.PathLike]) -> None:
         os.close(fd)
 
 
+def temp_target(name: str) -> Optional[str]:
+    """The file name a bivit temp file of this name was writing (`write_atomic`'s or `check_writable`'s), or
+    None when the name is not one bivit gives its temp files: only those may be deleted as leftovers."""
+    m = _TMP_NAME.fullmatch(name)
+    return m["target"] if m else None
+
+
 def write_atomic(path: Union[str, os.PathLike], data: Union[bytes, Callable[[str], None]], *,
                  before_replace: Optional[Callable[[], None]] = None) -> None:
     """Replace `path` with `data` (bytes, or a function that writes the file at the path it is given).
 
-    `before_replace` runs after the temp file is durable and before the rename (a test pause point).
+    `before_replace` runs after the temp file is durable and before the rename (a test pause point). A write
+    that fails (a full disk, a file size limit) raises OSError naming `path`; the temp file is removed. A writer
+    function must raise OSError for its own write errors: serialise to bytes instead of handing the path to a
+    library that wraps them in its own exception (safetensors' `save_file` raises SafetensorError).
     """
     path = Path(path)
     tmp = path.parent / f"{TMP_PREFIX}{path.name}.{os.getpid()}"
@@ -60,10 +84,12 @@ def write_atomic(path: Union[str, os.PathLike], data: Union[bytes, Callable[[str
         if before_replace is not None:
             before_replace()
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         if fd >= 0:
             os.close(fd)
         tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError) and e.filename is None and e.errno is not None:  # os.write names no file
+            raise OSError(e.errno, e.strerror, str(path)) from None
         raise
     fsync_dir(path.parent)
 
@@ -109,6 +135,10 @@ class NotRegularFile(OSError):
     """A path that should name a regular file names something else (a directory, FIFO, device, socket)."""
 
 
+class FileTooLarge(OSError):
+    """A file is larger than the caller reads into memory."""
+
+
 def file_kind(mode: int) -> str:
     return next((name for test, name in _KINDS if test(mode)), "not a regular file")
 
@@ -130,15 +160,65 @@ def open_regular(path: Union[str, os.PathLike]) -> BinaryIO:
         raise
 
 
-def read_regular(path: Union[str, os.PathLike]) -> bytes:
+def read_regular(path: Union[str, os.PathLike], max_bytes: Optional[int] = None) -> bytes:
+    """A regular file's bytes; FileTooLarge when it holds more than `max_bytes` (checked before reading, and
+    while reading, for a file that grows)."""
     with open_regular(path) as f:
-        return f.read()
+        if max_bytes is None:
+            return f.read()
+        size = os.fstat(f.fileno()).st_size
+        data = f.read(max_bytes + 1) if size <= max_bytes else b""
+        if size > max_bytes or len(data) > max_bytes:
+            raise FileTooLarge(errno.EFBIG, f"larger than the {max_bytes} bytes bivit reads from it "
+                               f"({max(size, len(data))} bytes)", str(path))
+        return data
 
 
-def read_json(path: Union[str, os.PathLike]) -> Any:
-    """A JSON file's value. OSError if it cannot be read (NotRegularFile, without blocking, for a directory, FIFO
-    or device); ValueError if it is not JSON (or not UTF-8/16/32)."""
-    return json.loads(read_regular(path))
+def unique_keys(pairs: list) -> dict:
+    """`object_pairs_hook` that refuses a key repeated in one object (ValueError naming it)."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise ValueError(f"key {dup!r} appears more than once in one object")
+    return out
+
+
+# A JSON string: the quote, then runs of plain characters or escapes (unrolled: linear, no backtracking).
+_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
+_BRACKETS = {ord("["): 1, ord("{"): 1, ord("]"): -1, ord("}"): -1}
+
+
+def json_depth(text: str, chunk: int = 1 << 22) -> int:
+    """How deeply arrays and objects nest in JSON text (strings skipped), computed without recursion and in
+    chunks (a 64 MB body of `[` needs 16 MB of counters at a time, not 512 MB)."""
+    import numpy as np
+
+    rest = np.frombuffer(_JSON_STRING.sub("", text).encode("utf-8", "surrogatepass"), np.uint8)
+    step = np.zeros(256, np.int32)
+    for byte, delta in _BRACKETS.items():
+        step[byte] = delta
+    deepest = level = 0
+    for start in range(0, rest.size, chunk):
+        levels = np.cumsum(step[rest[start:start + chunk]], dtype=np.int64) + level
+        deepest, level = max(deepest, int(levels.max())), int(levels[-1])
+    return deepest
+
+
+def parse_json(data: Union[bytes, str], max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """The value of JSON text from outside bivit; ValueError if it is not JSON (or not UTF-8/16/32), nests
+    deeper than `max_depth`, or repeats a key in one object."""
+    text = data.decode(json.detect_encoding(data), "surrogatepass") if isinstance(data, bytes) else data
+    depth = json_depth(text)
+    if depth > max_depth:
+        raise ValueError(f"nested {depth} levels deep, more than the {max_depth} bivit reads")
+    return json.loads(text, object_pairs_hook=unique_keys)
+
+
+def read_json(path: Union[str, os.PathLike], max_bytes: int = MAX_JSON_BYTES) -> Any:
+    """A JSON file's value (see `parse_json`). OSError if it cannot be read (NotRegularFile, without blocking,
+    for a directory, FIFO or device; FileTooLarge above `max_bytes`); ValueError if it is not acceptable JSON."""
+    return parse_json(read_regular(path, max_bytes))
 
 
 def sha256_file(path: Union[str, os.PathLike], chunk: int = 1 << 20) -> str:

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from .config import ModelConfig, read_json_file
+from .config import FLOAT32_MAX, ModelConfig, read_json_file
 from .errors import ConfigError
 
 log = logging.getLogger("bivit")
@@ -128,8 +128,12 @@ class ProcessorConfig:
             if len(v) != 3 or not all(isinstance(c, (int, float)) and not isinstance(c, bool) and math.isfinite(c)
                                       for c in v):
                 _fail(key, list(v), "expected 3 finite numbers (R, G, B)")
-        if any(c == 0 for c in self.image_std):
-            _fail("image_std", list(self.image_std), "a zero std divides by zero")
+        if any(c <= 0 for c in self.image_std):
+            _fail("image_std", list(self.image_std), "a standard deviation must be positive (zero divides by zero)")
+        # (x/255 - mean) / std for x in 0..255 must stay finite in float32 (std 1e-300 would make every pixel inf).
+        if any(max(abs(m), abs(1 - m)) / s > FLOAT32_MAX for m, s in zip(self.image_mean, self.image_std)):
+            _fail("image_std", list(self.image_std), f"normalised pixels (x/255 - image_mean) / image_std overflow "
+                  f"float32 with image_mean {list(self.image_mean)}")
         if self.transparent_bg_config is not None and not isinstance(self.transparent_bg_config, TransparentBg):
             _fail("transparent_bg_config", self.transparent_bg_config, "expected an object or null")
         if self.transparent_bg_fill_stage not in FILL_STAGES:

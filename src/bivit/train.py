@@ -14,7 +14,8 @@ import os
 import torch
 
 from . import ops
-from .encoder import DEMO_SEED, build_model, check_pixels, parse_device, parse_dtype
+from .dtypes import resolve_dtypes
+from .encoder import DEMO_SEED, build_model, check_pixels, parse_device
 from .model import VisionModel, gemms
 
 
@@ -55,8 +56,7 @@ def load_model(model: str | os.PathLike | None = None, *, device: str | torch.de
     Same arguments and defaults as `load_encoder` (`model` may be a hub repo id too): load both with the same
     `model`, `dtype` and `projector_dtype` and the module's outputs equal the encoder's, bit for bit.
     """
-    tower_dtype = parse_dtype(dtype, "dtype")
-    proj_dtype = parse_dtype(projector_dtype, "projector_dtype") or tower_dtype
+    tower_dtype, proj_dtype, _ = resolve_dtypes(dtype, projector_dtype)
     net, _, _, _ = build_model(model, device=parse_device(device), dtype=tower_dtype, projector_dtype=proj_dtype,
                                seed=seed, revision=revision, cls=TrainableModel)
     net.batch_invariant = batch_invariant

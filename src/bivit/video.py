@@ -34,6 +34,16 @@ Decisions this module makes (the reference does not say):
   is encoded never depends on its content. Pass a GIF to the image path yourself to treat it as an image.
 - Still-image files (PNG/JPEG/... even when renamed `.mp4`) are refused: FFmpeg would open them as a
   one-frame video, silently giving them the video budget and a timestamp.
+- FFmpeg reads only what it is given: paths are opened by bivit (a regular file, no URL or protocol parsing of
+  the name) and bytes are read from memory; FFmpeg gets `format_whitelist` (the containers of `VIDEO_DEMUXERS`:
+  the probe may detect anything, but any other demuxer is refused before it opens, so an `ffconcat` script
+  never names a file to read, SDP never binds a UDP port, HLS/DASH never fetch a segment, image2 never reads a
+  file sequence) and a `protocol_whitelist` that matches no protocol (no nested open of anything).
+- Truncation. A container that declares the video's length (its frame count: mp4/mov/avi/gif; Matroska/WebM's
+  per-track duration, or the segment's when the file has one stream) and whose frames cover less of it than
+  `TRUNCATION_SLACK` allows is refused as truncated (a WebM cut at half its size decodes cleanly to half its
+  frames). Within the slack (a header off by a frame or two) the decoded frames win. Containers that declare
+  no length (MPEG-TS, raw streams, live WebM) cannot be checked.
 - Limits (all configurable; `None` disables one):
   * `max_frames=1024` sampled frames: 1024 1080p frames are 256 chunks of 1032 tokens, ~264k tokens, the
     whole of K2.5's 256k context, and ~10 GB of float32 pixels. With fps >= 2 this caps a video at 512 s.
@@ -47,12 +57,11 @@ from __future__ import annotations
 import io
 import math
 import os
-import time
 from datetime import datetime, timezone
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional, Sequence, Union
+from typing import BinaryIO, Iterator, Optional, Sequence, Union
 
 import av
 import numpy as np
@@ -60,7 +69,9 @@ import torch
 from PIL import Image
 
 from .errors import ConfigError, MediaError
-from .media import IMAGE_EXTENSIONS, MediaBatch, frames_to_item, processing_of
+from .fileio import open_regular
+from .kinds import VIDEO_EXTENSIONS, is_video_path, looks_like_video, media_kind  # noqa: F401  (re-exported)
+from .media import MediaBatch, check_deadline, frames_to_item, processing_of
 from .preprocess_config import K25_PROCESSING, ProcessorConfig
 
 SAMPLE_FPS = K25_PROCESSING.sample_fps
@@ -68,11 +79,17 @@ MAX_FRAMES = 1024
 MAX_DURATION_S = 4 * 3600.0
 MAX_FRAME_PIXELS = 7680 * 4320
 
-VIDEO_EXTENSIONS = frozenset({
-    ".mp4", ".m4v", ".mov", ".qt", ".webm", ".mkv", ".mk3d", ".avi", ".gif", ".apng", ".mpg", ".mpeg", ".m2v",
-    ".ts", ".m2ts", ".mts", ".wmv", ".asf", ".flv", ".3gp", ".3g2", ".ogv", ".mxf", ".vob", ".y4m", ".hevc",
-    ".h264", ".h265", ".264", ".265", ".ivf", ".dv", ".nut",
-})
+# The demuxers bivit reads videos with (FFmpeg names): the containers of `bivit.kinds.VIDEO_EXTENSIONS`.
+VIDEO_DEMUXERS = ("mov", "matroska", "avi", "gif", "apng", "mpeg", "mpegvideo", "mpegts", "asf", "flv", "ogg",
+                  "mxf", "yuv4mpegpipe", "hevc", "h264", "m4v", "ivf", "dv", "nut")
+# Still-image demuxers read the given bytes only; allowed so that a still image gets its own message.
+_STILL_DEMUXERS = ("image2pipe", *sorted(f for f in av.formats_available if f.endswith("_pipe")))
+_OPEN_OPTIONS = {"format_whitelist": ",".join(VIDEO_DEMUXERS + _STILL_DEMUXERS),
+                 "protocol_whitelist": "none"}  # no protocol has this name: nested opens are all refused
+# A declared length the frames may fall short of before the video counts as truncated: a header off by a frame
+# or two (edit lists, rounding) is not damage, half a video is. Missing more than max(FRAMES frames, SECONDS s)
+# plus FRACTION of the declared length is truncation.
+TRUNCATION_SLACK = {"frames": 2, "seconds": 0.5, "fraction": 0.02}
 
 VideoInput = Union[str, os.PathLike, bytes]
 
@@ -107,41 +124,6 @@ class VideoInfo:
     @property
     def duration_s(self) -> float:
         return self.num_frames / self.fps
-
-
-def is_video_path(path: Union[str, os.PathLike]) -> bool:
-    """True when the extension names a video container (case-insensitive); `.gif` always counts as video."""
-    return Path(os.fspath(path)).suffix.lower() in VIDEO_EXTENSIONS
-
-
-# ISO BMFF brands that are still images (an `ftyp` box does not by itself mean video).
-_STILL_IMAGE_BRANDS = {b"avif", b"avis", b"heic", b"heix", b"heim", b"heis", b"hevc", b"hevx", b"mif1", b"msf1"}
-
-
-def looks_like_video(data: bytes) -> bool:
-    """True when the bytes start like a video container (decided from the bytes alone, so it is cache-safe)."""
-    if len(data) >= 12 and data[4:8] == b"ftyp":
-        return data[8:12] not in _STILL_IMAGE_BRANDS
-    return (data[:4] == b"\x1a\x45\xdf\xa3"  # Matroska / WebM
-            or (data[:4] == b"RIFF" and data[8:12] == b"AVI ")
-            or data[:3] == b"FLV"
-            or data[:4] == b"\x00\x00\x01\xba"  # MPEG program stream
-            or (len(data) > 376 and data[0] == data[188] == data[376] == 0x47))  # MPEG transport stream
-
-
-def media_kind(name: Union[str, os.PathLike], data: Optional[bytes] = None) -> Optional[str]:
-    """"video", "image" or None (unknown): the one rule for what an input is.
-
-    By extension first (`is_video_path`: how `Encoder.encode` treats a path, `.gif` included); an unknown
-    extension is a video when `data` starts like a video container, else unknown.
-    """
-    if is_video_path(name):
-        return "video"
-    if Path(os.fspath(name)).suffix.lower() in IMAGE_EXTENSIONS:
-        return "image"
-    if data is not None and looks_like_video(data):
-        return "video"
-    return None
 
 
 def join_chunks(chunks: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -228,6 +210,8 @@ def _translate_errors(name: str, doing: str) -> Iterator[None]:
         raise
     except (av.FFmpegError, OSError, EOFError, ValueError, IndexError, RuntimeError) as e:
         raise MediaError(f"{name}: {doing} failed, corrupt or unsupported video ({_reason(e)})") from None
+    except MemoryError:
+        raise MediaError(f"{name}: {doing} failed: not enough memory") from None
 
 
 class _Source:
@@ -235,9 +219,23 @@ class _Source:
 
     def __init__(self, src: VideoInput, name: str):
         self.name = name
+        # A file object named by its descriptor: FFmpeg sees neither the path (no protocol is parsed from it)
+        # nor its extension (bytes and paths are probed alike).
+        try:
+            self.file: BinaryIO = io.BytesIO(src) if isinstance(src, bytes) else open_regular(src)
+        except OSError as e:
+            raise MediaError(f"{name}: cannot read ({e.strerror or e})") from None
         with _translate_errors(name, "opening"):
-            target = io.BytesIO(src) if isinstance(src, bytes) else os.fspath(src)
-            self.container = av.open(target, mode="r", metadata_errors="ignore")
+            try:
+                self.container = av.open(self.file, mode="r", metadata_errors="ignore",
+                                         container_options=_OPEN_OPTIONS)
+            except av.error.ArgumentError:  # how FFmpeg refuses a detected format that is not on the whitelist
+                self.file.close()
+                raise MediaError(f"{name}: not a video container bivit reads (FFmpeg demuxers "
+                                 f"{', '.join(VIDEO_DEMUXERS)})") from None
+            except BaseException:
+                self.file.close()
+                raise
         try:
             with _translate_errors(name, "reading the stream list"):
                 fmt = self.container.format.name
@@ -258,11 +256,29 @@ class _Source:
                 if rate is None or not rate > 0:
                     raise MediaError(f"{name}: the video stream reports no frame rate")
                 self.fps = float(rate)
+                self.declared_s = self._declared_seconds()
                 # Keep PyAV's default slice threading: with frame threading ("AUTO"/"FRAME") FFmpeg drops the
                 # decode error of a truncated file and just ends the stream early, hiding the damage.
         except BaseException:
             self.close()
             raise
+
+    def _declared_seconds(self) -> Optional[float]:
+        """How long a container without a frame count says the video stream lasts, where it stores it for the
+        video itself: Matroska/WebM's per-track DURATION tag, or its segment duration when the file holds one
+        stream (never an FFmpeg estimate from the bitrate, never the longest of several streams)."""
+        if "matroska" not in self.format:
+            return None
+        tag = self.stream.metadata.get("DURATION")
+        if tag:
+            try:
+                h, m, sec = tag.split(":")
+                return int(h) * 3600 + int(m) * 60 + float(sec)
+            except ValueError:
+                return None
+        if len(self.container.streams) == 1 and self.container.duration:
+            return self.container.duration / av.time_base
+        return None
 
     def frames(self) -> Iterator[av.VideoFrame]:
         with _translate_errors(self.name, "decoding"):
@@ -273,12 +289,22 @@ class _Source:
             self.container.close()
         except Exception:  # closing a half-read container must never mask the real error
             pass
+        self.file.close()
 
     def __enter__(self) -> "_Source":
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _check_complete(name: str, declared_s: float, covered_s: float, fps: float, declared: str) -> None:
+    """MediaError when the frames cover clearly less than the container declares (see TRUNCATION_SLACK)."""
+    slack = (max(TRUNCATION_SLACK["frames"] / fps, TRUNCATION_SLACK["seconds"])
+             + TRUNCATION_SLACK["fraction"] * declared_s)
+    if covered_s < declared_s - slack:
+        raise MediaError(f"{name}: truncated or damaged: the container declares {declared}, its frames cover "
+                         f"{covered_s:.2f} s")
 
 
 class _Limits:
@@ -292,8 +318,7 @@ class _Limits:
         self.max_frame_pixels, self.sample_fps = max_frame_pixels, sample_fps
 
     def check_time(self) -> None:
-        if self.deadline is not None and time.monotonic() > self.deadline:
-            raise MediaError(f"{self.name}: decoding stopped at its deadline (the video takes too long to decode)")
+        check_deadline(self.deadline, self.name, "the video")
 
     def check_size(self, width: int, height: int) -> None:
         if self.max_frame_pixels is not None and width * height > self.max_frame_pixels:
@@ -319,16 +344,24 @@ class _Limits:
 
 
 def _count_frames(source: _Source, limits: _Limits) -> int:
-    """Decode the whole stream once, counting frames; stop as soon as the count breaks a limit."""
+    """Decode the whole stream once, counting frames; stop as soon as the count breaks a limit. A declared
+    length the frames fall clearly short of is truncation."""
     count = 0
+    first = last = None
     frames = source.frames()
     try:
-        for _ in frames:
+        for frame in frames:
             count += 1
+            if frame.pts is not None and frame.time_base is not None:
+                first = frame.pts * frame.time_base if first is None else first
+                last = frame.pts * frame.time_base
             limits.check_length(count, source.fps, at_least=True)
             limits.check_time()
     finally:
         frames.close()
+    if source.declared_s is not None and count:
+        covered = float(last - first) + 1 / source.fps if first is not None else count / source.fps
+        _check_complete(source.name, source.declared_s, covered, source.fps, f"{source.declared_s:.2f} s")
     return count
 
 
@@ -396,6 +429,8 @@ def _chunk_items(src: VideoInput, name: str, info: VideoInfo, indices: list[int]
             pixels, grid = frames_to_item(buffer, limit, proc)
         except MediaError as e:  # e.g. the resolution changed inside a chunk
             raise MediaError(f"{name}: chunk {c}: {e}") from None
+        except MemoryError:
+            raise MediaError(f"{name}: chunk {c}: not enough memory to preprocess its frames") from None
         stamp = chunk_timestamp(indices[c * chunk_size], info.fps, proc.timestamp_mode)
         items.append(MediaBatch(pixels, torch.tensor([grid], dtype=torch.int64), [stamp], [f"{name}#chunk{c}"],
                                 [buffer[0].size]))
@@ -438,6 +473,7 @@ def preprocess_video(path: VideoInput, *, max_frames: Optional[int] = MAX_FRAMES
         raise MediaError(f"{name}: this model's processor ({proc.processor}) accepts images only, as its published "
                          "code does; videos cannot be encoded for it", name)
     limits.deadline, limits.max_decoded_pixels = deadline, max_decoded_pixels
+    limits.check_time()  # queued until after its deadline: not started
     with _naming(name):
         return _preprocess(path, name, limits, sample_fps, chunk_size, patch_limit, proc)
 
@@ -455,6 +491,8 @@ def _preprocess(path: VideoInput, name: str, limits: _Limits, sample_fps: float,
             if attempt == 1:
                 raise MediaError(f"{name}: decoding gives a different number of frames each time "
                                  f"({info.num_frames}, then {short.decoded})") from None
+            _check_complete(name, info.num_frames / info.fps, short.decoded / info.fps, info.fps,
+                            f"{info.num_frames} frames ({info.num_frames / info.fps:.2f} s)")
             # The container over-reported its frame count; the frames the decoder yields are the truth.
             info = VideoInfo(name, short.decoded, info.fps, info.width, info.height, info.codec, info.container,
                              "decoding")

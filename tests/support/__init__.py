@@ -1,1 +1,2 @@
-"""Helpers shared by the tests (on sys.path through pyproject's `pythonpath`): real checkpoints and media."""
+"""Helpers shared by the tests (on sys.path through pyproject's `pythonpath`): real checkpoints, media and
+server processes."""

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import io
 import os
+import struct
+import zlib
 from fractions import Fraction
 from pathlib import Path
 from typing import Callable, Union
@@ -190,8 +192,6 @@ def overstate_avi_frame_count(path: PathLike, frames: int) -> Path:
     FFmpeg's avi demuxer reports the video stream header's `dwLength` as the stream's frame count; the main
     header's `dwTotalFrames` is patched too so both agree.
     """
-    import struct
-
     path = Path(path)
     data = bytearray(path.read_bytes())
     strh = data.find(b"strh")
@@ -204,3 +204,22 @@ def overstate_avi_frame_count(path: PathLike, frames: int) -> Path:
     data[avih + 8 + 16 : avih + 8 + 20] = struct.pack("<I", frames)  # dwTotalFrames
     path.write_bytes(bytes(data))
     return path
+
+
+def blank_png(width: int, height: int, color_type: int = 0) -> bytes:
+    """A black PNG of any size, compressed as it is written (a 1x60,000,000 grey one is 117 KB, written in a
+    second without ever holding its 120 MB of rows)."""
+    row = b"\x00" * (1 + width * {0: 1, 2: 3, 4: 2, 6: 4}[color_type])
+    rows_per = max(1, (1 << 20) // len(row))
+    z, parts, left = zlib.compressobj(9), [], height
+    while left:
+        n = min(rows_per, left)
+        parts.append(z.compress(row * n))
+        left -= n
+    parts.append(z.flush())
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, color_type, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", b"".join(parts)) + chunk(b"IEND", b"")

@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 
 from ..config import PRESETS, ModelConfig
-from ..encoder import parse_dtype
+from ..dtypes import parse_dtype
 from ..errors import BivitError
 from ..media import MediaBatch, frames_to_item
 

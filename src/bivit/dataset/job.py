@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from ..encoder import dtype_name, parse_dtype
-from ..errors import BivitError, ConfigError
+from ..dtypes import canonical_name
+from ..errors import BivitError
 from .local import run_local
 from .pipeline import Encoded
 from .sources import list_sources, plan
@@ -44,16 +44,6 @@ class Summary:
                 + (f", {self.workers} workers)" if self.engine == "ray" else ")"))
 
 
-def _parse_dtype(name: Optional[str], option: str) -> Optional[str]:
-    """The dtype's canonical name (the encoder's aliases), or a one-line error naming the option."""
-    if name is None:
-        return None
-    try:
-        return dtype_name(parse_dtype(name, option))
-    except ConfigError:
-        raise BivitError(f"{option} {name!r}: expected bfloat16, float16 or float32") from None
-
-
 def encode_dataset(src: str | os.PathLike, out: str | os.PathLike, *, model: Optional[str] = None,
                    dtype: str = "bfloat16", projector_dtype: Optional[str] = None,
                    output_dtype: Optional[str] = None, engine: str = "local", ray_address: Optional[str] = None,
@@ -72,9 +62,9 @@ def encode_dataset(src: str | os.PathLike, out: str | os.PathLike, *, model: Opt
         raise BivitError("--batch-tokens must be at least 1")
     if shard_mb <= 0:
         raise BivitError("--shard-mb must be positive")
-    opts = dict(dtype=_parse_dtype(dtype, "--dtype"),
-                projector_dtype=_parse_dtype(projector_dtype, "--projector-dtype"),
-                output_dtype=_parse_dtype(output_dtype, "--output-dtype"), alpha=alpha)
+    opts = dict(dtype=canonical_name(dtype, "--dtype"),
+                projector_dtype=canonical_name(projector_dtype, "--projector-dtype"),
+                output_dtype=canonical_name(output_dtype, "--output-dtype"), alpha=alpha)
     out = Path(out)
     sources = list_sources(src, exclude=out)
 

@@ -23,7 +23,8 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import pyarrow as pa
 import torch
 
-from ..encoder import dtype_name, load_encoder, parse_dtype
+from ..dtypes import dtype_name, parse_dtype
+from ..encoder import load_encoder
 from ..errors import BivitError
 from ..media import MediaBatch
 from .pipeline import Encoded, Prepared, Work, encode_prepared, prepare

@@ -50,7 +50,7 @@ class EncodedDataset:
 
     @property
     def dtype(self) -> "torch.dtype":
-        from ..encoder import parse_dtype
+        from ..dtypes import parse_dtype
 
         return parse_dtype(self.header["output_dtype"], "output_dtype")
 

@@ -9,7 +9,6 @@ encode.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -17,8 +16,8 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from ..errors import BivitError
-from ..fileio import check_regular, file_kind, sha256_file
-from ..video import media_kind
+from ..fileio import check_regular, file_kind, parse_json, sha256_file
+from ..kinds import media_kind
 from .format import Record
 from .pipeline import Source, Work
 from .writer import DatasetWriter
@@ -81,9 +80,9 @@ def _list_manifest(manifest: Path) -> list[Source]:
             continue
         if line.startswith("{"):
             try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise BivitError(f"{manifest}:{lineno}: invalid JSON ({e.msg})") from None
+                obj = parse_json(line)
+            except ValueError as e:  # not JSON, nested too deeply, a repeated key
+                raise BivitError(f"{manifest}:{lineno}: invalid JSON ({getattr(e, 'msg', e)})") from None
             name = obj.get("path") if isinstance(obj, dict) else None
             if not isinstance(name, str) or not name:
                 raise BivitError(f"{manifest}:{lineno}: a JSON line needs a non-empty string field 'path'")

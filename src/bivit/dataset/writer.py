@@ -4,8 +4,9 @@ Crash safety (a SIGKILL at any instant leaves nothing half-written that a reader
 for data):
   1. A shard is written to a `.tmp-*` file in DIR, fsynced, renamed to its final name, then DIR is fsynced.
   2. Manifest lines are appended (one write, then fsync) only after their shard is durable.
-  3. The next run (holding DIR's lock) deletes `.tmp-*` files, truncates a trailing partial line and deletes
-     shards no manifest line references (renamed but killed before their lines were appended).
+  3. The next run (holding DIR's lock) deletes the temp files bivit writes there (`.tmp-<shard or header>.<pid>`;
+     no other file), truncates a trailing partial line and deletes shards no manifest line references (renamed
+     but killed before their lines were appended).
 Every manifest and error line carries the next `seq` (see `bivit.dataset.format`), so an error stays the
 source's state until the source is encoded again.
 """
@@ -23,9 +24,9 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from ..encoder import dtype_name
+from ..dtypes import dtype_name
 from ..errors import BivitError
-from ..fileio import TMP_PREFIX, append_lines, fsync_dir, write_atomic
+from ..fileio import append_lines, fsync_dir, temp_target, write_atomic
 from .format import (DEFAULT_SHARD_MB, ERRORS, FORMAT, FORMAT_VERSION, HEADER, LOCK, MANIFEST, SHARD_RE,
                      ErrorRecord, Record, read_header, read_jsonl, state_from_rows)
 from .pipeline import Source
@@ -46,6 +47,13 @@ def _pause(phase: str) -> None:
         want, _, seconds = spec.partition(":")
         if want == phase:
             time.sleep(float(seconds or 1))
+
+
+def _own_temp(name: str) -> bool:
+    """A temp file bivit itself writes in a dataset folder (the only `.tmp-*` files it may delete: a user's
+    `.tmp-notes` is not one)."""
+    target = temp_target(name)
+    return target is not None and (target in (HEADER, MANIFEST, ERRORS) or SHARD_RE.fullmatch(target) is not None)
 
 
 def header_for(encoder: Any, model: Optional[str]) -> dict:
@@ -83,9 +91,14 @@ class DatasetWriter:
         self.flush_seconds = flush_seconds
         if self.dir.exists() and not self.dir.is_dir():
             raise BivitError(f"{out}: exists and is not a directory")
+        created = False  # whether this run created DIR's lock file: a refused folder must not keep it
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
-            self._lock_fd: Optional[int] = os.open(self.dir / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                self._lock_fd: Optional[int] = os.open(self.dir / LOCK, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+                created = True
+            except FileExistsError:
+                self._lock_fd = os.open(self.dir / LOCK, os.O_RDWR)
         except OSError as e:
             raise BivitError(f"{out}: cannot write the output folder ({e.strerror or e})") from None
         try:
@@ -97,6 +110,8 @@ class DatasetWriter:
             self._open_header()
             self._recover()
         except BaseException:
+            if created and not (self.dir / HEADER).exists():  # refused before it became a dataset folder
+                (self.dir / LOCK).unlink(missing_ok=True)
             self.close()
             raise
         self._pending: dict[str, tuple[torch.Tensor, list[Record]]] = {}  # key -> (tensor, its manifest lines)
@@ -115,7 +130,7 @@ class DatasetWriter:
                 raise BivitError(f"{self.dir}: written by a different encoder ({what}); choose another --out")
             self.header = old
         else:
-            leftovers = [p.name for p in self.dir.iterdir() if p.name != LOCK and not p.name.startswith(TMP_PREFIX)]
+            leftovers = [p.name for p in self.dir.iterdir() if p.name != LOCK and not _own_temp(p.name)]
             if leftovers:
                 raise BivitError(f"{self.dir}: not empty and has no {HEADER} (found {sorted(leftovers)[0]!r}); "
                                  "choose an empty or new --out")
@@ -123,7 +138,7 @@ class DatasetWriter:
 
     def _recover(self) -> None:
         for p in self.dir.iterdir():
-            if p.name.startswith(TMP_PREFIX):
+            if _own_temp(p.name):
                 p.unlink()  # a shard or header that was being written when a previous run died
         seq, rows = 0, {}
         for name in (MANIFEST, ERRORS):  # each file read (and parsed) once
@@ -231,14 +246,14 @@ class DatasetWriter:
         """Write the pending tensors as one durable shard, then append their manifest lines."""
         if not self._pending:
             return
-        from safetensors.torch import save_file
+        from safetensors.torch import save
 
         name = f"shard-{self._next_shard:06d}.safetensors"
         self._next_shard += 1
         tensors = {k: t for k, (t, _) in self._pending.items()}
         meta = {"format": FORMAT, "fingerprint": str(self.header["fingerprint"])}
-        write_atomic(self.dir / name, lambda tmp: save_file(tensors, tmp, metadata=meta),
-                     before_replace=lambda: _pause("before_rename"))
+        # Serialised in memory (one shard, --shard-mb) so that a full disk is an OSError naming the shard.
+        write_atomic(self.dir / name, save(tensors, metadata=meta), before_replace=lambda: _pause("before_rename"))
         _pause("after_rename")
         self.add_lines([dataclasses.replace(r, shard=name) for _, lines in self._pending.values() for r in lines])
         self.tokens_written += sum(int(t.shape[0]) for t, _ in self._pending.values())

@@ -30,15 +30,13 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from ..dtypes import dtype_name
+
 log = logging.getLogger("bivit")
 
 
 class KernelFailed(RuntimeError):
     """A kernel chosen for this process raised. Not recoverable by switching kernels: that would change bits."""
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def private(namespace, name: str) -> Callable | None:

@@ -8,7 +8,6 @@
     settings  the limits (`bivit serve` options), validated
     serving   one request's life: body, items, admission, preprocessing, encoding, answer
     app       the FastAPI app: routes, auth, request log, lifecycle; `run` starts uvicorn
-    launch    a server subprocess on a free loopback port (tests, load tests)
 
 Nothing here is imported by `import bivit`; `app`, `serving` and `metrics` need the `serve` extra.
 """

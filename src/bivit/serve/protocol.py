@@ -5,6 +5,8 @@ Response (schema `RESPONSE_FORMAT`): a safetensors file whose tensors `"0"`, `"1
 embeddings by input index (none for a failed item) and whose header metadata holds `format`, `model`,
 `fingerprint`, `dtype` and `items` (a JSON list of per-item metadata); or the same as JSON with each item's
 `embedding` as nested float lists (`?format=json`). An error is `{"error": {"kind", "message"}, ...}`.
+
+Imports neither torch nor PyAV: `bivit.client` stays light; torch loads when a body is (de)serialised.
 """
 
 from __future__ import annotations
@@ -14,12 +16,14 @@ import binascii
 import json
 import struct
 from dataclasses import dataclass, field
-from typing import Any, Optional
-
-import torch
+from typing import TYPE_CHECKING, Any, Optional
 
 from ..errors import BivitError
-from ..video import media_kind
+from ..fileio import parse_json
+from ..kinds import media_kind
+
+if TYPE_CHECKING:
+    import torch
 
 SAFETENSORS_MEDIA_TYPE = "application/vnd.bivit.safetensors"
 RESPONSE_FORMAT = "bivit.response/1"
@@ -37,7 +41,7 @@ class RequestError(BivitError):
 class UploadItem:
     """One uploaded item.
 
-    It is a video when `bivit.video.media_kind` says so from its name or its first bytes (exactly how offline
+    It is a video when `bivit.kinds.media_kind` says so from its name or its first bytes (exactly how offline
     encoding decides for a path, `.gif` included), or when the client says so (part Content-Type `video/*`,
     JSON `"kind": "video"`); JSON `"kind": "image"` forces the image path. Otherwise an image.
     """
@@ -64,7 +68,7 @@ class ItemResult:
     name: str
     kind: str = "image"
     sha256: str = ""
-    embedding: Optional[torch.Tensor] = None
+    embedding: Optional["torch.Tensor"] = None
     grid_thw: list = field(default_factory=list)
     timestamps: Optional[list] = None
     placeholders: Optional[list] = None  # per image / chunk: {"text": prompt placeholder, "tokens": rows}
@@ -77,23 +81,16 @@ class ItemResult:
         return 0 if self.embedding is None else int(self.embedding.shape[0])
 
 
-def _unique_keys(pairs: list) -> dict:
-    keys = [k for k, _ in pairs]
-    if len(set(keys)) != len(keys):
-        dup = next(k for k in keys if keys.count(k) > 1)
-        raise ValueError(f"key {dup!r} appears more than once in one object")
-    return dict(pairs)
-
-
 def parse_json_request(body: bytes) -> list[UploadItem]:
     """The items of a JSON request body; RequestError (400) when the body is not the documented shape.
 
-    A key repeated in one object is refused (which one counts differs between parsers); base64 may be split
-    into lines (MIME's 76 columns), any other non-alphabet character is an error.
+    A key repeated in one object is refused (which one counts differs between parsers), and so is nesting
+    deeper than `bivit.fileio.MAX_JSON_DEPTH`; base64 may be split into lines (MIME's 76 columns), any other
+    non-alphabet character is an error.
     """
     try:
-        doc = json.loads(body, object_pairs_hook=_unique_keys)
-    except (ValueError, UnicodeDecodeError) as e:
+        doc = parse_json(body)
+    except ValueError as e:  # UnicodeDecodeError included
         raise RequestError(400, "bad_request", f"invalid JSON body: {e}") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("items"), list):
         raise RequestError(400, "bad_request", 'JSON body must be {"items": [{"data": "<base64>", "name": ...}]}')
@@ -122,7 +119,7 @@ def item_meta(i: int, r: ItemResult) -> dict:
             "error": r.error, "error_kind": r.error_kind}
 
 
-def result_from_meta(m: dict, embedding: Optional[torch.Tensor] = None) -> ItemResult:
+def result_from_meta(m: dict, embedding: Optional["torch.Tensor"] = None) -> ItemResult:
     return ItemResult(name=m["name"], kind=m["kind"], sha256=m["sha256"], embedding=embedding,
                       grid_thw=m.get("grid_thw") or [], timestamps=m.get("timestamps"),
                       placeholders=m.get("placeholders"), cached=bool(m.get("cached")),

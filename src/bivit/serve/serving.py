@@ -2,8 +2,11 @@
 
 1. The event loop reads the body (bounded by `max_body_mb`), splits it into items (multipart `file` parts or
    JSON base64 items), hashes each item and looks it up in the embedding cache.
-2. Cache misses are admitted against `max_queue` (else 429 + Retry-After) and preprocessed in a thread pool,
-   so decoding and resizing never block the event loop.
+2. Cache misses are admitted against `max_queue` (else 429 + Retry-After) and preprocessed in thread pools,
+   so decoding and resizing never block the event loop: videos in one, images in another, and images whose
+   header says they are heavy (`HEAVY_IMAGE_SIZE`) in a third of one thread, so a heavy item never makes a
+   small one wait for a thread. Every decode stops at its request's deadline (an item still queued then is
+   never started).
 3. Each preprocessed item (each chunk, for a video) goes to the Batcher, whose single worker coalesces queued
    items from all concurrent requests into forward passes.
 4. The request assembles its items' embeddings in input order (a video: its chunks concatenated).
@@ -27,19 +30,19 @@ import collections
 import concurrent.futures
 import contextlib
 import hashlib
-import io
 import logging
 import time
 from dataclasses import replace
 from typing import Optional
 
 from fastapi import Request
-from PIL import Image
 from starlette.requests import ClientDisconnect
 
-from ..encoder import Encoder, dtype_name
+from ..dtypes import dtype_name
+from ..encoder import Encoder
 from ..errors import BivitError, MediaError
-from ..media import PATCH_SIZE, MediaBatch, batch_placeholders, grid_tokens, image_grid, preprocess_images
+from ..media import (PATCH_SIZE, MediaBatch, batch_placeholders, grid_tokens, image_grid, image_header,
+                     image_work_bytes, preprocess_images)
 from ..video import join_chunks, preprocess_video
 from .batcher import Batcher
 from .cache import EmbeddingCache
@@ -54,6 +57,11 @@ log = logging.getLogger("bivit.server")
 PATCH_BYTES = 3 * PATCH_SIZE * PATCH_SIZE * 4
 # A JSON response writes each value as text: at most ~20 bytes with its separator.
 JSON_BYTES_PER_VALUE = 20
+# An image whose decoding and preprocessing takes more memory than an RGB photo of this size does (as the model
+# preprocesses it; `bivit.media.image_work_bytes`) is heavy: decoded in the one-thread heavy pool, so at most one
+# such image is in memory at a time and none holds a thread a small image needs. A 64 MP PNG decodes in about 2 s
+# on one core; the 14000x14000 PNGs that starved small requests take 5-7 s each.
+HEAVY_IMAGE_SIZE = (8192, 8192)
 
 
 ENCODE_MEDIA_TYPES = ("multipart/form-data", "application/json")
@@ -112,10 +120,12 @@ class Service:
         # Without batch invariance a cached embedding may differ from a fresh one, so no cache at all.
         self.cache = EmbeddingCache(int(settings.cache_mb * 2**20) if encoder.batch_invariant else 0)
         self.batcher = Batcher(encoder, settings.max_batch_tokens, settings.max_wait_ms / 1000.0, self.metrics)
-        # Images and videos decode in separate pools: a video that is slow to decode (until its request's deadline)
-        # never makes an image request wait for a thread.
+        # Images, heavy images and videos decode in separate pools: a video or a heavy image that is slow to decode
+        # (until its request's deadline) never makes a small image wait for a thread.
         self.pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self.heavy_pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self.video_pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self.heavy_bytes = image_work_bytes(*HEAVY_IMAGE_SIZE, "RGB", encoder.processing)
         self.inflight = 0  # items admitted and not yet answered; touched only on the event loop
         self.pixels_held = 0  # preprocessed pixel bytes of admitted requests (see _Budget); event loop only
         self.draining = False
@@ -134,6 +144,7 @@ class Service:
     def start(self) -> None:
         self.pool = concurrent.futures.ThreadPoolExecutor(self.settings.preprocess_threads,
                                                           thread_name_prefix="bivit-preprocess")
+        self.heavy_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="bivit-heavy")
         self.video_pool = concurrent.futures.ThreadPoolExecutor(self.settings.preprocess_threads,
                                                                 thread_name_prefix="bivit-video")
         self.batcher.start()
@@ -141,7 +152,7 @@ class Service:
     def stop(self) -> None:
         self.draining = True
         self.batcher.stop()
-        for pool in (self.pool, self.video_pool):
+        for pool in (self.pool, self.heavy_pool, self.video_pool):
             if pool is not None:
                 pool.shutdown(wait=True)
 
@@ -235,32 +246,39 @@ class Service:
 
     # -- encoding
     def _preprocess(self, item: UploadItem, deadline: float) -> MediaBatch:
-        """Runs in the thread pool: bytes -> MediaBatch (one item per image, one per video chunk)."""
+        """Runs in a thread pool: bytes -> MediaBatch (one item per image, one per video chunk). From the bytes
+        (no temp file); decoding stops at the request's deadline, so a request that timed out does not keep a
+        preprocessing thread from the next one."""
         proc = self.encoder.processing  # the model's preprocessing and the server's --alpha, as offline
         if item.kind == "image":
-            return preprocess_images([item.data], names=[item.name], processing=proc, alpha=self.encoder.alpha)
-        # From the bytes (no temp file); decoding stops at the request's deadline, so a request that timed out
-        # does not keep a preprocessing thread from the next one.
+            return preprocess_images([item.data], names=[item.name], processing=proc, alpha=self.encoder.alpha,
+                                     deadline=deadline)
         return preprocess_video(item.data, name=item.name, processing=proc, deadline=deadline,
                                 max_decoded_pixels=int(self.settings.max_video_mpixels * 1e6))
 
-    def _image_cost(self, data: bytes) -> Optional[tuple[int, int]]:
-        """(preprocessed pixel bytes, tokens) of an image from its header alone, under the model's preprocessing;
-        None if the header is unreadable (decoding will then say what is wrong)."""
+    def _image_cost(self, data: bytes) -> Optional[tuple[int, int, bool]]:
+        """(preprocessed pixel bytes, tokens, heavy) of an image from its header alone, under the model's
+        preprocessing; None if the header is unreadable (decoding will then say what is wrong)."""
         try:
-            with Image.open(io.BytesIO(data)) as im:
-                gh, gw = image_grid(*im.size, self.encoder.processing)
-        except Exception:  # noqa: BLE001 - any header Pillow refuses
+            head = image_header(data, self.encoder.processing)
+        except MediaError:
             return None
-        return gh * gw * PATCH_BYTES, grid_tokens(gh, gw)
+        gh, gw = image_grid(head.width, head.height, self.encoder.processing)
+        return gh * gw * PATCH_BYTES, grid_tokens(gh, gw), head.work_bytes > self.heavy_bytes
+
+    def _pool_for(self, item: UploadItem, heavy: bool) -> concurrent.futures.ThreadPoolExecutor:
+        if item.kind == "video":
+            return self.video_pool
+        return self.heavy_pool if heavy else self.pool
 
     async def encode_item(self, item: UploadItem, key: tuple, deadline: float, budget: "_Budget",
-                          paid: bool, copies: int) -> ItemResult:
-        """One distinct item of a request; errors are reasons (the caller names each copy of the item)."""
+                          cost: Optional[tuple[int, int, bool]], copies: int) -> ItemResult:
+        """One distinct item of a request (`cost`: `_image_cost`'s, None if not known before decoding); errors
+        are reasons (the caller names each copy of the item)."""
         res = ItemResult(item.name, item.kind, key[2])
         loop = asyncio.get_running_loop()
         try:
-            pool = self.video_pool if item.kind == "video" else self.pool
+            pool = self._pool_for(item, cost is not None and cost[2])
             batch = await loop.run_in_executor(pool, self._preprocess, item, deadline)
         except MediaError as e:
             res.error, res.error_kind = e.about(item.name), "media"
@@ -271,7 +289,7 @@ class Service:
         if len(batch) == 0:
             res.error, res.error_kind = "no frames to encode", "media"
             return res
-        if not paid:  # a video (or an image whose header said nothing): counted once decoded
+        if cost is None:  # a video (or an image whose header said nothing): counted once decoded
             budget.take(batch.pixel_values.nbytes, sum(batch.token_counts) * copies)
         futures = [asyncio.wrap_future(self.batcher.submit(batch.item(c))) for c in range(len(batch))]
         try:
@@ -344,8 +362,8 @@ class Service:
                             sum(c[1] * copies[key] for key, c in cost.items() if c))
                 self.inflight += n
                 self.metrics.inflight_items.set(self.inflight)
-                tasks = [asyncio.ensure_future(self.encode_item(items[i], key, deadline, budget, cost[key] is not None,
-                                                                copies[key])) for key, i in unique.items()]
+                tasks = [asyncio.ensure_future(self.encode_item(items[i], key, deadline, budget, cost[key], copies[key]))
+                         for key, i in unique.items()]
                 try:
                     fresh = await asyncio.wait_for(asyncio.gather(*tasks), self.settings.request_timeout_s)
                 except asyncio.TimeoutError:

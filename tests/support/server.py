@@ -1,4 +1,5 @@
-"""A real `bivit serve` process on a free loopback port, for tests and load tests.
+"""A real `bivit serve` process on a free loopback port, for the tests and the load-test benchmarks
+(`benchmarks/loadtest.py`, `benchmarks/hostile_load.py` put `tests/` on their path to use it).
 
 The server logs to a file (not a pipe: a full pipe would block the server), so callers can read its JSON lines.
 """

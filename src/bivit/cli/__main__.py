@@ -1,0 +1,5 @@
+"""`python -m bivit.cli ...` is the `bivit` command."""
+
+from . import main
+
+main()

@@ -1,0 +1,85 @@
+"""What every `bivit` command shares: the Typer app, the one error style, shared options, opening the encoder.
+
+One error style for all commands: a user mistake, an unusable input or output, a missing extra or an
+unavailable device prints one line `bivit: error: ...` on stderr and exits 2, before any work is done; a run
+that went wrong (inputs that failed, invariant mode not bit-stable, a write failing mid-run) exits 1. Never a
+traceback.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import typer
+
+from ..dtypes import CHOICES as DTYPE_CHOICES, DEFAULT_DTYPE
+from ..errors import BivitError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="bivit: batch-invariant vision encoding for Kimi-K2.5/K2.6/K3.")
+
+USAGE, FAILURE = 2, 1
+
+ModelOpt = typer.Option(None, "--model", help="Checkpoint directory (Moonshot weights) or hub repo id "
+                        "(org/name[@revision]; only config and vision shards are fetched). Default: the demo model.")
+AlphaOpt = typer.Option("model", "--alpha", help="Transparency: model (what the model's processor does), drop, "
+                        "or white (vLLM's loader: RGBA onto white).")
+DtypeOpt = typer.Option(DEFAULT_DTYPE, "--dtype", help=f"Tower compute dtype: {DTYPE_CHOICES}.")
+ProjDtypeOpt = typer.Option(None, "--projector-dtype", help="Projector dtype (default: --dtype).")
+OutDtypeOpt = typer.Option(None, "--output-dtype", help="Output dtype (default: projector dtype).")
+
+
+def fail(message: str, code: int = USAGE) -> None:
+    typer.echo(f"bivit: error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def need_extra(command: str, module: str, extra: str) -> None:
+    """Exit with one line when an optional dependency of `command` is not installed."""
+    if importlib.util.find_spec(module) is None:
+        fail(f"`bivit {command}` needs the {extra!r} extra ({module} is not installed): "
+             f"pip install 'bivit[{extra}]'")
+
+
+def command(name: Optional[str] = None) -> Callable:
+    """Register a command whose BivitErrors become the one-line error (exit 2), and whose unexpected OSErrors
+    (a disk that fills up mid-run) a one-line failure (exit 1)."""
+    def register(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return fn(*args, **kwargs)
+            except BivitError as e:
+                fail(str(e))
+            except OSError as e:
+                fail(_os_message(e), FAILURE)
+        return app.command(name)(run)
+    return register
+
+
+def _os_message(e: OSError) -> str:
+    return f"{e.filename}: {e.strerror or e}" if e.filename else str(e.strerror or e)
+
+
+def writable(path: Path, inputs: Any = (), option: str = "--out") -> None:
+    """Exit 2 now if the output cannot be written later (before any encoding is done)."""
+    from ..fileio import check_writable
+
+    try:
+        check_writable(path, inputs)
+    except OSError as e:
+        fail(f"{option} {path}: {e.strerror or e}")
+
+
+def open_encoder(model: Optional[Path], dtype: str, projector_dtype: Optional[str], output_dtype: Optional[str],
+                 batch_invariant: bool = True, max_batch_tokens: Optional[int] = None, alpha: str = "model") -> Any:
+    from ..encoder import DEMO_NOTICE, load_encoder
+
+    enc = load_encoder(model, dtype=dtype, projector_dtype=projector_dtype, output_dtype=output_dtype,
+                       batch_invariant=batch_invariant, max_batch_tokens=max_batch_tokens, alpha=alpha)
+    if enc.is_demo:
+        typer.echo(DEMO_NOTICE, err=True)
+    return enc

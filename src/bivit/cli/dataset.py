@@ -1,0 +1,58 @@
+"""`bivit encode-dataset`: a folder or manifest of media into a resumable sharded dataset folder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from ..dataset import format as dataset_format  # light: file names and defaults
+from .common import FAILURE, AlphaOpt, DtypeOpt, OutDtypeOpt, ProjDtypeOpt, command, writable
+
+@command("encode-dataset")
+def encode_dataset(
+    src: Path = typer.Argument(..., show_default=False,
+                               help="Folder of images/videos (recursive) or a manifest file (one path per line, "
+                                    "or JSONL with a 'path' field)."),
+    out: Path = typer.Option(..., "--out", "-o", show_default=False,
+                             help="Output folder (created; re-running resumes it)."),
+    model: Optional[str] = typer.Option(None, help="Checkpoint folder or hub repo id; default: the tiny built-in "
+                                                   "demo model."),
+    dtype: str = DtypeOpt,
+    projector_dtype: Optional[str] = ProjDtypeOpt,
+    output_dtype: Optional[str] = OutDtypeOpt,
+    engine: str = typer.Option("local", help="local (in-process) or ray (Ray Data actor pool)."),
+    ray_address: Optional[str] = typer.Option(None, help="Ray cluster to join (e.g. auto or ray://host:10001); "
+                                                         "default: start a local Ray."),
+    workers: int = typer.Option(1, help="Ray engine: encoder actors (each loads the model once)."),
+    cpus_per_worker: int = typer.Option(1, help="Ray engine: CPUs (torch threads) per encoder actor."),
+    batch_tokens: int = typer.Option(dataset_format.DEFAULT_BATCH_TOKENS,
+                                     help="Tokens per encode call (memory bound; results do not depend on it)."),
+    shard_mb: float = typer.Option(dataset_format.DEFAULT_SHARD_MB, help="Target size of one safetensors shard, MiB."),
+    progress: bool = typer.Option(True, help="Show a progress bar."),
+    allow_failures: bool = typer.Option(False, "--allow-failures",
+                                        help="Exit 0 even when some inputs could not be encoded."),
+    alpha: str = AlphaOpt,
+) -> None:
+    """Encode every image and video under SRC into sharded safetensors in --out (resumable, crash-safe).
+
+    Inputs that cannot be encoded are listed in OUT/errors.jsonl (and `open_dataset(OUT).errors`) until they
+    are encoded; the exit status is then 1 unless --allow-failures.
+    """
+    # A missing Ray extra, bad --engine/--workers values: encode_dataset says so before any work.
+    writable(out / dataset_format.HEADER, option="--out")  # before the model loads
+    from ..dataset.job import encode_dataset as run
+
+    try:
+        summary = run(src, out, model=model, dtype=dtype, projector_dtype=projector_dtype, output_dtype=output_dtype,
+                      engine=engine, ray_address=ray_address, workers=workers, cpus_per_worker=cpus_per_worker,
+                      batch_tokens=batch_tokens, shard_mb=shard_mb, progress=progress, alpha=alpha)
+    except KeyboardInterrupt:
+        typer.echo(f"interrupted; everything encoded so far is in {out}, run the same command to resume", err=True)
+        raise typer.Exit(130) from None
+    typer.echo(summary.line())
+    if summary.failed:
+        typer.echo(f"{summary.failed} inputs failed; see {Path(out) / dataset_format.ERRORS}", err=True)
+        if not allow_failures:
+            raise typer.Exit(FAILURE)

@@ -1,0 +1,70 @@
+"""`bivit serve`: the encoder service over HTTP (the serve extra)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+from ..serve.settings import ServerSettings as Limits  # light: no web framework
+from .common import AlphaOpt, DtypeOpt, command, fail, need_extra
+
+@command()
+def serve(
+    model: Optional[str] = typer.Option(None, "--model", help="Checkpoint directory or hub repo id (default: demo "
+                                        "model)"),
+    host: str = typer.Option("127.0.0.1", help="Interface to bind; loopback by default"),
+    port: int = typer.Option(8000, help="TCP port"),
+    dtype: str = DtypeOpt,
+    device: str = typer.Option("cpu", help="torch device"),
+    batch_invariant: bool = typer.Option(True, "--batch-invariant/--no-batch-invariant",
+                                         help="Bit-identical answers however requests are batched (the cache is "
+                                              "off without it)"),
+    api_key: Optional[str] = typer.Option(None, envvar="BIVIT_API_KEY",
+                                          help="Require 'Authorization: Bearer KEY' (all but /health)"),
+    # Defaults are ServerSettings' own (one home for each limit).
+    max_batch_tokens: int = typer.Option(Limits.max_batch_tokens, help="Patch budget of one forward pass"),
+    max_wait_ms: float = typer.Option(Limits.max_wait_ms, help="Max wait for more items before a forward pass"),
+    max_queue: int = typer.Option(Limits.max_queue, help="Items in flight before 429"),
+    max_body_mb: float = typer.Option(Limits.max_body_mb, help="Request body limit (413 above)"),
+    request_timeout_s: float = typer.Option(Limits.request_timeout_s,
+                                            help="Per-request timeout after the body (504 after)"),
+    header_timeout_s: float = typer.Option(Limits.header_timeout_s,
+                                           help="Time to send a request's headers (connection closed after)"),
+    body_timeout_s: float = typer.Option(Limits.body_timeout_s, help="Time to send a request's body (408 after)"),
+    max_request_pixels_mb: float = typer.Option(Limits.max_request_pixels_mb,
+                                                help="Decoded float32 pixels of one request (413 above)"),
+    max_queue_pixels_mb: float = typer.Option(Limits.max_queue_pixels_mb,
+                                              help="Decoded pixels of all admitted requests (429 above)"),
+    max_response_mb: float = typer.Option(Limits.max_response_mb,
+                                          help="Size of one response, every copy counted (413 above)"),
+    max_video_mpixels: float = typer.Option(Limits.max_video_mpixels,
+                                            help="Decoding work of one video, frames x frame pixels, millions "
+                                                 "(item error above)"),
+    cache_mb: float = typer.Option(Limits.cache_mb, help="Exact embedding cache size; 0 disables"),
+    max_weights_mb: float = typer.Option(Limits.max_weights_mb, help="POST /v1/weights body limit (413 above)"),
+    allow_weight_updates_without_key: bool = typer.Option(
+        False, "--allow-weight-updates-without-key",
+        help="Accept POST /v1/weights without --api-key (trusted machines only)"),
+    log_level: str = typer.Option("info", help="debug, info, warning or error"),
+    alpha: str = AlphaOpt,
+) -> None:
+    """Serve the encoder over HTTP: POST /v1/encode, /v1/weights, GET /health, /ready, /metrics (serve extra)."""
+    for module in ("fastapi", "uvicorn", "prometheus_client", "multipart"):
+        need_extra("serve", module, "serve")
+    if log_level.lower() not in ("debug", "info", "warning", "error"):
+        fail(f"--log-level must be debug, info, warning or error, got {log_level!r}")
+    settings = Limits(api_key=api_key or None, max_batch_tokens=max_batch_tokens, max_wait_ms=max_wait_ms,
+                      max_queue=max_queue, max_body_mb=max_body_mb, request_timeout_s=request_timeout_s,
+                      header_timeout_s=header_timeout_s, body_timeout_s=body_timeout_s,
+                      max_request_pixels_mb=max_request_pixels_mb, max_queue_pixels_mb=max_queue_pixels_mb,
+                      max_response_mb=max_response_mb, max_video_mpixels=max_video_mpixels,
+                      cache_mb=cache_mb, max_weights_mb=max_weights_mb,
+                      allow_weight_updates_without_key=allow_weight_updates_without_key)
+    from ..encoder import load_encoder
+    from ..serve.app import configure_logging, run
+
+    configure_logging(log_level)  # the service logs JSON lines, its demo warning included
+    encoder = load_encoder(model, device=device, dtype=dtype, batch_invariant=batch_invariant,
+                           max_batch_tokens=max_batch_tokens, alpha=alpha)
+    run(encoder, settings, host=host, port=port, log_level=log_level)
