@@ -6,9 +6,9 @@ position or its neighbours. In invariant mode GEMMs therefore run only at pinned
 row counts are allowed (`CANDIDATE_TILES`) is decided by a probe on this machine and library, at load: the
 reference tile must compute moved rows bit-identically, and every other size is used only if it computes every
 row bit-identically to the reference tile. What the probe proved is recorded per machine kind and library build
-(the kernel cache), so later loads on the same kind do not repeat it. The rows of a call are cut into the largest proven tiles, the
-remainder zero-padded up to a proven size. If even the reference tile is not row-position invariant, every row
-is computed alone (M = 1 always: slow, exact) and the probe says so.
+(the kernel cache), so later loads on the same kind do not repeat it. The rows of a call are cut into the
+largest proven tiles, the remainder zero-padded up to a proven size. If even the reference tile is not
+row-position invariant, every row is computed alone (M = 1 always: slow, exact) and the probe says so.
 
 Which kernel a GEMM uses (pre-packed oneDNN or not, fused GELU or not, bf16 widened to float32 or not) is
 `backend.gemm_path(dtype)`: fixed per process and dtype, never switched by a failure.
