@@ -95,7 +95,7 @@ def main() -> None:
     p.add_argument("--duration", type=float, default=8.0, help="seconds per level")
     p.add_argument("--images-per-request", type=int, default=1)
     p.add_argument("--max-wait-ms", type=float, default=5.0)
-    p.add_argument("--max-batch-tokens", type=int, default=16384)
+    p.add_argument("--max-batch-patches", type=int, default=16384)
     p.add_argument("--cache-mb", type=float, default=0.0, help="server cache (default off: measure encoding)")
     p.add_argument("--url", default=None, help="use a running server instead of starting one")
     p.add_argument("--api-key", default=None)
@@ -134,8 +134,8 @@ def main() -> None:
 
     server = None
     if args.url is None:
-        server_args = ["--dtype", args.dtype, "--max-wait-ms", str(args.max_wait_ms), "--max-batch-tokens",
-                       str(args.max_batch_tokens), "--cache-mb", str(args.cache_mb), "--max-queue", "4096",
+        server_args = ["--dtype", args.dtype, "--max-wait-ms", str(args.max_wait_ms), "--max-batch-patches",
+                       str(args.max_batch_patches), "--cache-mb", str(args.cache_mb), "--max-queue", "4096",
                        "--log-level", "warning"]
         if args.model:
             server_args += ["--model", args.model]

@@ -238,17 +238,17 @@ def test_float32_output_reads_as_float32(media, tmp_path, reference):
 # Partition invariance: however the work is cut, every item gets the same bits
 
 
-def test_batch_tokens_and_shard_size_do_not_change_results(media, reference, tmp_path):
-    # batch_tokens=1: every item in its own call; tiny shards: one shard per item.
-    s = encode_dataset(media, tmp_path / "out", batch_tokens=1, shard_mb=1e-6, progress=False)
+def test_batch_patches_and_shard_size_do_not_change_results(media, reference, tmp_path):
+    # batch_patches=1: every image and video chunk in its own pass; tiny shards: one shard per item.
+    s = encode_dataset(media, tmp_path / "out", batch_patches=1, shard_mb=1e-6, progress=False)
     assert s.encoded == len(GOOD) - 2
     assert len(shards_in(tmp_path / "out")) == len(GOOD) - 2
     assert_same_tensors(reference, tmp_path / "out")
 
 
-@pytest.mark.parametrize("workers,batch_tokens", [(1, 4096), (3, 7)])
-def test_ray_engine_matches_local(media, reference, tmp_path, ray_local, workers, batch_tokens):
-    s = encode_dataset(media, tmp_path / "out", engine="ray", workers=workers, batch_tokens=batch_tokens,
+@pytest.mark.parametrize("workers,batch_patches", [(1, 16384), (3, 28)])
+def test_ray_engine_matches_local(media, reference, tmp_path, ray_local, workers, batch_patches):
+    s = encode_dataset(media, tmp_path / "out", engine="ray", workers=workers, batch_patches=batch_patches,
                        progress=False)
     assert (s.encoded, s.deduplicated, s.failed) == (len(GOOD) - 2, 2, 3)
     assert_same_tensors(reference, tmp_path / "out")
@@ -272,11 +272,11 @@ def test_encoder_stage_with_empty_batch_keeps_schema_and_dtype(media, encoder):
     from bivit.dataset.ray_engine import ENCODED_SCHEMA, PREPARED_SCHEMA, EncodeActor, decode_encoded, prepare_rows
 
     actor = EncodeActor(None, {"dtype": "bfloat16", "projector_dtype": None, "output_dtype": None},
-                        encoder.fingerprint, threads=torch.get_num_threads(), batch_tokens=64)
+                        encoder.fingerprint, threads=torch.get_num_threads(), batch_patches=256)
     empty = actor(prepare_rows(pa.table({"sha256": [], "kind": [], "path": [], "name": []},
                                         schema=pa.schema([(n, pa.string()) for n in ("sha256", "kind", "path", "name")]))))
     assert empty.num_rows == 0 and empty.schema == ENCODED_SCHEMA
-    assert encode_prepared(encoder, [], 64) == []
+    assert encode_prepared(encoder, [], 256) == []
     path = media / "img1.png"
     rows = prepare_rows(pa.table({"sha256": [sha256_file(path)], "kind": ["image"], "path": [str(path)],
                                   "name": ["img1.png"]}))
@@ -284,7 +284,7 @@ def test_encoder_stage_with_empty_batch_keeps_schema_and_dtype(media, encoder):
     full = actor(rows)
     assert full.schema == ENCODED_SCHEMA
     e = decode_encoded(full.to_pylist()[0])
-    assert e.tensor.dtype == torch.bfloat16 and torch.equal(e.tensor, encoder.encode([path])[0])
+    assert e.embedding.dtype == torch.bfloat16 and torch.equal(e.embedding, encoder.encode([path])[0])
     with pytest.raises(BivitError, match="fingerprint"):
         EncodeActor(None, {"dtype": "bfloat16", "projector_dtype": None, "output_dtype": None}, "f" * 64, 1, 64)
 

@@ -103,7 +103,9 @@ def test_invariant_temporal_mean_matches_mean_and_keeps_dtype():
 def test_bad_dtype_option_is_a_config_error():
     with pytest.raises(bivit.ConfigError, match="projector_dtype"):
         bivit.load_encoder(projector_dtype="int8")
-    with pytest.raises(bivit.ConfigError, match="max_batch_tokens"):
+    with pytest.raises(bivit.ConfigError, match="max_batch_patches"):
+        bivit.load_encoder(max_batch_patches=0)
+    with pytest.raises(bivit.ConfigError, match="max_batch_tokens"):  # the deprecated spelling, named as given
         bivit.load_encoder(max_batch_tokens=0)
     with pytest.raises(bivit.ConfigError, match="nonsense"):
         bivit.load_encoder(nonsense=1)
@@ -116,11 +118,11 @@ def test_unavailable_device_is_a_config_error_naming_it():
 
 
 def test_per_call_batch_budget_leaves_the_encoder_alone():
-    enc = bivit.load_encoder(max_batch_tokens=64)
+    enc = bivit.load_encoder(max_batch_patches=64)
     batch = enc.preprocess([random_image(56, 56, 1), random_image(112, 84, 2)])
     assert all(torch.equal(a, b) for a, b in zip(enc.encode_batch(batch, 1), enc.encode_batch(batch)))
-    assert enc.max_batch_tokens == 64
-    with pytest.raises(bivit.ConfigError, match="max_batch_tokens"):
+    assert enc.max_batch_patches == 64
+    with pytest.raises(bivit.ConfigError, match="max_batch_patches"):
         enc.encode_batch(batch, 0)
 
 

@@ -120,12 +120,14 @@ def test_micro_batch_budgets_and_item_larger_than_budget(paths, dtype):
 
 
 def test_budget_splits_into_passes_of_at_most_n_patches():
-    enc = bivit.load_encoder(max_batch_tokens=100)
+    from bivit.packing import pack
+
+    enc = bivit.load_encoder(max_batch_patches=100)
     counts = [4, 8, 200, 16, 64, 30, 1]
-    passes = enc._passes(counts, enc.max_batch_tokens)
-    assert [i for a, b in passes for i in range(a, b)] == list(range(len(counts)))
-    for a, b in passes:
-        assert sum(counts[a:b]) <= 100 or b - a == 1
+    passes = pack(counts, enc.max_batch_patches)
+    assert [i for p in passes for i in p] == list(range(len(counts)))
+    for p in passes:
+        assert sum(counts[i] for i in p) <= 100 or len(p) == 1
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

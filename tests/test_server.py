@@ -44,7 +44,7 @@ def enc32():
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     srv = ServerProcess(["--dtype", "float32", "--max-body-mb", "1", "--max-wait-ms", "10",
-                         "--max-batch-tokens", "2048"], tmp_path_factory.mktemp("srv"), api_key=KEY)
+                         "--max-batch-patches", "2048"], tmp_path_factory.mktemp("srv"), api_key=KEY)
     yield srv
     srv.stop()
 
@@ -162,6 +162,16 @@ def test_response_metadata_and_fingerprint(server, enc32):
                                  "tokens": 48}]
 
 
+def test_info_is_the_encoders_description(server, enc32):
+    r = httpx.get(f"{server.url}/v1/info", headers=server.headers, timeout=10)
+    assert r.status_code == 200
+    info = r.json()
+    assert info == enc32.describe()  # the same weights (fingerprint), dtypes, preprocessing and kernels
+    meta, _ = parse_response(_post_files(server, [("a.png", png_bytes(28, 28, seed=40))]).content)
+    assert (meta["model"], meta["fingerprint"], meta["dtype"]) == (info["model"], info["fingerprint"],
+                                                                   info["output_dtype"])
+
+
 def test_json_response_round_trips_exactly(server, enc32):
     imgs = [png_bytes(28, 28, seed=2), png_bytes(97, 61, seed=3)]
     r = _post_files(server, [("a.png", imgs[0]), ("b.png", imgs[1])], params={"format": "json"})
@@ -273,7 +283,7 @@ def test_auth(server, enc32):
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
         r = httpx.post(f"{server.url}/v1/encode", files=files, headers=headers, timeout=30)
         assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
-        for path in ("/ready", "/metrics"):
+        for path in ("/ready", "/metrics", "/v1/info"):
             assert httpx.get(f"{server.url}{path}", headers=headers, timeout=10).status_code == 401
     with Client(server.url, api_key="wrong") as c:
         with pytest.raises(ServerError) as info:

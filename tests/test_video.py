@@ -440,7 +440,7 @@ def demo():
 
 def test_video_chunks_are_batch_invariant(vids, demo):
     """A chunk's embedding is the same bits alone, next to the video's other chunks, next to images and other
-    videos in one call, and however max_batch_tokens splits the work."""
+    videos in one call, and however max_batch_patches splits the work."""
     video = make_video(vids / "inv.mp4", frames=7, fps=1, size=(140, 112), content=_noise)  # chunks t = 4, 3
     other = make_video(vids / "inv2.webm", frames=9, fps=2, size=(84, 56), content=_noise)   # chunks t = 4, 4, 1
     image = make_image(vids / "inv.png", size=(100, 60), seed=3)
@@ -456,7 +456,7 @@ def test_video_chunks_are_batch_invariant(vids, demo):
         assert c.embedding.shape == (20, demo.config.text_hidden_size) and torch.equal(c.embedding, a)
     whole = torch.cat([c.embedding for c in chunks])
     assert torch.equal(mixed[1], whole) and torch.equal(mixed[3], whole)
-    split = bivit.load_encoder(max_batch_tokens=200)  # 320 patches per 4-frame chunk: every chunk alone
+    split = bivit.load_encoder(max_batch_patches=200)  # 320 patches per 4-frame chunk: every chunk alone
     assert torch.equal(split.encode([other, video])[1], whole)
 
 

@@ -17,7 +17,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -183,6 +183,18 @@ def all_finite(t: torch.Tensor) -> bool:
     return not t.numel() or all(bool(torch.isfinite(v)) for v in torch.aminmax(t))
 
 
+def check_keys(expected: Iterable[str], got: Iterable[str], missing: Callable[[str, str], str],
+               unexpected: Callable[[str], str]) -> None:
+    """CheckpointError unless `got` holds exactly the `expected` keys: `missing(first key, " (and N more)")` or
+    `unexpected(first key)` is its message (a checkpoint being loaded and a weight update both check this)."""
+    absent = sorted(set(expected) - set(got))
+    if absent:
+        raise CheckpointError(missing(absent[0], f" (and {len(absent) - 1} more)" if len(absent) > 1 else ""))
+    extra = sorted(set(got) - set(expected))
+    if extra:
+        raise CheckpointError(unexpected(extra[0]))
+
+
 def load_state_dict(directory: str | os.PathLike, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Read, convert and validate the vision/projector weights of a checkpoint directory."""
     directory = Path(directory)
@@ -196,15 +208,9 @@ def load_state_dict(directory: str | os.PathLike, cfg: ModelConfig) -> dict[str,
         tensors = from_transformers_layout(tensors, cfg)
     where = directory / INDEX if (directory / INDEX).is_file() else directory
     expected = expected_shapes(cfg)
-    missing = sorted(set(expected) - set(tensors))
-    if missing:
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise CheckpointError(f"{where}: missing vision tensor {missing[0]!r}{more}")
-    unexpected = sorted(set(tensors) - set(expected))
-    if unexpected:
-        k = unexpected[0]
-        raise CheckpointError(f"{tensors[k][1]}: unexpected vision tensor {k!r} (not part of a "
-                              f"{cfg.projector_type} model with this config)")
+    check_keys(expected, tensors, lambda k, more: f"{where}: missing vision tensor {k!r}{more}",
+               lambda k: f"{tensors[k][1]}: unexpected vision tensor {k!r} (not part of a {cfg.projector_type} "
+                         "model with this config)")
     state: dict[str, torch.Tensor] = {}
     for key, (t, path) in tensors.items():
         if tuple(t.shape) != expected[key]:

@@ -23,12 +23,14 @@ import json
 import os
 import re
 import stat
+import threading
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Optional, Sequence, Union
 
 TMP_PREFIX = ".tmp-"
-# `write_atomic`'s temp file for TARGET is `.tmp-TARGET.PID`; `check_writable`'s probe adds `.probe`.
-_TMP_NAME = re.compile(re.escape(TMP_PREFIX) + r"(?P<target>.+)\.\d+(?:\.probe)?")
+# `write_atomic`'s temp file for TARGET is `.tmp-TARGET.PID.THREAD` (`.tmp-TARGET.PID` before threads were named);
+# `check_writable`'s probe is `.tmp-TARGET.PID.probe`.
+_TMP_NAME = re.compile(re.escape(TMP_PREFIX) + r"(?P<target>.+?)\.\d+(?:\.\d+)?(?:\.probe)?")
 
 # JSON bivit reads from outside: config.json and preprocessor_config.json are a few KB and Kimi-K2.6's weight
 # index about 10 MB; none nests deeper than 4 levels, a request body 3.
@@ -61,12 +63,14 @@ def write_atomic(path: Union[str, os.PathLike], data: Union[bytes, Callable[[str
     library that wraps them in its own exception (safetensors' `save_file` raises SafetensorError).
     """
     path = Path(path)
-    tmp = path.parent / f"{TMP_PREFIX}{path.name}.{os.getpid()}"
+    # One temp name per process and thread: concurrent writers of one path (threads of an encoder-cache
+    # producer) never share, or unlink, each other's temp file.
+    tmp = path.parent / f"{TMP_PREFIX}{path.name}.{os.getpid()}.{threading.get_ident()}"
     try:
         old_mode = stat.S_IMODE(os.stat(path).st_mode)
     except FileNotFoundError:
         old_mode = None
-    tmp.unlink(missing_ok=True)  # a leftover of a killed process that had our pid
+    tmp.unlink(missing_ok=True)  # a leftover of a killed process that had our pid and thread id
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the kernel applies the umask
     try:
         new_mode = stat.S_IMODE(os.fstat(fd).st_mode)

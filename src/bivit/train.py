@@ -15,8 +15,9 @@ import torch
 
 from . import ops
 from .dtypes import resolve_dtypes
-from .encoder import DEMO_SEED, build_model, check_pixels, parse_device
 from .model import VisionModel, gemms
+from .packing import check_pixels
+from .weights import DEMO_SEED, build_model, parse_device
 
 
 class TrainableModel(VisionModel):

@@ -52,6 +52,13 @@ class Report:
         return all(i.bit_equal for i in self.items)
 
 
+def items_of(encoder: Encoder, inputs: list, names: list[str] | None = None) -> MediaBatch:
+    """The model's items (each image, each video chunk) of `inputs`, packed, named by their inputs; the first bad
+    input raises."""
+    names = names or [None] * len(inputs)
+    return MediaBatch.concat([encoder.prepare(x, name=n).checked().batch for x, n in zip(inputs, names)])
+
+
 def _encode_with_budget(encoder: Encoder, batch: MediaBatch, budget: int | None) -> list[torch.Tensor]:
     """Encode with at most `budget` patches per forward pass (None: the whole batch in one pass)."""
     return encoder.encode_batch(batch, budget or max(1, sum(batch.patch_counts)))

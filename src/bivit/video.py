@@ -14,6 +14,7 @@ chunk of `temporal_merge_kernel_size` consecutive *sampled* frames (the last chu
   rounds to microseconds) for the clock, plus the milliseconds truncated from the float (frame 23 at 10 fps
   prints `00:00:02.299`, frame 24000 at 24000/1001 fps `00:16:41.999`), hours wrapping past 24 h.
 - Kimi-K3's published processor takes images only; bivit refuses a video for it with a MediaError.
+- A video the caller decoded and sampled already (`preprocess_frames`) is chunked and timestamped the same way.
 
 Decisions this module makes (the reference does not say):
 
@@ -30,15 +31,16 @@ Decisions this module makes (the reference does not say):
   is dropped, not composited, as the image path does. The reference uses its own reader, which we could not
   run: if it converts colours differently (chroma upsampling, range handling), pixels can differ by a level or
   two; the sampled frame indices cannot.
-- `.gif` is always a video (`is_video_path` decides by extension only), even with a single frame: how a path
+- `.gif` is always a video (`bivit.kinds` decides by extension first), even with a single frame: how a path
   is encoded never depends on its content. Pass a GIF to the image path yourself to treat it as an image.
 - Still-image files (PNG/JPEG/... even when renamed `.mp4`) are refused: FFmpeg would open them as a
   one-frame video, silently giving them the video budget and a timestamp.
-- FFmpeg reads only what it is given: paths are opened by bivit (a regular file, no URL or protocol parsing of
-  the name) and bytes are read from memory; FFmpeg gets `format_whitelist` (the containers of `VIDEO_DEMUXERS`:
-  the probe may detect anything, but any other demuxer is refused before it opens, so an `ffconcat` script
-  never names a file to read, SDP never binds a UDP port, HLS/DASH never fetch a segment, image2 never reads a
-  file sequence) and a `protocol_whitelist` that matches no protocol (no nested open of anything).
+- FFmpeg reads only what it is given (`bivit.container`): paths are opened by bivit (a regular file, no URL or
+  protocol parsing of the name) and bytes are read from memory; FFmpeg gets `format_whitelist` (the containers
+  of `VIDEO_DEMUXERS`: the probe may detect anything, but any other demuxer is refused before it opens, so an
+  `ffconcat` script never names a file to read, SDP never binds a UDP port, HLS/DASH never fetch a segment,
+  image2 never reads a file sequence) and a `protocol_whitelist` that matches no protocol (no nested open of
+  anything).
 - Truncation. A container that declares the video's length (its frame count: mp4/mov/avi/gif; Matroska/WebM's
   per-track duration, or the segment's when the file has one stream) and whose frames cover less of it than
   `TRUNCATION_SLACK` allows is refused as truncated (a WebM cut at half its size decodes cleanly to half its
@@ -61,37 +63,26 @@ from datetime import datetime, timezone
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Iterator, Optional, Sequence, Union
+from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 import av
 import numpy as np
 import torch
 from PIL import Image
 
+from .container import (TRUNCATION_SLACK, VIDEO_DEMUXERS, Source, VideoInput, check_complete,  # noqa: F401
+                        translate_errors)  # the limits' names re-exported where callers found them
+from .decode import check_deadline, load_image
 from .errors import ConfigError, MediaError
-from .fileio import open_regular
+from .grids import processing_of
 from .kinds import VIDEO_EXTENSIONS, is_video_path, looks_like_video, media_kind  # noqa: F401  (re-exported)
-from .media import MediaBatch, check_deadline, frames_to_item, processing_of
+from .media import MediaBatch, frames_to_item
 from .preprocess_config import K25_PROCESSING, ProcessorConfig
 
 SAMPLE_FPS = K25_PROCESSING.sample_fps
 MAX_FRAMES = 1024
 MAX_DURATION_S = 4 * 3600.0
 MAX_FRAME_PIXELS = 7680 * 4320
-
-# The demuxers bivit reads videos with (FFmpeg names): the containers of `bivit.kinds.VIDEO_EXTENSIONS`.
-VIDEO_DEMUXERS = ("mov", "matroska", "avi", "gif", "apng", "mpeg", "mpegvideo", "mpegts", "asf", "flv", "ogg",
-                  "mxf", "yuv4mpegpipe", "hevc", "h264", "m4v", "ivf", "dv", "nut")
-# Still-image demuxers read the given bytes only; allowed so that a still image gets its own message.
-_STILL_DEMUXERS = ("image2pipe", *sorted(f for f in av.formats_available if f.endswith("_pipe")))
-_OPEN_OPTIONS = {"format_whitelist": ",".join(VIDEO_DEMUXERS + _STILL_DEMUXERS),
-                 "protocol_whitelist": "none"}  # no protocol has this name: nested opens are all refused
-# A declared length the frames may fall short of before the video counts as truncated: a header off by a frame
-# or two (edit lists, rounding) is not damage, half a video is. Missing more than max(FRAMES frames, SECONDS s)
-# plus FRACTION of the declared length is truncation.
-TRUNCATION_SLACK = {"frames": 2, "seconds": 0.5, "fraction": 0.02}
-
-VideoInput = Union[str, os.PathLike, bytes]
 
 
 @dataclass
@@ -124,24 +115,6 @@ class VideoInfo:
     @property
     def duration_s(self) -> float:
         return self.num_frames / self.fps
-
-
-def join_chunks(chunks: Sequence[torch.Tensor]) -> torch.Tensor:
-    """A video's embedding is its chunks' embeddings concatenated along the token axis (an image: its one item).
-
-    Always a fresh tensor, never a view into a batch's output buffer (which it would keep alive, and which
-    safetensors refuses to save twice).
-    """
-    return torch.cat(list(chunks))
-
-
-def split_by_input(outputs: Sequence[torch.Tensor], items_per_input: Sequence[int]) -> list[list[torch.Tensor]]:
-    """Cut a flat list of per-item outputs (images and video chunks in order) back into one list per input."""
-    out, i = [], 0
-    for n in items_per_input:
-        out.append(list(outputs[i:i + n]))
-        i += n
-    return out
 
 
 def _num_samples(num_frames: int, fps: float, sample_fps: float) -> int:
@@ -196,117 +169,6 @@ def _describe(src: VideoInput) -> str:
     return f"<video {len(src)} bytes>" if isinstance(src, bytes) else os.fspath(src)
 
 
-def _reason(e: BaseException) -> str:
-    # FFmpeg errors carry the path in str(e); the strerror alone reads better after our own "name: " prefix.
-    return getattr(e, "strerror", None) or str(e) or type(e).__name__
-
-
-@contextmanager
-def _translate_errors(name: str, doing: str) -> Iterator[None]:
-    """Turn anything PyAV raises into a MediaError naming the input; bivit errors pass through."""
-    try:
-        yield
-    except (MediaError, ConfigError):
-        raise
-    except (av.FFmpegError, OSError, EOFError, ValueError, IndexError, RuntimeError) as e:
-        raise MediaError(f"{name}: {doing} failed, corrupt or unsupported video ({_reason(e)})") from None
-    except MemoryError:
-        raise MediaError(f"{name}: {doing} failed: not enough memory") from None
-
-
-class _Source:
-    """An opened container and its video stream; a fresh one per decoding pass."""
-
-    def __init__(self, src: VideoInput, name: str):
-        self.name = name
-        # A file object named by its descriptor: FFmpeg sees neither the path (no protocol is parsed from it)
-        # nor its extension (bytes and paths are probed alike).
-        try:
-            self.file: BinaryIO = io.BytesIO(src) if isinstance(src, bytes) else open_regular(src)
-        except OSError as e:
-            raise MediaError(f"{name}: cannot read ({e.strerror or e})") from None
-        with _translate_errors(name, "opening"):
-            try:
-                self.container = av.open(self.file, mode="r", metadata_errors="ignore",
-                                         container_options=_OPEN_OPTIONS)
-            except av.error.ArgumentError:  # how FFmpeg refuses a detected format that is not on the whitelist
-                self.file.close()
-                raise MediaError(f"{name}: not a video container bivit reads (FFmpeg demuxers "
-                                 f"{', '.join(VIDEO_DEMUXERS)})") from None
-            except BaseException:
-                self.file.close()
-                raise
-        try:
-            with _translate_errors(name, "reading the stream list"):
-                fmt = self.container.format.name
-                if fmt in ("image2", "image2pipe") or fmt.endswith("_pipe"):
-                    raise MediaError(f"{name}: is a still image ({fmt}), not a video; encode it as an image")
-                # Cover art in audio files is a 'video' stream with one picture: not a video.
-                streams = [s for s in self.container.streams.video
-                           if not s.disposition & av.stream.Disposition.attached_pic]
-                if not streams:
-                    raise MediaError(f"{name}: has no video stream")
-                self.stream = streams[0]
-                self.format = fmt
-                self.codec = self.stream.codec_context.name
-                self.width = self.stream.codec_context.width
-                self.height = self.stream.codec_context.height
-                self.reported_frames = int(self.stream.frames or 0)
-                rate = self.stream.average_rate or self.stream.guessed_rate
-                if rate is None or not rate > 0:
-                    raise MediaError(f"{name}: the video stream reports no frame rate")
-                self.fps = float(rate)
-                self.declared_s = self._declared_seconds()
-                # Keep PyAV's default slice threading: with frame threading ("AUTO"/"FRAME") FFmpeg drops the
-                # decode error of a truncated file and just ends the stream early, hiding the damage.
-        except BaseException:
-            self.close()
-            raise
-
-    def _declared_seconds(self) -> Optional[float]:
-        """How long a container without a frame count says the video stream lasts, where it stores it for the
-        video itself: Matroska/WebM's per-track DURATION tag, or its segment duration when the file holds one
-        stream (never an FFmpeg estimate from the bitrate, never the longest of several streams)."""
-        if "matroska" not in self.format:
-            return None
-        tag = self.stream.metadata.get("DURATION")
-        if tag:
-            try:
-                h, m, sec = tag.split(":")
-                return int(h) * 3600 + int(m) * 60 + float(sec)
-            except ValueError:
-                return None
-        if len(self.container.streams) == 1 and self.container.duration:
-            return self.container.duration / av.time_base
-        return None
-
-    def frames(self) -> Iterator[av.VideoFrame]:
-        with _translate_errors(self.name, "decoding"):
-            yield from self.container.decode(self.stream)
-
-    def close(self) -> None:
-        try:
-            self.container.close()
-        except Exception:  # closing a half-read container must never mask the real error
-            pass
-        self.file.close()
-
-    def __enter__(self) -> "_Source":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-def _check_complete(name: str, declared_s: float, covered_s: float, fps: float, declared: str) -> None:
-    """MediaError when the frames cover clearly less than the container declares (see TRUNCATION_SLACK)."""
-    slack = (max(TRUNCATION_SLACK["frames"] / fps, TRUNCATION_SLACK["seconds"])
-             + TRUNCATION_SLACK["fraction"] * declared_s)
-    if covered_s < declared_s - slack:
-        raise MediaError(f"{name}: truncated or damaged: the container declares {declared}, its frames cover "
-                         f"{covered_s:.2f} s")
-
-
 class _Limits:
     deadline: Optional[float] = None  # time.monotonic() after which decoding stops (a caller gave up waiting)
     max_decoded_pixels: Optional[int] = None  # frames decoded x frame pixels (every frame is decoded)
@@ -343,7 +205,7 @@ class _Limits:
                              f"{work} pixels, more than max_decoded_pixels={self.max_decoded_pixels}")
 
 
-def _count_frames(source: _Source, limits: _Limits) -> int:
+def _count_frames(source: Source, limits: _Limits) -> int:
     """Decode the whole stream once, counting frames; stop as soon as the count breaks a limit. A declared
     length the frames fall clearly short of is truncation."""
     count = 0
@@ -361,12 +223,12 @@ def _count_frames(source: _Source, limits: _Limits) -> int:
         frames.close()
     if source.declared_s is not None and count:
         covered = float(last - first) + 1 / source.fps if first is not None else count / source.fps
-        _check_complete(source.name, source.declared_s, covered, source.fps, f"{source.declared_s:.2f} s")
+        check_complete(source.name, source.declared_s, covered, source.fps, f"{source.declared_s:.2f} s")
     return count
 
 
 def _probe(src: VideoInput, name: str, limits: _Limits) -> VideoInfo:
-    with _Source(src, name) as source:
+    with Source(src, name) as source:
         limits.check_size(source.width, source.height)
         limits.frame_pixels = source.width * source.height
         if source.reported_frames > 0:
@@ -395,7 +257,7 @@ class _ShortStream(Exception):
 
 def _decode_selected(src: VideoInput, name: str, indices: Sequence[int], limits: _Limits) -> Iterator[Image.Image]:
     """Yield the frames at `indices` (sorted, repeats allowed) as RGB images, decoding sequentially."""
-    with _Source(src, name) as source:
+    with Source(src, name) as source:
         frames = source.frames()
         try:
             pos, decoded = 0, 0
@@ -405,7 +267,7 @@ def _decode_selected(src: VideoInput, name: str, indices: Sequence[int], limits:
                 if indices[pos] != i:
                     continue
                 limits.check_size(frame.width, frame.height)
-                with _translate_errors(name, f"converting frame {i} to RGB"):
+                with translate_errors(name, f"converting frame {i} to RGB"):
                     image = Image.fromarray(frame.to_ndarray(format="rgb24"), "RGB")
                 while pos < len(indices) and indices[pos] == i:
                     yield image
@@ -417,8 +279,10 @@ def _decode_selected(src: VideoInput, name: str, indices: Sequence[int], limits:
             frames.close()  # finish the decode generator while its container is still open
 
 
-def _chunk_items(src: VideoInput, name: str, info: VideoInfo, indices: list[int], chunk_size: int,
-                 patch_limit: Optional[int], limits: _Limits, proc: ProcessorConfig) -> list[MediaBatch]:
+def chunk_frames(frames: Iterable[Image.Image], name: str, fps: float, indices: Sequence[int], chunk_size: int,
+                 patch_limit: Optional[int], proc: ProcessorConfig,
+                 check_time: Callable[[], None] = lambda: None) -> list[MediaBatch]:
+    """Sampled RGB frames (video frame `indices[i]` at `fps`) -> one item per `chunk_size` frames, timestamped."""
     items: list[MediaBatch] = []
     buffer: list[Image.Image] = []
 
@@ -431,19 +295,37 @@ def _chunk_items(src: VideoInput, name: str, info: VideoInfo, indices: list[int]
             raise MediaError(f"{name}: chunk {c}: {e}") from None
         except MemoryError:
             raise MediaError(f"{name}: chunk {c}: not enough memory to preprocess its frames") from None
-        stamp = chunk_timestamp(indices[c * chunk_size], info.fps, proc.timestamp_mode)
+        stamp = chunk_timestamp(indices[c * chunk_size], fps, proc.timestamp_mode)
         items.append(MediaBatch(pixels, torch.tensor([grid], dtype=torch.int64), [stamp], [f"{name}#chunk{c}"],
                                 [buffer[0].size]))
         buffer.clear()  # the chunk's decoded frames are not kept once patchified
 
-    for image in _decode_selected(src, name, indices, limits):
+    for image in frames:
         buffer.append(image)
         if len(buffer) == chunk_size:
-            limits.check_time()
+            check_time()
             flush()
     if buffer:
         flush()
     return items
+
+
+def preprocess_frames(frames: Sequence[Image.Image | np.ndarray], fps: float, indices: Optional[Sequence[int]] = None,
+                      *, processing: ProcessorConfig | str | None = None, name: str = "<video frames>") -> MediaBatch:
+    """A video already decoded and sampled -> the MediaBatch `preprocess_video` makes of a file whose sampler
+    picked these frames: `frames[i]` (PIL or HxWx3 uint8) is frame `indices[i]` (default i) of a video at `fps`."""
+    proc = processing_of(processing)
+    if not proc.accepts_video:
+        raise MediaError(f"{name}: this model's processor ({proc.processor}) accepts images only", name)
+    indices = list(range(len(frames))) if indices is None else [int(i) for i in indices]
+    _check_positive("fps", fps)
+    if not frames or len(indices) != len(frames) or any(b < a for a, b in zip(indices, indices[1:])):
+        raise MediaError(f"{name}: need at least one frame and one non-decreasing frame index per frame, got "
+                         f"{len(frames)} frames and {len(indices)} indices", name)
+    images = [load_image(f, name=f"{name} frame {i}").convert("RGB") for i, f in enumerate(frames)]
+    with _naming(name):
+        return MediaBatch.concat(chunk_frames(images, name, float(fps), indices, proc.temporal_merge_kernel_size,
+                                              None, proc))
 
 
 def preprocess_video(path: VideoInput, *, max_frames: Optional[int] = MAX_FRAMES,
@@ -484,14 +366,15 @@ def _preprocess(path: VideoInput, name: str, limits: _Limits, sample_fps: float,
     for attempt in range(2):
         indices = sample_frame_indices(info.num_frames, info.fps, sample_fps)
         try:
-            items = _chunk_items(path, name, info, indices, chunk_size, patch_limit, limits, proc)
+            items = chunk_frames(_decode_selected(path, name, indices, limits), name, info.fps, indices,
+                                 chunk_size, patch_limit, proc, limits.check_time)
         except _ShortStream as short:
             if short.decoded == 0:
                 raise MediaError(f"{name}: the video stream has no decodable frames") from None
             if attempt == 1:
                 raise MediaError(f"{name}: decoding gives a different number of frames each time "
                                  f"({info.num_frames}, then {short.decoded})") from None
-            _check_complete(name, info.num_frames / info.fps, short.decoded / info.fps, info.fps,
+            check_complete(name, info.num_frames / info.fps, short.decoded / info.fps, info.fps,
                             f"{info.num_frames} frames ({info.num_frames / info.fps:.2f} s)")
             # The container over-reported its frame count; the frames the decoder yields are the truth.
             info = VideoInfo(name, short.decoded, info.fps, info.width, info.height, info.codec, info.container,

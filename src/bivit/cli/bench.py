@@ -9,6 +9,7 @@ import typer
 
 from .common import FAILURE, command, fail, writable
 
+
 @command()
 def bench(
     dtype: str = typer.Option("both", "--dtype", help="bfloat16, float32 or both."),

@@ -30,6 +30,9 @@ AlphaOpt = typer.Option("model", "--alpha", help="Transparency: model (what the 
 DtypeOpt = typer.Option(DEFAULT_DTYPE, "--dtype", help=f"Tower compute dtype: {DTYPE_CHOICES}.")
 ProjDtypeOpt = typer.Option(None, "--projector-dtype", help="Projector dtype (default: --dtype).")
 OutDtypeOpt = typer.Option(None, "--output-dtype", help="Output dtype (default: projector dtype).")
+EcDirOpt = typer.Option(None, "--ec-dir", help="Also write each image's / video chunk's rows to this folder in vLLM's "
+                        "encoder-cache layout (ECExampleConnector's shared_storage_path; docs/encode-once.md).")
+EC_PROBE = ".bivit-ec-probe"  # the name --ec-dir's writability is checked with
 
 
 def fail(message: str, code: int = USAGE) -> None:
@@ -74,12 +77,33 @@ def writable(path: Path, inputs: Any = (), option: str = "--out") -> None:
         fail(f"{option} {path}: {e.strerror or e}")
 
 
+def DeprecatedOpt(flag: str) -> Any:
+    """A hidden option under an old spelling (see `renamed_option`)."""
+    return typer.Option(None, flag, hidden=True)
+
+
+def renamed_option(value: Any, old_value: Any, flag: str, old_flag: str, factor: int = 1,
+                   why: str = "") -> Any:
+    """`value`, or the value given under a deprecated spelling (times `factor`), said in one line on stderr; either
+    must be a whole number >= 1 (or not given: None)."""
+    for v, f in ((value, flag), (old_value, old_flag)):
+        if v is not None and v < 1:
+            fail(f"{f} {v!r}: expected a whole number >= 1")
+    if old_value is None:
+        return value
+    if value is not None:
+        fail(f"{old_flag} is the deprecated spelling of {flag}; give only {flag}")
+    how = f" ({old_flag} {old_value} = {flag} {old_value * factor}{why})" if factor != 1 else ""
+    typer.echo(f"bivit: {old_flag} is deprecated, use {flag}{how}", err=True)
+    return old_value * factor
+
+
 def open_encoder(model: Optional[Path], dtype: str, projector_dtype: Optional[str], output_dtype: Optional[str],
-                 batch_invariant: bool = True, max_batch_tokens: Optional[int] = None, alpha: str = "model") -> Any:
+                 batch_invariant: bool = True, alpha: str = "model") -> Any:
     from ..encoder import DEMO_NOTICE, load_encoder
 
     enc = load_encoder(model, dtype=dtype, projector_dtype=projector_dtype, output_dtype=output_dtype,
-                       batch_invariant=batch_invariant, max_batch_tokens=max_batch_tokens, alpha=alpha)
+                       batch_invariant=batch_invariant, alpha=alpha)
     if enc.is_demo:
         typer.echo(DEMO_NOTICE, err=True)
     return enc

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Optional
 
 import typer
 
 from ..serve.settings import ServerSettings as Limits  # light: no web framework
-from .common import AlphaOpt, DtypeOpt, command, fail, need_extra
+from .common import (EC_PROBE, AlphaOpt, DeprecatedOpt, DtypeOpt, EcDirOpt, command, fail, need_extra,
+                     renamed_option, writable)
+
 
 @command()
 def serve(
@@ -23,7 +26,9 @@ def serve(
     api_key: Optional[str] = typer.Option(None, envvar="BIVIT_API_KEY",
                                           help="Require 'Authorization: Bearer KEY' (all but /health)"),
     # Defaults are ServerSettings' own (one home for each limit).
-    max_batch_tokens: int = typer.Option(Limits.max_batch_tokens, help="Patch budget of one forward pass"),
+    max_batch_patches: Optional[int] = typer.Option(
+        None, "--max-batch-patches", help=f"Patches per forward pass (default {Limits.max_batch_patches})"),
+    max_batch_tokens: Optional[int] = DeprecatedOpt("--max-batch-tokens"),
     max_wait_ms: float = typer.Option(Limits.max_wait_ms, help="Max wait for more items before a forward pass"),
     max_queue: int = typer.Option(Limits.max_queue, help="Items in flight before 429"),
     max_body_mb: float = typer.Option(Limits.max_body_mb, help="Request body limit (413 above)"),
@@ -48,23 +53,32 @@ def serve(
         help="Accept POST /v1/weights without --api-key (trusted machines only)"),
     log_level: str = typer.Option("info", help="debug, info, warning or error"),
     alpha: str = AlphaOpt,
+    ec_dir: Optional[Path] = EcDirOpt,
 ) -> None:
-    """Serve the encoder over HTTP: POST /v1/encode, /v1/weights, GET /health, /ready, /metrics (serve extra)."""
+    """Serve the encoder over HTTP: POST /v1/encode, /v1/weights, GET /health, /ready, /v1/info, /metrics (serve
+    extra).
+
+    With --ec-dir every encoded item's rows also go to vLLM's encoder cache; its ids are each item's "ec_ids"."""
     for module in ("fastapi", "uvicorn", "prometheus_client", "multipart"):
         need_extra("serve", module, "serve")
     if log_level.lower() not in ("debug", "info", "warning", "error"):
         fail(f"--log-level must be debug, info, warning or error, got {log_level!r}")
-    settings = Limits(api_key=api_key or None, max_batch_tokens=max_batch_tokens, max_wait_ms=max_wait_ms,
+    budget = renamed_option(max_batch_patches, max_batch_tokens, "--max-batch-patches", "--max-batch-tokens")
+    budget = Limits.max_batch_patches if budget is None else budget
+    settings = Limits(api_key=api_key or None, max_batch_patches=budget, max_wait_ms=max_wait_ms,
                       max_queue=max_queue, max_body_mb=max_body_mb, request_timeout_s=request_timeout_s,
                       header_timeout_s=header_timeout_s, body_timeout_s=body_timeout_s,
                       max_request_pixels_mb=max_request_pixels_mb, max_queue_pixels_mb=max_queue_pixels_mb,
                       max_response_mb=max_response_mb, max_video_mpixels=max_video_mpixels,
                       cache_mb=cache_mb, max_weights_mb=max_weights_mb,
-                      allow_weight_updates_without_key=allow_weight_updates_without_key)
+                      allow_weight_updates_without_key=allow_weight_updates_without_key,
+                      ec_dir=None if ec_dir is None else str(ec_dir))
+    if ec_dir is not None:
+        writable(ec_dir / EC_PROBE, option="--ec-dir")
     from ..encoder import load_encoder
     from ..serve.app import configure_logging, run
 
     configure_logging(log_level)  # the service logs JSON lines, its demo warning included
-    encoder = load_encoder(model, device=device, dtype=dtype, batch_invariant=batch_invariant,
-                           max_batch_tokens=max_batch_tokens, alpha=alpha)
+    # The batching worker cuts passes by --max-batch-patches; the encoder needs no budget of its own.
+    encoder = load_encoder(model, device=device, dtype=dtype, batch_invariant=batch_invariant, alpha=alpha)
     run(encoder, settings, host=host, port=port, log_level=log_level)

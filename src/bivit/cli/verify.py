@@ -10,9 +10,10 @@ import typer
 
 from .common import FAILURE, DtypeOpt, ModelOpt, ProjDtypeOpt, command, need_extra, open_encoder, writable
 
+
 @command()
 def verify(
-    files: List[Path] = typer.Argument(None, help="Images (default: a built-in synthetic set)."),
+    files: List[Path] = typer.Argument(None, help="Images and videos (default: a built-in synthetic set of images)."),
     model: Optional[Path] = ModelOpt,
     dtype: str = DtypeOpt,
     projector_dtype: Optional[str] = ProjDtypeOpt,
@@ -30,10 +31,9 @@ def verify(
         writable(plot, files or (), "--plot")
     encoders = [open_encoder(model, dtype, projector_dtype, None, inv) for inv in (True, False)]
     if files:
-        batch = encoders[0].preprocess([str(f) for f in files])
+        batch = v.items_of(encoders[0], [str(f) for f in files])
     else:
-        batch = encoders[0].preprocess(v.synthetic_images(seed))
-        batch.sources = [f"synthetic {w}x{h}" for w, h in v.SYNTHETIC_SIZES]
+        batch = v.items_of(encoders[0], v.synthetic_images(seed), [f"synthetic {w}x{h}" for w, h in v.SYNTHETIC_SIZES])
     plan = v.random_layouts(len(batch), layouts, random.Random(seed), batch.patch_counts)
     reports = []
     for enc in encoders:

@@ -2,7 +2,8 @@
 
     format      file names, record types, reading the lines back (cheap to import)
     reader      EncodedDataset / open_dataset (cheap to import; torch loads on the first tensor)
-    pipeline    the per-item stages both engines run: prepare (read, check, decode) and encode
+    pipeline    the per-item stages both engines run (the core's prepare and encode_stream) and the dataset's
+                policies around them: planned hash checked, failures recorded with their reason
     sources     what SRC names, and the plan: skip, deduplicate or encode
     writer      DatasetWriter: the folder's lock, crash recovery and durable commits
     local       the in-process engine

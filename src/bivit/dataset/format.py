@@ -24,7 +24,7 @@ from typing import Optional
 from ..errors import BivitError
 
 # Defaults of a dataset job (`encode_dataset`, `bivit encode-dataset`), here so the CLI reads them cheaply.
-DEFAULT_BATCH_TOKENS = 4096  # tokens per encode call: a memory bound; results do not depend on it
+DEFAULT_BATCH_PATCHES = 16384  # patches per forward pass: a memory bound; results do not depend on it
 DEFAULT_SHARD_MB = 256  # target size of one safetensors shard
 
 FORMAT = "bivit-encoded-dataset"

@@ -18,10 +18,12 @@ from typing import Any, Optional
 
 from ..dtypes import canonical_name
 from ..errors import BivitError
+from ..items import ItemResult
+from ..packing import PATCHES_PER_TOKEN, renamed
+from .format import DEFAULT_BATCH_PATCHES, DEFAULT_SHARD_MB
 from .local import run_local
-from .pipeline import Encoded
+from .pipeline import reason
 from .sources import list_sources, plan
-from .format import DEFAULT_BATCH_TOKENS, DEFAULT_SHARD_MB
 from .writer import DEFAULT_FLUSH_SECONDS, DatasetWriter, header_for
 
 
@@ -47,10 +49,14 @@ class Summary:
 def encode_dataset(src: str | os.PathLike, out: str | os.PathLike, *, model: Optional[str] = None,
                    dtype: str = "bfloat16", projector_dtype: Optional[str] = None,
                    output_dtype: Optional[str] = None, engine: str = "local", ray_address: Optional[str] = None,
-                   workers: int = 1, cpus_per_worker: int = 1, batch_tokens: int = DEFAULT_BATCH_TOKENS,
+                   workers: int = 1, cpus_per_worker: int = 1, batch_patches: Optional[int] = None,
                    shard_mb: float = DEFAULT_SHARD_MB, flush_seconds: float = DEFAULT_FLUSH_SECONDS,
-                   progress: bool = True, alpha: str = "model") -> Summary:
-    """Encode every image/video named by `src` into `out` (see `bivit.dataset`). Returns the summary."""
+                   progress: bool = True, alpha: str = "model", batch_tokens: Optional[int] = None) -> Summary:
+    """Encode every image/video named by `src` into `out` (see `bivit.dataset`). Returns the summary.
+
+    `batch_patches`: patches per forward pass (default `DEFAULT_BATCH_PATCHES`; a memory bound, results do not
+    depend on it). `batch_tokens` is its deprecated spelling in tokens, converted at 4 patches per token.
+    """
     t0 = time.monotonic()
     if engine not in ("local", "ray"):
         raise BivitError(f"--engine {engine!r}: expected 'local' or 'ray'")
@@ -58,8 +64,11 @@ def encode_dataset(src: str | os.PathLike, out: str | os.PathLike, *, model: Opt
         raise BivitError("--engine ray needs Ray Data: pip install 'bivit[ray]'")
     if workers < 1 or cpus_per_worker < 1:
         raise BivitError("--workers and --cpus-per-worker must be at least 1")
-    if batch_tokens < 1:
-        raise BivitError("--batch-tokens must be at least 1")
+    batch_patches = renamed(batch_patches, batch_tokens, name="batch_patches", old_name="batch_tokens",
+                            factor=PATCHES_PER_TOKEN)
+    batch_patches = DEFAULT_BATCH_PATCHES if batch_patches is None else batch_patches
+    if batch_patches < 1:
+        raise BivitError("--batch-patches must be at least 1")
     if shard_mb <= 0:
         raise BivitError("--shard-mb must be positive")
     opts = dict(dtype=canonical_name(dtype, "--dtype"),
@@ -80,22 +89,22 @@ def encode_dataset(src: str | os.PathLike, out: str | os.PathLike, *, model: Opt
         bar = _progress(len(p.work), progress)
         works = {w.sha256: w for w in p.work}
 
-        def sink(e: Encoded) -> None:
-            w = works.pop(e.sha256, None)
+        def sink(r: ItemResult) -> None:
+            w = works.pop(r.sha256, None)
             if w is None:  # a result delivered twice (a retried Ray task): already handled
                 return
-            if e.error is not None:
-                writer.add_error(w.sources, e.error, e.sha256)
+            if r.error is not None:
+                writer.add_error(w.sources, reason(r), r.sha256)
                 summary.failed += len(w.sources)
                 summary.deduplicated -= len(w.sources) - 1  # nothing was stored for them to share
             else:
-                writer.add(e.sha256, e.tensor, e.grid_thw, e.timestamps, w.sources, w.stats)
+                writer.add(r.sha256, r.embedding, r.grid_thw, r.timestamps, w.sources, w.stats)
                 summary.encoded += 1
             bar.update(1)
 
         try:
             if engine == "local":
-                run_local(encoder, p.work, batch_tokens, sink)
+                run_local(encoder, p.work, batch_patches, sink)
             else:
                 processing = encoder.processing  # the preprocessing tasks follow the driver's model
                 del encoder  # workers load their own; free the driver's copy
@@ -107,7 +116,7 @@ def encode_dataset(src: str | os.PathLike, out: str | os.PathLike, *, model: Opt
 
                 run_ray(p.work, sink, model=model, opts=opts, fingerprint=writer.header["fingerprint"],
                         address=ray_address, workers=workers, cpus_per_worker=cpus_per_worker,
-                        batch_tokens=batch_tokens, processing=processing)
+                        batch_patches=batch_patches, processing=processing)
         except BaseException:
             # Interrupted (Ctrl-C, a Ray worker lost): keep what is already encoded, so a re-run resumes after it.
             with contextlib.suppress(Exception):

@@ -1,62 +1,60 @@
-"""The local engine of encode-dataset: in-process, one thread decodes ahead while this one encodes."""
+"""The local engine of encode-dataset: in-process, one thread prepares ahead while this one encodes."""
 
 from __future__ import annotations
 
 import contextlib
 import queue
 import threading
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
-from .pipeline import Encoded, Prepared, Work, encode_prepared, prepare
-
-
-def run_local(encoder: Any, work: Sequence[Work], batch_tokens: int, sink: Callable[[Encoded], None]) -> None:
-    """In-process: one thread decodes ahead while this one encodes (PIL and torch both release the GIL)."""
-    for group in _prefetch(_token_groups(work, batch_tokens, encoder), depth=2):
-        for e in encode_prepared(encoder, group, batch_tokens):
-            sink(e)
+from ..items import ItemResult, Prepared
+from .pipeline import Work, prepare
 
 
-def _token_groups(work: Sequence[Work], batch_tokens: int, encoder: Any) -> Iterator[list[Prepared]]:
-    """Prepared items in groups cut by `group_by_tokens`' rule (close a group before it would exceed the
-    budget), so that each group is one encode call there rather than a full call plus a small remainder."""
-    cur: list[Prepared] = []
-    n = 0
-    for w in work:
-        p = prepare(w.sha256, w.kind, w.path, w.sources[0].source, encoder.processing, encoder.alpha)
-        t = sum(p.batch.token_counts) if p.error is None else 0
-        if cur and n + t > batch_tokens:
-            yield cur
-            cur, n = [], 0
-        cur.append(p)
-        n += t
-    if cur:
-        yield cur
+def run_local(encoder: Any, work: Sequence[Work], batch_patches: int, sink: Callable[[ItemResult], None]) -> None:
+    """In-process: one thread prepares ahead (about two passes of pixels) while this one encodes (PIL and torch
+    both release the GIL); results go to `sink` in order."""
+    prepared = (prepare(w.sha256, w.kind, w.path, w.sources[0].source, encoder.processing, encoder.alpha)
+                for w in work)
+    for result in encoder.encode_stream(_prefetch(prepared, 2 * batch_patches), batch_patches):
+        sink(result)
 
 
-def _prefetch(it: Iterator[Any], depth: int) -> Iterator[Any]:
-    q: "queue.Queue[Any]" = queue.Queue(maxsize=depth)
+def _prefetch(items: Iterable[Prepared], max_patches: int) -> Iterator[Prepared]:
+    """`items`, produced by a thread that stays ahead by at most `max_patches` patches (an item larger than that
+    is still handed over, alone)."""
+    q: "queue.Queue[Any]" = queue.Queue()
     done = object()
     stop = threading.Event()
+    room = threading.Condition()
+    ahead = 0  # patches produced and not yet consumed
 
-    def put(x: Any) -> bool:
-        while not stop.is_set():  # never block forever on a consumer that has gone away
-            try:
-                q.put(x, timeout=0.1)
-                return True
-            except queue.Full:
-                pass
-        return False
+    def put(x: Any, patches: int) -> bool:
+        nonlocal ahead
+        with room:
+            while not stop.is_set() and ahead > 0 and ahead + patches > max_patches:
+                room.wait()
+            if stop.is_set():  # never block forever on a consumer that has gone away, nor work for it
+                return False
+            ahead += patches
+        q.put(x)
+        return True
 
     def produce() -> None:
         try:
-            for x in it:
-                if not put((True, x)):
+            for p in items:
+                if not put((True, p), p.patches if p.error is None else 0):
                     return
         except BaseException as e:  # surfaced in the consumer
-            put((False, e))
+            put((False, e), 0)
             return
-        put((True, done))
+        put((True, done), 0)
+
+    def took(p: Prepared) -> None:
+        nonlocal ahead
+        with room:
+            ahead -= p.patches if p.error is None else 0
+            room.notify()
 
     t = threading.Thread(target=produce, name="bivit-prefetch", daemon=True)
     t.start()
@@ -67,9 +65,12 @@ def _prefetch(it: Iterator[Any], depth: int) -> Iterator[Any]:
                 raise x
             if x is done:
                 return
+            took(x)
             yield x
     finally:
         stop.set()
+        with room:
+            room.notify_all()
         with contextlib.suppress(queue.Empty):
             while True:
                 q.get_nowait()

@@ -1,7 +1,11 @@
-"""The per-item stages of encode-dataset, the same for both engines: prepare (read, check, decode) and encode.
+"""The per-item stages of encode-dataset, the same for both engines: what an item is (`Source`, `Work`), reading
+it with its planned hash checked (`prepare`), encoding prepared items (`encode_prepared`), and the reason a
+failed item is recorded with (`reason`). Both stages are the core's (`bivit.items`, `Encoder.encode_stream`);
+this module adds only the dataset's policies: the bytes decoded are the bytes planned, and nothing an input
+does stops the job.
 
-Why the result does not depend on how the work is cut (engine, worker count, --batch-tokens): every item is
-encoded by a batch-invariant Encoder, whose output for an item is bit-identical whatever shares the call, and
+Why the result does not depend on how the work is cut (engine, worker count, --batch-patches): every item is
+encoded by a batch-invariant Encoder, whose output for an item is bit-identical whatever shares the pass, and
 each item travels on its own with its dtype stated explicitly, so nothing is ever concatenated across workers.
 (vLLM's data-parallel encoder made an empty tensor in the *pixel* dtype on a rank that got no items while busy
 ranks returned float32, a mixed-dtype gather waiting to happen; here an empty batch is just zero rows.)
@@ -15,12 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-import torch
-
-from ..errors import MediaError
+from ..errors import BivitError, MediaError
 from ..fileio import read_regular, sha256_file
-from ..media import MediaBatch, preprocess_images
-from ..video import join_chunks, preprocess_video, split_by_input
+from ..items import ItemResult, Prepared, prepare as prepare_input
 
 # Videos up to this size are decoded from the very bytes that were hashed; larger ones from the path after a
 # streamed hash check (holding a multi-GB file in memory is worse than a file swapped mid-job, which is rare).
@@ -52,92 +53,37 @@ class Work:
     stats: list[Optional[os.stat_result]] = field(default_factory=list)
 
 
-@dataclass
-class Prepared:
-    """A work item after decoding: its chunks (one for an image) as a MediaBatch, or the reason it failed.
-
-    Reasons (here and in Encoded) do not name a source: several sources may share the bytes, and each gets its
-    own line `"{source}: {reason}"` in errors.jsonl.
-    """
-
-    sha256: str
-    batch: Optional[MediaBatch] = None
-    error: Optional[str] = None
-
-
-@dataclass
-class Encoded:
-    sha256: str
-    tensor: Optional[torch.Tensor] = None
-    grid_thw: Optional[list] = None
-    timestamps: Optional[list] = None
-    error: Optional[str] = None
-
-
 def prepare(sha: str, kind: str, path: Path, name: str, processing: Any = None, alpha: str = "model") -> Prepared:
-    """Read, check and preprocess one item under the model's `processing` (a ProcessorConfig) and `alpha`.
-    Never raises for a bad input: the reason is returned."""
-    changed = "file changed while the job ran (its sha256 differs from the one planned)"
+    """Read one item, check it still has the planned `sha`, and prepare it under the model's `processing` (a
+    ProcessorConfig) and `alpha`. Never raises for a bad input: the reason is the Prepared's error."""
     try:
         if kind == "video" and path.stat().st_size > VIDEO_BYTES_LIMIT:
-            if sha256_file(path) != sha:
-                return Prepared(sha, error=changed)
-            batch = preprocess_video(path, name=name, processing=processing)
+            data, same = path, sha256_file(path) == sha
         else:
             data = read_regular(path)
-            if hashlib.sha256(data).hexdigest() != sha:
-                return Prepared(sha, error=changed)
-            batch = (preprocess_video(data, name=name, processing=processing) if kind == "video" else
-                     preprocess_images([data], names=[name], processing=processing, alpha=alpha))
-        if len(batch) == 0:
-            return Prepared(sha, error="no frames decoded")
-        return Prepared(sha, batch)
-    except MediaError as e:
-        return Prepared(sha, error=e.about(name))
+            same = hashlib.sha256(data).hexdigest() == sha
+        if not same:
+            raise BivitError("file changed while the job ran (its sha256 differs from the one planned)")
+        return prepare_input(data, processing=processing, alpha=alpha, name=name, kind=kind, sha256=sha)
     except OSError as e:
-        return Prepared(sha, error=f"cannot read ({e.strerror or e})")
+        error: BaseException = BivitError(f"cannot read ({e.strerror or e})")
+    except BivitError as e:
+        error = e
     except Exception as e:  # a decoder bug must not stop the job; it is recorded with its type
-        return Prepared(sha, error=f"{type(e).__name__}: {e}")
+        error = BivitError(f"{type(e).__name__}: {e}")
+    return Prepared(name, kind, sha, error=error)
 
 
-def group_by_tokens(items: Sequence[Prepared], batch_tokens: int) -> list[list[Prepared]]:
-    """Cut items into encode calls of about `batch_tokens` tokens (an item is never split; invariance makes the
-    cut irrelevant to the result, it only bounds memory)."""
-    groups: list[list[Prepared]] = []
-    cur: list[Prepared] = []
-    n = 0
-    for it in items:
-        t = sum(it.batch.token_counts)
-        if cur and n + t > batch_tokens:
-            groups.append(cur)
-            cur, n = [], 0
-        cur.append(it)
-        n += t
-    if cur:
-        groups.append(cur)
-    return groups
+def encode_prepared(encoder: Any, items: Sequence[Prepared], batch_patches: int) -> list[ItemResult]:
+    """Encode prepared items (any number, zero included) in passes of at most `batch_patches` patches; failures
+    are per item."""
+    return list(encoder.encode_stream(items, batch_patches))
 
 
-def encode_prepared(encoder: Any, items: Sequence[Prepared], batch_tokens: int) -> list[Encoded]:
-    """Encode prepared items (any number, zero included) in token-bounded calls; failures are per item."""
-    out: list[Encoded] = [Encoded(p.sha256, error=p.error) for p in items if p.error is not None]
-    good = [p for p in items if p.error is None]
-    for group in group_by_tokens(good, batch_tokens):
-        try:
-            tensors = encoder.encode_batch(MediaBatch.concat([p.batch for p in group]))
-        except Exception:
-            # Find which item broke the call: encode each alone (same bits, by invariance).
-            for p in group:
-                try:
-                    out.append(_assemble(p, encoder.encode_batch(p.batch)))
-                except Exception as e:
-                    out.append(Encoded(p.sha256, error=f"encode failed: {type(e).__name__}: {e}"))
-            continue
-        per_item = split_by_input(tensors, [len(p.batch) for p in group])
-        out.extend(_assemble(p, chunks) for p, chunks in zip(group, per_item))
-    return out
-
-
-def _assemble(p: Prepared, chunks: Sequence[torch.Tensor]) -> Encoded:
-    # `grid_thw` and `timestamps` in the manifest say where each chunk of a stored video starts.
-    return Encoded(p.sha256, join_chunks(chunks), p.batch.grid_thw.tolist(), p.batch.timestamps)
+def reason(result: ItemResult) -> str:
+    """Why an item failed, without its source's name: several sources may share its bytes, and each gets its own
+    line `"{source}: {reason}"` in errors.jsonl."""
+    e = result.error
+    if isinstance(e, MediaError):
+        return e.about(result.source)
+    return str(e) if isinstance(e, BivitError) else f"encode failed: {type(e).__name__}: {e}"

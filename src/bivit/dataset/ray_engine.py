@@ -1,6 +1,6 @@
 """The Ray engine of `bivit encode-dataset` (kept apart so the local engine never imports ray).
 
-Pipeline (Ray Data, streaming): items -> `prepare_rows` (read, check sha256, decode, preprocess) ->
+Pipeline (Ray Data, streaming): items -> `prepare_rows` (read, check sha256, prepare: the core's stage 1) ->
 `EncodeActor` pool (`map_batches` with a callable class, one model load per actor) -> the driver, which alone
 writes shards and the manifest through `DatasetWriter` (so only the driver needs the output folder, and the
 crash-safety rules of `bivit.dataset.writer` hold unchanged). Imports only the per-item stages
@@ -26,68 +26,91 @@ import torch
 from ..dtypes import dtype_name, parse_dtype
 from ..encoder import load_encoder
 from ..errors import BivitError
-from ..media import MediaBatch
-from .pipeline import Encoded, Prepared, Work, encode_prepared, prepare
+from ..items import ItemResult, Prepared
+from ..grids import grid_tokens
+from ..media import MediaBatch, Placeholder
+from .pipeline import Work, encode_prepared, prepare, reason
 
-# Rows entering the encoders: one per distinct file.
+# Rows entering the encoders: one per distinct file (a `bivit.items.Prepared`).
 PREPARED_SCHEMA = pa.schema([
     ("sha256", pa.string()),
+    ("source", pa.string()),
+    ("kind", pa.string()),
     ("pixels", pa.large_binary()),  # float32 [L, 3, p, p], C order
     ("patch", pa.int64()),  # p
     ("grid", pa.list_(pa.int64())),  # flattened [n, 3]
     ("timestamps", pa.list_(pa.string())),  # null for images
-    ("error", pa.string()),  # null unless preprocessing failed
+    ("placeholders", pa.list_(pa.string())),  # per chunk, its prompt text (its rows: the chunk's tokens)
+    ("error", pa.string()),  # null unless preparing failed: the reason
 ])
-# Rows leaving the encoders.
+# Rows leaving the encoders (a `bivit.items.ItemResult`).
 ENCODED_SCHEMA = pa.schema([
     ("sha256", pa.string()),
+    ("source", pa.string()),
+    ("kind", pa.string()),
     ("data", pa.large_binary()),  # the embedding's raw bytes
     ("dtype", pa.string()),
     ("rows", pa.int64()),
     ("cols", pa.int64()),
     ("grid", pa.list_(pa.int64())),
     ("timestamps", pa.list_(pa.string())),
-    ("error", pa.string()),
+    ("placeholders", pa.list_(pa.string())),
+    ("error", pa.string()),  # the reason (`pipeline.reason`)
 ])
 # Local Ray only: the object store holds a few batches of pixels in flight; Ray spills beyond it.
 LOCAL_OBJECT_STORE_BYTES = 512 * 2**20
-# Rows handed to one encoder call; the actor then cuts them by --batch-tokens. Irrelevant to the results.
+# Rows handed to one encoder call; the actor then cuts them by --batch-patches. Irrelevant to the results.
 ROWS_PER_ACTOR_BATCH = 8
 
 
 def prepare_rows(table: pa.Table, processing: Any = None, alpha: str = "model") -> pa.Table:
-    """Ray task: read + preprocess each listed file (the driver's model preprocessing and alpha). Failures become
+    """Ray task: read + prepare each listed file (the driver's model preprocessing and alpha). Failures become
     rows with `error` set."""
     out = {name: [] for name in PREPARED_SCHEMA.names}
     for row in table.to_pylist():
         p = prepare(row["sha256"], row["kind"], Path(row["path"]), row["name"], processing, alpha)
-        out["sha256"].append(p.sha256)
-        if p.error is not None:
-            for k, v in (("pixels", None), ("patch", None), ("grid", None), ("timestamps", None), ("error", p.error)):
-                out[k].append(v)
-            continue
-        pix = p.batch.pixel_values.contiguous()
-        out["pixels"].append(pix.numpy().tobytes())
-        out["patch"].append(int(pix.shape[-1]))
-        out["grid"].append([int(v) for v in p.batch.grid_thw.reshape(-1).tolist()])
-        out["timestamps"].append(p.batch.timestamps)
-        out["error"].append(None)
+        pixels = None if p.batch is None else p.batch.pixel_values.contiguous()
+        values = {"pixels": None if pixels is None else pixels.numpy().tobytes(),
+                  "patch": None if pixels is None else int(pixels.shape[-1]),
+                  "error": None if p.error is None else reason(ItemResult(p.source, p.kind, error=p.error))}
+        _put_common(out, p, values)
     return pa.table(out, schema=PREPARED_SCHEMA)
 
 
+def _put_common(out: dict, item: Prepared | ItemResult, values: dict) -> None:
+    """One row: what Prepared and ItemResult share, plus `values`."""
+    failed = item.error is not None
+    values = {"sha256": item.sha256, "source": item.source, "kind": item.kind,
+              "grid": None if failed else [int(v) for g in item.grid_thw for v in g],
+              "timestamps": None if failed else item.timestamps,
+              "placeholders": None if failed else [p.text for p in item.placeholders], **values}
+    for k, v in values.items():
+        out[k].append(v)
+
+
+def _common(row: dict) -> dict:
+    g = row["grid"] or []
+    grid = [g[i : i + 3] for i in range(0, len(g), 3)]
+    return dict(sha256=row["sha256"], source=row["source"], kind=row["kind"], grid_thw=grid,
+                timestamps=row["timestamps"],
+                placeholders=[Placeholder(text, grid_tokens(h, w)) for text, (_, h, w) in
+                              zip(row["placeholders"] or [], grid)],
+                error=None if row["error"] is None else BivitError(row["error"]))
+
+
 def _unpack_prepared(row: dict) -> Prepared:
-    if row["error"] is not None:
-        return Prepared(row["sha256"], error=row["error"])
-    p = row["patch"]
-    pixels = torch.frombuffer(bytearray(row["pixels"]), dtype=torch.float32).reshape(-1, 3, p, p)
-    grid = torch.tensor(row["grid"], dtype=torch.int64).reshape(-1, 3)
-    return Prepared(row["sha256"], MediaBatch(pixels, grid, row["timestamps"], []))
+    p = Prepared(**_common(row))
+    if p.error is None:
+        pixels = torch.frombuffer(bytearray(row["pixels"]), dtype=torch.float32).reshape(-1, 3, row["patch"],
+                                                                                         row["patch"])
+        p.batch = MediaBatch(pixels, torch.tensor(p.grid_thw, dtype=torch.int64).reshape(-1, 3), p.timestamps, [])
+    return p
 
 
 class EncodeActor:
     """Ray actor: loads the encoder once, then encodes whatever batch it is given (zero rows included)."""
 
-    def __init__(self, model: Optional[str], opts: dict, fingerprint: str, threads: int, batch_tokens: int):
+    def __init__(self, model: Optional[str], opts: dict, fingerprint: str, threads: int, batch_patches: int):
         torch.set_num_threads(threads)
         from ..allocator import tune
 
@@ -97,42 +120,34 @@ class EncodeActor:
             # Another node with other weights (or another torch/bivit build that loads them differently).
             raise BivitError(f"worker on {os.uname().nodename} loaded model {model or 'demo'} with fingerprint "
                              f"{self.encoder.fingerprint[:16]}, the driver has {fingerprint[:16]}")
-        self.batch_tokens = batch_tokens
+        self.batch_patches = batch_patches
 
     def __call__(self, table: pa.Table) -> pa.Table:
         items = [_unpack_prepared(r) for r in table.to_pylist()]
-        return encoded_table(encode_prepared(self.encoder, items, self.batch_tokens))
+        return encoded_table(encode_prepared(self.encoder, items, self.batch_patches))
 
 
-def encoded_table(results: Sequence[Encoded]) -> pa.Table:
+def encoded_table(results: Sequence[ItemResult]) -> pa.Table:
     """Results as rows of ENCODED_SCHEMA; an empty list gives an empty table of the same schema."""
     out = {name: [] for name in ENCODED_SCHEMA.names}
-    for e in results:
-        out["sha256"].append(e.sha256)
-        if e.error is not None:
-            for k in ("data", "dtype", "rows", "cols", "grid", "timestamps"):
-                out[k].append(None)
-            out["error"].append(e.error)
-            continue
-        t = e.tensor.contiguous()
-        out["data"].append(t.view(torch.uint8).numpy().tobytes())
-        out["dtype"].append(dtype_name(t.dtype))
-        out["rows"].append(int(t.shape[0]))
-        out["cols"].append(int(t.shape[1]))
-        out["grid"].append([v for g in e.grid_thw for v in g])
-        out["timestamps"].append(e.timestamps)
-        out["error"].append(None)
+    for r in results:
+        t = None if r.embedding is None else r.embedding.contiguous()
+        _put_common(out, r, {"data": None if t is None else t.view(torch.uint8).numpy().tobytes(),
+                             "dtype": None if t is None else dtype_name(t.dtype),
+                             "rows": None if t is None else int(t.shape[0]),
+                             "cols": None if t is None else int(t.shape[1]),
+                             "error": None if r.error is None else reason(r)})
     return pa.table(out, schema=ENCODED_SCHEMA)
 
 
-def decode_encoded(row: dict) -> Encoded:
-    if row["error"] is not None:
-        return Encoded(row["sha256"], error=row["error"])
-    dtype = parse_dtype(row["dtype"], "dtype")
-    raw = torch.frombuffer(bytearray(row["data"]), dtype=torch.uint8) if row["data"] else torch.zeros(0, dtype=torch.uint8)
-    tensor = raw.view(dtype).reshape(row["rows"], row["cols"])
-    g = row["grid"]
-    return Encoded(row["sha256"], tensor, [g[i : i + 3] for i in range(0, len(g), 3)], row["timestamps"])
+def decode_encoded(row: dict) -> ItemResult:
+    r = ItemResult(**_common(row))
+    if r.error is None:
+        dtype = parse_dtype(row["dtype"], "dtype")
+        raw = (torch.frombuffer(bytearray(row["data"]), dtype=torch.uint8) if row["data"]
+               else torch.zeros(0, dtype=torch.uint8))
+        r.embedding = raw.view(dtype).reshape(row["rows"], row["cols"])
+    return r
 
 
 @contextlib.contextmanager
@@ -155,8 +170,8 @@ def _ray_session(address: Optional[str], cpus_needed: int) -> Iterator[Any]:
         ray.shutdown()
 
 
-def run_ray(work: Sequence[Work], sink: Callable[[Encoded], None], *, model: Optional[str], opts: dict,
-            fingerprint: str, address: Optional[str], workers: int, cpus_per_worker: int, batch_tokens: int,
+def run_ray(work: Sequence[Work], sink: Callable[[ItemResult], None], *, model: Optional[str], opts: dict,
+            fingerprint: str, address: Optional[str], workers: int, cpus_per_worker: int, batch_patches: int,
             processing: Any = None) -> None:
     """Encode `work` on a Ray actor pool and hand every result to `sink` (called in this thread only)."""
     if not work:
@@ -182,7 +197,7 @@ def run_ray(work: Sequence[Work], sink: Callable[[Encoded], None], *, model: Opt
             ds = ds.map_batches(
                 EncodeActor,
                 fn_constructor_kwargs=dict(model=model, opts=opts, fingerprint=fingerprint, threads=cpus_per_worker,
-                                           batch_tokens=batch_tokens),
+                                           batch_patches=batch_patches),
                 compute=ray.data.ActorPoolStrategy(size=workers),
                 batch_format="pyarrow", batch_size=ROWS_PER_ACTOR_BATCH, num_cpus=cpus_per_worker,
             )

@@ -108,7 +108,7 @@ class EncodedDataset:
         """A video's embedding cut back into its chunks (one element for an image)."""
         import torch
 
-        from ..media import grid_tokens
+        from ..grids import grid_tokens
 
         rec = item if isinstance(item, Record) else self[item]
         return list(torch.split(self.tensor(rec), [grid_tokens(h, w) for _, h, w in rec.grid_thw]))

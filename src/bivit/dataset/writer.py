@@ -4,9 +4,9 @@ Crash safety (a SIGKILL at any instant leaves nothing half-written that a reader
 for data):
   1. A shard is written to a `.tmp-*` file in DIR, fsynced, renamed to its final name, then DIR is fsynced.
   2. Manifest lines are appended (one write, then fsync) only after their shard is durable.
-  3. The next run (holding DIR's lock) deletes the temp files bivit writes there (`.tmp-<shard or header>.<pid>`;
-     no other file), truncates a trailing partial line and deletes shards no manifest line references (renamed
-     but killed before their lines were appended).
+  3. The next run (holding DIR's lock) deletes the temp files bivit writes there
+     (`.tmp-<shard or header>.<pid>.<thread>`; no other file), truncates a trailing partial line and deletes
+     shards no manifest line references (renamed but killed before their lines were appended).
 Every manifest and error line carries the next `seq` (see `bivit.dataset.format`), so an error stays the
 source's state until the source is encoded again.
 """
@@ -57,26 +57,14 @@ def _own_temp(name: str) -> bool:
 
 
 def header_for(encoder: Any, model: Optional[str]) -> dict:
-    """What a dataset folder records about the encoder that wrote it; a later run must match the checked keys."""
+    """What a dataset folder records about the encoder that wrote it (`Encoder.describe`, under this format's key
+    names); a later run must match the checked keys."""
     from .. import __version__
 
-    return {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "bivit_version": __version__,
-        "model": model,
-        "model_name": encoder.model_name,
-        "is_demo": bool(encoder.is_demo),
-        "fingerprint": encoder.fingerprint,
-        "dtype": dtype_name(encoder.dtype),
-        "projector_dtype": dtype_name(encoder.projector_dtype),
-        "output_dtype": dtype_name(encoder.output_dtype),
-        "text_hidden_size": int(encoder.config.text_hidden_size),
-        "batch_invariant": bool(encoder.batch_invariant),
-        "alpha": encoder.alpha,  # transparency handling and preprocessing (both also in the fingerprint)
-        "processing": encoder.processing.to_dict(),
-        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-    }
+    about = encoder.describe()
+    return {"format": FORMAT, "format_version": FORMAT_VERSION, "bivit_version": __version__, "model": model,
+            "model_name": about.pop("model"), "is_demo": about.pop("demo"), **about,
+            "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
 
 
 class DatasetWriter:

@@ -6,7 +6,9 @@
     cache     the exact embedding cache (valid because of batch invariance)
     metrics   the Prometheus series of one app
     settings  the limits (`bivit serve` options), validated
-    serving   one request's life: body, items, admission, preprocessing, encoding, answer
+    bodies    reading a request's body within the limits and splitting it into items
+    serving   one request's life after that: cache, admission, the core's stages (prepare in thread pools,
+              chunks to the batcher, assemble), weight updates
     app       the FastAPI app: routes, auth, request log, lifecycle; `run` starts uvicorn
 
 Nothing here is imported by `import bivit`; `app`, `serving` and `metrics` need the `serve` extra.

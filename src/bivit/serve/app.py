@@ -2,9 +2,9 @@
 
 `POST /v1/encode` (see `bivit.serve.protocol` for the wire format and `bivit.serve.serving` for what happens
 to a request), `POST /v1/weights` (a safetensors body replacing every weight; refused while no API key is
-set unless explicitly allowed), `GET /health` (liveness, no auth), `GET /ready`, `GET /metrics`. Auth guards
-every route but /health, with a constant-time compare. `run` serves an app with uvicorn (what `bivit serve`
-calls).
+set unless explicitly allowed), `GET /health` (liveness, no auth), `GET /ready`, `GET /v1/info` (the encoder's
+`describe()`), `GET /metrics`. Auth guards every route but /health, with a constant-time compare. `run` serves
+an app with uvicorn (what `bivit serve` calls).
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from ..encoder import Encoder
 from .protocol import (SAFETENSORS_MEDIA_TYPE, RequestError, encode_json, encode_safetensors, error_body,
                        item_meta)
-from .serving import Service, content_type, log
+from .bodies import content_type
+from .serving import Service, log
 from .settings import ServerSettings
 
 
@@ -80,7 +81,7 @@ def create_app(encoder: Encoder, settings: Optional[ServerSettings] = None) -> F
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         svc.start()
-        log.info("ready", extra={"fields": {**svc.header, "max_batch_tokens": settings.max_batch_tokens,
+        log.info("ready", extra={"fields": {**svc.header, "max_batch_patches": settings.max_batch_patches,
                                             "max_queue": settings.max_queue,
                                             "cache_mb": settings.cache_mb if svc.cache.max_bytes else 0}})
         try:
@@ -147,6 +148,11 @@ def create_app(encoder: Encoder, settings: Optional[ServerSettings] = None) -> F
         body = {"ready": ok, "worker_alive": svc.batcher.alive, "draining": svc.draining, **svc.header}
         return JSONResponse(body, 200 if ok else 503)
 
+    @app.get("/v1/info")
+    async def info() -> dict:
+        """The encoder's description (`Encoder.describe`: model, dtypes, fingerprint, preprocessing, kernels)."""
+        return svc.info
+
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(generate_latest(svc.metrics.registry), media_type=CONTENT_TYPE_LATEST)
@@ -157,8 +163,8 @@ def create_app(encoder: Encoder, settings: Optional[ServerSettings] = None) -> F
         if fmt not in ("safetensors", "json"):
             raise RequestError(400, "bad_request", f"format must be 'safetensors' or 'json', got {fmt!r}")
         ctype = content_type(request)  # 415 before reading a byte of the body
-        body = await svc.read_body(request)
-        items = await svc.parse_items(ctype, request, body)
+        body = await svc.bodies.read(request)
+        items = await svc.bodies.parse_items(ctype, request, body)
         if not items:
             raise RequestError(400, "bad_request", "no items: send at least one 'file' part or JSON item")
         request.state.items = len(items)
@@ -194,7 +200,7 @@ def create_app(encoder: Encoder, settings: Optional[ServerSettings] = None) -> F
                                "(or --allow-weight-updates-without-key on a trusted machine)")
         content_type(request, ("application/octet-stream", SAFETENSORS_MEDIA_TYPE),
                      "send the weights as a safetensors file, application/octet-stream")
-        body = await svc.read_body(request, settings.max_weights_mb, "--max-weights-mb")
+        body = await svc.bodies.read(request, settings.max_weights_mb, "--max-weights-mb")
         return JSONResponse(await svc.update_weights(body))
 
     return app

@@ -1,4 +1,5 @@
-"""The batching worker: one thread owns the Encoder (it is not re-entrant) and coalesces queued items.
+"""The batching worker: one thread owns the Encoder (it is not re-entrant) and coalesces queued items (images and
+video chunks) from all requests into forward passes, by the packing rule (`bivit.packing`).
 
 Anything else that touches the encoder (a weight update) runs on the same thread, between forward passes
 (`Batcher.call`), so no forward pass ever sees half-updated weights.
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from ..media import MediaBatch
+from ..packing import starts_new_pass
 from .metrics import Metrics
 
 
@@ -29,9 +31,10 @@ class _Job:
 class Batcher:
     """One worker thread that owns the Encoder and coalesces queued items into forward passes.
 
-    A batch closes when the next queued item would push it past `max_patches`, or `max_wait_s` after its oldest
-    item was queued, whichever comes first. Items are taken in arrival order. An item larger than the budget runs
-    alone. If a coalesced call raises, its items are retried one by one so that one bad item fails only itself.
+    A batch closes when the next queued item starts a new pass by the packing rule (it would push the batch past
+    `max_patches`), or `max_wait_s` after its oldest item was queued, whichever comes first. Items are taken in
+    arrival order. An item larger than the budget runs alone. A pass that raises is run again item by item
+    (`Encoder.forward_each`), so that one bad item fails only itself.
     """
 
     def __init__(self, encoder: Any, max_patches: int, max_wait_s: float, metrics: Metrics):
@@ -109,7 +112,7 @@ class Batcher:
                                 jobs.append(job)
                         self._metrics.queue_depth.set(len(self._queue))
                         return jobs
-                    if jobs and patches + job.patches > self._max_patches:
+                    if starts_new_pass(len(jobs), patches, job.patches, self._max_patches):
                         self._metrics.queue_depth.set(len(self._queue))
                         return jobs
                     self._queue.popleft()
@@ -134,20 +137,17 @@ class Batcher:
     def _encode(self, jobs: list[_Job]) -> None:
         batch = MediaBatch.concat([j.item for j in jobs])
         t0 = time.perf_counter()
-        try:
-            outs = self._encoder.encode_batch(batch)
-        except Exception as e:  # noqa: BLE001 - the worker must survive anything one batch does
-            if len(jobs) > 1:
-                for j in jobs:  # isolate the culprit; the others still get their (identical) answers
-                    self._encode([j])
-            else:
-                jobs[0].future.set_exception(e)
-            return
-        self._metrics.batch_seconds.observe(time.perf_counter() - t0)
-        self._metrics.batch_items.observe(len(jobs))
-        self._metrics.batch_patches.observe(sum(j.patches for j in jobs))
-        self._metrics.tokens.inc(sum(int(o.shape[0]) for o in outs))
+        outs = self._encoder.forward_each(batch)  # the worker survives anything one item does
+        done = [(j, o) for j, o in zip(jobs, outs) if not isinstance(o, Exception)]
+        if done:
+            self._metrics.batch_seconds.observe(time.perf_counter() - t0)
+            self._metrics.batch_items.observe(len(done))
+            self._metrics.batch_patches.observe(sum(j.patches for j, _ in done))
+            self._metrics.tokens.inc(sum(int(o.shape[0]) for _, o in done))
         for j, o in zip(jobs, outs):
+            if isinstance(o, Exception):
+                j.future.set_exception(o)
+                continue
             # A private host copy: outputs may be views of one buffer (safetensors refuses shared storage, and
             # the cache must not pin a whole batch), and responses and the cache live in host memory.
             o = o.detach()

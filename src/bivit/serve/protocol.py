@@ -72,6 +72,7 @@ class ItemResult:
     grid_thw: list = field(default_factory=list)
     timestamps: Optional[list] = None
     placeholders: Optional[list] = None  # per image / chunk: {"text": prompt placeholder, "tokens": rows}
+    ec_ids: Optional[list] = None  # per image / chunk: its id in vLLM's encoder cache (`bivit serve --ec-dir`)
     cached: bool = False
     error: Optional[str] = None
     error_kind: Optional[str] = None
@@ -115,14 +116,14 @@ def item_meta(i: int, r: ItemResult) -> dict:
     return {"index": i, "name": r.name, "kind": r.kind, "sha256": r.sha256,
             "tensor": str(i) if r.embedding is not None else None,
             "tokens": r.tokens, "grid_thw": r.grid_thw, "timestamps": r.timestamps,
-            "placeholders": r.placeholders, "cached": r.cached,
+            "placeholders": r.placeholders, "ec_ids": r.ec_ids, "cached": r.cached,
             "error": r.error, "error_kind": r.error_kind}
 
 
 def result_from_meta(m: dict, embedding: Optional["torch.Tensor"] = None) -> ItemResult:
     return ItemResult(name=m["name"], kind=m["kind"], sha256=m["sha256"], embedding=embedding,
                       grid_thw=m.get("grid_thw") or [], timestamps=m.get("timestamps"),
-                      placeholders=m.get("placeholders"), cached=bool(m.get("cached")),
+                      placeholders=m.get("placeholders"), ec_ids=m.get("ec_ids"), cached=bool(m.get("cached")),
                       error=m.get("error"), error_kind=m.get("error_kind"))
 
 

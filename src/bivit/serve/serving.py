@@ -1,15 +1,15 @@
-"""One request's life in the service: body, items, cache lookup, admission, preprocessing, encoding, answer.
+"""One request's life in the service: items, cache lookup, admission, the core's stages, answer.
 
-1. The event loop reads the body (bounded by `max_body_mb`), splits it into items (multipart `file` parts or
-   JSON base64 items), hashes each item and looks it up in the embedding cache.
-2. Cache misses are admitted against `max_queue` (else 429 + Retry-After) and preprocessed in thread pools,
-   so decoding and resizing never block the event loop: videos in one, images in another, and images whose
-   header says they are heavy (`HEAVY_IMAGE_SIZE`) in a third of one thread, so a heavy item never makes a
-   small one wait for a thread. Every decode stops at its request's deadline (an item still queued then is
-   never started).
-3. Each preprocessed item (each chunk, for a video) goes to the Batcher, whose single worker coalesces queued
-   items from all concurrent requests into forward passes.
-4. The request assembles its items' embeddings in input order (a video: its chunks concatenated).
+1. The event loop reads the body (bounded by `max_body_mb`) and splits it into items (`bivit.serve.bodies`),
+   hashes each item and looks it up in the embedding cache.
+2. Cache misses are admitted against `max_queue` (else 429 + Retry-After) and prepared in thread pools
+   (`Encoder.prepare`: decoding, resizing, chunking), so that work never blocks the event loop: videos in one,
+   images in another, and images whose header says they are heavy (`HEAVY_IMAGE_SIZE`) in a third of one
+   thread, so a heavy item never makes a small one wait for a thread. Every decode stops at its request's
+   deadline (an item still queued then is never started).
+3. Each prepared item's chunks (one for an image) go to the Batcher, whose single worker coalesces queued
+   chunks from all concurrent requests into forward passes by the packing rule.
+4. Each item's result is `bivit.items.assemble`'s (a video: its chunks joined), answered in input order.
 
 Weight updates (`POST /v1/weights`) pass a gate that requests hold shared and an update holds alone: the
 update waits for the requests in flight (they finish on the old weights, none is lost), new requests wait for
@@ -35,19 +35,18 @@ import time
 from dataclasses import replace
 from typing import Optional
 
-from fastapi import Request
-from starlette.requests import ClientDisconnect
-
-from ..dtypes import dtype_name
+from ..decode import image_header, image_work_bytes
 from ..encoder import Encoder
+from ..engines.media import media_of
+from ..engines.vllm import write_encoder_cache
 from ..errors import BivitError, MediaError
-from ..media import (PATCH_SIZE, MediaBatch, batch_placeholders, grid_tokens, image_grid, image_header,
-                     image_work_bytes, preprocess_images)
-from ..video import join_chunks, preprocess_video
+from ..grids import PATCH_SIZE, grid_tokens, image_grid
+from ..items import ItemResult as CoreResult, Prepared, assemble
 from .batcher import Batcher
+from .bodies import BodyReader
 from .cache import EmbeddingCache
 from .metrics import Metrics
-from .protocol import RESPONSE_FORMAT, ItemResult, RequestError, UploadItem, parse_json_request
+from .protocol import RESPONSE_FORMAT, ItemResult, RequestError, UploadItem
 from .settings import ServerSettings
 
 log = logging.getLogger("bivit.server")
@@ -58,22 +57,10 @@ PATCH_BYTES = 3 * PATCH_SIZE * PATCH_SIZE * 4
 # A JSON response writes each value as text: at most ~20 bytes with its separator.
 JSON_BYTES_PER_VALUE = 20
 # An image whose decoding and preprocessing takes more memory than an RGB photo of this size does (as the model
-# preprocesses it; `bivit.media.image_work_bytes`) is heavy: decoded in the one-thread heavy pool, so at most one
+# preprocesses it; `bivit.decode.image_work_bytes`) is heavy: decoded in the one-thread heavy pool, so at most one
 # such image is in memory at a time and none holds a thread a small image needs. A 64 MP PNG decodes in about 2 s
 # on one core; the 14000x14000 PNGs that starved small requests take 5-7 s each.
 HEAVY_IMAGE_SIZE = (8192, 8192)
-
-
-ENCODE_MEDIA_TYPES = ("multipart/form-data", "application/json")
-ENCODE_HINT = "send multipart/form-data with 'file' parts or application/json {\"items\": [{\"data\": <base64>}]}"
-
-
-def content_type(request: Request, accepted: tuple[str, ...] = ENCODE_MEDIA_TYPES, hint: str = ENCODE_HINT) -> str:
-    """The request's media type if the route accepts it, else RequestError 415 (before reading the body)."""
-    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    if ctype not in accepted:
-        raise RequestError(415, "unsupported_media_type", f"Content-Type {ctype or '(none)'!r} is not accepted; {hint}")
-    return ctype
 
 
 class WeightsGate:
@@ -117,9 +104,10 @@ class Service:
         self.encoder = encoder
         self.settings = settings
         self.metrics = Metrics()
+        self.bodies = BodyReader(settings)
         # Without batch invariance a cached embedding may differ from a fresh one, so no cache at all.
         self.cache = EmbeddingCache(int(settings.cache_mb * 2**20) if encoder.batch_invariant else 0)
-        self.batcher = Batcher(encoder, settings.max_batch_tokens, settings.max_wait_ms / 1000.0, self.metrics)
+        self.batcher = Batcher(encoder, settings.max_batch_patches, settings.max_wait_ms / 1000.0, self.metrics)
         # Images, heavy images and videos decode in separate pools: a video or a heavy image that is slow to decode
         # (until its request's deadline) never makes a small image wait for a thread.
         self.pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
@@ -129,9 +117,10 @@ class Service:
         self.inflight = 0  # items admitted and not yet answered; touched only on the event loop
         self.pixels_held = 0  # preprocessed pixel bytes of admitted requests (see _Budget); event loop only
         self.draining = False
-        # Hashes every weight: do it once here, never on the event loop during a request.
-        self.header = {"format": RESPONSE_FORMAT, "model": encoder.model_name, "fingerprint": encoder.fingerprint,
-                       "dtype": dtype_name(encoder.output_dtype)}
+        # Hashes every weight (the fingerprint): do it once here, never on the event loop during a request.
+        self.info = encoder.describe()
+        self.header = {"format": RESPONSE_FORMAT, "model": self.info["model"], "fingerprint": self.info["fingerprint"],
+                       "dtype": self.info["output_dtype"]}
         self.gate = WeightsGate()
         self.updating = asyncio.Lock()  # one weight update at a time
 
@@ -156,105 +145,13 @@ class Service:
             if pool is not None:
                 pool.shutdown(wait=True)
 
-    # -- request parsing
-    async def read_body(self, request: Request, limit_mb: Optional[float] = None,
-                        option: str = "--max-body-mb") -> bytes:
-        limit_mb = self.settings.max_body_mb if limit_mb is None else limit_mb
-        limit = self.settings.mb(limit_mb)
-        declared = request.headers.get("content-length")
-        if declared is not None:
-            try:
-                n = int(declared)
-            except ValueError:
-                raise RequestError(400, "bad_request", f"invalid Content-Length {declared!r}") from None
-            if n > limit:
-                await self._discard_body(request, n)
-                raise RequestError(413, "too_large", f"request body of {n} bytes exceeds {option} "
-                                   f"{limit_mb:g} ({limit} bytes)")
-        try:
-            return await asyncio.wait_for(self._read(request, limit, f"{option} {limit_mb:g}"),
-                                          self.settings.body_timeout_s)
-        except asyncio.TimeoutError:
-            # A client sending slower than this holds a connection and a buffer: drop it (408 closes it).
-            raise RequestError(408, "body_timeout", f"request body not received within --body-timeout-s "
-                               f"{self.settings.body_timeout_s:g}", {"Connection": "close"}) from None
-
-    async def _read(self, request: Request, limit: int, option: str) -> bytes:
-        chunks, size = [], 0
-        try:
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > limit:  # a chunked or lying body: stop at the limit, never hold more than it
-                    await self._discard_body(request, limit)
-                    raise RequestError(413, "too_large", f"request body exceeds {option} ({limit} bytes)")
-                chunks.append(chunk)
-        except ClientDisconnect:
-            raise RequestError(400, "bad_request", "client disconnected while sending the body") from None
-        return b"".join(chunks)
-
-    async def _discard_body(self, request: Request, up_to: int) -> None:
-        # Read and drop (a bounded amount of) the rest of the body before answering 413: closing a socket with
-        # unread data sends a TCP reset, and the client would see "connection reset" instead of the 413.
-        # A client that sent `Expect: 100-continue` has not sent the body; reading would invite it to.
-        if "100-continue" in request.headers.get("expect", "").lower():
-            return
-        budget = min(up_to, self.settings.mb(self.settings.max_body_mb) + 64 * 2**20)
-        deadline = time.monotonic() + 5.0
-        seen = 0
-        with contextlib.suppress(Exception):
-            async for chunk in request.stream():
-                seen += len(chunk)
-                if seen > budget or time.monotonic() > deadline:
-                    return
-
-    async def parse_items(self, ctype: str, request: Request, body: bytes) -> list[UploadItem]:
-        """The items of a body of media type `ctype` (as `content_type` returned it)."""
-        if ctype == "multipart/form-data":
-            return await self._parse_multipart(request, body)
-        return parse_json_request(body)
-
-    async def _parse_multipart(self, request: Request, body: bytes) -> list[UploadItem]:
-        sent = False
-
-        async def replay() -> dict:  # feed the already-bounded body to Starlette's multipart parser
-            nonlocal sent
-            if sent:
-                return {"type": "http.disconnect"}
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-
-        try:
-            form = await Request(request.scope, replay).form(max_files=self.settings.max_queue + 1)
-        except Exception as e:  # noqa: BLE001 - malformed multipart in any of the parser's ways
-            raise RequestError(400, "bad_request", f"malformed multipart body: {getattr(e, 'detail', None) or e}") \
-                from None
-        items = []
-        try:
-            for key, value in form.multi_items():
-                if key != "file":
-                    raise RequestError(400, "bad_request", f"unexpected form field {key!r}; send each image or "
-                                       "video as a file part named 'file'")
-                if isinstance(value, str):
-                    raise RequestError(400, "bad_request",
-                                       "form field 'file' must be a file part (curl -F file=@path)")
-                data = await value.read()
-                name = value.filename or f"item{len(items)}"
-                items.append(UploadItem(name, data, (value.content_type or "").lower().startswith("video/")))
-        finally:
-            await form.close()
-        return items
-
     # -- encoding
-    def _preprocess(self, item: UploadItem, deadline: float) -> MediaBatch:
-        """Runs in a thread pool: bytes -> MediaBatch (one item per image, one per video chunk). From the bytes
-        (no temp file); decoding stops at the request's deadline, so a request that timed out does not keep a
-        preprocessing thread from the next one."""
-        proc = self.encoder.processing  # the model's preprocessing and the server's --alpha, as offline
-        if item.kind == "image":
-            return preprocess_images([item.data], names=[item.name], processing=proc, alpha=self.encoder.alpha,
-                                     deadline=deadline)
-        return preprocess_video(item.data, name=item.name, processing=proc, deadline=deadline,
-                                max_decoded_pixels=int(self.settings.max_video_mpixels * 1e6))
+    def _prepare(self, item: UploadItem, sha256: str, deadline: float) -> Prepared:
+        """Runs in a thread pool: the item's bytes -> its chunks (the model's preprocessing and the server's
+        --alpha, as offline). From the bytes (no temp file); decoding stops at the request's deadline, so a
+        request that timed out does not keep a preprocessing thread from the next one."""
+        return self.encoder.prepare(item.data, name=item.name, kind=item.kind, sha256=sha256, deadline=deadline,
+                                    video_options=dict(max_decoded_pixels=int(self.settings.max_video_mpixels * 1e6)))
 
     def _image_cost(self, data: bytes) -> Optional[tuple[int, int, bool]]:
         """(preprocessed pixel bytes, tokens, heavy) of an image from its header alone, under the model's
@@ -276,22 +173,17 @@ class Service:
         """One distinct item of a request (`cost`: `_image_cost`'s, None if not known before decoding); errors
         are reasons (the caller names each copy of the item)."""
         res = ItemResult(item.name, item.kind, key[2])
-        loop = asyncio.get_running_loop()
-        try:
-            pool = self._pool_for(item, cost is not None and cost[2])
-            batch = await loop.run_in_executor(pool, self._preprocess, item, deadline)
-        except MediaError as e:
-            res.error, res.error_kind = e.about(item.name), "media"
+        pool = self._pool_for(item, cost is not None and cost[2])
+        prepared = await asyncio.get_running_loop().run_in_executor(pool, self._prepare, item, key[2], deadline)
+        if isinstance(prepared.error, MediaError):
+            res.error, res.error_kind = prepared.error.about(item.name), "media"
             return res
-        except BivitError as e:
-            res.error, res.error_kind = str(e), "invalid"
-            return res
-        if len(batch) == 0:
-            res.error, res.error_kind = "no frames to encode", "media"
+        if prepared.error is not None:
+            res.error, res.error_kind = str(prepared.error), "invalid"
             return res
         if cost is None:  # a video (or an image whose header said nothing): counted once decoded
-            budget.take(batch.pixel_values.nbytes, sum(batch.token_counts) * copies)
-        futures = [asyncio.wrap_future(self.batcher.submit(batch.item(c))) for c in range(len(batch))]
+            budget.take(prepared.batch.pixel_values.nbytes, prepared.tokens * copies)
+        futures = [asyncio.wrap_future(self.batcher.submit(chunk)) for chunk in prepared.chunks()]
         try:
             outs = await asyncio.gather(*futures)
         except asyncio.CancelledError:
@@ -305,11 +197,19 @@ class Service:
             log.error("encode failed", exc_info=e, extra={"fields": {"item": item.name}})
             res.error, res.error_kind = f"encoding failed ({type(e).__name__}: {e})", "internal"
             return res
-        res.embedding = join_chunks(outs)
-        res.grid_thw = batch.grid_thw.tolist()
-        res.timestamps = list(batch.timestamps) if batch.timestamps is not None else None
-        res.placeholders = [p.to_dict() for p in batch_placeholders(batch, self.encoder.processing)]
+        done = assemble(prepared, outs)
+        res.embedding, res.grid_thw, res.timestamps = done.embedding, done.grid_thw, done.timestamps
+        res.placeholders = [p.to_dict() for p in done.placeholders]
+        if self.settings.ec_dir is not None:
+            try:
+                res.ec_ids = await asyncio.get_running_loop().run_in_executor(self.pool, self._write_encoder_cache,
+                                                                              done, key[0])
+            except (OSError, BivitError) as e:
+                res.embedding, res.error, res.error_kind = None, f"cannot write the encoder cache ({e})", "internal"
         return res
+
+    def _write_encoder_cache(self, result: CoreResult, fingerprint: str) -> list[str]:
+        return write_encoder_cache(self.settings.ec_dir, [media_of(result, fingerprint)])[0]
 
     async def encode_request(self, items: list[UploadItem], json_response: bool = False
                              ) -> tuple[list[ItemResult], dict]:
@@ -400,6 +300,7 @@ class Service:
         def apply() -> str:  # on the batching worker, between forward passes
             fingerprint = self.encoder.update_weights(tensors, source="POST /v1/weights")
             self.header = {**self.header, "fingerprint": fingerprint}  # a new dict: responses in flight keep theirs
+            self.info = {**self.info, "fingerprint": fingerprint}
             self.cache.clear()  # entries are keyed by the old fingerprint: unreachable, only taking memory
             self.metrics.cache_bytes.set(self.cache.nbytes)
             return fingerprint

@@ -1,0 +1,165 @@
+"""bivit's per-input results as engines and trainers consume them: `Media` (an input's rows, its prompt
+placeholders, the encoder fingerprint and the content hash), `encode`, the readers of bivit's outputs
+(`load_media`: a `bivit encode` file or an `encode-dataset` folder) and each item's id (`ec_id`).
+
+The id pins the encoder and the content: `bivit encode`, `encode-dataset`, the service and `encode` give one
+image (one video chunk) one id, and anything that could change its rows changes it. vLLM uses it as the item's
+encoder-cache key (`bivit.engines.vllm`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence, Union
+
+from ..errors import BivitError
+from ..items import ItemResult, content_sha256  # noqa: F401  (content_sha256: re-exported, the one content hash)
+from ..media import Placeholder
+
+if TYPE_CHECKING:
+    import torch
+
+# Changes whenever the id derivation does, so ids of one derivation never name another's rows.
+EC_ID_SCHEME = "bivit-ec/1"
+
+
+@dataclass(frozen=True)
+class Media:
+    """One input as bivit encoded it: what every engine input below is built from.
+
+    `embedding` `[tokens, hidden]` holds the rows of every placeholder in order (a video: its chunks);
+    `placeholders` one per image or video chunk (the text the model's processor writes and the rows that
+    replace its `<|media_pad|>`); `fingerprint` the encoder's (weights, dtypes, mode, preprocessing);
+    `sha256` the content hash of the input's bytes (of its decoded pixels for an in-memory image); `sizes`
+    per placeholder the (width, height) of the image or of the chunk's frames before resizing (None: unknown);
+    `frames` per placeholder the frames it holds (1 for an image).
+    """
+
+    embedding: "torch.Tensor"
+    placeholders: tuple[Placeholder, ...]
+    fingerprint: str
+    sha256: str
+    kind: str = "image"
+    sizes: tuple[Optional[tuple[int, int]], ...] = ()
+    frames: tuple[int, ...] = ()
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "placeholders", tuple(self.placeholders))
+        object.__setattr__(self, "sizes", tuple(self.sizes) or (None,) * len(self.placeholders))
+        object.__setattr__(self, "frames", tuple(self.frames) or (1,) * len(self.placeholders))
+        if self.kind not in ("image", "video"):
+            raise BivitError(f"{self.source or 'media'}: kind {self.kind!r} is not 'image' or 'video'")
+        if self.embedding.ndim != 2:
+            raise BivitError(f"{self.source or 'media'}: embedding must be [tokens, hidden], got "
+                             f"{list(self.embedding.shape)}")
+        announced = sum(p.tokens for p in self.placeholders)
+        if announced != self.embedding.shape[0]:
+            raise BivitError(f"{self.source or 'media'}: its placeholders announce {announced} rows "
+                             f"({', '.join(str(p.tokens) for p in self.placeholders)}) but the embedding has "
+                             f"{self.embedding.shape[0]}")
+        if not (len(self.sizes) == len(self.frames) == len(self.placeholders)):
+            raise BivitError(f"{self.source or 'media'}: sizes and frames need one entry per placeholder")
+
+    def chunks(self) -> list["torch.Tensor"]:
+        """The rows of each placeholder (an image: one; a video: one per chunk)."""
+        import torch
+
+        return list(torch.split(self.embedding, [p.tokens for p in self.placeholders]))
+
+    def ec_ids(self) -> list[str]:
+        """The encoder-cache id of each placeholder's rows (`ec_id`)."""
+        return [ec_id(self.fingerprint, self.sha256, self.kind, i) for i in range(len(self.placeholders))]
+
+
+def ec_id(fingerprint: str, sha256: str, kind: str, chunk: int) -> str:
+    """The id under which one image's (or one video chunk's) rows are stored for vLLM's encoder cache.
+
+    A hash of the id scheme, the encoder fingerprint (config, weights, dtypes, invariant mode, preprocessing
+    and alpha handling), the input's content hash, its kind and the chunk index: the same input encoded by the
+    same encoder always gets the same id, and any change that could change the rows changes the id. The
+    result is a file-name-safe string vLLM uses as the item's `mm_hash`.
+    """
+    key = json.dumps([EC_ID_SCHEME, fingerprint, sha256, kind, int(chunk)], separators=(",", ":"))
+    return "bivit-" + hashlib.sha256(key.encode()).hexdigest()
+
+
+def media_of(result: ItemResult, fingerprint: str) -> Media:
+    """An encoded input (`bivit.items.ItemResult`: `Encoder.encode_items`, `bivit encode`, the service) as Media,
+    under the fingerprint of the encoder that computed it."""
+    if result.error is not None:
+        raise BivitError(f"{result.source}: has no rows to hand over ({result.error})")
+    return Media(result.embedding, tuple(result.placeholders), fingerprint, result.sha256, result.kind,
+                 tuple(result.sizes), tuple(int(t) for t, _, _ in result.grid_thw), result.source)
+
+
+def encode(encoder: Any, inputs: Sequence[Any]) -> list[Media]:
+    """Encode images and videos (any input `Encoder.encode_items` takes) -> one Media per input; the first input
+    that fails raises.
+
+    The inputs share forward passes; in invariant mode each input's rows are the bits of encoding it alone.
+    """
+    return [media_of(r, encoder.fingerprint) for r in encoder.encode_items(inputs, raise_errors=True)]
+
+
+# ---------------------------------------------------------------------------------------- reading outputs
+
+def load_media(path: Union[str, os.PathLike]) -> list[Media]:
+    """bivit's outputs as Media, for a trainer or an encoder-cache producer: a `bivit encode` file (its items
+    in input order) or an `encode-dataset` folder (its records, in manifest order)."""
+    return list(iter_media(path))
+
+
+def iter_media(path: Union[str, os.PathLike]) -> Iterator[Media]:
+    path = Path(path)
+    if path.is_dir():
+        yield from _dataset_media(path)
+    else:
+        yield from _encode_file_media(path)
+
+
+def _encode_file_media(path: Path) -> Iterator[Media]:
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = json.loads((f.metadata() or {}).get("bivit", "null"))
+            if not isinstance(meta, dict) or "items" not in meta:
+                raise BivitError(f"{path}: not a file written by `bivit encode` (no 'bivit' metadata)")
+            if not meta.get("fingerprint"):
+                raise BivitError(f"{path}: written by an older bivit without the encoder fingerprint; re-encode it")
+            for item in meta["items"]:
+                if "sha256" not in item:
+                    raise BivitError(f"{path}: item {item.get('key')!r} has no content hash; re-encode it")
+                yield Media(f.get_tensor(item["key"]),
+                            tuple(Placeholder(p["text"], int(p["tokens"])) for p in item["placeholders"]),
+                            meta["fingerprint"], item["sha256"], "video" if "timestamps" in item else "image",
+                            tuple(tuple(s) if s else None for s in item.get("sizes", ())),
+                            tuple(int(g[0]) for g in item["grid_thw"]), item.get("source", ""))
+    except (SafetensorError, OSError, json.JSONDecodeError) as e:
+        raise BivitError(f"{path}: cannot read ({e})") from None
+
+
+def _dataset_media(path: Path) -> Iterator[Media]:
+    from ..dataset.reader import open_dataset
+    from ..media import chunk_placeholder_text, grid_tokens, image_placeholder_text
+    from ..preprocess_config import ProcessorConfig
+
+    with open_dataset(path) as ds:
+        processing = ProcessorConfig(**ds.header["processing"])
+        for rec in ds:
+            if rec.kind == "video":
+                texts = [chunk_placeholder_text(s) for s in rec.timestamps or []]
+            elif processing.processor == "kimi_k25":
+                texts = [image_placeholder_text(processing, 0, 0)]
+            else:
+                raise BivitError(f"{path}: {rec.source}: a {processing.processor} image placeholder names the "
+                                 "image size, which a dataset folder does not record")
+            grids = rec.grid_thw
+            yield Media(ds.tensor(rec), tuple(Placeholder(t, grid_tokens(h, w)) for t, (_, h, w) in zip(texts, grids)),
+                        ds.fingerprint, rec.sha256, rec.kind, (None,) * len(grids), tuple(int(g[0]) for g in grids),
+                        rec.source)
