@@ -76,7 +76,7 @@ def rollout(http: httpx.Client, images: list[np.ndarray], lm: TinyLM, gen: torch
     tokens = [lm.sample(e, gen) for e in embeddings]
     with torch.no_grad():
         logprobs = [lm.score(e, t) for e, t in zip(embeddings, tokens)]
-    return embeddings, meta["fingerprint"], tokens, logprobs, [res.cached for res in results]
+    return embeddings, meta["fingerprint"], tokens, logprobs, [res.extra["cached"] for res in results]
 
 
 def push_weights(http: httpx.Client, model: nn.Module) -> dict:

@@ -1,5 +1,6 @@
 """The `bivit` command line, run as a real process: outputs, one-line errors, exit codes."""
 
+import hashlib
 import json
 import os
 import re
@@ -48,26 +49,41 @@ def test_encode_writes_one_tensor_per_input_with_metadata(files, tmp_path):
     assert "Traceback" not in r.stderr and "DEMO" in r.stderr
     assert r.stdout.strip().startswith("encoded 4 of 4 inputs")
     enc = bivit.load_encoder(dtype="float32")
-    with safe_open(str(out), "pt") as f:
-        meta = json.loads(f.metadata()["bivit"])
-        assert [i["source"] for i in meta["items"]] == [str(p) for p in files["good"] + [files["video"]]]
-        assert meta["demo"] is True and meta["dtype"] == "float32" and meta["batch_invariant"] is True
-        for i, p in enumerate(files["good"]):
-            t = f.get_tensor(str(i))
-            assert torch.equal(t, enc.encode([p])[0])  # the CLI's bits are the library's bits
-            assert meta["items"][i]["grid_thw"] == enc.preprocess([p]).grid_thw.tolist()
-        video = meta["items"][3]
-        chunks = enc.encode_video(files["video"])
-        assert len(chunks) == 3  # 6 s at 10 fps -> 12 frames sampled at 2 fps -> chunks of 4
-        assert video["timestamps"] == [c.timestamp for c in chunks] and chunks[0].timestamp == "00:00:00.000"
-        assert video["grid_thw"] == [list(c.grid_thw) for c in chunks]
-        assert video["chunk_tokens"] == [c.token_count for c in chunks]
-        assert torch.equal(f.get_tensor("3"), torch.cat([c.embedding for c in chunks]))
-        # The prompt placeholders, one per image or chunk, are the encoder's, and their rows add up.
-        got = [[bivit.Placeholder(**p) for p in item["placeholders"]] for item in meta["items"]]
-        assert got == enc.placeholders(files["good"] + [files["video"]])
-        assert [sum(p.tokens for p in ps) for ps in got] == [i["tokens"] for i in meta["items"]]
-        assert meta["alpha"] == "model" and meta["processing"]["processor"] == "kimi_k25"
+    inputs = files["good"] + [files["video"]]
+    with safe_open(str(out), "pt") as f:  # the raw file: the format's three keys, tensor "i" for input i
+        meta = f.metadata()
+        assert meta["format"] == "bivit.embeddings/1" and sorted(f.keys()) == ["0", "1", "2", "3"]
+        written, here = json.loads(meta["encoder"]), enc.describe()
+        assert written.pop("kernels")["gemm"] == here.pop("kernels")["gemm"] and written == here
+    items = bivit.load_embeddings(out)
+    assert items.encoder["demo"] is True and items.encoder["dtype"] == "float32"
+    assert items.encoder["batch_invariant"] is True and items.encoder["fingerprint"] == enc.fingerprint
+    assert items.sources == [str(p) for p in inputs]
+    for i, p in enumerate(files["good"]):
+        assert torch.equal(items[i].embedding, enc.encode([p])[0])  # the CLI's bits are the library's bits
+        assert items[i].grid_thw == enc.preprocess([p]).grid_thw.tolist() and items[i].kind == "image"
+        assert items[i].sha256 == hashlib.sha256(p.read_bytes()).hexdigest() and items[i].dtype == "float32"
+    video = items[3]
+    chunks = enc.encode_video(files["video"])
+    assert len(chunks) == 3  # 6 s at 10 fps -> 12 frames sampled at 2 fps -> chunks of 4
+    assert video.kind == "video" and video.timestamps == [c.timestamp for c in chunks]
+    assert chunks[0].timestamp == "00:00:00.000"
+    assert video.grid_thw == [list(c.grid_thw) for c in chunks]
+    assert video.chunk_tokens == [c.token_count for c in chunks]
+    assert torch.equal(video.embedding, torch.cat([c.embedding for c in chunks]))
+    assert all(torch.equal(a, c.embedding) for a, c in zip(video.chunks, chunks))
+    # The prompt placeholders, one per image or chunk, are the encoder's, and their rows add up.
+    got = [[bivit.Placeholder(**p) for p in item.placeholders] for item in items]
+    assert got == enc.placeholders(inputs)
+    assert [sum(p.tokens for p in ps) for ps in got] == [i.tokens for i in items]
+    assert items.encoder["alpha"] == "model" and items.encoder["processing"]["processor"] == "kimi_k25"
+
+
+def test_encode_of_a_long_video_shows_progress(files, tmp_path):
+    """One video: the bar counts its chunks (3 here, one forward pass each under a small patch budget)."""
+    r = run("encode", files["video"], "--out", tmp_path / "e.safetensors", "--max-batch-patches", "64")
+    assert r.returncode == 0, r.stderr
+    assert "encoding: 100%" in r.stderr and "3/3" in r.stderr and "chunk" in r.stderr, r.stderr
 
 
 def test_encode_alpha_option(tmp_path):
@@ -84,7 +100,7 @@ def test_encode_alpha_option(tmp_path):
         assert r.returncode == 0, r.stderr
         with safe_open(str(out), "pt") as f:
             outs[alpha] = f.get_tensor("0")
-            assert json.loads(f.metadata()["bivit"])["alpha"] == alpha
+            assert json.loads(f.metadata()["encoder"])["alpha"] == alpha
     enc = bivit.load_encoder(dtype="float32")
     assert torch.equal(outs["white"], enc.encode([img], alpha="white")[0])
     assert torch.equal(outs["model"], enc.encode([img])[0]) and not torch.equal(outs["model"], outs["white"])
@@ -101,8 +117,12 @@ def test_bad_files_are_reported_skipped_and_exit_nonzero(files, tmp_path):
     for bad in ("corrupt.png", "empty.jpg", "missing.png"):
         assert sum(bad in line for line in r.stderr.splitlines()) == 1
     assert "encoded 2 of 5 inputs" in r.stdout and "3 failed" in r.stdout
-    with safe_open(str(out), "pt") as f:
-        assert sorted(f.keys()) == ["0", "1"]
+    with safe_open(str(out), "pt") as f:  # tensor "i" is input i's: the failed ones have none
+        assert sorted(f.keys()) == ["0", "4"]
+    items = bivit.load_embeddings(out)  # every input in order, the failed ones with their error
+    assert [r.ok for r in items] == [True, False, False, False, True]
+    assert [r.tensor for r in items] == ["0", None, None, None, "4"] and items[2].embedding is None
+    assert "empty" in items[2].error and "does not exist" in items[3].error
 
 
 def test_nothing_half_written_when_everything_fails(files, tmp_path):
@@ -117,6 +137,26 @@ def test_user_errors_are_one_line(tmp_path):
     assert r.stderr.strip().count("\n") == 0 and "nope" in r.stderr
     r = run("encode", "x.png", "--dtype", "int3")
     assert r.returncode == 2 and "int3" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_inputs_and_options_are_checked_before_the_model_loads(files, tmp_path):
+    """Every unusable input is named with its reason before any model loads (so before a checkpoint is read or
+    a hub is asked); when none is left, nothing loads at all. A model path that does not exist says so."""
+    (tmp_path / "notes.txt").write_text("not media\n")
+    (tmp_path / "fake.mp4").write_text("not a video\n")
+    bad = {tmp_path / "missing.png": "does not exist", tmp_path: "a directory", files["empty"]: "file is empty",
+           tmp_path / "notes.txt": "not an image", tmp_path / "fake.mp4": "corrupt or unsupported video",
+           files["corrupt"]: "not an image format"}
+    r = run("encode", *bad, "--out", tmp_path / "e.safetensors")
+    assert r.returncode == 1 and "Traceback" not in r.stderr and "DEMO" not in r.stderr, r.stderr
+    lines = r.stderr.splitlines()
+    for path, reason in bad.items():
+        assert any(ln.startswith(f"bivit: skipped: {path}: ") and reason in ln for ln in lines), (path, r.stderr)
+    assert "encoded 0 of 6 inputs (nothing written)" in r.stdout
+    r = run("encode", files["good"][0], "--model", tmp_path / "no-such-checkpoint")
+    assert "no-such-checkpoint: does not exist" in one_error_line(r) and "DEMO" not in r.stderr
+    r = run("verify", files["good"][0], tmp_path / "missing.png")
+    assert "missing.png: does not exist" in one_error_line(r) and "DEMO" not in r.stderr
 
 
 def test_verify_demo_invariant_stable_default_differs_and_bisect(tmp_path):
@@ -136,9 +176,51 @@ def test_verify_demo_invariant_stable_default_differs_and_bisect(tmp_path):
         assert im.format == "PNG"
 
 
+def test_verify_by_default_shows_default_mode_differing_and_bisects_an_item_that_differs():
+    """No options: the demo run must demonstrate (default mode not bit-stable, on every CPU kind: float32 by default)
+    and --bisect must pick an item that differs in default mode, not always item 0."""
+    r = run("verify", "--bisect", "--layouts", "4")
+    assert r.returncode == 0, r.stdout + r.stderr
+    inv, default = r.stdout.split("default mode")
+    assert "invariant mode (float32): BIT-STABLE" in inv and "NOT bit-stable" in default
+    needle = re.search(r"bisect \((.+?) alone vs first of \d+\): first difference at", default).group(1)
+    listed = {m.group(1).strip(): m.group(2) for m in re.finditer(r"^  (synthetic \S+)\s+\d+ tokens  (\S+)", default, re.M)}
+    assert listed[needle] == "DIFFERS", default
+    # Invariant mode is bisected on the same item, and no op differs there.
+    assert f"bisect ({needle} alone vs first of" in inv and "no op differs" in inv
+
+
 def test_verify_on_files(files):
     r = run("verify", *files["good"], "--dtype", "float32", "--layouts", "3")
     assert r.returncode == 0 and r.stdout.count("img") >= 6
+
+
+def test_encode_dataset_says_the_demo_notice_once_and_a_local_ray_run_adds_no_noise(files, tmp_path):
+    """Both engines say the demo notice once (the library's, shown by the CLI); a local Ray run prints no
+    error-level core_worker line, no token-auth warning, no worker-prefixed repeat and no raw ANSI escapes."""
+    pytest.importorskip("ray")
+    src = tmp_path / "in"
+    src.mkdir()
+    for p in files["good"][:2]:
+        (src / p.name).write_bytes(p.read_bytes())
+    for engine in ("local", "ray"):
+        r = run("encode-dataset", src, "--out", tmp_path / engine, "--engine", engine, "--no-progress")
+        assert r.returncode == 0, r.stderr
+        assert r.stderr.count("DEMO model") == 1, r.stderr
+        for noise in ("core_worker", "Token authentication", "\x1b[", "pid=", "Progress bars", "Traceback"):
+            assert noise not in r.stderr, (noise, r.stderr)
+
+
+@pytest.mark.parametrize("command", ["", "encode", "verify", "serve", "encode-dataset", "bench", "doctor"])
+def test_help_fits_80_columns_without_type_noise(command):
+    """--help in an 80-column terminal: every option name whole (no "…"), no line past 80 columns, no <bool> on
+    flags; bivit serve's --dtype names float16 like the other commands'."""
+    r = run(*([command] if command else []), "--help", env={**os.environ, "COLUMNS": "80"})
+    assert r.returncode == 0, r.stderr
+    assert "<bool>" not in r.stdout and "…" not in r.stdout
+    assert max(len(line) for line in r.stdout.splitlines()) <= 80
+    if command in ("encode", "serve", "encode-dataset"):
+        assert "--dtype" in r.stdout and "float16" in r.stdout.split("--dtype", 1)[1].split("--", 1)[0]
 
 
 def run_without(module, *args):
@@ -201,7 +283,7 @@ def test_replacing_an_output_keeps_its_permissions(files, tmp_path):
     r = run("encode", files["good"][1], "--out", out)
     assert r.returncode == 0 and out.stat().st_mode & 0o777 == 0o640
     with safe_open(str(out), "pt") as f:
-        assert json.loads(f.metadata()["bivit"])["items"][0]["source"] == str(files["good"][1])
+        assert bivit.load_embeddings(out)[0].source == str(files["good"][1])
     assert [p.name for p in tmp_path.iterdir()] == ["e.safetensors"]  # no temp file left behind
 
 

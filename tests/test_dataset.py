@@ -349,8 +349,8 @@ def _unreferenced_shards(out: Path) -> set[str]:
     ("before_rename", lambda d: any(p.name.startswith(TMP_PREFIX + "shard-") for p in d.iterdir())),
     # Killed between the shard's rename and its manifest lines: a complete shard nobody references.
     ("after_rename", lambda d: bool(shards_in(d)) and bool(_unreferenced_shards(d))),
-    # Killed a few shards in (0.3 s between shards), most likely between two of them.
-    ("after_commit:0.3", lambda d: (d / MANIFEST).exists() and (d / MANIFEST).read_bytes().count(b"\n") >= 3),
+    # Killed a few shards in, between two of them (paused after the third shard's manifest lines).
+    ("after_commit:120:2", lambda d: (d / MANIFEST).exists() and (d / MANIFEST).read_bytes().count(b"\n") >= 3),
 ])
 def test_sigkill_then_resume_is_bit_identical(media, reference, tmp_path, pause, ready):
     out = tmp_path / "out"

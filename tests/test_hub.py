@@ -167,3 +167,62 @@ def test_parse_repo_ref(tmp_path):
     assert parse_repo_ref("moonshotai/Kimi-K2.6", "r") == ("moonshotai/Kimi-K2.6", "r")
     assert parse_repo_ref(str(tmp_path)) is None  # an existing directory is a path
     assert parse_repo_ref("/abs/path") is None and parse_repo_ref("a/b/c") is None and parse_repo_ref("x") is None
+
+
+# ------------------------------------------------------------------------------------------ unreachable hub
+# Never the real network: HF_ENDPOINT points at a loopback port that refuses connections, or at a loopback socket
+# that accepts and never answers.
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # closed again when the block ends: connections are refused
+
+
+def test_refused_hub_is_one_error_naming_it_the_reason_and_the_fix(tmp_path):
+    """A hub that refuses connections is reported from one attempt (huggingface_hub alone retries each file with
+    backoff), naming the endpoint, why, and what to do."""
+    endpoint = f"http://127.0.0.1:{_closed_port()}"
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
+    env.update(HF_ENDPOINT=endpoint, HF_HUB_CACHE=str(tmp_path / "hub"), HF_HOME=str(tmp_path / "home"),
+               PYTHONPATH=os.pathsep.join([str(Path(bivit.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]))
+    img = tmp_path / "a.png"
+    from PIL import Image
+    Image.fromarray(np.zeros((28, 28, 3), np.uint8)).save(img)
+    r = subprocess.run([sys.executable, "-m", "bivit.cli", "encode", str(img), "--model", "someorg/somemodel"],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("bivit: error: ")]
+    assert len(errors) == 1 and "Retrying" not in r.stderr, r.stderr
+    msg = errors[0]
+    assert f"the Hugging Face hub at {endpoint} does not answer" in msg and "refused" in msg
+    assert "HF_ENDPOINT" in msg and "hf download someorg/somemodel config.json" in msg
+
+
+def test_silent_hub_times_out_then_the_cache_serves(sharded, tmp_path, monkeypatch, caplog):
+    """A hub that accepts connections and never answers costs one read timeout; the files then come from the
+    local cache (with one warning), and a file the cache lacks is an error naming the timeout."""
+    import logging
+    import socket
+
+    from bivit import hub
+
+    d, vision, _ = sharded
+    cache = tmp_path / "hub"
+    build_cache(cache, _files(d, ["config.json", "preprocessor_config.json", INDEX, *vision]))
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)  # the kernel completes the handshake; nobody ever reads or answers
+        monkeypatch.setattr(hub_constants, "ENDPOINT", f"http://127.0.0.1:{silent.getsockname()[1]}")
+        monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", False)
+        monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(cache))
+        monkeypatch.setattr(hub, "TIMEOUT_S", 1.0)
+        with caplog.at_level(logging.WARNING, logger="bivit"):
+            enc = bivit.load_encoder(REPO, dtype="float32")
+        assert enc.fingerprint == bivit.load_encoder(d, dtype="float32").fingerprint
+        assert "does not answer (connected, but no answer within 1 s)" in caplog.text and "local cache" in caplog.text
+        with pytest.raises(bivit.CheckpointError, match=r"no answer within 1 s.*hf download someorg/other"):
+            bivit.load_encoder("someorg/other")

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 import bivit
 from bivit.media import MediaBatch, preprocess_images
-from support.controls import row_count_dependent_gemms
+from support.controls import differences_found_by_check, differing, row_count_dependent_gemms
 from support.media import random_image
 
 # (h, w): 1, 2, 3 merged tokens (the row counts where stock GEMMs switch kernels), then larger and non-square.
@@ -39,13 +39,6 @@ def encode_layout(enc: bivit.Encoder, items: list[MediaBatch], budget: int | Non
     return enc.encode_batch(MediaBatch.concat(items), budget)
 
 
-def differing(enc, items, order, budget) -> list[int]:
-    """Indices (into `items`) whose embedding inside the layout differs from the item encoded alone."""
-    alone = [enc.encode_batch(it)[0] for it in items]
-    batched = encode_layout(enc, [items[i] for i in order], budget)
-    return [i for i, out in zip(order, batched) if not torch.equal(out, alone[i])]
-
-
 layouts = st.tuples(
     st.lists(st.tuples(st.integers(0, len(SIZES) - 1), st.integers(0, 3)), min_size=1, max_size=7),
     st.randoms(use_true_random=False),
@@ -69,19 +62,6 @@ def test_item_is_bit_identical_in_any_layout(paths, model, dtype, layout):
 def _control_items():
     # Many 1-token items plus 2- and 3-token ones: alone, each runs GEMMs at M = 1..3 rows.
     return [_item(0, s) for s in range(4)] + [_item(1, 0), _item(2, 0)] + [_item(0, s) for s in range(4, 16)]
-
-
-def differences_found_by_check(enc, items, order, budget) -> list[int]:
-    """The control: `differing` on a default-mode encoder finds items that change with their batch.
-
-    First with stock kernels; where those happen to be row-count invariant on this CPU at these shapes,
-    with `row_count_dependent_gemms` — either way the returned list proves the check can fail here.
-    """
-    found = differing(enc, items, order, budget)
-    if not found:
-        with row_count_dependent_gemms():
-            found = differing(enc, items, order, budget)
-    return found
 
 
 @pytest.mark.parametrize("dtype,model", [("float32", "demo"), ("float32", "kimi"), ("float32", "k3"),
@@ -170,12 +150,25 @@ def test_exact_fallback_path_is_invariant_and_exact(monkeypatch, paths):
 
 
 def test_self_check_proves_tiles_on_this_machine():
+    """`self_check` returns the plan inference uses: row counts the probe proved on this machine, the reference
+    tile among them, each computing every row bit-identically to reference tiles (checked here on other data).
+    Which other sizes are proven depends on the CPU and library (all of them on AVX-512 EPYC, and with torch
+    restricted to AVX2); that the reference tile is, on every kind bivit runs on."""
     from bivit import ops
+    from bivit.ops.gemm import Gemm
 
+    g = torch.Generator().manual_seed(5)
+    ref_rows = ops.REFERENCE_TILE
     for dtype in (torch.float32, torch.bfloat16):
-        w = torch.randn(96, 192).to(dtype)
-        plan = ops.self_check([(w, torch.randn(96).to(dtype))])[0]
-        assert plan.tiles and plan.tiles[-1] == max(ops.CANDIDATE_TILES)
+        w, b = torch.randn(96, 192, generator=g).to(dtype), torch.randn(96, generator=g).to(dtype)
+        plan = ops.self_check([(w, b)])[0]
+        gemm = Gemm(w, b, w)
+        assert ops.gemm_plan(gemm) is plan
+        assert ref_rows in plan.tiles and set(plan.tiles) <= set(ops.CANDIDATE_TILES)
+        x = torch.randn(max(plan.tiles), 192, generator=g).to(dtype)
+        ref = torch.cat([gemm(x[i:i + ref_rows]) for i in range(0, x.shape[0], ref_rows)])
+        for tile in plan.tiles:
+            assert torch.equal(gemm(x[:tile]), ref[:tile]), (dtype, tile)
 
 
 def _fresh_plans(monkeypatch, cache_dir) -> list:
@@ -286,7 +279,8 @@ def test_fused_gemm_gelu_rows_do_not_depend_on_position_batch_or_threads(approxi
     """Linear + GELU (the MLP's fc0, the projector's first layer) runs as one pre-packed oneDNN GEMM with GELU as
     a post-op on the float32 accumulator. A row's bits must not depend on how many rows share the call, where in
     it the row sits, or the thread count, in bf16 and fp32. Control: the stock ops (default mode) give some row
-    other bits (stock fp32 GEMMs switch kernels with the row count; bf16 may or may not, by CPU)."""
+    other bits (stock fp32 GEMMs switch kernels with the row count; bf16 may or may not, by CPU), else
+    deliberately row-count-dependent GEMMs do."""
     from bivit import ops
     from bivit.ops.gemm import Gemm
 
@@ -317,6 +311,10 @@ def test_fused_gemm_gelu_rows_do_not_depend_on_position_batch_or_threads(approxi
             stock = torch.nn.functional.gelu(torch.nn.functional.linear(x, w, b), approximate=approximate)
             tol = 1.6e-2 if dtype == torch.bfloat16 else 1e-5
             torch.testing.assert_close(ref, stock, rtol=tol, atol=tol)
+        if counts[False] == 0:  # stock kernels row-count invariant here: the control uses GEMMs that are not
+            with row_count_dependent_gemms(), ops.batch_invariant(False), torch.inference_mode():
+                counts[False] += int((ops.linear(x[:1], w, b, gelu=approximate)
+                                      != ops.linear(x[:3], w, b, gelu=approximate)[:1]).sum())
     finally:
         torch.set_num_threads(threads)
     assert counts[True] == 0

@@ -204,11 +204,18 @@ AMX_FLAGS = AVX512_FLAGS | {"amx_bf16", "amx_tile"}
     ("avx512", AVX512_FLAGS, "AVX2", None),                   # nor code PyTorch was told not to run
 ])
 def test_variant_choice_follows_cpu_flags_and_pytorch_capability(choice, flags, capability, expect):
-    """The choice is a function of the configuration, the CPU's flags and PyTorch's capability only."""
+    """The choice is a function of the configuration, the CPU's flags and PyTorch's capability only. Where none
+    runs: a variant named by the user is a choice (a note, the fix: unset it); under `auto` a faster path is lost
+    (a warning), with a fix only where PyTorch's capability, not the CPU, is the limit."""
     if expect is None:
         with pytest.raises(kernels.KernelUnavailable) as e:
             kernels.pick_variant(choice, flags, capability)
-        assert e.value.chosen  # said at info level: a choice, not a failure
+        named = choice != "auto"
+        assert e.value.chosen is named
+        if named:
+            assert kernels.ATTENTION_ENV in e.value.fix
+        else:
+            assert (e.value.fix == "unset ATEN_CPU_CAPABILITY") is ("avx2" in flags)
     else:
         assert kernels.pick_variant(choice, flags, capability).name == expect
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import io
+import socket
 import subprocess
 import sys
 import threading
@@ -24,7 +25,7 @@ from safetensors.torch import load as st_load
 
 import bivit
 from bivit.client import Client, EncodeError, ServerError, parse_response
-from support.server import ServerProcess, free_port, metric_values
+from support.server import ServerProcess, free_port
 from support.media import make_video, png_bytes
 
 pytest.importorskip("fastapi")
@@ -44,7 +45,7 @@ def enc32():
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     srv = ServerProcess(["--dtype", "float32", "--max-body-mb", "1", "--max-wait-ms", "10",
-                         "--max-batch-patches", "2048"], tmp_path_factory.mktemp("srv"), api_key=KEY)
+                         "--max-batch-patches", "2048"], tmp_path_factory.mktemp("srv"), api_key=KEY, holdable=True)
     yield srv
     srv.stop()
 
@@ -53,12 +54,6 @@ def server(tmp_path_factory):
 def client(server):
     with Client(server.url, api_key=KEY, timeout=60) as c:
         yield c
-
-
-def _metrics(srv: ServerProcess) -> dict[str, float]:
-    r = httpx.get(f"{srv.url}/metrics", headers=srv.headers, timeout=10)
-    assert r.status_code == 200
-    return metric_values(r.text)
 
 
 def _post_files(srv: ServerProcess, parts: list[tuple[str, bytes]], **kw) -> httpx.Response:
@@ -74,8 +69,11 @@ def _assert_serving(srv: ServerProcess, enc, seed: int) -> None:
 
 
 def test_concurrent_clients_get_offline_bits(server, enc32):
-    """32 threads, mixed sizes, 1-3 images per request: every tensor equals offline encode([img]) alone."""
-    before = _metrics(server)
+    """32 threads, mixed sizes, 1-3 images per request: every tensor equals offline encode([img]) alone.
+
+    The first round is queued whole while the batching worker is held, so the server certainly coalesces
+    requests (else this would prove nothing about batching); the second runs as the requests come."""
+    before = server.metrics()
     n_threads, rounds = 32, 2
     work = {(t, r): [png_bytes(*SIZES[(3 * t + 5 * r + k) % len(SIZES)], seed=10_000 + 100 * t + 10 * r + k)
                      for k in range(1 + (t + r) % 3)] for t in range(n_threads) for r in range(rounds)}
@@ -85,7 +83,7 @@ def test_concurrent_clients_get_offline_bits(server, enc32):
 
     def run(t: int) -> None:
         try:
-            with Client(server.url, api_key=KEY, timeout=60) as c:
+            with Client(server.url, api_key=KEY, timeout=120) as c:
                 barrier.wait()
                 for r in range(rounds):
                     got[(t, r)] = c.encode(work[(t, r)])
@@ -93,10 +91,13 @@ def test_concurrent_clients_get_offline_bits(server, enc32):
             errors.append(repr(e))
 
     threads = [threading.Thread(target=run, args=(t,)) for t in range(n_threads)]
+    with server.held():
+        for th in threads:
+            th.start()
+        first_round = sum(len(work[(t, 0)]) for t in range(n_threads))
+        server.wait_for_metric("bivit_queue_depth", lambda v: v == first_round)
     for th in threads:
-        th.start()
-    for th in threads:
-        th.join(120)
+        th.join(300)
     assert not errors, errors
     n_items = 0
     for key, images in work.items():
@@ -106,41 +107,42 @@ def test_concurrent_clients_get_offline_bits(server, enc32):
             assert emb.dtype == torch.float32 and emb.shape == ref.shape
             assert torch.equal(emb, ref), key
             n_items += 1
-    after = _metrics(server)
+    after = server.metrics()
     batches = after["bivit_batch_items_count"] - before.get("bivit_batch_items_count", 0)
     items = after["bivit_batch_items_sum"] - before.get("bivit_batch_items_sum", 0)
     assert items == n_items
-    # The server really coalesced concurrent requests (otherwise the test proves nothing about batching).
     assert batches < items, (batches, items)
 
 
 def test_control_without_batch_invariance(tmp_path):
     """Control: the same load against --no-batch-invariant gives answers that differ from encoding alone
-    (so the test above can fail), and the cache is off because it would no longer be exact."""
+    (so the test above can fail), and the cache is off because it would no longer be exact. The requests are
+    queued while the worker is held, so they certainly share forward passes."""
     enc = bivit.load_encoder(dtype="float32", batch_invariant=False)
-    with ServerProcess(["--dtype", "float32", "--no-batch-invariant", "--max-wait-ms", "20"], tmp_path) as srv:
+    with ServerProcess(["--dtype", "float32", "--no-batch-invariant", "--max-wait-ms", "20"], tmp_path,
+                       holdable=True) as srv:
         work = [[png_bytes(*SIZES[(t + k) % len(SIZES)], seed=20_000 + 10 * t + k) for k in range(2)]
                 for t in range(16)]
         got: dict = {}
-        barrier = threading.Barrier(len(work))
 
         def run(t: int) -> None:
-            with Client(srv.url, timeout=60) as c:
-                barrier.wait()
+            with Client(srv.url, timeout=120) as c:
                 got[t] = c.encode_results(work[t])
 
         threads = [threading.Thread(target=run, args=(t,)) for t in range(len(work))]
+        with srv.held():
+            for th in threads:
+                th.start()
+            srv.wait_for_metric("bivit_queue_depth", lambda v: v == sum(map(len, work)))
         for th in threads:
-            th.start()
-        for th in threads:
-            th.join(60)
+            th.join(120)
         differ = sum(not torch.equal(r.embedding, enc.encode([img])[0])
                      for t, imgs in enumerate(work) for img, r in zip(imgs, got[t]))
         assert differ > 0
         with Client(srv.url) as c:
             again = c.encode_results([work[0][0]])[0]
         assert not again.cached
-        m = _metrics(srv)
+        m = srv.metrics()
         assert m["bivit_cache_hits_total"] == 0 and m["bivit_cache_bytes"] == 0
 
 
@@ -151,7 +153,8 @@ def test_response_metadata_and_fingerprint(server, enc32):
     assert r.headers["content-type"] == "application/vnd.bivit.safetensors"
     assert r.headers["x-request-id"]
     meta, [res] = parse_response(r.content)
-    assert meta["fingerprint"] == enc32.fingerprint and meta["dtype"] == "float32" and meta["model"] == "demo"
+    assert meta["fingerprint"] == enc32.fingerprint and meta["output_dtype"] == "float32" and meta["model"] == "demo"
+    assert res.source == "a.png" and res.dtype == "float32" and res.fingerprint == enc32.fingerprint
     import hashlib
 
     assert res.sha256 == hashlib.sha256(img).hexdigest()
@@ -166,10 +169,12 @@ def test_info_is_the_encoders_description(server, enc32):
     r = httpx.get(f"{server.url}/v1/info", headers=server.headers, timeout=10)
     assert r.status_code == 200
     info = r.json()
-    assert info == enc32.describe()  # the same weights (fingerprint), dtypes, preprocessing and kernels
+    # The same weights (fingerprint), dtypes, preprocessing and kernels; the fallbacks said are each process's.
+    here = enc32.describe()
+    assert info["kernels"].pop("fallbacks") is not None and here["kernels"].pop("fallbacks") is not None
+    assert info == here
     meta, _ = parse_response(_post_files(server, [("a.png", png_bytes(28, 28, seed=40))]).content)
-    assert (meta["model"], meta["fingerprint"], meta["dtype"]) == (info["model"], info["fingerprint"],
-                                                                   info["output_dtype"])
+    assert meta == r.json()  # every answer names its encoder as /v1/info does
 
 
 def test_json_response_round_trips_exactly(server, enc32):
@@ -177,7 +182,8 @@ def test_json_response_round_trips_exactly(server, enc32):
     r = _post_files(server, [("a.png", imgs[0]), ("b.png", imgs[1])], params={"format": "json"})
     assert r.status_code == 200 and r.headers["content-type"].startswith("application/json")
     doc = r.json()
-    assert doc["dtype"] == "float32" and doc["fingerprint"] == enc32.fingerprint
+    assert doc["format"] == "bivit.embeddings/1"
+    assert doc["encoder"]["output_dtype"] == "float32" and doc["encoder"]["fingerprint"] == enc32.fingerprint
     for img, item in zip(imgs, doc["items"]):
         emb = torch.tensor(item["embedding"], dtype=torch.float64).to(torch.float32)
         assert torch.equal(emb, enc32.encode([img])[0])
@@ -190,7 +196,7 @@ def test_json_request_body(server, enc32):
     r = httpx.post(f"{server.url}/v1/encode", json=body, headers=server.headers, timeout=60)
     assert r.status_code == 200
     _, (good, bad) = parse_response(r.content)
-    assert torch.equal(good.embedding, enc32.encode([img])[0]) and good.name == "x.png"
+    assert torch.equal(good.embedding, enc32.encode([img])[0]) and good.source == "x.png"
     assert bad.embedding is None and "base64" in bad.error
 
 
@@ -276,6 +282,16 @@ def test_request_level_errors(server, enc32):
     _assert_serving(server, enc32, seed=17)
 
 
+def test_unknown_route_and_wrong_method_answer_in_the_error_shape(server):
+    """The router's own 404 and 405 are the service's {"error": {"kind", "message"}}, like every other error."""
+    r = httpx.get(f"{server.url}/v1/nope", headers=server.headers, timeout=10)
+    assert r.status_code == 404 and r.json()["error"]["kind"] == "not_found"
+    assert "/v1/nope" in r.json()["error"]["message"] and "POST /v1/encode" in r.json()["error"]["message"]
+    r = httpx.get(f"{server.url}/v1/encode", headers=server.headers, timeout=10)
+    assert r.status_code == 405 and r.json()["error"]["kind"] == "method_not_allowed"
+    assert r.json()["error"]["message"] == "GET is not allowed on /v1/encode" and "POST" in r.headers["allow"]
+
+
 def test_auth(server, enc32):
     img = png_bytes(28, 28, seed=18)
     files = [("file", ("a.png", img))]
@@ -296,9 +312,9 @@ def test_auth(server, enc32):
 def test_cache_hit_is_exact_and_counted(server, enc32):
     img = png_bytes(150, 200, seed=20)
     first = _post_files(server, [("a.png", img)])
-    before = _metrics(server)
+    before = server.metrics()
     second = _post_files(server, [("same-bytes-other-name.png", img)])
-    after = _metrics(server)
+    after = server.metrics()
     (_, [r1]), (_, [r2]) = parse_response(first.content), parse_response(second.content)
     assert not r1.cached and r2.cached
     assert torch.equal(r1.embedding, r2.embedding) and torch.equal(r2.embedding, enc32.encode([img])[0])
@@ -308,17 +324,17 @@ def test_cache_hit_is_exact_and_counted(server, enc32):
     # The same bytes twice in one request: encoded once, answered twice.
     img2 = png_bytes(84, 56, seed=21)
     r = _post_files(server, [("x.png", img2), ("y.png", img2)])
-    later = _metrics(server)
+    later = server.metrics()
     t = st_load(r.content)
     assert torch.equal(t["0"], t["1"]) and torch.equal(t["0"], enc32.encode([img2])[0])
     assert later["bivit_batch_items_sum"] == after["bivit_batch_items_sum"] + 1
     _, both = parse_response(_post_files(server, [("x.png", img2), ("y.png", img2)]).content)  # two hits
-    assert [b.cached for b in both] == [True, True] and [b.name for b in both] == ["x.png", "y.png"]
+    assert [b.cached for b in both] == [True, True] and [b.source for b in both] == ["x.png", "y.png"]
     assert all(torch.equal(b.embedding, t["0"]) for b in both)
 
 
 def test_metrics_series(server):
-    m = _metrics(server)
+    m = server.metrics()
     for name in ("bivit_queue_depth", "bivit_inflight_items", "bivit_batch_items_count", "bivit_batch_patches_sum",
                  "bivit_request_latency_seconds_count", "bivit_tokens_total", "bivit_cache_hits_total",
                  "bivit_cache_misses_total"):
@@ -334,31 +350,31 @@ def test_metrics_series(server):
 
 
 def test_queue_full_answers_429_then_recovers(tmp_path, enc32):
-    # One item in flight at most, and a long batching wait so the first request holds its slot.
-    with ServerProcess(["--dtype", "float32", "--max-queue", "1", "--max-wait-ms", "400"], tmp_path) as srv:
+    """One item in flight at most: while the first request's item is held in the queue, every other request is
+    refused with 429; once it is answered, the server serves again."""
+    with ServerProcess(["--dtype", "float32", "--max-queue", "1"], tmp_path, holdable=True) as srv:
         imgs = [png_bytes(56, 56, seed=100 + i) for i in range(10)]
         out: list = [None] * len(imgs)
-        barrier = threading.Barrier(len(imgs))
 
         def run(i: int) -> None:
-            barrier.wait()
             out[i] = _post_files(srv, [(f"{i}.png", imgs[i])])
 
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(imgs))]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join(60)
-        statuses = [r.status_code for r in out]
-        assert set(statuses) <= {200, 429}, statuses
-        assert 429 in statuses and 200 in statuses
-        for img, r in zip(imgs, out):
-            if r.status_code == 429:
-                assert int(r.headers["retry-after"]) >= 1 and r.json()["error"]["kind"] == "queue_full"
-            else:
-                assert torch.equal(st_load(r.content)["0"], enc32.encode([img])[0])
+        first = threading.Thread(target=run, args=(0,))
+        with srv.held():
+            first.start()
+            srv.wait_for_metric("bivit_inflight_items", lambda v: v == 1)
+            others = [threading.Thread(target=run, args=(i,)) for i in range(1, len(imgs))]
+            for th in others:
+                th.start()
+            for th in others:
+                th.join(60)
+        first.join(60)
+        assert [r.status_code for r in out] == [200] + [429] * (len(imgs) - 1), [r.text[:200] for r in out]
+        assert torch.equal(st_load(out[0].content)["0"], enc32.encode([imgs[0]])[0])
+        for r in out[1:]:
+            assert int(r.headers["retry-after"]) >= 1 and r.json()["error"]["kind"] == "queue_full"
         _assert_serving(srv, enc32, seed=120)
-        assert _metrics(srv)['bivit_errors_total{kind="queue_full"}'] == statuses.count(429)
+        assert srv.metrics()['bivit_errors_total{kind="queue_full"}'] == len(imgs) - 1
 
 
 def test_request_timeout_gives_504(tmp_path, enc32):
@@ -370,59 +386,53 @@ def test_request_timeout_gives_504(tmp_path, enc32):
         assert httpx.get(f"{srv.url}/ready", timeout=10).status_code == 200
 
 
+def _refuses_connections(srv: ServerProcess, timeout: float = 60.0) -> None:
+    """Wait until the server has closed its listening socket (what uvicorn does first on SIGTERM)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", srv.port), timeout=10).close()
+        except ConnectionRefusedError:
+            return
+        assert time.monotonic() < deadline, "the server still accepts connections after SIGTERM"
+        time.sleep(0.01)
+
+
 def test_sigterm_finishes_accepted_requests(tmp_path):
-    """SIGTERM mid-load: every request is a complete correct 200 or was never accepted (refused)."""
+    """SIGTERM with requests in flight: every accepted request still gets its complete, correct 200; a request
+    after shutdown began is refused; the process then exits on its own. The requests are held in the queue
+    when SIGTERM arrives, so they are certainly in flight then, on a fast machine or a busy one."""
     enc = bivit.load_encoder()  # bf16, the serve default: the other dtype path
-    srv = ServerProcess(["--max-wait-ms", "150"], tmp_path)
+    srv = ServerProcess(["--max-wait-ms", "150"], tmp_path, holdable=True)
     try:
-        n_threads, per_thread = 8, 6
-        imgs = [png_bytes(*SIZES[i % len(SIZES)], seed=200 + i) for i in range(n_threads * per_thread)]
-        outcome: list = [None] * len(imgs)
-        done = threading.Semaphore(0)
+        imgs = [png_bytes(*SIZES[i % len(SIZES)], seed=200 + i) for i in range(8)]
+        out: list = [None] * len(imgs)
 
-        def run(t: int) -> None:
-            for i in range(t, len(imgs), n_threads):
-                t0 = time.monotonic()
-                try:  # a fresh connection per request, as independent clients would do
-                    r = _post_files(srv, [(f"{i}.png", imgs[i])])
-                    outcome[i] = ("response", r, t0, time.monotonic())
-                except httpx.ConnectError:
-                    outcome[i] = ("refused", None, t0, time.monotonic())
-                except httpx.TransportError as e:
-                    outcome[i] = ("dropped", e, t0, time.monotonic())
-                done.release()
+        def run(i: int) -> None:  # a fresh connection per request, as independent clients would do
+            out[i] = _post_files(srv, [(f"{i}.png", imgs[i])])
 
-        threads = [threading.Thread(target=run, args=(t,)) for t in range(n_threads)]
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(imgs))]
+        with srv.held():
+            for th in threads:
+                th.start()
+            srv.wait_for_metric("bivit_inflight_items", lambda v: v == len(imgs))
+            srv.terminate()
+            _refuses_connections(srv)
+            with pytest.raises(httpx.ConnectError):
+                _post_files(srv, [("late.png", png_bytes(56, 56, seed=300))])
         for th in threads:
-            th.start()
-        for _ in range(n_threads + 2):  # let the first wave complete, so the server is mid-load
-            done.acquire(timeout=30)
-        t_term = time.monotonic()
-        srv.terminate()
-        for th in threads:
-            th.join(60)
-        srv.proc.wait(30)  # it exits on its own after draining
+            th.join(120)
+        srv.proc.wait(60)  # it exits on its own after draining
         # uvicorn re-raises the captured SIGTERM once shut down cleanly, hence -15.
         assert srv.proc.returncode in (0, -15), srv.log_text()
+        for i, r in enumerate(out):
+            assert r.status_code == 200, (i, r.status_code, r.text)
+            assert torch.equal(st_load(r.content)["0"], enc.encode([imgs[i]])[0]), i
         records = srv.log_records()
         assert any(r.get("msg") == "stopped" for r in records)
-
-        responses = [o for o in outcome if o[0] == "response"]
-        for i, o in enumerate(outcome):
-            if o[0] == "response":
-                assert o[1].status_code == 200, (i, o[1].status_code, o[1].text)
-                assert torch.equal(st_load(o[1].content)["0"], enc.encode([imgs[i]])[0]), i
-            elif o[0] == "dropped":
-                # Only a connection the server closed before reading a request (never accepted), not a
-                # truncated answer.
-                assert "without sending a response" in str(o[1]) or "reset" in str(o[1]).lower(), repr(o[1])
-                assert o[2] >= t_term - 0.5
-        straddling = [o for o in responses if o[2] < t_term < o[3]]
-        assert straddling, "no request was in flight when SIGTERM arrived"
-        assert any(o[0] != "response" for o in outcome), "shutdown began after the last request"
         # Nothing the server answered got lost on the way: its request log and the clients agree.
         served = [r for r in records if r.get("msg") == "request" and r.get("path") == "/v1/encode"]
-        assert len(served) == len(responses) and all(r["status"] == 200 for r in served)
+        assert len(served) == len(imgs) and all(r["status"] == 200 for r in served)
     finally:
         srv.stop()
 

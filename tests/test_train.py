@@ -94,10 +94,16 @@ def test_control_default_mode_trainer_batch_differs_from_served_alone(paths):
     enc = _encoder(paths["kimi"], "float32", False)
     trainer = bivit.load_model(paths["kimi"], dtype="float32", batch_invariant=False)
     items = _control_items()
-    outs, _, _, _ = train_step(trainer, items)
-    assert any(not torch.equal(o, enc.encode_batch(it)[0]) for o, it in zip(outs, items))
-    # ... while the same layout, served, is the same bits: the trainer adds nothing of its own.
-    assert all(torch.equal(o, s) for o, s in zip(outs, enc.encode_batch(MediaBatch.concat(items))))
+
+    def differs_from_alone() -> bool:
+        outs, _, _, _ = train_step(trainer, items)
+        # The same layout, served, is the same bits: the trainer adds nothing of its own.
+        assert all(torch.equal(o, s) for o, s in zip(outs, enc.encode_batch(MediaBatch.concat(items))))
+        return any(not torch.equal(o, enc.encode_batch(it)[0]) for o, it in zip(outs, items))
+
+    if not differs_from_alone():  # stock kernels row-count invariant here: GEMMs that are not
+        with row_count_dependent_gemms():
+            assert differs_from_alone()
 
 
 def test_frozen_tower_trains_projector_only(paths):
@@ -248,10 +254,22 @@ def test_invariant_bf16_linear_backward_rows_do_not_depend_on_the_batch():
         return xs.grad
 
     full = input_grad(slice(None))
-    for rows in (slice(0, 1), slice(1, 3), slice(5, 70), slice(299, 300), slice(40, 297)):
+    slices = (slice(0, 1), slice(1, 3), slice(5, 70), slice(299, 300), slice(40, 297))
+    for rows in slices:
         assert torch.equal(input_grad(rows), full[rows])
     exact = gy.float() @ w.detach().float()
     assert float((full.float() - exact).abs().max() / exact.abs().max()) < 1e-2
+
+    # The control: the same check on a stock input-gradient GEMM (gy @ w, as a linear) finds rows that change
+    # with the rows around them, else (stock kernels row-count invariant on this CPU) a row-count-dependent one.
+    def stock_differs() -> bool:
+        wt = w.detach().t()
+        whole = torch.nn.functional.linear(gy, wt)
+        return any(not torch.equal(torch.nn.functional.linear(gy[rows], wt), whole[rows]) for rows in slices)
+
+    if not stock_differs():
+        with row_count_dependent_gemms():
+            assert stock_differs()
 
 
 def test_checkpoint_recomputes_in_the_forward_mode():
@@ -280,7 +298,7 @@ def test_private_kernels_missing_or_raising_fall_back_and_stay_invariant(monkeyp
         raise RuntimeError("simulated: kernel not available in this build")
 
     # Fresh per-process decisions and weight copies for this test only (monkeypatch restores the real ones).
-    monkeypatch.setattr(gemm, "gemm_path", functools.cache(backend.gemm_path.__wrapped__))
+    monkeypatch.setattr(backend, "_decide_gemm_path", functools.cache(backend._decide_gemm_path.__wrapped__))
     monkeypatch.setattr(pointwise, "gelu_out", functools.cache(backend.gelu_out.__wrapped__))
     monkeypatch.setattr(gemm, "_plans", gemm._Plans())
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", broken)  # present but raising
@@ -289,7 +307,7 @@ def test_private_kernels_missing_or_raising_fall_back_and_stay_invariant(monkeyp
         torch.ops.mkldnn._linear_pointwise()
     enc = bivit.load_encoder(paths["kimi"], dtype="bfloat16")
     trainer = bivit.load_model(paths["kimi"], dtype="bfloat16")
-    path = gemm.gemm_path(torch.bfloat16)
+    path = ops.gemm_path(torch.bfloat16)
     assert not path.packed and not path.fused_gelu and pointwise.gelu_out() is None
     items = _control_items()[:8] + [_item(4, 1)]
     alone = [enc.encode_batch(it)[0] for it in items]

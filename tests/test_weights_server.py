@@ -139,19 +139,24 @@ def test_requests_in_flight_are_answered_and_never_mix_weights(tmp_path):
     new_fp = old_enc.update_weights(trainer.state_dict())
     expected[new_fp] = [old_enc.encode([im])[0] for im in images]
     with ServerProcess(["--cache-mb", "0", "--max-wait-ms", "20"], tmp_path, api_key=KEY) as srv:
-        stop = threading.Event()
+        stop, answered = threading.Event(), threading.Event()
         answers = []
 
         def client(c: int) -> None:
             n = 0
-            while not stop.is_set() or n < 3:
+            while True:
+                last = stop.is_set()  # then this request is sent after the update returned: new weights
                 picks = [(c + n + j) % len(images) for j in range(3)]
                 meta, res = _encode(srv, [images[i] for i in picks])
                 answers.append((meta["fingerprint"], picks, [r.embedding for r in res]))
+                answered.set()
                 n += 1
+                if last and n >= 3:
+                    return
 
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             futures = [pool.submit(client, c) for c in range(4)]
+            assert answered.wait(300)  # an answer under the old weights came first, however slow the clients
             r = _push(srv, trainer.state_dict())
             stop.set()
             for f in futures:

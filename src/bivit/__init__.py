@@ -2,6 +2,7 @@
 
     encoder = bivit.load_encoder()            # demo model; or a checkpoint directory
     embeddings = encoder.encode(["cat.png"])  # one [tokens, text_hidden] tensor per input
+    items = bivit.load_embeddings("emb.safetensors")  # any file bivit writes: records with .embedding
 
 The names below load their module on first use (PEP 562), so `import bivit` is cheap and
 `bivit.open_dataset` never loads torch, the dataset writer or the service.
@@ -18,6 +19,8 @@ from .errors import BivitError, CheckpointError, ConfigError, MediaError
 _LAZY = {
     "Client": ".client",
     "open_dataset": ".dataset.reader",
+    "load_embeddings": ".records",
+    "EmbeddingRecord": ".records",
     "Encoder": ".encoder",
     "ItemResult": ".items",
     "VideoFrames": ".items",

@@ -6,7 +6,8 @@
 Inputs are sent so that the server sees exactly what offline `Encoder.encode` would read: paths as their file
 bytes under their own file name (the extension decides image vs video, as offline), bytes as they are, PIL
 images and HxWx3 uint8 arrays as lossless PNG of their RGB pixels. The answer is the server's safetensors body,
-so the tensors arrive bit for bit, in the encoder's output dtype.
+so the tensors arrive bit for bit, in the encoder's output dtype: an embedding file (`bivit.records`), whose
+records (`EncodeResult`) the client returns.
 
 Failed items: `encode` raises `EncodeError` if any item failed (its `.errors` maps input index -> the server's
 message and its `.results` still holds the tensors of the items that succeeded, None for the failed ones);
@@ -25,16 +26,17 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
+from . import records
 from .errors import BivitError, MediaError
-from .serve.protocol import ItemResult, decode_safetensors, result_from_meta
 
 if TYPE_CHECKING:
     import httpx
     import torch
     from PIL import Image
 
-# One item of a response: its embedding (None if it failed) and the server's metadata.
-EncodeResult = ItemResult
+# One item of an answer: its embedding (None if it failed) and its record (source, kind, sha256, tokens, grid_thw,
+# chunk_tokens, timestamps, placeholders, error; the service's `cached` and `error_kind` in `.extra`).
+EncodeResult = records.Record
 
 
 class ServerError(BivitError):
@@ -104,11 +106,13 @@ def _as_part(src: Any, i: int) -> tuple[str, bytes]:
 
 
 def parse_response(body: bytes) -> tuple[dict, list[EncodeResult]]:
-    """Split a safetensors response body into (header metadata, one EncodeResult per input)."""
+    """Split an answer into (the encoder's description: model, fingerprint, dtypes, ...; one EncodeResult per
+    input, in order)."""
     try:
-        return decode_safetensors(body)
+        answer = records.from_bytes(body, "response")
     except BivitError as e:
         raise ServerError(str(e)) from None
+    return answer.encoder, list(answer)
 
 
 class Client:
@@ -161,7 +165,7 @@ class Client:
         files = [("file", (name, data, "application/octet-stream")) for name, data in parts]
         r = self._request("POST", "/v1/encode", files=files)
         if r.status_code == 422:  # every item failed; the JSON body lists them
-            return [result_from_meta(m) for m in r.json().get("items") or []]
+            return [records.Record.from_json(m) for m in r.json().get("items") or []]
         _, results = parse_response(r.content)
         if len(results) != len(parts):
             raise ServerError(f"server answered {len(results)} items for {len(parts)} inputs")

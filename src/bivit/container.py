@@ -134,6 +134,12 @@ class Source:
         self.close()
 
 
+def check_container(path: VideoInput, name: str) -> None:
+    """Open a video's container and read its stream list (a video stream with a frame rate); no frame decoded."""
+    with Source(path, name):
+        pass
+
+
 def check_complete(name: str, declared_s: float, covered_s: float, fps: float, declared: str) -> None:
     """MediaError when the frames cover clearly less than the container declares (see TRUNCATION_SLACK)."""
     slack = (max(TRUNCATION_SLACK["frames"] / fps, TRUNCATION_SLACK["seconds"])

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import collections
 import os
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
-from . import kernels, ops
+from . import kernels, notices, ops
 from .config import ModelConfig
 from .dtypes import dtype_name, resolve_dtypes
 from .errors import ConfigError
@@ -82,7 +82,7 @@ class Encoder:
         a dataset's header, the service's /v1/info and response header)."""
         dtypes = list(dict.fromkeys((self.dtype, self.projector_dtype)))
         probe = torch.empty(0, 1, self.config.head_dim, dtype=self.dtype, device=self.device)
-        compiled = kernels.Attention.supports(probe) and kernels.attention() is not None
+        compiled = kernels.attention() if kernels.Attention.supports(probe) else None
         gemm = ([ops.gemm_path(d, self.device.type).describe() for d in dtypes] if self.batch_invariant
                 else ["PyTorch F.linear (default mode: not batch invariant)"])
         return {"model": self.model_name, "demo": self.is_demo, "fingerprint": self.fingerprint,
@@ -90,7 +90,11 @@ class Encoder:
                 "output_dtype": dtype_name(self.output_dtype), "batch_invariant": self.batch_invariant,
                 "text_hidden_size": int(self.config.text_hidden_size), "alpha": self.alpha,
                 "processing": self.processing.to_dict(),
-                "kernels": {"gemm": gemm, "attention": "bivit compiled" if compiled else "PyTorch SDPA"}}
+                # the variant too: the avx2 and avx512 kernels round differently
+                "kernels": {"gemm": gemm,
+                            "attention": f"bivit compiled ({compiled.variant})" if compiled else "PyTorch SDPA",
+                            # every faster path this process leaves off, why and the fix (bivit.notices)
+                            "fallbacks": notices.warnings()}}
 
     def __repr__(self) -> str:
         return (f"Encoder({self.model_name!r}{' [DEMO weights]' if self.is_demo else ''}, "
@@ -132,11 +136,12 @@ class Encoder:
                 return [e]
         return [out for i in range(len(batch)) for out in self.forward_each(batch.item(i))]
 
-    def encode_stream(self, prepared: Iterable[Prepared], max_batch_patches: int | None = None
-                      ) -> Iterator[ItemResult]:
+    def encode_stream(self, prepared: Iterable[Prepared], max_batch_patches: int | None = None, *,
+                      on_pass: Callable[[int], Any] | None = None) -> Iterator[ItemResult]:
         """Prepared inputs (any iterable: consumed as passes fill) -> one ItemResult each, in order, as soon as all
         its chunks are through. Chunks of consecutive inputs share forward passes cut by the packing rule under
-        `max_batch_patches` (default: the encoder's); at most one pass of pixels is held beyond the inputs."""
+        `max_batch_patches` (default: the encoder's); at most one pass of pixels is held beyond the inputs.
+        `on_pass(chunks)` is called after each forward pass (a progress bar)."""
         budget = check_budget(max_batch_patches) or self.max_batch_patches
         waiting: collections.deque[tuple[Prepared, list]] = collections.deque()
         chunks: list[tuple[list, int, MediaBatch]] = []  # the pass being filled: (outputs slot, index, chunk)
@@ -148,6 +153,8 @@ class Encoder:
                 outs = self.forward_each(MediaBatch.concat([c for _, _, c in chunks]))
                 for (slot, i, _), out in zip(chunks, outs):
                     slot[i] = out
+                if on_pass is not None:
+                    on_pass(len(chunks))
                 chunks.clear()
                 used = 0
 

@@ -32,9 +32,10 @@ import numpy as np
 import torch
 from PIL import Image
 
+from .container import check_container
 from .decode import MAX_IMAGE_BYTES, image_size, input_bytes, input_name
 from .errors import BivitError, MediaError
-from .fileio import sha256_file
+from .fileio import NotRegularFile, open_regular, sha256_file
 from .grids import grid_tokens, image_grid, processing_of
 from .kinds import media_kind
 from .media import MediaBatch, Placeholder, batch_placeholders, image_placeholder_text, preprocess_images
@@ -124,16 +125,6 @@ class ItemResult(_Item):
         """Per chunk, its rows of `embedding` (views)."""
         return [] if self.embedding is None else list(self.embedding.split(self.chunk_tokens))
 
-    def to_dict(self) -> dict:
-        """The JSON form of its metadata (no embedding): source, kind, sha256, sizes, tokens, grid_thw,
-        chunk_tokens, timestamps (videos only), placeholders."""
-        out = {"source": self.source, "kind": self.kind, "sha256": self.sha256,
-               "sizes": [list(s) if s else None for s in self.sizes], "tokens": self.tokens,
-               "grid_thw": self.grid_thw, "chunk_tokens": self.chunk_tokens}
-        if self.timestamps is not None:
-            out["timestamps"] = self.timestamps
-        out["placeholders"] = [p.to_dict() for p in self.placeholders]
-        return out
 
 
 def prepare(src: Any, *, processing: ProcessorConfig | str | None = None, alpha: str = "model",
@@ -204,6 +195,35 @@ def _with_batch(name: str, kind: str, sha: Optional[str], batch: MediaBatch, pro
     stamps = None if batch.timestamps is None else list(batch.timestamps)
     return Prepared(name, kind, sha, batch.grid_thw.tolist(), stamps, batch_placeholders(batch, proc),
                     sizes=list(batch.sizes), batch=batch)
+
+
+def check_input(path: str | os.PathLike, name: Optional[str] = None) -> str:
+    """Before any model loads: `path` names a readable, non-empty regular file of a kind bivit reads -> "image"
+    or "video"; else MediaError naming it and the reason (does not exist, a directory, cannot be read, empty,
+    not an image or video). An image is read up to its header (its size checked against the pixel limit); a
+    video's container is opened and its stream list read, no frame decoded. What decoding finds later (a
+    truncated stream, a corrupt frame) is still reported then."""
+    name = name or os.fspath(path)
+    try:
+        with open_regular(path) as f:
+            head = f.read(4096)
+    except FileNotFoundError:
+        raise MediaError(f"{name}: does not exist", name) from None
+    except NotRegularFile as e:
+        raise MediaError(f"{name}: {e.strerror}", name) from None
+    except OSError as e:
+        raise MediaError(f"{name}: cannot read ({e.strerror or e})", name) from None
+    if not head:
+        raise MediaError(f"{name}: file is empty", name)
+    try:
+        if media_kind(path, head) == "video":
+            check_container(path, name)
+            return "video"
+        image_size(path, name=name)  # its own messages: not an image format bivit reads, corrupt, too many pixels
+        return "image"
+    except MediaError as e:
+        e.source = name
+        raise
 
 
 def assemble(prepared: Prepared, outputs: Sequence[Any] = ()) -> ItemResult:

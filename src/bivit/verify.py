@@ -98,6 +98,25 @@ def check(encoder: Encoder, batch: MediaBatch, layouts: list[tuple[list[int], in
 
 # ------------------------------------------------------------------------------------------------ bisect
 
+def bisect_report(encoder: Encoder, batch: MediaBatch, report: Report, also: Report | None = None
+                  ) -> tuple[int, OpDiff | None]:
+    """(needle, first op that differs for it) for the item that differs most in `report` (else the one that
+    differs most in `also`, e.g. default mode's, so invariant mode is bisected on the same item; else item 0).
+    Items that differ are tried largest difference first until one differs when placed first in the full batch."""
+    def differing(rep: Report | None) -> list[int]:
+        if rep is None:
+            return []
+        ranked = [i for i, it in enumerate(rep.items) if not it.bit_equal]
+        return sorted(ranked, key=lambda i: -np.nan_to_num(rep.items[i].max_diff, nan=np.inf))
+
+    candidates = differing(report) or differing(also)[:1] or [0]
+    for needle in candidates:
+        diff = bisect(encoder, batch, needle)
+        if diff is not None:
+            return needle, diff
+    return candidates[0], None
+
+
 @dataclass
 class OpDiff:
     module: str

@@ -20,8 +20,8 @@ from . import kernels
 from .checkpoint import all_finite, check_keys, load_state_dict, random_state_dict
 from .config import PRESETS, load_config
 from .dtypes import dtype_name
-from .errors import BivitError, CheckpointError, ConfigError
-from .hub import parse_repo_ref, resolve as resolve_repo
+from .errors import CheckpointError, ConfigError
+from .hub import check_model, resolve as resolve_repo
 from .model import VisionModel
 from .preprocess_config import ProcessorConfig, load_processing, resolve_processing
 
@@ -45,10 +45,8 @@ def build_model(model: str | os.PathLike | None, *, device: torch.device, dtype:
         log.warning(DEMO_NOTICE)
     else:
         path, name = Path(model), str(model)
+        check_model(model, revision)
         if not path.is_dir():
-            if parse_repo_ref(model, revision) is None:
-                raise BivitError(f"{path}: model must be a checkpoint directory, a hub repo id (org/name[@rev]) "
-                                 "or None for the demo model")
             path = resolve_repo(str(model), revision)
             name = str(model) + (f"@{revision}" if revision and "@" not in str(model) else "")
         cfg = load_config(path)

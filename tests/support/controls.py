@@ -4,6 +4,8 @@ import contextlib
 
 import torch
 
+from bivit.media import MediaBatch
+
 
 @contextlib.contextmanager
 def row_count_dependent_gemms():
@@ -29,3 +31,24 @@ def row_count_dependent_gemms():
         yield
     finally:
         torch.nn.functional.linear = stock
+
+
+def differing(enc, items: list[MediaBatch], order: list[int], budget: int | None = None) -> list[int]:
+    """Indices (into `items`) whose embedding, encoded in one call in `order` (micro-batched by `budget`), differs
+    from the item encoded alone."""
+    alone = [enc.encode_batch(it)[0] for it in items]
+    batched = enc.encode_batch(MediaBatch.concat([items[i] for i in order]), budget)
+    return [i for i, out in zip(order, batched) if not torch.equal(out, alone[i])]
+
+
+def differences_found_by_check(enc, items: list[MediaBatch], order: list[int], budget: int | None = None) -> list[int]:
+    """The control of `differing`: on a default-mode encoder it finds items that change with their batch.
+
+    First with stock kernels; where those happen to be row-count invariant on this CPU at these shapes,
+    with `row_count_dependent_gemms` — either way a non-empty list proves the check can fail here.
+    """
+    found = differing(enc, items, order, budget)
+    if not found:
+        with row_count_dependent_gemms():
+            found = differing(enc, items, order, budget)
+    return found

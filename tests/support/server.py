@@ -2,10 +2,13 @@
 (`benchmarks/loadtest.py`, `benchmarks/hostile_load.py` put `tests/` on their path to use it).
 
 The server logs to a file (not a pipe: a full pipe would block the server), so callers can read its JSON lines.
+`holdable=True` arms the batching worker's test hook (`bivit.serve.batcher`): inside `with srv.held():` no
+forward pass starts, so a test decides what is in flight instead of racing the server.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -14,9 +17,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import httpx
+
+from bivit.serve.batcher import HOLD_ENV
 
 
 def free_port() -> int:
@@ -29,17 +34,21 @@ class ServerProcess:
     """Start with `ServerProcess(args, log_dir)`; always `stop()` (or use it as a context manager)."""
 
     def __init__(self, args: Sequence[str], log_dir: Path, api_key: Optional[str] = None,
-                 ready_timeout: float = 60.0):
+                 ready_timeout: float = 60.0, holdable: bool = False):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
         self.log_path = Path(log_dir) / f"server-{self.port}.log"
+        self.hold_path = Path(log_dir) / f"hold-{self.port}" if holdable else None
         cmd = [sys.executable, "-m", "bivit", "serve", "--host", "127.0.0.1", "--port", str(self.port), *args]
         if api_key:
             cmd += ["--api-key", api_key]
         self._log = open(self.log_path, "wb")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         env.pop("BIVIT_API_KEY", None)
+        env.pop(HOLD_ENV, None)
+        if self.hold_path is not None:
+            env[HOLD_ENV] = str(self.hold_path)
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
         try:
             self._wait_ready(ready_timeout)
@@ -63,6 +72,33 @@ class ServerProcess:
                 pass
             time.sleep(0.05)
         raise RuntimeError(f"server not ready after {timeout}s:\n{self.log_text()}")
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """No forward pass starts inside the block (requests are admitted and queued); queued items run after."""
+        if self.hold_path is None:
+            raise RuntimeError("start the server with holdable=True")
+        self.hold_path.touch()
+        try:
+            yield
+        finally:
+            self.hold_path.unlink(missing_ok=True)
+
+    def metrics(self) -> dict[str, float]:
+        r = httpx.get(f"{self.url}/metrics", headers=self.headers, timeout=30)
+        r.raise_for_status()
+        return metric_values(r.text)
+
+    def wait_for_metric(self, name: str, done: Callable[[float], bool], timeout: float = 120.0) -> float:
+        """Poll /metrics until `done(value of name)` (0 while the series is absent) -> that value. `timeout` only
+        bounds a hang: the wait ends on the server's state, never on a guess of how long the server takes."""
+        deadline = time.monotonic() + timeout
+        while not done(value := self.metrics().get(name, 0.0)):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{name} stayed at {value} (server exit code {self.proc.poll()}):\n"
+                                   f"{self.log_text()[-3000:]}")
+            time.sleep(0.01)
+        return value
 
     def log_text(self) -> str:
         self._log.flush()

@@ -113,6 +113,9 @@ def format_report(record: dict, summary: dict | None = None) -> str:
     lines = [f"bivit bench: preset {record['preset']}, {machine_line(env)} -> {fmt_load(env.get('loadavg_end'))}; "
              f"transformers {env['transformers']}; {record['repeats']} interleaved repeat(s) (+{record['warmup']} "
              f"warm-up), medians"]
+    if env.get("gemm"):
+        lines.append("Kernels: attention " + env["attention"] + "; GEMMs " + "; ".join(env["gemm"].values()))
+    lines += [f"Fallback: {line.removeprefix('bivit: ')}" for line in env.get("fallbacks") or ()]
     for name, reason in record["skipped"].items():
         lines.append(f"{name} skipped: {reason}")
     lines.append("")

@@ -40,11 +40,13 @@ CPU_FLAGS = ("amx_bf16", "amx_tile", "avx512_bf16", "avx512f", "avx2", "fma")
 
 def environment(threads: int) -> dict:
     """The machine and software a run measured (recorded in every result)."""
-    from .. import kernels
+    from .. import kernels, notices, ops
 
     model, present = kernels.cpu_info()
     lib = kernels.library()
     attention = kernels.attention()
+    # The invariant-mode GEMM paths of the dtypes bench runs, and every faster path this machine leaves off.
+    gemm = {name: ops.gemm_path(TORCH_DTYPES[name]).describe() for name in TORCH_DTYPES}
     try:
         import transformers
         tf_version = transformers.__version__
@@ -65,6 +67,7 @@ def environment(threads: int) -> dict:
                                                                      "MKL_ENABLE_INSTRUCTIONS")},
             "kernels": lib.variant if lib else None,
             "attention": f"bivit compiled ({attention.variant})" if attention else "PyTorch SDPA",
+            "gemm": gemm, "fallbacks": notices.warnings(),
             "cpu_count": os.cpu_count(), "threads": threads,
             "loadavg": os.getloadavg() if hasattr(os, "getloadavg") else None}
 

@@ -18,7 +18,7 @@ import typer
 from ..dtypes import CHOICES as DTYPE_CHOICES, DEFAULT_DTYPE
 from ..errors import BivitError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="bivit: batch-invariant vision encoding for Kimi-K2.5/K2.6/K3.")
 
 USAGE, FAILURE = 2, 1
@@ -77,6 +77,24 @@ def writable(path: Path, inputs: Any = (), option: str = "--out") -> None:
         fail(f"{option} {path}: {e.strerror or e}")
 
 
+def check_options(model: Any = None, dtype: Optional[str] = None, projector_dtype: Optional[str] = None,
+                  output_dtype: Optional[str] = None, alpha: str = "model") -> None:
+    """The encoder options a command was given, checked before its inputs are read and before the model loads
+    (ConfigError, one line, exit 2)."""
+    from ..dtypes import canonical_name
+    from ..hub import check_model
+    from ..preprocess_config import check_alpha
+
+    for flag, value in (("--dtype", dtype), ("--projector-dtype", projector_dtype), ("--output-dtype", output_dtype)):
+        canonical_name(value, flag)
+    check_alpha(alpha, "--alpha")
+    check_model(model)
+    if model is not None and str(model) != "demo" and Path(model).is_dir():
+        from ..config import load_config  # a checkpoint's config.json is read now, before the inputs
+
+        load_config(Path(model))
+
+
 def DeprecatedOpt(flag: str) -> Any:
     """A hidden option under an old spelling (see `renamed_option`)."""
     return typer.Option(None, flag, hidden=True)
@@ -100,10 +118,8 @@ def renamed_option(value: Any, old_value: Any, flag: str, old_flag: str, factor:
 
 def open_encoder(model: Optional[Path], dtype: str, projector_dtype: Optional[str], output_dtype: Optional[str],
                  batch_invariant: bool = True, alpha: str = "model") -> Any:
-    from ..encoder import DEMO_NOTICE, load_encoder
+    from ..encoder import load_encoder
 
-    enc = load_encoder(model, dtype=dtype, projector_dtype=projector_dtype, output_dtype=output_dtype,
-                       batch_invariant=batch_invariant, alpha=alpha)
-    if enc.is_demo:
-        typer.echo(DEMO_NOTICE, err=True)
-    return enc
+    # The demo notice and any fast path that is off are said by the library's log (see cli.main), once.
+    return load_encoder(model, dtype=dtype, projector_dtype=projector_dtype, output_dtype=output_dtype,
+                        batch_invariant=batch_invariant, alpha=alpha)

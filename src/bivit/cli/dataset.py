@@ -10,12 +10,12 @@ import typer
 from ..dataset import format as dataset_format  # light: file names and defaults
 from ..packing import PATCHES_PER_TOKEN  # light
 from .common import (EC_PROBE, FAILURE, AlphaOpt, DeprecatedOpt, DtypeOpt, EcDirOpt, OutDtypeOpt, ProjDtypeOpt,
-                     command, renamed_option, writable)
+                     check_options, command, renamed_option, writable)
 
 
 @command("encode-dataset")
 def encode_dataset(
-    src: Path = typer.Argument(..., show_default=False,
+    src: Path = typer.Argument(..., show_default=False, metavar="SRC",
                                help="Folder of images/videos (recursive) or a manifest file (one path per line, "
                                     "or JSONL with a 'path' field)."),
     out: Path = typer.Option(..., "--out", "-o", show_default=False,
@@ -48,6 +48,7 @@ def encode_dataset(
     to vLLM's encoder cache (ids: `bivit.engines.vllm.load_media(OUT)`).
     """
     # A missing Ray extra, bad --engine/--workers values: encode_dataset says so before any work.
+    check_options(model, dtype, projector_dtype, output_dtype, alpha)
     # --batch-tokens counted tokens: 4 patches each is what it allowed an image (a video chunk of t frames has 4t).
     batch_patches = renamed_option(batch_patches, batch_tokens, "--batch-patches", "--batch-tokens",
                                    PATCHES_PER_TOKEN, " patches, 4 per token of an image")

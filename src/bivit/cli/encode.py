@@ -1,27 +1,25 @@
-"""`bivit encode`: files in, one safetensors file of embeddings and per-input metadata out."""
+"""`bivit encode`: files in, one embedding file (`bivit.records`, format bivit.embeddings/1) out."""
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, List, Optional
 
 import typer
 
+from ..errors import BivitError
 from .common import (EC_PROBE, FAILURE, AlphaOpt, DeprecatedOpt, DtypeOpt, EcDirOpt, ModelOpt, OutDtypeOpt,
-                     ProjDtypeOpt, command, open_encoder, renamed_option, writable)
+                     ProjDtypeOpt, check_options, command, open_encoder, renamed_option, writable)
 
-# The schema of the file `bivit encode` writes (its "bivit" header key).
-ENCODE_FORMAT = "bivit.encode/1"
 # Patches per forward pass unless --max-batch-patches says otherwise (no effect on results in invariant mode).
 DEFAULT_BATCH_PATCHES = 4096
 
 
 @command()
 def encode(
-    files: List[Path] = typer.Argument(..., help="Images and/or videos."),
+    files: List[Path] = typer.Argument(..., metavar="FILE", help="Images and/or videos."),
     out: Path = typer.Option(Path("embeddings.safetensors"), "--out", "-o", help="Output safetensors file."),
     model: Optional[Path] = ModelOpt,
     dtype: str = DtypeOpt,
@@ -35,52 +33,87 @@ def encode(
     alpha: str = AlphaOpt,
     ec_dir: Optional[Path] = EcDirOpt,
 ) -> None:
-    """Encode files into one safetensors file: tensor "i" is input i's embedding, shape (tokens, text_hidden).
+    """Encode files into one embedding file: tensor "i" is input i's embedding, shape (tokens, text_hidden).
 
-    Per-input metadata (source, kind, content sha256, sizes, grid_thw per chunk, tokens, video chunk timestamps,
-    and the prompt placeholders: per image or chunk the text the model's processor writes and the rows that
-    replace its <|media_pad|>) and the encoder's description (`Encoder.describe`: fingerprint included) are
-    stored as JSON under the "bivit" header key. With --ec-dir, each image's / chunk's rows also go to vLLM's
-    encoder cache and its ids into the metadata ("ec_ids"). Bad files are reported and skipped; exit status 1 if
-    any failed.
+    The file (format bivit.embeddings/1, read back with bivit.load_embeddings) records the encoder (model,
+    fingerprint, dtypes, preprocessing, kernels) and one record per input, in order: source, kind, sha256,
+    tokens, grid_thw, tokens and original size per chunk, video chunk timestamps, the prompt placeholders (per
+    image or chunk the text the model's processor writes and the rows that replace its <|media_pad|>), or the
+    error. With --ec-dir, each image's / chunk's rows also go to vLLM's encoder cache and their ids into the
+    record ("ec_ids"). Bad files are reported and skipped; exit status 1 if any failed.
     """
+    check_options(model, dtype, projector_dtype, output_dtype, alpha)  # options, output, inputs: all before
     budget = renamed_option(max_batch_patches, max_batch_tokens, "--max-batch-patches", "--max-batch-tokens")
     budget = DEFAULT_BATCH_PATCHES if budget is None else budget
-    writable(out, files)  # before anything is loaded or encoded
+    writable(out, files)  # anything is loaded or encoded
     if ec_dir is not None:
         writable(ec_dir / EC_PROBE, option="--ec-dir")
-    from safetensors.torch import save
-    from tqdm import tqdm
-
+    from .. import records as rec
     from ..engines.media import media_of
     from ..engines.vllm import write_encoder_cache
-    from ..fileio import write_atomic
+    from ..items import check_input
+    from ..kinds import media_kind
+
+    results: list[Any] = [None] * len(files)  # per input: its result, or its error before any model loaded
+    kinds = {}
+    for i, path in enumerate(files):  # each input's existence, kind and header
+        try:
+            kinds[i] = check_input(path)
+        except BivitError as e:
+            results[i] = e
+            typer.echo(f"bivit: skipped: {e}", err=True)
+    if not kinds:
+        typer.echo(f"encoded 0 of {len(files)} inputs (nothing written); {len(files)} failed")
+        raise typer.Exit(FAILURE)
 
     enc = open_encoder(model, dtype, projector_dtype, output_dtype, not no_batch_invariant, alpha=alpha)
     t0 = time.perf_counter()
-    tensors, items, failed = {}, [], 0
-    # Files share forward passes (prepared one by one as passes fill, so memory holds about one pass); in
-    # invariant mode each result is the bits of encoding it alone.
-    results = enc.encode_stream((enc.prepare(path) for path in files), budget)
-    for r in tqdm(results, total=len(files), desc="encoding", unit="file", disable=len(files) < 2, file=sys.stderr):
-        if r.error is not None:
-            failed += 1
-            tqdm.write(f"bivit: skipped: {r.error}", file=sys.stderr)
+    with _progress(show=len(kinds) > 1 or "video" in kinds.values()) as bar:
+        def prepared():
+            for i, kind in kinds.items():
+                if kind == "video":  # decoding a long video takes a while of its own
+                    bar.set_description(f"decoding {files[i].name}")
+                p = enc.prepare(files[i])
+                bar.total += len(p.grid_thw)
+                bar.set_description("encoding")
+                yield p
+
+        # Files share forward passes (prepared one by one as passes fill, so memory holds about one pass); in
+        # invariant mode each result is the bits of encoding it alone.
+        for i, r in zip(kinds, enc.encode_stream(prepared(), budget, on_pass=bar.update)):
+            results[i] = r
+            if r.error is not None:
+                bar.write(f"bivit: skipped: {r.error}", file=sys.stderr)
+
+    records, embeddings = [], []
+    for i, (path, r) in enumerate(zip(files, results)):
+        if isinstance(r, BaseException):  # refused before the model loaded
+            records.append(rec.record(str(path), kind=media_kind(path) or "image", sha256=None, grid_thw=[],
+                                      chunk_tokens=[], timestamps=None, placeholders=[], error=str(r)))
+            embeddings.append(None)
             continue
-        key = str(len(items))
-        tensors[key] = r.embedding
-        items.append({"key": key, **r.to_dict()})
-        if ec_dir is not None:
-            items[-1]["ec_ids"] = write_encoder_cache(ec_dir, [media_of(r, enc.fingerprint)])[0]
-    if tensors:
-        meta = {"bivit": json.dumps({"format": ENCODE_FORMAT, **enc.describe(), "items": items})}
-        write_atomic(out, save(tensors, metadata=meta))  # a full disk is an OSError naming --out
-    tokens = sum(i["tokens"] for i in items)
-    where = f" -> {out}" if tensors else " (nothing written)"
-    typer.echo(f"encoded {len(items)} of {len(files)} inputs, {tokens} tokens in "
+        extra = {}
+        if ec_dir is not None and r.error is None:
+            extra["ec_ids"] = write_encoder_cache(ec_dir, [media_of(r, enc.fingerprint)])[0]
+        records.append(rec.of_result(r, tensor=str(i), **extra))
+        embeddings.append(r.embedding)
+    done = [r for r in records if r.ok]
+    if done:
+        rec.save(out, enc.describe(), records, embeddings)
+    failed = len(records) - len(done)
+    where = f" -> {out}" if done else " (nothing written)"
+    typer.echo(f"encoded {len(done)} of {len(files)} inputs, {sum(r.tokens for r in done)} tokens in "
                f"{time.perf_counter() - t0:.2f} s{where}" + (f"; {failed} failed" if failed else ""))
     if ec_dir is not None:
-        typer.echo(f"encoder cache: {sum(len(i['ec_ids']) for i in items)} items in {ec_dir} (ids: \"ec_ids\" of "
-                   "each item in the file's metadata)")
+        typer.echo(f"encoder cache: {sum(len(r.ec_ids) for r in done)} items in {ec_dir} (ids: \"ec_ids\" of "
+                   "each record in the file)")
     if failed:
         raise typer.Exit(FAILURE)
+
+
+def _progress(show: bool) -> Any:
+    """A bar in chunks (an image is one, a video one per 4 sampled frames), growing as inputs are decoded, so a
+    single long video shows where it is."""
+    from tqdm import tqdm
+
+    return tqdm(total=0, desc="encoding", unit="chunk", disable=not show, file=sys.stderr, dynamic_ncols=True)

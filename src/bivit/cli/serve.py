@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 from ..serve.settings import ServerSettings as Limits  # light: no web framework
-from .common import (EC_PROBE, AlphaOpt, DeprecatedOpt, DtypeOpt, EcDirOpt, command, fail, need_extra,
+from .common import (EC_PROBE, AlphaOpt, DeprecatedOpt, DtypeOpt, EcDirOpt, check_options, command, fail, need_extra,
                      renamed_option, writable)
 
 
@@ -61,6 +61,7 @@ def serve(
     With --ec-dir every encoded item's rows also go to vLLM's encoder cache; its ids are each item's "ec_ids"."""
     for module in ("fastapi", "uvicorn", "prometheus_client", "multipart"):
         need_extra("serve", module, "serve")
+    check_options(model, dtype, alpha=alpha)
     if log_level.lower() not in ("debug", "info", "warning", "error"):
         fail(f"--log-level must be debug, info, warning or error, got {log_level!r}")
     budget = renamed_option(max_batch_patches, max_batch_tokens, "--max-batch-patches", "--max-batch-tokens")

@@ -8,14 +8,27 @@ from typing import List, Optional
 
 import typer
 
-from .common import FAILURE, DtypeOpt, ModelOpt, ProjDtypeOpt, command, need_extra, open_encoder, writable
+from .common import (DTYPE_CHOICES, FAILURE, ModelOpt, ProjDtypeOpt, check_options, command, need_extra,
+                     open_encoder, writable)
+
+# Why float32: stock float32 GEMMs (MKL/oneDNN, AVX2 or AVX-512; float32 never runs on AMX tiles, so AMX Xeons
+# behave like AVX-512 CPUs here) compute a single row (a 1-token item alone: M = 1) with another kernel and
+# reduction order than a batch of rows, so default mode differs on the synthetic set's small items on every CPU
+# kind (measured: `bivit verify` on an AVX-512 BF16 EPYC and there with AVX2 kernels forced by ATEN_CPU_CAPABILITY,
+# ONEDNN_MAX_CPU_ISA and MKL_ENABLE_INSTRUCTIONS; F.linear in float32 on an AMX Xeon in an earlier round). Stock
+# bfloat16 GEMMs were row-count invariant at these shapes on the EPYC and the Xeon: a bf16 run shows nothing there.
+VERIFY_DTYPE = "float32"
 
 
 @command()
 def verify(
-    files: List[Path] = typer.Argument(None, help="Images and videos (default: a built-in synthetic set of images)."),
+    files: List[Path] = typer.Argument(None, metavar="FILE", show_default=False,
+                                       help="Images and videos (default: a built-in synthetic set of images)."),
     model: Optional[Path] = ModelOpt,
-    dtype: str = DtypeOpt,
+    dtype: str = typer.Option(VERIFY_DTYPE, "--dtype", help=f"Tower compute dtype: {DTYPE_CHOICES}. float32 by "
+                              "default: stock float32 GEMMs change their reduction order with the row count on every "
+                              "CPU kind, so default mode shows what invariance prevents (stock bfloat16 GEMMs often "
+                              "do not)."),
     projector_dtype: Optional[str] = ProjDtypeOpt,
     layouts: int = typer.Option(6, help="Random batch layouts per mode."),
     seed: int = typer.Option(0, help="Seed of the random layouts."),
@@ -29,6 +42,11 @@ def verify(
     if plot is not None:
         need_extra("verify --plot", "matplotlib", "plot")
         writable(plot, files or (), "--plot")
+    from ..items import check_input
+
+    check_options(model, dtype, projector_dtype)
+    for f in files or ():
+        check_input(f)  # every input exists and is an image or video, before the models load
     encoders = [open_encoder(model, dtype, projector_dtype, None, inv) for inv in (True, False)]
     if files:
         batch = v.items_of(encoders[0], [str(f) for f in files])
@@ -37,18 +55,27 @@ def verify(
     plan = v.random_layouts(len(batch), layouts, random.Random(seed), batch.patch_counts)
     reports = []
     for enc in encoders:
-        rep = v.check(enc, batch, plan)
-        reports.append(rep)
+        reports.append(v.check(enc, batch, plan))
+    for enc, rep in zip(encoders, reports):
         typer.echo(f"{rep.mode} mode ({dtype_name(enc.dtype)}): "
                    f"{'BIT-STABLE' if rep.stable else 'NOT bit-stable'} over {len(plan)} layouts")
         for line in v.format_report(rep):
             typer.echo(line)
-        if bisect:
-            diff = v.bisect(enc, batch, needle=0) if len(batch) > 1 else None
-            typer.echo(f"  bisect (item 0 alone vs first of {len(batch)}): " + (
+        if bisect and len(batch) > 1:
+            # The item that differs (default mode's, for invariant mode: the same item, shown not to differ).
+            needle, diff = v.bisect_report(enc, batch, rep, also=reports[1])
+            typer.echo(f"  bisect ({rep.items[needle].source} alone vs first of {len(batch)}): " + (
                 "no op differs" if diff is None else
                 f"first difference at {diff.module or '<root>'} ({diff.kind}, call {diff.occurrence}), "
                 f"max |diff| = {diff.max_diff:.3g}"))
+    if reports[1].stable:
+        name = dtype_name(encoders[1].dtype)
+        hint = ("stock float32 GEMMs change with the row count: --dtype float32" if name != "float32" else
+                "the built-in set, `bivit verify` without files, has the 1- to 3-token items where they do" if files
+                else "")
+        typer.echo(f"note: default mode was bit-stable too: this CPU's stock {name} kernels gave these inputs the "
+                   "same bits in every layout tried, so this run cannot show what invariance prevents"
+                   + (f" ({hint})" if hint else ""))
     if plot:
         v.plot(reports, str(plot))
         typer.echo(f"plot written to {plot}")

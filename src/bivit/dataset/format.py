@@ -1,9 +1,17 @@
 """The on-disk format of an encoded dataset folder: file names, record types, and reading them back.
 
-    DIR/dataset.json              header: format, bivit version, model name + fingerprint, dtypes, width
-    DIR/manifest.jsonl            one line per encoded input (source, sha256, shard, key, tokens, grid_thw, ...)
+    DIR/dataset.json              header: format, bivit version, the encoder (`Encoder.describe()`: model name
+                                  + fingerprint, dtypes, width, preprocessing, kernels)
+    DIR/manifest.jsonl            one line per encoded input: its record (`bivit.records`: source, sha256,
+                                  kind, tokens, grid_thw, chunk_tokens, timestamps, placeholders) with the
+                                  tensor's `shard` and `key` (and size, mtime_ns, seq)
     DIR/errors.jsonl              one line per input that failed (source, error, sha256 when it could be read)
-    DIR/shard-000000.safetensors  embeddings keyed by the sha256 of the input's bytes
+    DIR/shard-000000.safetensors  embeddings keyed by the sha256 of the input's bytes; an embedding file of
+                                  its own (`bivit.records`: format, encoder, the records committed with it)
+
+`bivit.load_embeddings` opens the folder (records in manifest order) or any one shard. Folders written before
+manifest lines carried chunk_tokens and placeholders, and before shards carried records, still open: their
+records have no placeholders, and an old shard's records come from the folder's manifest.
 
 Both files of lines are append-only, and each line carries `seq`, a number that grows over the folder's life:
 for a source, whichever of its manifest or error lines has the larger `seq` says what it is now (encoded, or
@@ -19,7 +27,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from ..errors import BivitError
 
@@ -51,6 +59,17 @@ class Record:
     size: Optional[int] = None  # file size and mtime when encoded: a re-run skips unchanged files unread
     mtime_ns: Optional[int] = None
     seq: int = 0  # order of this line among all manifest and error lines of the folder
+    chunk_tokens: Optional[list] = None  # per chunk, its rows (None in lines of older folders: from grid_thw)
+    placeholders: Optional[list] = None  # per chunk, {"text", "tokens"} (None in lines of older folders)
+
+    def record(self, encoder: dict, load: Any = None) -> Any:
+        """This line as a `bivit.records.Record` (its tensor: `key` in `shard`; the dataset's own keys in
+        `extra`)."""
+        from .. import records
+
+        row = dataclasses.asdict(self)
+        row["tensor"] = row.pop("key")
+        return records.Record.from_json(row, encoder, load)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), separators=(",", ":"), ensure_ascii=False)
@@ -76,6 +95,13 @@ class ErrorRecord:
     @staticmethod
     def from_json(obj: dict) -> "ErrorRecord":
         return ErrorRecord(str(obj.get("source")), str(obj.get("error", "")), obj.get("sha256"), int(obj.get("seq", 0)))
+
+
+def encoder_of(header: dict) -> dict:
+    """The encoder's description (`Encoder.describe()`'s keys) in a folder's header, as records carry it."""
+    folder_only = {"format", "format_version", "bivit_version", "model", "model_name", "is_demo", "created"}
+    return {"model": header.get("model_name"), "demo": header.get("is_demo"),
+            **{k: v for k, v in header.items() if k not in folder_only}}
 
 
 def read_jsonl(path: Path) -> tuple[list[dict], int]:

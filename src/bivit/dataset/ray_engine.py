@@ -17,6 +17,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -111,6 +113,9 @@ class EncodeActor:
     """Ray actor: loads the encoder once, then encodes whatever batch it is given (zero rows included)."""
 
     def __init__(self, model: Optional[str], opts: dict, fingerprint: str, threads: int, batch_patches: int):
+        # The driver loaded the same model first and said its notices (demo model, a fast path off) once; each
+        # actor saying them again would only repeat them, prefixed by Ray, on the driver's terminal.
+        logging.getLogger("bivit").setLevel(logging.ERROR)
         torch.set_num_threads(threads)
         from ..allocator import tune
 
@@ -150,6 +155,12 @@ def decode_encoded(row: dict) -> ItemResult:
     return r
 
 
+# On a cluster Ray restarts a lost actor and retries its items; a local actor that dies died of this machine (its
+# memory): the job stops, keeps what is encoded, and a re-run resumes. Restartable actors also make Ray log an
+# error-level core_worker line about their constructor arguments on every local run.
+_NO_RESTARTS = {"max_restarts": 0}
+
+
 @contextlib.contextmanager
 def _ray_session(address: Optional[str], cpus_needed: int) -> Iterator[Any]:
     import ray
@@ -157,7 +168,12 @@ def _ray_session(address: Optional[str], cpus_needed: int) -> Iterator[Any]:
     if ray.is_initialized():  # the caller's Ray (a notebook, a test): use it, leave it running
         yield ray
         return
-    quiet = dict(logging_level=logging.WARNING, log_to_driver=True, configure_logging=True)
+    # Ray's own log lines at WARNING (the token-auth default, disabled progress bars) are not the user's business
+    # here; its errors still show. Worker lines reach the driver with a "(pid=...)" prefix, colored only on a
+    # terminal (in a log file, raw ANSI escapes).
+    quiet = dict(logging_level=logging.ERROR, log_to_driver=True, configure_logging=True)
+    if not sys.stderr.isatty():
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
     if address:
         ray.init(address=address, **quiet)
     else:
@@ -187,20 +203,23 @@ def run_ray(work: Sequence[Work], sink: Callable[[ItemResult], None], *, model: 
         ctx.enable_progress_bars = False  # bivit shows its own bar, in items
         data_log = logging.getLogger("ray.data")
         level = data_log.level
-        data_log.setLevel(logging.WARNING)
+        data_log.setLevel(logging.ERROR)  # e.g. "Progress bars disabled": bivit shows its own
         items = [{"sha256": w.sha256, "kind": w.kind, "path": str(Path(w.path).resolve()), "name": w.sources[0].source}
                  for w in work]
         try:
             ds = ray.data.from_items(items, override_num_blocks=max(1, min(len(items), 4 * workers, 256)))
             ds = ds.map_batches(prepare_rows, fn_kwargs=dict(processing=processing, alpha=opts.get("alpha", "model")),
                                 batch_format="pyarrow", batch_size=ROWS_PER_ACTOR_BATCH, num_cpus=1)
-            ds = ds.map_batches(
-                EncodeActor,
-                fn_constructor_kwargs=dict(model=model, opts=opts, fingerprint=fingerprint, threads=cpus_per_worker,
-                                           batch_patches=batch_patches),
-                compute=ray.data.ActorPoolStrategy(size=workers),
-                batch_format="pyarrow", batch_size=ROWS_PER_ACTOR_BATCH, num_cpus=cpus_per_worker,
-            )
+            with warnings.catch_warnings():  # max_restarts has no named parameter (yet): Ray warns of the kwargs
+                warnings.filterwarnings("ignore", message="`ray_remote_args` is deprecated")
+                ds = ds.map_batches(
+                    EncodeActor,
+                    fn_constructor_kwargs=dict(model=model, opts=opts, fingerprint=fingerprint,
+                                               threads=cpus_per_worker, batch_patches=batch_patches),
+                    compute=ray.data.ActorPoolStrategy(size=workers),
+                    batch_format="pyarrow", batch_size=ROWS_PER_ACTOR_BATCH, num_cpus=cpus_per_worker,
+                    **({} if address else _NO_RESTARTS),
+                )
             for table in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
                 for row in table.to_pylist():
                     sink(decode_encoded(row))

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 from ..errors import BivitError
-from .format import HEADER, MANIFEST, ErrorRecord, Record, current_state, read_header
+from .format import FORMAT, HEADER, MANIFEST, ErrorRecord, Record, current_state, encoder_of, read_header
 
 if TYPE_CHECKING:
     import numpy as np
@@ -103,6 +103,19 @@ class EncodedDataset:
         if t.dtype == torch.bfloat16:
             t = t.float()  # exact: every bfloat16 is a float32
         return t.numpy()
+
+    def embeddings(self, shard: Optional[str] = None) -> Any:
+        """The folder as `bivit.records.Embeddings` (what `bivit.load_embeddings` gives for it): its records in
+        manifest order, each reading its embedding on first use; `shard`: only the records stored in that shard
+        (in the order they were committed)."""
+        from .. import records
+
+        encoder = encoder_of(self.header)
+        recs = [r.record(encoder, lambda key, r=r: self.tensor(r)) for r in self.records
+                if shard is None or r.shard == shard]
+        where = self.path if shard is None else self.path / shard
+        return records.Embeddings(recs, encoder, f"{FORMAT}/{self.header.get('format_version')}", str(where),
+                                  self.close)
 
     def chunks(self, item: "str | Record") -> list["torch.Tensor"]:
         """A video's embedding cut back into its chunks (one element for an image)."""

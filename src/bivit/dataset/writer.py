@@ -24,28 +24,30 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from .. import records
 from ..dtypes import dtype_name
 from ..errors import BivitError
 from ..fileio import append_lines, fsync_dir, temp_target, write_atomic
 from .format import (DEFAULT_SHARD_MB, ERRORS, FORMAT, FORMAT_VERSION, HEADER, LOCK, MANIFEST, SHARD_RE,
-                     ErrorRecord, Record, read_header, read_jsonl, state_from_rows)
+                     ErrorRecord, Record, encoder_of, read_header, read_jsonl, state_from_rows)
 from .pipeline import Source
 
 # A pending shard is also committed after this many seconds, so a kill loses at most this much work even when
 # shards are large and encoding is slow.
 DEFAULT_FLUSH_SECONDS = 60.0
-# Test hook, a pause point only: "PHASE:SECONDS" sleeps at PHASE (before_rename | after_rename | after_commit)
-# of every shard commit, so a test can SIGKILL the process at a chosen instant. It changes nothing else.
+# Test hook, a pause point only: "PHASE:SECONDS[:SHARDS]" sleeps at PHASE (before_rename | after_rename |
+# after_commit) of every shard commit once this run has written SHARDS shards before it (default 0), so a test
+# can SIGKILL the process at a chosen instant. It changes nothing else.
 PAUSE_ENV = "BIVIT_DATASET_TEST_PAUSE"
 # A folder written with other values for these keys holds tensors that are not comparable with this run's.
 _MUST_MATCH = ("format_version", "fingerprint", "dtype", "projector_dtype", "output_dtype", "batch_invariant", "alpha")
 
 
-def _pause(phase: str) -> None:
+def _pause(phase: str, shards_before: int) -> None:
     spec = os.environ.get(PAUSE_ENV)
     if spec:
-        want, _, seconds = spec.partition(":")
-        if want == phase:
+        want, seconds, after, *_ = spec.split(":") + ["", ""]
+        if want == phase and shards_before >= int(after or 0):
             time.sleep(float(seconds or 1))
 
 
@@ -106,6 +108,7 @@ class DatasetWriter:
         self._pending_bytes = 0
         self._pending_since: Optional[float] = None
         self.tokens_written = 0
+        self._commits = 0  # shards this run has written (for the test hook's pause)
 
     # -- opening ---------------------------------------------------------------------------------------------
 
@@ -206,8 +209,10 @@ class DatasetWriter:
             self.by_source.pop(s.source, None)
 
     def add(self, sha: str, tensor: torch.Tensor, grid_thw: list, timestamps: Optional[list],
-            sources: Sequence[Source], stats: Sequence[Optional[os.stat_result]]) -> None:
-        """One encoded item (its tensor and every source with these bytes); commits a shard when one is full."""
+            sources: Sequence[Source], stats: Sequence[Optional[os.stat_result]], chunk_tokens: Sequence[int] = (),
+            placeholders: Sequence[dict] = ()) -> None:
+        """One encoded item (its tensor and every source with these bytes, its record's chunk_tokens and
+        placeholders); commits a shard when one is full."""
         stored = self.by_hash.get(sha)
         if stored is not None:  # bytes already durable: the sources only need lines pointing there
             self.add_lines([dataclasses.replace(stored, source=s.source, kind=s.kind, size=st and st.st_size,
@@ -219,7 +224,9 @@ class DatasetWriter:
             raise BivitError(f"encoder returned {tuple(tensor.shape)} {tensor.dtype} for {sources[0].source}; "
                              f"expected [tokens, {width}] {expected}")
         lines = [Record(s.source, sha, "", sha, int(tensor.shape[0]), grid_thw, s.kind, timestamps,
-                        st.st_size if st else None, st.st_mtime_ns if st else None) for s, st in zip(sources, stats)]
+                        st.st_size if st else None, st.st_mtime_ns if st else None,
+                        chunk_tokens=[int(n) for n in chunk_tokens], placeholders=[dict(p) for p in placeholders])
+                 for s, st in zip(sources, stats)]
         if sha in self._pending:
             self._pending[sha][1].extend(lines)
             return
@@ -239,16 +246,21 @@ class DatasetWriter:
         name = f"shard-{self._next_shard:06d}.safetensors"
         self._next_shard += 1
         tensors = {k: t for k, (t, _) in self._pending.items()}
-        meta = {"format": FORMAT, "fingerprint": str(self.header["fingerprint"])}
-        # Serialised in memory (one shard, --shard-mb) so that a full disk is an OSError naming the shard.
-        write_atomic(self.dir / name, save(tensors, metadata=meta), before_replace=lambda: _pause("before_rename"))
-        _pause("after_rename")
-        self.add_lines([dataclasses.replace(r, shard=name) for _, lines in self._pending.values() for r in lines])
+        lines = [dataclasses.replace(r, shard=name) for _, pending in self._pending.values() for r in pending]
+        # The shard is an embedding file of its own: the records committed with it (`bivit.records`). Serialised
+        # in memory (one shard, --shard-mb) so that a full disk is an OSError naming the shard.
+        encoder = encoder_of(self.header)
+        meta = records.metadata(encoder, [r.record(encoder) for r in lines])
+        write_atomic(self.dir / name, save(tensors, metadata=meta),
+                     before_replace=lambda: _pause("before_rename", self._commits))
+        _pause("after_rename", self._commits)
+        self.add_lines(lines)
         self.tokens_written += sum(int(t.shape[0]) for t, _ in self._pending.values())
         self._pending.clear()
         self._pending_bytes = 0
         self._pending_since = None
-        _pause("after_commit")
+        self._commits += 1
+        _pause("after_commit", self._commits - 1)
 
     def close(self) -> None:
         if getattr(self, "_lock_fd", None) is not None:

@@ -1,6 +1,6 @@
 """bivit's per-input results as engines and trainers consume them: `Media` (an input's rows, its prompt
-placeholders, the encoder fingerprint and the content hash), `encode`, the readers of bivit's outputs
-(`load_media`: a `bivit encode` file or an `encode-dataset` folder) and each item's id (`ec_id`).
+placeholders, the encoder fingerprint and the content hash), `encode`, bivit's outputs read as Media
+(`load_media`: over `bivit.load_embeddings`, the one reader) and each item's id (`ec_id`).
 
 The id pins the encoder and the content: `bivit encode`, `encode-dataset`, the service and `encode` give one
 image (one video chunk) one id, and anything that could change its rows changes it. vLLM uses it as the item's
@@ -13,7 +13,6 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence, Union
 
 from ..errors import BivitError
@@ -109,57 +108,31 @@ def encode(encoder: Any, inputs: Sequence[Any]) -> list[Media]:
 # ---------------------------------------------------------------------------------------- reading outputs
 
 def load_media(path: Union[str, os.PathLike]) -> list[Media]:
-    """bivit's outputs as Media, for a trainer or an encoder-cache producer: a `bivit encode` file (its items
-    in input order) or an `encode-dataset` folder (its records, in manifest order)."""
+    """bivit's outputs as Media, for a trainer or an encoder-cache producer: any embedding file or folder
+    `bivit.load_embeddings` opens (a `bivit encode` file, a saved service answer, a dataset shard or folder), its
+    encoded items in order (items that failed have no rows and are left out)."""
     return list(iter_media(path))
 
 
 def iter_media(path: Union[str, os.PathLike]) -> Iterator[Media]:
-    path = Path(path)
-    if path.is_dir():
-        yield from _dataset_media(path)
-    else:
-        yield from _encode_file_media(path)
+    from ..records import load_embeddings
+
+    with load_embeddings(path) as embeddings:
+        for r in embeddings:
+            if r.ok:
+                yield media_of_record(r, str(path))
 
 
-def _encode_file_media(path: Path) -> Iterator[Media]:
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = json.loads((f.metadata() or {}).get("bivit", "null"))
-            if not isinstance(meta, dict) or "items" not in meta:
-                raise BivitError(f"{path}: not a file written by `bivit encode` (no 'bivit' metadata)")
-            if not meta.get("fingerprint"):
-                raise BivitError(f"{path}: written by an older bivit without the encoder fingerprint; re-encode it")
-            for item in meta["items"]:
-                if "sha256" not in item:
-                    raise BivitError(f"{path}: item {item.get('key')!r} has no content hash; re-encode it")
-                yield Media(f.get_tensor(item["key"]),
-                            tuple(Placeholder(p["text"], int(p["tokens"])) for p in item["placeholders"]),
-                            meta["fingerprint"], item["sha256"], "video" if "timestamps" in item else "image",
-                            tuple(tuple(s) if s else None for s in item.get("sizes", ())),
-                            tuple(int(g[0]) for g in item["grid_thw"]), item.get("source", ""))
-    except (SafetensorError, OSError, json.JSONDecodeError) as e:
-        raise BivitError(f"{path}: cannot read ({e})") from None
-
-
-def _dataset_media(path: Path) -> Iterator[Media]:
-    from ..dataset.reader import open_dataset
-    from ..media import chunk_placeholder_text, grid_tokens, image_placeholder_text
-    from ..preprocess_config import ProcessorConfig
-
-    with open_dataset(path) as ds:
-        processing = ProcessorConfig(**ds.header["processing"])
-        for rec in ds:
-            if rec.kind == "video":
-                texts = [chunk_placeholder_text(s) for s in rec.timestamps or []]
-            elif processing.processor == "kimi_k25":
-                texts = [image_placeholder_text(processing, 0, 0)]
-            else:
-                raise BivitError(f"{path}: {rec.source}: a {processing.processor} image placeholder names the "
-                                 "image size, which a dataset folder does not record")
-            grids = rec.grid_thw
-            yield Media(ds.tensor(rec), tuple(Placeholder(t, grid_tokens(h, w)) for t, (_, h, w) in zip(texts, grids)),
-                        ds.fingerprint, rec.sha256, rec.kind, (None,) * len(grids), tuple(int(g[0]) for g in grids),
-                        rec.source)
+def media_of_record(r: Any, where: str = "") -> Media:
+    """One record of an embedding file (`bivit.records.Record`) as Media; BivitError naming the file and the
+    item when it lacks what an engine needs (files of older bivit versions: re-encode them)."""
+    name = f"{where}: {r.source}" if where else r.source
+    if not r.fingerprint:
+        raise BivitError(f"{name}: written without the encoder fingerprint (an older bivit); re-encode it")
+    if not r.sha256:
+        raise BivitError(f"{name}: has no content hash (an older bivit); re-encode it")
+    if len(r.placeholders) != len(r.grid_thw):
+        raise BivitError(f"{name}: its prompt placeholders were not recorded (an older bivit); re-encode it")
+    return Media(r.embedding, tuple(Placeholder(p["text"], int(p["tokens"])) for p in r.placeholders),
+                 r.fingerprint, r.sha256, r.kind, tuple(tuple(z) if z else None for z in r.sizes),
+                 tuple(int(t) for t, _, _ in r.grid_thw), r.source)

@@ -11,7 +11,9 @@ The library (attention and RoPE) comes in one variant per instruction set (`VARI
 widened in registers). A process uses the best variant that both the CPU's flags (/proc/cpuinfo) and
 PyTorch's own dispatch (`torch.backends.cpu.get_cpu_capability()`, which honours `ATEN_CPU_CAPABILITY` and says
 whether the OS saves the AVX-512 state) allow: decided once per process from those facts, never from a failure.
-Elsewhere (Arm, no compiler) `library()` is None, says why once, and PyTorch's kernels run.
+Elsewhere (Arm, no compiler) `library()` is None, says why once with the fix (`bivit.notices`: a warning
+where a faster path is lost, else a note), and PyTorch's kernels run. `status()` reports what happened, for
+`bivit doctor`.
 
 `BIVIT_ATTENTION` chooses: `auto` (default: the best variant, except that on CPUs with AMX PyTorch's attention
 stays, running on AMX tiles), `bivit` (the best variant wherever one runs), `avx512` or `avx2` (that variant,
@@ -32,11 +34,12 @@ from typing import Sequence
 
 import torch
 
-from .cache import CACHE_ENV, Build, KernelUnavailable, Loaded, cache_dir, compiler, load
+from .. import notices
+from .cache import CACHE_ENV, Build, KernelUnavailable, Loaded, cache_dir, compiler, find_compiler, load
 
 __all__ = ["ATTENTION_ENV", "CACHE_ENV", "Attention", "KernelUnavailable", "Library", "Rope", "VARIANTS", "Variant",
-           "attention", "attention_declined", "cache_dir", "compiler", "cpu_info", "library", "load_library",
-           "pick_variant", "rope"]
+           "attention", "attention_declined", "cache_dir", "compiler", "cpu_info", "find_compiler", "library",
+           "load_library", "pick_variant", "rope", "status"]
 
 log = logging.getLogger("bivit")
 
@@ -94,24 +97,27 @@ def _attention_choice() -> str:
 
 def pick_variant(choice: str, flags: frozenset[str], capability: str) -> Variant:
     """The variant of the compiled kernels on a CPU with `flags` where PyTorch dispatches `capability` kernels:
-    the best one both allow, or the one `choice` names; raises KernelUnavailable (chosen=True) where none is to
-    run. A pure function of its arguments."""
+    the best one both allow, or the one `choice` names; raises KernelUnavailable where none is to run (chosen
+    when `choice` named a variant, else the CPU's limit: no fix). A pure function of its arguments."""
     named = [v for v in VARIANTS if v.name == choice]
+    unset = f"unset {ATTENTION_ENV} (auto picks the variant this CPU runs)"
     for v in named or VARIANTS:
         missing = [f for f in v.needs if f not in flags]
         if missing:
             if named:
-                raise KernelUnavailable(f"{ATTENTION_ENV}={choice}: this CPU lacks {', '.join(missing)}", chosen=True)
+                raise KernelUnavailable(f"{ATTENTION_ENV}={choice}: this CPU lacks {', '.join(missing)}",
+                                        chosen=True, fix=unset)
             continue
         if capability not in v.capabilities:
             if named:
                 raise KernelUnavailable(f"{ATTENTION_ENV}={choice}: PyTorch runs {capability} kernels here",
-                                        chosen=True)
+                                        chosen=True, fix=unset)
             continue
         return v
     needs = " or ".join("+".join(v.needs) for v in VARIANTS)
+    cpu_allows = any(all(f in flags for f in v.needs) for v in VARIANTS)
     raise KernelUnavailable(f"neither this CPU nor PyTorch's {capability} kernels allow a variant (needs {needs})",
-                            chosen=True)
+                            fix="unset ATEN_CPU_CAPABILITY" if cpu_allows else None)  # else: the CPU's limit
 
 
 def attention_declined(choice: str, flags: frozenset[str]) -> str | None:
@@ -230,15 +236,17 @@ def _self_test(kernel: Attention, dtype: torch.dtype, bound: float) -> None:
 @functools.cache
 def library() -> Library | None:
     """This process's compiled kernels (the variant `pick_variant` chooses), or None: PyTorch's kernels are
-    used instead, and why is said once."""
+    used instead, and why is said once, with the fix."""
     choice = _attention_choice()
     try:
         variant = pick_variant(choice, cpu_info()[1], torch.backends.cpu.get_cpu_capability())
         lib = load_library(variant)
     except (KernelUnavailable, OSError, AttributeError) as e:
-        chosen = isinstance(e, KernelUnavailable) and e.chosen
-        (log.info if chosen else log.warning)("bivit: compiled kernels not used (%s); PyTorch's kernels run "
-                                              "instead%s", e, "" if chosen else ", slower")
+        if isinstance(e, KernelUnavailable) and e.chosen:
+            notices.note("attention", "compiled kernels not used", str(e), "PyTorch's attention and RoPE run")
+        else:
+            notices.fallback("attention", "compiled kernels off", str(e),
+                             "PyTorch's attention and RoPE run instead, slower", getattr(e, "fix", None))
         return None
     log.info("bivit: compiled kernels in use (%s, %s)", lib.variant, lib.loaded.path)
     return lib
@@ -251,13 +259,26 @@ def rope() -> Rope | None:
 
 @functools.cache
 def attention() -> Attention | None:
-    """The compiled attention for this process, or None (PyTorch's fused attention is used instead)."""
+    """The compiled attention for this process, or None (PyTorch's fused attention is used instead; why is said
+    once: `bivit.notices`)."""
     lib = library()
     if lib is None:
         return None
     why = attention_declined(_attention_choice(), cpu_info()[1])
     if why:
-        log.info("bivit: compiled attention not used (%s); PyTorch's fused attention runs instead", why)
+        notices.note("attention", "compiled attention not used", why, "PyTorch's fused attention runs")
         return None
     log.info("bivit: compiled attention in use (%s)", lib.variant)
     return lib.attention
+
+
+def status() -> dict:
+    """The compiled attention in this process, as JSON: `in_use`, and `library` (the cached build it runs) or
+    `why` (and `fix`) it does not. Builds it on first call, like `attention()`."""
+    kernel = attention()
+    if kernel is not None:
+        return {"in_use": True, "kernel": f"bivit compiled ({kernel.variant})", "library": str(library().loaded.path)}
+    said = notices.said("attention")
+    why = said[0] if said else None
+    return {"in_use": False, "kernel": "PyTorch SDPA", "why": why.why if why else "unknown",
+            "fix": why.fix if why else None}

@@ -42,12 +42,18 @@ CACHE_ENV = "BIVIT_KERNEL_CACHE"
 
 
 class KernelUnavailable(Exception):
-    """Why a compiled kernel is not used (logged once; PyTorch's kernel runs instead). `chosen`: by the
-    configuration or the CPU (an info line), not by a failure on a CPU that could run it (a warning)."""
+    """Why a compiled kernel is not used (said once, `bivit.notices`; PyTorch's kernel runs instead). `chosen`:
+    by the configuration or because a faster kernel runs (a note), not lost to a failure or to the CPU (a
+    warning). `fix`: what the user can do about it (None: nothing)."""
 
-    def __init__(self, reason: str, chosen: bool = False) -> None:
+    def __init__(self, reason: str, chosen: bool = False, fix: str | None = None) -> None:
         super().__init__(reason)
         self.chosen = chosen
+        self.fix = fix
+
+
+INSTALL_CC = "install a C compiler (e.g. apt install gcc), or set CC to one"
+WRITABLE_CACHE = f"set {CACHE_ENV} to a writable folder of your own"
 
 
 @dataclass(frozen=True)
@@ -63,10 +69,21 @@ class Build:
         return self.source.stem
 
 
+def find_compiler() -> tuple[str | None, str]:
+    """(the C compiler kernels are built with, where it was found): `$CC`, else `cc` or `gcc` on PATH."""
+    if os.environ.get("CC"):
+        return os.environ["CC"], "$CC"
+    for name in ("cc", "gcc"):
+        found = shutil.which(name)
+        if found:
+            return found, "PATH"
+    return None, "PATH"
+
+
 def compiler() -> str:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    cc, _ = find_compiler()
     if not cc:
-        raise KernelUnavailable("no C compiler found (set CC, or install gcc)")
+        raise KernelUnavailable("no C compiler found (no $CC, no cc or gcc on PATH)", fix=INSTALL_CC)
     return cc
 
 
@@ -110,7 +127,7 @@ def open_cache() -> tuple[int, Path]:
         _make_private_dirs(path)
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     except OSError as e:
-        raise KernelUnavailable(f"cannot write the kernel cache {path}: {e}") from e
+        raise KernelUnavailable(f"cannot write the kernel cache {path}: {e}", fix=WRITABLE_CACHE) from e
     try:
         st = os.fstat(fd)
         if not _trusted_owner(st):
@@ -133,9 +150,13 @@ def open_cache() -> tuple[int, Path]:
 def key(build: Build, cc: str) -> str:
     """Cache key of a build: its sources, flags and compiler version (a new compiler builds a new library)."""
     try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+        probe = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError) as e:
-        raise KernelUnavailable(f"the C compiler {cc} does not run: {e}") from e
+        raise KernelUnavailable(f"the C compiler {cc} does not run ({e})", fix=INSTALL_CC) from e
+    if probe.returncode != 0:
+        raise KernelUnavailable(f"the C compiler {cc} does not work (`{cc} --version` exited {probe.returncode})",
+                                fix=INSTALL_CC)
+    version = probe.stdout
     h = hashlib.sha256()
     for source in (build.source, *build.headers):
         h.update(source.name.encode() + b"\0" + source.read_bytes())
@@ -207,9 +228,12 @@ def _compile(build: Build, cc: str) -> bytes:
             done = subprocess.run([cc, *build.cflags, "-o", str(out), str(build.source)], capture_output=True,
                                   text=True, timeout=300)
         except (OSError, subprocess.SubprocessError) as e:
-            raise KernelUnavailable(f"building {build.source.name} failed: {e}") from e
+            raise KernelUnavailable(f"building {build.source.name} failed: {e}", fix=INSTALL_CC) from e
         if done.returncode != 0:
-            raise KernelUnavailable(f"{cc} could not build {build.source.name}: {done.stderr.strip()[-500:]}")
+            detail = " ".join(done.stderr.split())[-300:] or f"exit status {done.returncode}"
+            isa = " ".join(f for f in build.cflags if f.startswith("-m"))
+            raise KernelUnavailable(f"{cc} could not build {build.source.name}: {detail}",
+                                    fix=f"set CC to a compiler that accepts {isa} (gcc >= 10, clang >= 9)")
         return out.read_bytes()
 
 
@@ -232,7 +256,7 @@ def library_bytes(build: Build) -> tuple[bytes, Path]:
             _write_private(dir_fd, digest, hashlib.sha256(data).hexdigest().encode() + b"\n")
             _write_private(dir_fd, lib, data)
         except OSError as e:
-            raise KernelUnavailable(f"cannot write the kernel cache {path}: {e}") from e
+            raise KernelUnavailable(f"cannot write the kernel cache {path}: {e}", fix=WRITABLE_CACHE) from e
         return data, path / lib
     finally:
         os.close(dir_fd)

@@ -24,12 +24,14 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import os
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
+from .. import notices
 from ..dtypes import dtype_name
 
 log = logging.getLogger("bivit")
@@ -101,26 +103,70 @@ def _packed_gemm_runs(dtype: torch.dtype, gelu: str | None) -> bool:
             and bool(torch.allclose(y.float(), ref, rtol=tol, atol=tol * float(ref.abs().max()))))
 
 
-@functools.cache
+def amx_unused(flags: frozenset[str], tiles_granted: bool, onednn_isa: str | None) -> tuple[str, str] | None:
+    """(why, fix) when a CPU with AMX (`flags` from /proc/cpuinfo) runs its bf16 GEMMs without it, else None.
+    `tiles_granted`: PyTorch got the kernel's permission to use AMX tiles; `onednn_isa`: $ONEDNN_MAX_CPU_ISA."""
+    if "amx_bf16" not in flags:
+        return None
+    if not tiles_granted:
+        return ("the CPU has AMX but the OS does not grant its tile state to this process (Linux before 5.16, or "
+                "a VM that hides it)", "a Linux kernel >= 5.16 with AMX enabled for this machine")
+    if onednn_isa and "AMX" not in onednn_isa.upper() and onednn_isa.upper() != "ALL":
+        return f"ONEDNN_MAX_CPU_ISA={onednn_isa} keeps oneDNN below AMX", "unset ONEDNN_MAX_CPU_ISA"
+    return None
+
+
+def _check_amx() -> None:
+    from ..kernels import cpu_info
+
+    def granted() -> bool:
+        try:
+            return bool(torch.cpu._is_amx_tile_supported() and torch._C._cpu._init_amx())
+        except Exception:  # an odd build: treat as not granted
+            return False
+
+    flags = cpu_info()[1]
+    lost = amx_unused(flags, granted() if "amx_bf16" in flags else False, os.environ.get("ONEDNN_MAX_CPU_ISA"))
+    if lost:
+        notices.fallback("amx", "AMX not used", lost[0], "bf16 GEMMs run on AVX-512 instead, slower", lost[1])
+
+
 def gemm_path(dtype: torch.dtype, device_type: str = "cpu") -> GemmPath:
-    """The GEMM path of weights in `dtype` on `device_type`, the same in every process on this machine."""
+    """The GEMM path of weights in `dtype` on `device_type`, the same in every process on this machine: decided
+    on the first call, then fixed (one decision per (dtype, device type), however the call is spelled)."""
+    return _decide_gemm_path(dtype, device_type)
+
+
+@functools.cache
+def _decide_gemm_path(dtype: torch.dtype, device_type: str) -> GemmPath:
     if device_type != "cpu":
         return GemmPath(dtype, dtype, packed=False, fused_gelu=False)
+    if dtype == torch.bfloat16:
+        _check_amx()
     compute = torch.float32 if dtype in _NATIVE_NEEDS and not _onednn_native(dtype) else dtype
     packed = _packed_gemm_runs(compute, None)
     fused = packed and all(_packed_gemm_runs(compute, g) for g in ("tanh", "none"))
-    note = ""
+    name, note, what, instead, fix = dtype_name(dtype), "", "", "", None
+    tested_torch = "install the PyTorch build bivit is tested with (torch==2.13.0, CPU)"
     if not packed:
+        what, fix = f"{name} GEMMs not pre-packed", tested_torch
         note = ("this PyTorch build has no usable oneDNN pre-packed GEMM (torch.ops.mkldnn._linear_pointwise); "
                 "GEMMs are re-packed on every call")
+        instead = "weights are re-packed on every call, slower"
     elif not fused:
+        what, fix = f"{name} GEMMs without fused GELU", tested_torch
         note = "oneDNN's GELU post-op does not run in this build; GELU is a separate pass"
+        instead = "GELU runs as a separate pass, slower"
     elif compute != dtype:
-        needs = _NATIVE_NEEDS.get(dtype, "")
-        note = (f"oneDNN has no {dtype_name(dtype)} GEMM on this CPU (it needs {needs}); its weights are widened to "
-                "float32 once, exact products")
+        what = f"{name} GEMMs widened to float32"  # no fix: the CPU's limit (and the fastest GEMM it has)
+        note = (f"oneDNN has no {name} GEMM on this CPU (it needs {_NATIVE_NEEDS.get(dtype, '')}); its weights are "
+                "widened to float32 once, exact products")
+        instead = "same results, float32 speed, twice the weight memory"
     path = GemmPath(dtype, compute, packed, fused, note)
-    (log.warning if not fused else log.info)("bivit: %s%s", path.describe(), f" — {note}" if note else "")
+    if note:
+        notices.fallback(f"gemm-{name}", what, note.split(";")[0], instead, fix)
+    else:
+        log.info("bivit: %s", path.describe())
     return path
 
 

@@ -24,14 +24,17 @@ from typing import Optional
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..encoder import Encoder
-from .protocol import (SAFETENSORS_MEDIA_TYPE, RequestError, encode_json, encode_safetensors, error_body,
-                       item_meta)
+from .. import records
+from .protocol import SAFETENSORS_MEDIA_TYPE, RequestError, answer, error_body
 from .bodies import content_type
 from .serving import Service, log
 from .settings import ServerSettings
 
+
+ROUTES = "POST /v1/encode, POST /v1/weights, GET /health, GET /ready, GET /v1/info, GET /metrics"
 
 # What a client may choose as its request id: it is echoed in a header and written to the log.
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:+=/-]{1,128}")
@@ -73,6 +76,11 @@ def configure_logging(level: str = "info") -> None:
         logging.getLogger(name).propagate = True
 
 
+def _names(info: dict) -> dict:
+    """What /ready and the start-up log line say about the encoder: its model, fingerprint and output dtype."""
+    return {"model": info["model"], "fingerprint": info["fingerprint"], "dtype": info["output_dtype"]}
+
+
 def create_app(encoder: Encoder, settings: Optional[ServerSettings] = None) -> FastAPI:
     """The service around a loaded Encoder. The app starts its worker on startup and drains it on shutdown."""
     settings = settings or ServerSettings()
@@ -81,7 +89,7 @@ def create_app(encoder: Encoder, settings: Optional[ServerSettings] = None) -> F
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         svc.start()
-        log.info("ready", extra={"fields": {**svc.header, "max_batch_patches": settings.max_batch_patches,
+        log.info("ready", extra={"fields": {**_names(svc.info), "max_batch_patches": settings.max_batch_patches,
                                             "max_queue": settings.max_queue,
                                             "cache_mb": settings.cache_mb if svc.cache.max_bytes else 0}})
         try:
@@ -101,6 +109,16 @@ def create_app(encoder: Encoder, settings: Optional[ServerSettings] = None) -> F
         svc.metrics.errors.labels(exc.kind).inc()
         request.state.error = exc.message
         return JSONResponse(error_body(exc.kind, exc.message), exc.status, headers=exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _routing_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # The router's own answers (no such route, a method the route does not take) in the service's one shape.
+        kind, message = {404: ("not_found", f"no route {request.url.path}; the service answers {ROUTES}"),
+                         405: ("method_not_allowed", f"{request.method} is not allowed on {request.url.path}")
+                         }.get(exc.status_code, ("http_error", str(exc.detail)))
+        svc.metrics.errors.labels(kind).inc()
+        request.state.error = message
+        return JSONResponse(error_body(kind, message), exc.status_code, headers=getattr(exc, "headers", None))
 
     @app.middleware("http")
     async def _frame(request: Request, call_next):
@@ -145,11 +163,11 @@ def create_app(encoder: Encoder, settings: Optional[ServerSettings] = None) -> F
     @app.get("/ready")
     async def ready() -> JSONResponse:
         ok = svc.batcher.alive and not svc.draining
-        body = {"ready": ok, "worker_alive": svc.batcher.alive, "draining": svc.draining, **svc.header}
+        body = {"ready": ok, "worker_alive": svc.batcher.alive, "draining": svc.draining, **_names(svc.info)}
         return JSONResponse(body, 200 if ok else 503)
 
     @app.get("/v1/info")
-    async def info() -> dict:
+    async def encoder_info() -> dict:
         """The encoder's description (`Encoder.describe`: model, dtypes, fingerprint, preprocessing, kernels)."""
         return svc.info
 
@@ -168,7 +186,7 @@ def create_app(encoder: Encoder, settings: Optional[ServerSettings] = None) -> F
         if not items:
             raise RequestError(400, "bad_request", "no items: send at least one 'file' part or JSON item")
         request.state.items = len(items)
-        results, header = await svc.encode_request(items, json_response=fmt == "json")
+        results, info = await svc.encode_request(items, json_response=fmt == "json")
 
         failed = [r for r in results if r.error is not None]
         request.state.failed = len(failed)
@@ -183,15 +201,12 @@ def create_app(encoder: Encoder, settings: Optional[ServerSettings] = None) -> F
             request.state.error = failed[0].error
             return JSONResponse(error_body(failed[0].error_kind or "internal",
                                             "every item failed: " + "; ".join(str(r.error) for r in failed),
-                                            **header, items=[item_meta(i, r) for i, r in enumerate(results)]),
+                                            format=records.FORMAT, encoder=info,
+                                            items=[r.record(i).to_json() for i, r in enumerate(results)]),
                                 status)
         # Serialising can take a while for big answers (JSON above all); keep it off the event loop.
-        loop = asyncio.get_running_loop()
-        if fmt == "json":
-            return Response(await loop.run_in_executor(None, encode_json, header, results),
-                            media_type="application/json")
-        return Response(await loop.run_in_executor(None, encode_safetensors, header, results),
-                        media_type=SAFETENSORS_MEDIA_TYPE)
+        body = await asyncio.get_running_loop().run_in_executor(None, answer, info, results, fmt == "json")
+        return Response(body, media_type="application/json" if fmt == "json" else SAFETENSORS_MEDIA_TYPE)
 
     @app.post("/v1/weights")
     async def weights(request: Request) -> JSONResponse:
@@ -210,8 +225,6 @@ def run(encoder: Encoder, settings: ServerSettings, *, host: str, port: int, log
     """Serve until SIGTERM/SIGINT; accepted requests get their answers first (bounded graceful shutdown)."""
     import uvicorn
 
-    if encoder.is_demo:
-        log.warning("serving the built-in DEMO model (tiny, seeded random weights): its embeddings are not Kimi's")
     if host not in ("127.0.0.1", "localhost", "::1") and not settings.api_key:
         log.warning("serving on a non-loopback interface without --api-key", extra={"fields": {"host": host}})
     config = uvicorn.Config(create_app(encoder, settings), host=host, port=port, log_config=None,

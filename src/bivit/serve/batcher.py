@@ -3,12 +3,19 @@ video chunks) from all requests into forward passes, by the packing rule (`bivit
 
 Anything else that touches the encoder (a weight update) runs on the same thread, between forward passes
 (`Batcher.call`), so no forward pass ever sees half-updated weights.
+
+Test hook (off unless set): while the file named by `$BIVIT_SERVE_TEST_HOLD` exists, the worker starts no
+forward pass and no call; requests are still admitted and their items queued (`bivit_queue_depth`). A test
+creates the file, sends requests, waits for the queue or admission metrics to show them, and deletes the file:
+what is in flight at a given moment, and which items share a forward pass, is then decided by the test, not by
+how fast this machine happens to be. While items wait on the file, the worker checks it every few milliseconds.
 """
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -17,6 +24,9 @@ from typing import Any, Callable, Optional
 from ..media import MediaBatch
 from ..packing import starts_new_pass
 from .metrics import Metrics
+
+HOLD_ENV = "BIVIT_SERVE_TEST_HOLD"
+_HOLD_POLL_S = 0.005
 
 
 @dataclass
@@ -46,6 +56,7 @@ class Batcher:
         self._cv = threading.Condition()
         self._stopping = False
         self._thread: Optional[threading.Thread] = None
+        self._hold = os.environ.get(HOLD_ENV) or None  # the test hook (module docstring)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="bivit-batcher", daemon=True)
@@ -95,10 +106,10 @@ class Batcher:
 
     def _next_batch(self) -> Optional[list[_Job]]:
         with self._cv:
-            while not self._queue:
-                if self._stopping:
+            while not self._queue or (self._held() and not self._stopping):  # stopping: queued items still run
+                if self._stopping and not self._queue:
                     return None
-                self._cv.wait()
+                self._cv.wait(_HOLD_POLL_S if self._queue else None)  # queued: only held
             jobs: list[_Job] = []
             patches = 0
             deadline = self._queue[0].enqueued + self._max_wait
@@ -126,6 +137,9 @@ class Batcher:
                 self._cv.wait(remaining)
             self._metrics.queue_depth.set(len(self._queue))
             return jobs
+
+    def _held(self) -> bool:
+        return self._hold is not None and os.path.exists(self._hold)
 
     @staticmethod
     def _call(job: _Job) -> None:

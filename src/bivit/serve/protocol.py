@@ -1,10 +1,11 @@
 """The wire format of `POST /v1/encode`, shared by the server and `bivit.client`.
 
 Request: multipart `file` parts, or JSON `{"items": [{"data": "<base64>", "name": ..., "kind": ...}]}`.
-Response (schema `RESPONSE_FORMAT`): a safetensors file whose tensors `"0"`, `"1"`, ... are the items'
-embeddings by input index (none for a failed item) and whose header metadata holds `format`, `model`,
-`fingerprint`, `dtype` and `items` (a JSON list of per-item metadata); or the same as JSON with each item's
-`embedding` as nested float lists (`?format=json`). An error is `{"error": {"kind", "message"}, ...}`.
+Response: an embedding file (`bivit.records`, format bivit.embeddings/1: `format`, `encoder`, `items` in its
+header metadata, tensor "i" for input i that has an embedding), the same file `bivit encode` writes and
+`bivit.load_embeddings` reads; or the same as JSON with each item's `embedding` as nested float lists
+(`?format=json`). A record carries the service's own `cached` and `error_kind`. An error is
+`{"error": {"kind", "message"}, ...}`.
 
 Imports neither torch nor PyAV: `bivit.client` stays light; torch loads when a body is (de)serialised.
 """
@@ -13,11 +14,10 @@ from __future__ import annotations
 
 import base64
 import binascii
-import json
-import struct
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
+from .. import records
 from ..errors import BivitError
 from ..fileio import parse_json
 from ..kinds import media_kind
@@ -26,7 +26,6 @@ if TYPE_CHECKING:
     import torch
 
 SAFETENSORS_MEDIA_TYPE = "application/vnd.bivit.safetensors"
-RESPONSE_FORMAT = "bivit.response/1"
 
 
 class RequestError(BivitError):
@@ -63,15 +62,18 @@ class UploadItem:
 
 @dataclass
 class ItemResult:
-    """One item of a response: its embedding (None if it failed) and its metadata."""
+    """One item of a request on its way through the service: its embedding (None if it failed) and its metadata
+    (`record` gives what the answer holds)."""
 
     name: str
     kind: str = "image"
     sha256: str = ""
     embedding: Optional["torch.Tensor"] = None
     grid_thw: list = field(default_factory=list)
+    chunk_tokens: list = field(default_factory=list)
     timestamps: Optional[list] = None
-    placeholders: Optional[list] = None  # per image / chunk: {"text": prompt placeholder, "tokens": rows}
+    placeholders: list = field(default_factory=list)  # per image / chunk: {"text": prompt placeholder, "tokens"}
+    sizes: list = field(default_factory=list)  # per image / chunk: (width, height) before resizing
     ec_ids: Optional[list] = None  # per image / chunk: its id in vLLM's encoder cache (`bivit serve --ec-dir`)
     cached: bool = False
     error: Optional[str] = None
@@ -80,6 +82,14 @@ class ItemResult:
     @property
     def tokens(self) -> int:
         return 0 if self.embedding is None else int(self.embedding.shape[0])
+
+    def record(self, i: int) -> records.Record:
+        """The answer's record of input `i` (its tensor is "i")."""
+        return records.record(self.name, kind=self.kind, sha256=self.sha256 or None, grid_thw=self.grid_thw,
+                              chunk_tokens=self.chunk_tokens, timestamps=self.timestamps,
+                              placeholders=self.placeholders, sizes=self.sizes or None, tensor=str(i),
+                              error=self.error, cached=self.cached, error_kind=self.error_kind,
+                              **({} if self.ec_ids is None else {"ec_ids": self.ec_ids}))
 
 
 def parse_json_request(body: bytes) -> list[UploadItem]:
@@ -112,59 +122,14 @@ def parse_json_request(body: bytes) -> list[UploadItem]:
     return items
 
 
-def item_meta(i: int, r: ItemResult) -> dict:
-    return {"index": i, "name": r.name, "kind": r.kind, "sha256": r.sha256,
-            "tensor": str(i) if r.embedding is not None else None,
-            "tokens": r.tokens, "grid_thw": r.grid_thw, "timestamps": r.timestamps,
-            "placeholders": r.placeholders, "ec_ids": r.ec_ids, "cached": r.cached,
-            "error": r.error, "error_kind": r.error_kind}
-
-
-def result_from_meta(m: dict, embedding: Optional["torch.Tensor"] = None) -> ItemResult:
-    return ItemResult(name=m["name"], kind=m["kind"], sha256=m["sha256"], embedding=embedding,
-                      grid_thw=m.get("grid_thw") or [], timestamps=m.get("timestamps"),
-                      placeholders=m.get("placeholders"), ec_ids=m.get("ec_ids"), cached=bool(m.get("cached")),
-                      error=m.get("error"), error_kind=m.get("error_kind"))
-
-
 def error_body(kind: str, message: str, **extra: Any) -> dict:
     return {"error": {"kind": kind, "message": message}, **extra}
 
 
-def encode_json(header: dict, results: list[ItemResult]) -> bytes:
-    metas = [item_meta(i, r) for i, r in enumerate(results)]
-    for m, r in zip(metas, results):
-        # Python floats print the shortest repr that round-trips: float32 (and bfloat16) values come back
-        # exactly when the client casts the numbers to the response's `dtype`.
-        m["embedding"] = None if r.embedding is None else r.embedding.float().tolist()
-    return json.dumps({**header, "items": metas}, separators=(",", ":"), allow_nan=False).encode()
+def answer(info: dict, results: list[ItemResult], as_json: bool = False) -> bytes:
+    """The answer to a request: an embedding file of its results (or the same as JSON), `info` being the
+    encoder's description (`Encoder.describe()`) at the weights that computed them."""
+    recs = [r.record(i) for i, r in enumerate(results)]
+    embeddings = [r.embedding for r in results]
+    return records.to_json(info, recs, embeddings) if as_json else records.to_bytes(info, recs, embeddings)
 
-
-def encode_safetensors(header: dict, results: list[ItemResult]) -> bytes:
-    from safetensors.torch import save
-
-    tensors, seen = {}, set()
-    for i, r in enumerate(results):
-        if r.embedding is not None:
-            # The same bytes twice in a request share one tensor; safetensors refuses shared storage.
-            ptr = r.embedding.untyped_storage().data_ptr()
-            tensors[str(i)] = r.embedding.clone() if ptr in seen else r.embedding
-            seen.add(ptr)
-    return save(tensors, metadata={**header, "items": json.dumps([item_meta(i, r) for i, r in enumerate(results)])})
-
-
-def decode_safetensors(body: bytes) -> tuple[dict, list[ItemResult]]:
-    """Split a safetensors response body into (header metadata, one ItemResult per input)."""
-    from safetensors.torch import load
-
-    if len(body) < 8:
-        raise BivitError(f"response of {len(body)} bytes is not a safetensors file")
-    (n,) = struct.unpack("<Q", body[:8])
-    try:
-        meta = dict(json.loads(body[8:8 + n]).get("__metadata__") or {})
-        items = json.loads(meta.pop("items"))
-    except (ValueError, KeyError) as e:
-        raise BivitError(f"response header is not bivit's ({e})") from None
-    tensors = load(body)
-    return meta, [result_from_meta(m, tensors.get(m["tensor"]) if m.get("tensor") is not None else None)
-                  for m in items]

@@ -46,7 +46,7 @@ from .batcher import Batcher
 from .bodies import BodyReader
 from .cache import EmbeddingCache
 from .metrics import Metrics
-from .protocol import RESPONSE_FORMAT, ItemResult, RequestError, UploadItem
+from .protocol import ItemResult, RequestError, UploadItem
 from .settings import ServerSettings
 
 log = logging.getLogger("bivit.server")
@@ -117,17 +117,16 @@ class Service:
         self.inflight = 0  # items admitted and not yet answered; touched only on the event loop
         self.pixels_held = 0  # preprocessed pixel bytes of admitted requests (see _Budget); event loop only
         self.draining = False
-        # Hashes every weight (the fingerprint): do it once here, never on the event loop during a request.
+        # What computes the answers (Encoder.describe(): every answer's `encoder`, /v1/info). It hashes every
+        # weight (the fingerprint): done once here, never on the event loop during a request.
         self.info = encoder.describe()
-        self.header = {"format": RESPONSE_FORMAT, "model": self.info["model"], "fingerprint": self.info["fingerprint"],
-                       "dtype": self.info["output_dtype"]}
         self.gate = WeightsGate()
         self.updating = asyncio.Lock()  # one weight update at a time
 
     @property
     def fingerprint(self) -> str:
-        """The fingerprint of the weights serving now (the one the response header names)."""
-        return self.header["fingerprint"]
+        """The fingerprint of the weights serving now (the one the answers' `encoder` names)."""
+        return self.info["fingerprint"]
 
     # -- lifecycle
     def start(self) -> None:
@@ -199,7 +198,8 @@ class Service:
             return res
         done = assemble(prepared, outs)
         res.embedding, res.grid_thw, res.timestamps = done.embedding, done.grid_thw, done.timestamps
-        res.placeholders = [p.to_dict() for p in done.placeholders]
+        res.chunk_tokens, res.placeholders = done.chunk_tokens, [p.to_dict() for p in done.placeholders]
+        res.sizes = [None if z is None else list(z) for z in done.sizes]
         if self.settings.ec_dir is not None:
             try:
                 res.ec_ids = await asyncio.get_running_loop().run_in_executor(self.pool, self._write_encoder_cache,
@@ -213,9 +213,9 @@ class Service:
 
     async def encode_request(self, items: list[UploadItem], json_response: bool = False
                              ) -> tuple[list[ItemResult], dict]:
-        """-> (one result per item, the response header naming the fingerprint of the weights used)."""
+        """-> (one result per item, the encoder's description with the fingerprint of the weights used)."""
         async with self.gate.shared():
-            return await self._encode_request(items, json_response), dict(self.header)
+            return await self._encode_request(items, json_response), self.info
 
     async def _encode_request(self, items: list[UploadItem], json_response: bool) -> list[ItemResult]:
         deadline = time.monotonic() + self.settings.request_timeout_s
@@ -299,8 +299,7 @@ class Service:
 
         def apply() -> str:  # on the batching worker, between forward passes
             fingerprint = self.encoder.update_weights(tensors, source="POST /v1/weights")
-            self.header = {**self.header, "fingerprint": fingerprint}  # a new dict: responses in flight keep theirs
-            self.info = {**self.info, "fingerprint": fingerprint}
+            self.info = {**self.info, "fingerprint": fingerprint}  # a new dict: answers in flight keep theirs
             self.cache.clear()  # entries are keyed by the old fingerprint: unreachable, only taking memory
             self.metrics.cache_bytes.set(self.cache.nbytes)
             return fingerprint

@@ -1,0 +1,201 @@
+"""`bivit doctor`: what this machine and this install run, in the words a bug report needs.
+
+`report()` gathers, without loading a model: bivit and Python; the CPU kind (model name and the instruction
+sets bivit's kernel choices depend on); what PyTorch reports (version, the CPU capability it dispatches, whether
+oneDNN has bf16/fp16 GEMMs here, threads, the environment variables that change any of it); the GEMM path
+chosen per dtype (`bivit.ops.gemm_path`); the compiled attention (in use from which cached library, or why not
+and the fix); the C compiler found; the extras installed; and every fallback said (`bivit.notices`). Each
+section is gathered on its own: one that fails says so in its place, it never stops the report.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+import re
+import subprocess
+import sys
+from typing import Any, Callable
+
+from .notices import Notice
+
+# The instruction sets bivit's kernel choices depend on (as /proc/cpuinfo spells them).
+CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16",
+             "amx_fp16")
+# Environment variables that change a kernel choice, the threads, or where kernels are cached.
+ENV_VARS = ("BIVIT_ATTENTION", "BIVIT_KERNEL_CACHE", "CC", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA",
+            "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+GEMM_DTYPES = ("float32", "bfloat16", "float16")
+_EXTRA = re.compile(r"""^([A-Za-z0-9_.-]+)(?:\[[^\]]*\])?[^;]*;\s*extra\s*==\s*["']([\w-]+)["']""")
+
+
+def _section(fn: Callable[[], Any]) -> Any:
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 - a doctor reports a broken part, it does not die of it
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def cpu() -> dict:
+    from .kernels import cpu_info
+
+    model, flags = cpu_info()
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        usable = None
+    return {"model": model or platform.processor() or "unknown", "machine": platform.machine(),
+            "cores": os.cpu_count(), "cores_usable": usable,
+            "flags": {f: f in flags for f in CPU_FLAGS} if flags else "unknown (no /proc/cpuinfo)"}
+
+
+def pytorch() -> dict:
+    import torch
+
+    def query(name: str) -> Any:
+        fn = getattr(torch.ops.mkldnn, name, None)
+        try:
+            return bool(fn()) if fn is not None else None
+        except Exception:  # noqa: BLE001
+            return None
+
+    return {"version": torch.__version__, "capability": torch.backends.cpu.get_cpu_capability(),
+            "onednn": torch.backends.mkldnn.is_available(), "onednn_bf16_gemm": query("_is_mkldnn_bf16_supported"),
+            "onednn_fp16_gemm": query("_is_mkldnn_fp16_supported"), "threads": torch.get_num_threads(),
+            "interop_threads": torch.get_num_interop_threads(),
+            "env": {k: os.environ[k] for k in ENV_VARS if k in os.environ}}
+
+
+def gemm() -> dict:
+    import torch
+
+    from .ops import gemm_path
+
+    out = {}
+    for name in GEMM_DTYPES:
+        path = gemm_path(getattr(torch, name))
+        out[name] = {"path": path.describe(), **({"note": path.note} if path.note else {})}
+    return out
+
+
+def compiler() -> dict:
+    from .kernels import find_compiler
+
+    cc, where = find_compiler()
+    if cc is None:
+        return {"found": None, "where": "no $CC, no cc or gcc on PATH"}
+    try:
+        done = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30)
+        version = ((done.stdout.splitlines() or [""])[0] if done.returncode == 0
+                   else f"does not work (`{cc} --version` exited {done.returncode})")
+    except (OSError, subprocess.SubprocessError) as e:
+        version = f"does not run ({e})"
+    return {"found": cc, "where": where, "version": version}
+
+
+def attention() -> dict:
+    from . import kernels
+
+    return {**kernels.status(), "choice": os.environ.get(kernels.ATTENTION_ENV, "auto"),
+            "cache": str(kernels.cache_dir())}
+
+
+def extras() -> dict:
+    """Per extra of bivit's package metadata: its packages and their installed versions (None: not installed)."""
+    try:
+        requires = importlib.metadata.requires("bivit") or []
+    except importlib.metadata.PackageNotFoundError:
+        return {"error": "bivit's package metadata is missing (install it with pip install -e .)"}
+    out: dict[str, dict] = {}
+    for req in requires:
+        m = _EXTRA.match(req)
+        if m is None or m.group(1).lower() == "bivit":
+            continue
+        dist, extra = m.groups()
+        try:
+            version = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            version = None
+        out.setdefault(extra, {})[dist] = version
+    try:  # not an extra: the vLLM integration runs in an environment of its own (vLLM pins its own torch)
+        out["vllm"] = {"vllm": importlib.metadata.version("vllm")}
+    except importlib.metadata.PackageNotFoundError:
+        out["vllm"] = {"vllm": None}
+    return out
+
+
+def report() -> dict:
+    """Everything `bivit doctor` prints, as JSON. Loads no model; builds the compiled attention if it is not
+    cached yet (what every encoder does at load)."""
+    from . import __version__, notices
+
+    out = {"bivit": {"version": __version__, "python": platform.python_version(),
+                     "platform": f"{platform.system()} {platform.release()}", "executable": sys.executable}}
+    for name, fn in (("cpu", cpu), ("pytorch", pytorch), ("gemm", gemm), ("attention", attention),
+                     ("compiler", compiler), ("extras", extras)):
+        out[name] = _section(fn)
+    out["fallbacks"] = _section(lambda: [n.to_dict() for n in notices.said() if n.warning])
+    return out
+
+
+def _yes(v: Any) -> str:
+    return {True: "yes", False: "no", None: "unknown"}.get(v, str(v)) if isinstance(v, (bool, type(None))) else str(v)
+
+
+def format_report(r: dict) -> list[str]:
+    """The report as the lines `bivit doctor` prints."""
+    lines = []
+    b = r["bivit"]
+    lines.append(f"bivit        {b['version']} (Python {b['python']}, {b['platform']})")
+
+    def failed(name: str) -> bool:
+        if isinstance(r.get(name), dict) and "error" in r[name]:
+            lines.append(f"{name:<12} could not be checked: {r[name]['error']}")
+            return True
+        return False
+
+    if not failed("cpu"):
+        c = r["cpu"]
+        lines.append(f"cpu          {c['model']} ({c['machine']}, {c['cores']} cores, {c['cores_usable']} usable)")
+        flags = c["flags"]
+        lines.append("  flags      " + (flags if isinstance(flags, str) else
+                                        " ".join(f"{f}:{_yes(v)}" for f, v in flags.items())))
+    if not failed("pytorch"):
+        t = r["pytorch"]
+        lines.append(f"pytorch      {t['version']}, capability {t['capability']}, oneDNN {_yes(t['onednn'])} "
+                     f"(bf16 GEMM {_yes(t['onednn_bf16_gemm'])}, fp16 GEMM {_yes(t['onednn_fp16_gemm'])}), "
+                     f"threads {t['threads']} (interop {t['interop_threads']})")
+        if t["env"]:
+            lines.append("  env        " + " ".join(f"{k}={v}" for k, v in t["env"].items()))
+    if not failed("gemm"):
+        for name, g in r["gemm"].items():
+            lines.append(f"gemm         {g['path']}" + (f" — {g['note']}" if g.get("note") else ""))
+    if not failed("attention"):
+        a = r["attention"]
+        if a["in_use"]:
+            lines.append(f"attention    {a['kernel']}, built and self-tested: {a['library']}")
+        else:
+            lines.append(f"attention    {a['kernel']} — compiled attention not used: {a['why']}"
+                         + (f"; fix: {a['fix']}" if a.get("fix") else ""))
+        lines.append(f"  choice     BIVIT_ATTENTION={a['choice']}, cache {a['cache']}")
+    if not failed("compiler"):
+        cc = r["compiler"]
+        lines.append("compiler     " + (f"{cc['found']} (from {cc['where']}): {cc['version']}" if cc["found"]
+                                        else f"none ({cc['where']})"))
+    if not failed("extras"):
+        for extra, dists in r["extras"].items():
+            have = [f"{d} {v}" for d, v in dists.items() if v]
+            missing = [d for d, v in dists.items() if not v]
+            state = ("installed: " + ", ".join(have)) if not missing else (
+                "not installed" if not have else "partly installed: " + ", ".join(have) + "; missing " +
+                ", ".join(missing))
+            hint = "" if not missing else (
+                " (runs in its own environment: scripts/vllm-env.sh)" if extra == "vllm"
+                else f" (pip install 'bivit[{extra}]')")
+            lines.append(f"extra        {extra:<6} {state}{hint}")
+    fallbacks = r.get("fallbacks")
+    if isinstance(fallbacks, list):
+        lines.append("fallbacks    " + ("none" if not fallbacks else f"{len(fallbacks)}:"))
+        lines += ["  - " + Notice(**n).line().removeprefix("bivit: ") for n in fallbacks]
+    return lines

@@ -1,0 +1,417 @@
+"""The one embedding file format, `FORMAT` ("bivit.embeddings/1"), and its one reader, `load_embeddings`.
+
+What `bivit encode` writes, what the service answers to `POST /v1/encode?format=safetensors` and every shard of a
+dataset folder are safetensors files with the same three header metadata keys:
+
+    format    "bivit.embeddings/1"
+    encoder   JSON object: what computed the embeddings (`Encoder.describe()`: model, demo, fingerprint, dtype,
+              projector_dtype, output_dtype, batch_invariant, alpha, processing, text_hidden_size, kernels)
+    items     JSON list: one record per item, in input order (a dataset shard: the order they were committed)
+
+and one tensor per item that has an embedding, `[tokens, text_hidden]` in the encoder's output dtype, under the
+key its record names. A record (`Record`, `RECORD_KEYS`) is:
+
+    tensor        key of its embedding in the file (null: the item failed)
+    source        the input's name: its path, an upload's file name, a dataset source
+    kind          "image" or "video"
+    sha256        content hash of the input (see `bivit.items`)
+    tokens        rows of its embedding
+    grid_thw      per chunk (an image is one chunk) [t, h, w] in patches
+    chunk_tokens  per chunk, its rows of the embedding (in order; they add up to `tokens`)
+    sizes         per chunk, [width, height] of the image or the chunk's frames before resizing (null: not
+                  known to the writer; an engine's stand-in pictures need it, see `bivit.engines`)
+    timestamps    per chunk of a video, its start as the model's prompt writes it (null for an image)
+    placeholders  per chunk, {"text", "tokens"}: the prompt text with its one <|media_pad|>, and the rows that
+                  replace that pad
+    error         why the item has no embedding (null when it has one)
+
+plus what only one writer knows, under keys of its own (the service: `cached`, `error_kind`; a dataset:
+`shard`, `size`, `mtime_ns`, `seq`; `bivit encode` and the service with --ec-dir: `ec_ids`), read back into
+`Record.extra` (and readable as attributes: `r.cached`). A dataset folder keeps the same
+records in `manifest.jsonl` and the encoder in `dataset.json` (see `bivit.dataset.format`).
+
+Files of older bivit versions still open: `bivit.encode/1` (`bivit encode`: one "bivit" JSON key),
+`bivit.response/1` (the service) and dataset folders written before shards carried records; anything else is
+an error naming the format it found.
+
+Imports nothing heavy (`bivit.client` reads answers through it): safetensors and torch load with the first
+embedding read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional, Sequence
+
+from .errors import BivitError
+
+if TYPE_CHECKING:
+    import torch
+
+FORMAT = "bivit.embeddings/1"
+# Formats this reader maps onto records (older bivit versions).
+ENCODE_FORMAT_1 = "bivit.encode/1"
+RESPONSE_FORMAT_1 = "bivit.response/1"
+READS = (FORMAT, ENCODE_FORMAT_1, RESPONSE_FORMAT_1)
+# The keys of a record, in the order files list them.
+RECORD_KEYS = ("tensor", "source", "kind", "sha256", "tokens", "grid_thw", "chunk_tokens", "sizes", "timestamps",
+               "placeholders", "error")
+# A safetensors header longer than this is not one bivit wrote (it bounds what a corrupt file makes us read).
+MAX_HEADER_BYTES = 256 * 2**20
+
+
+class FormatError(BivitError):
+    """A file that is not a bivit embedding file, or one of a format version this bivit does not read."""
+
+
+@dataclass
+class Record:
+    """One item of an embedding file: its metadata (see the module doc), `embedding` (read on first use) and
+    the encoder that computed it (`encoder`: shared by the file's records; `model`, `fingerprint`, `dtype` are
+    read from it)."""
+
+    source: str
+    kind: str = "image"
+    sha256: Optional[str] = None
+    tokens: int = 0
+    grid_thw: list = field(default_factory=list)
+    chunk_tokens: list = field(default_factory=list)
+    sizes: list = field(default_factory=list)
+    timestamps: Optional[list] = None
+    placeholders: list = field(default_factory=list)
+    error: Optional[str] = None
+    tensor: Optional[str] = None
+    extra: dict = field(default_factory=dict)
+    encoder: dict = field(default_factory=dict, repr=False, compare=False)
+    _load: Optional[Callable[[str], "torch.Tensor"]] = field(default=None, repr=False, compare=False)
+    _embedding: Optional["torch.Tensor"] = field(default=None, repr=False, compare=False)
+
+    def __getattr__(self, name: str) -> Any:
+        # A writer's own keys read as attributes too (`r.cached` of a service answer); only those.
+        extra = self.__dict__.get("extra") or {}
+        if name in extra and not name.startswith("_"):
+            return extra[name]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @property
+    def embedding(self) -> Optional["torch.Tensor"]:
+        """`[tokens, text_hidden]` in the encoder's output dtype (None for an item that failed)."""
+        if self._embedding is None and self.tensor is not None and self._load is not None:
+            self._embedding = self._load(self.tensor)
+        return self._embedding
+
+    @property
+    def chunks(self) -> list["torch.Tensor"]:
+        """Per chunk, its rows of `embedding` (views); [] for an item that failed."""
+        e = self.embedding
+        return [] if e is None else list(e.split(self.chunk_tokens))
+
+    @property
+    def model(self) -> Optional[str]:
+        return self.encoder.get("model")
+
+    @property
+    def fingerprint(self) -> Optional[str]:
+        return self.encoder.get("fingerprint")
+
+    @property
+    def dtype(self) -> Optional[str]:
+        """The embedding's dtype by name (the encoder's output dtype)."""
+        return self.encoder.get("output_dtype")
+
+    def to_json(self) -> dict:
+        """The record as files list it: `RECORD_KEYS`, then the writer's own keys."""
+        out = {"tensor": self.tensor, "source": self.source, "kind": self.kind, "sha256": self.sha256,
+               "tokens": int(self.tokens), "grid_thw": [list(map(int, g)) for g in self.grid_thw],
+               "chunk_tokens": [int(n) for n in self.chunk_tokens],
+               "sizes": [None if z is None else list(map(int, z)) for z in self.sizes], "timestamps": self.timestamps,
+               "placeholders": [dict(p) for p in self.placeholders], "error": self.error}
+        out.update({k: v for k, v in self.extra.items() if k not in out})
+        return out
+
+    @staticmethod
+    def from_json(obj: Mapping[str, Any], encoder: Optional[dict] = None,
+                  load: Optional[Callable[[str], "torch.Tensor"]] = None) -> "Record":
+        if not isinstance(obj, Mapping) or not isinstance(obj.get("source"), str):
+            raise FormatError(f"not a bivit record (no 'source'): {str(obj)[:200]}")
+        grid = [list(g) for g in obj.get("grid_thw") or []]
+        chunk_tokens = obj.get("chunk_tokens")
+        if chunk_tokens is None:  # records of older files: the tower's rule, h/2 * w/2 per chunk
+            chunk_tokens = [(h // 2) * (w // 2) for _, h, w in grid]
+        sizes = obj.get("sizes") or [None] * len(grid)  # older files: not recorded
+        return Record(source=obj["source"], kind=obj.get("kind") or "image", sha256=obj.get("sha256"),
+                      tokens=int(obj.get("tokens") or 0), grid_thw=grid, chunk_tokens=list(chunk_tokens),
+                      sizes=[None if z is None else list(z) for z in sizes],
+                      timestamps=obj.get("timestamps"), placeholders=list(obj.get("placeholders") or []),
+                      error=obj.get("error"), tensor=obj.get("tensor"),
+                      extra={k: v for k, v in obj.items() if k not in RECORD_KEYS},
+                      encoder=encoder if encoder is not None else {}, _load=load)
+
+
+EmbeddingRecord = Record  # its public name: `bivit.EmbeddingRecord`
+
+
+def record(source: str, *, kind: str, sha256: Optional[str], grid_thw: Sequence, chunk_tokens: Sequence[int],
+           timestamps: Optional[Sequence[str]], placeholders: Sequence[Any], sizes: Optional[Sequence] = None,
+           tensor: Optional[str] = None, error: Optional[str] = None, **extra: Any) -> Record:
+    """A record for a writer: `placeholders` as `bivit.Placeholder`s or their dicts; `sizes` per chunk (width,
+    height) or None where unknown; `extra`: the writer's keys."""
+    sizes = [None] * len(grid_thw) if sizes is None else sizes
+    return Record(source=source, kind=kind, sha256=sha256, tokens=sum(int(n) for n in chunk_tokens),
+                  grid_thw=[list(map(int, g)) for g in grid_thw], chunk_tokens=[int(n) for n in chunk_tokens],
+                  sizes=[None if z is None else list(map(int, z)) for z in sizes],
+                  timestamps=None if timestamps is None else list(timestamps),
+                  placeholders=[p if isinstance(p, dict) else p.to_dict() for p in placeholders], error=error,
+                  tensor=tensor if error is None else None, extra=dict(extra))
+
+
+def error_text(error: BaseException, source: str) -> str:
+    """An item's error as its record keeps it: the reason, without the source the record names already (a
+    MediaError about another file, e.g. one frame of a video, keeps its whole message)."""
+    from .errors import MediaError
+
+    return error.about(source) if isinstance(error, MediaError) else str(error)
+
+
+def of_result(result: Any, tensor: Optional[str] = None, **extra: Any) -> Record:
+    """The record of a core result (`bivit.items.ItemResult`: source, kind, sha256, grid_thw, chunk_tokens,
+    timestamps, placeholders, error), its embedding stored under `tensor`; `extra`: the writer's own keys."""
+    if result.error is not None:
+        return record(result.source, kind=result.kind, sha256=result.sha256, grid_thw=[], chunk_tokens=[],
+                      timestamps=None, placeholders=[], error=error_text(result.error, result.source), **extra)
+    return record(result.source, kind=result.kind, sha256=result.sha256, grid_thw=result.grid_thw,
+                  chunk_tokens=result.chunk_tokens, timestamps=result.timestamps, placeholders=result.placeholders,
+                  sizes=result.sizes, tensor=tensor, **extra)
+
+
+def metadata(encoder: Mapping[str, Any], records: Sequence[Record]) -> dict[str, str]:
+    """The safetensors header metadata of a file of `records` computed by `encoder` (`Encoder.describe()`)."""
+    return {"format": FORMAT, "encoder": json.dumps(dict(encoder), separators=(",", ":")),
+            "items": json.dumps([r.to_json() for r in records], separators=(",", ":"), ensure_ascii=False)}
+
+
+def tensors_of(records: Sequence[Record], embeddings: Sequence[Optional["torch.Tensor"]]) -> dict:
+    """The tensors of a file: each record's embedding under its `tensor` key (a tensor shared by two records,
+    e.g. the same bytes twice in a request, is stored once per key: safetensors refuses shared storage)."""
+    out, seen = {}, set()
+    for r, e in zip(records, embeddings):
+        if r.tensor is None or e is None or r.tensor in out:
+            continue
+        ptr = e.untyped_storage().data_ptr()
+        out[r.tensor] = e.clone() if ptr in seen else e
+        seen.add(ptr)
+    return out
+
+
+def to_bytes(encoder: Mapping[str, Any], records: Sequence[Record], embeddings: Sequence[Optional["torch.Tensor"]]
+             ) -> bytes:
+    """A whole file in memory (the service's answer)."""
+    from safetensors.torch import save
+
+    return save(tensors_of(records, embeddings), metadata=metadata(encoder, records))
+
+
+def save(path: str | os.PathLike, encoder: Mapping[str, Any], records: Sequence[Record],
+         embeddings: Sequence[Optional["torch.Tensor"]]) -> None:
+    """Write a file atomically (`bivit.fileio.write_atomic`: a reader sees the old file or the whole new one),
+    serialised in memory first so that a full disk is an OSError naming `path`."""
+    from .fileio import write_atomic
+
+    write_atomic(path, to_bytes(encoder, records, embeddings))
+
+
+def to_json(encoder: Mapping[str, Any], records: Sequence[Record], embeddings: Sequence[Optional["torch.Tensor"]]
+            ) -> bytes:
+    """The same as JSON (the service's `?format=json`): each record with `embedding` as nested float lists.
+    Python floats print the shortest repr that round-trips: float32 (and bfloat16) values come back exactly when
+    cast to the encoder's output dtype."""
+    items = []
+    for r, e in zip(records, embeddings):
+        items.append({**r.to_json(), "embedding": None if e is None else e.float().tolist()})
+    return json.dumps({"format": FORMAT, "encoder": dict(encoder), "items": items}, separators=(",", ":"),
+                      allow_nan=False).encode()
+
+
+# ------------------------------------------------------------------------------------------------ reading
+
+class Embeddings(Sequence[Record]):
+    """The records of one file or dataset folder, in input (or manifest) order: `len`, iteration, `[i]`,
+    `get(source)`; `encoder` (what computed them), `format` (the format the file was written in), `path`."""
+
+    def __init__(self, records: list[Record], encoder: dict, format: str, path: Optional[str] = None,
+                 close: Optional[Callable[[], None]] = None) -> None:
+        self.records, self.encoder, self.format, self.path = records, encoder, format, path
+        self._close = close
+        self._by_source = {r.source: r for r in records}
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, i: Any) -> Any:
+        return self.records[i]
+
+    def __iter__(self) -> Iterator[Record]:
+        return iter(self.records)
+
+    def get(self, source: str, default: Any = None) -> Optional[Record]:
+        """The (last) record of `source`, or `default`."""
+        return self._by_source.get(source, default)
+
+    @property
+    def sources(self) -> list[str]:
+        return [r.source for r in self.records]
+
+    @property
+    def fingerprint(self) -> Optional[str]:
+        return self.encoder.get("fingerprint")
+
+    def close(self) -> None:
+        """Release the open files (also `with load_embeddings(...) as e:`); embeddings read so far stay."""
+        if self._close is not None:
+            self._close()
+
+    def __enter__(self) -> "Embeddings":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        where = f"{self.path!r}, " if self.path else ""
+        return f"Embeddings({where}{len(self)} items, format {self.format}, model {self.encoder.get('model')!r})"
+
+
+def load_embeddings(path: str | os.PathLike) -> Embeddings:
+    """Open any embedding file bivit writes (see the module doc): a `bivit encode` file, a saved service answer, a
+    dataset shard, or a whole dataset folder -> Embeddings, the items in input (or manifest) order, each a Record
+    with `.embedding` (read on first use) and its metadata. FormatError for a file that is not one, or of a
+    format version this bivit does not read (the message names it)."""
+    p = Path(path)
+    if p.is_dir():
+        from .dataset.reader import open_dataset
+
+        return open_dataset(p).embeddings()
+    try:
+        with open(p, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise FormatError(f"{p}: not a safetensors file ({len(head)} bytes)")
+            (n,) = struct.unpack("<Q", head)
+            if n > MAX_HEADER_BYTES:
+                raise FormatError(f"{p}: not a safetensors file (header of {n} bytes)")
+            header = f.read(n)
+    except FileNotFoundError:
+        raise BivitError(f"{p}: does not exist") from None
+    except IsADirectoryError:
+        raise BivitError(f"{p}: is a directory") from None
+    except OSError as e:
+        raise BivitError(f"{p}: cannot read ({e.strerror or e})") from None
+    meta = _header_metadata(header, str(p))
+    from .dataset import format as dataset_format  # light
+
+    if meta.get("format") == dataset_format.FORMAT:  # a shard of an older dataset folder: its records are there
+        if not (p.parent / dataset_format.HEADER).is_file():
+            raise FormatError(f"{p}: a dataset shard written by an older bivit, whose records are in its folder's "
+                              f"{dataset_format.MANIFEST}; open it inside that folder (no {dataset_format.HEADER} "
+                              f"next to it)")
+        from .dataset.reader import open_dataset
+
+        return open_dataset(p.parent).embeddings(shard=p.name)
+    handle: dict[str, Any] = {}
+
+    def load(key: str) -> "torch.Tensor":
+        if "f" not in handle:
+            from safetensors import safe_open
+
+            handle["f"] = safe_open(str(p), framework="pt")
+        try:
+            return handle["f"].get_tensor(key)
+        except Exception as e:  # noqa: BLE001 - a missing key or a damaged file, named
+            raise FormatError(f"{p}: no readable tensor {key!r} ({e})") from None
+
+    return _records(meta, str(p), load, handle.clear)
+
+
+def from_bytes(body: bytes, name: str = "response") -> Embeddings:
+    """A whole file held in memory (a service answer), its embeddings read at once."""
+    if len(body) < 8:
+        raise FormatError(f"{name}: not a safetensors file ({len(body)} bytes)")
+    (n,) = struct.unpack("<Q", body[:8])
+    if n > min(MAX_HEADER_BYTES, len(body) - 8):
+        raise FormatError(f"{name}: not a safetensors file (header of {n} bytes)")
+    meta = _header_metadata(body[8:8 + n], name)
+    tensors: dict = {}
+
+    def load(key: str) -> "torch.Tensor":
+        if not tensors:
+            from safetensors.torch import load as st_load
+
+            tensors.update(st_load(body))
+        if key not in tensors:
+            raise FormatError(f"{name}: no tensor {key!r}")
+        return tensors[key]
+
+    out = _records(meta, name, load, None)
+    for r in out:  # an answer is read whole: its tensors are already in memory
+        r.embedding  # noqa: B018 - loads it
+    return out
+
+
+def _header_metadata(header: bytes, name: str) -> dict:
+    try:
+        meta = json.loads(header).get("__metadata__") or {}
+    except (ValueError, UnicodeDecodeError, AttributeError):
+        raise FormatError(f"{name}: not a safetensors file (unreadable header)") from None
+    if not isinstance(meta, dict):
+        raise FormatError(f"{name}: not a bivit embedding file (metadata is not an object)")
+    return meta
+
+
+def _json(meta: dict, key: str, name: str, fmt: str) -> Any:
+    try:
+        return json.loads(meta[key])
+    except KeyError:
+        raise FormatError(f"{name}: a {fmt} file without its {key!r} metadata") from None
+    except (TypeError, ValueError) as e:
+        raise FormatError(f"{name}: {fmt} metadata {key!r} is not JSON ({e})") from None
+
+
+def _records(meta: dict, name: str, load: Callable, close: Optional[Callable]) -> Embeddings:
+    """The records of a file's header metadata, in whichever format it was written."""
+    fmt = meta.get("format")
+    if fmt is None and "bivit" in meta:  # bivit.encode/1: everything under one JSON key
+        old = _json(meta, "bivit", name, ENCODE_FORMAT_1)
+        fmt = old.get("format") if isinstance(old, dict) else None
+        if fmt == ENCODE_FORMAT_1:
+            items = old.pop("items", [])
+            encoder = {k: v for k, v in old.items() if k != "format"}
+            rows = [{**i, "tensor": i.get("key"), "kind": i.get("kind") or ("video" if i.get("timestamps") else "image")}
+                    for i in items]
+            return _build(rows, encoder, fmt, name, load, close)
+    if fmt == FORMAT:
+        encoder = _json(meta, "encoder", name, fmt)
+        rows = _json(meta, "items", name, fmt)
+        return _build(rows, encoder, fmt, name, load, close)
+    if fmt == RESPONSE_FORMAT_1:  # the service before records: name/error keys, model/fingerprint/dtype apart
+        rows = [{**i, "source": i.get("name")} for i in _json(meta, "items", name, fmt)]
+        encoder = {"model": meta.get("model"), "fingerprint": meta.get("fingerprint"),
+                   "output_dtype": meta.get("dtype")}
+        return _build(rows, encoder, fmt, name, load, close)
+    if fmt is None:
+        raise FormatError(f"{name}: not a bivit embedding file (no 'format' in its metadata)")
+    raise FormatError(f"{name}: format {fmt!r}, which this bivit does not read (it reads {', '.join(READS)}); "
+                      "a newer bivit wrote it?")
+
+
+def _build(rows: Any, encoder: Any, fmt: str, name: str, load: Callable, close: Optional[Callable]) -> Embeddings:
+    if not isinstance(rows, list) or not isinstance(encoder, dict):
+        raise FormatError(f"{name}: {fmt} metadata of the wrong shape (items must be a list, encoder an object)")
+    return Embeddings([Record.from_json(r, encoder, load) for r in rows], encoder, fmt, name, close)

@@ -1,0 +1,172 @@
+"""One embedding file format, one reader: `bivit encode`'s file, the service's `?format=safetensors` answer and
+a dataset job's shards (and folder) open with `bivit.load_embeddings` and give the same records and bit-identical
+embeddings for the same input. Everything real: `bivit` processes, a `bivit serve` process on loopback, a
+`bivit encode-dataset` job, Pillow images and PyAV videos. Files of older bivit versions still open, and files of
+other formats fail naming what they are."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import bivit
+from bivit import records
+from support.media import make_image, make_video
+
+INPUTS = ("a.png", "clip.mp4", "b.jpg")
+COMPARED = ("source", "kind", "sha256", "tokens", "grid_thw", "chunk_tokens", "timestamps", "placeholders",
+            "error", "model", "fingerprint", "dtype")
+
+
+def cli(*args, cwd=None):
+    r = subprocess.run([sys.executable, "-m", "bivit.cli", *map(str, args)], capture_output=True, text=True,
+                       cwd=cwd, timeout=600)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stdout + r.stderr
+    return r
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("inputs")
+    make_image(d / "a.png", (84, 56), seed=1)
+    make_video(d / "clip.mp4", frames=20, fps=4, size=(56, 56))  # 10 frames sampled: chunks of 4, 4, 2
+    make_image(d / "b.jpg", (112, 84), seed=2)
+    return d
+
+
+@pytest.fixture(scope="module")
+def written(folder, tmp_path_factory) -> dict:
+    """The same three inputs through the three writers, in float32."""
+    out = tmp_path_factory.mktemp("out")
+    cli("encode", *INPUTS, "--out", out / "encode.safetensors", "--dtype", "float32", cwd=folder)
+    cli("encode-dataset", folder, "--out", out / "ds", "--dtype", "float32", "--no-progress")
+    pytest.importorskip("fastapi")
+    from support.server import ServerProcess
+
+    with ServerProcess(["--dtype", "float32"], out) as srv:
+        files = [("file", (name, (folder / name).read_bytes(), "application/octet-stream")) for name in INPUTS]
+        r = httpx.post(f"{srv.url}/v1/encode", files=files, timeout=300)
+        assert r.status_code == 200, r.text
+    (out / "answer.safetensors").write_bytes(r.content)
+    shards = sorted((out / "ds").glob("shard-*.safetensors"))
+    assert len(shards) == 1
+    return {"encode": out / "encode.safetensors", "answer": out / "answer.safetensors", "folder": out / "ds",
+            "shard": shards[0]}
+
+
+def test_every_writer_gives_the_same_records_and_bits(written, folder):
+    opened = {name: bivit.load_embeddings(path) for name, path in written.items()}
+    for name, items in opened.items():
+        assert items.format == "bivit.embeddings/1" or name == "folder", name
+        assert sorted(items.sources) == sorted(INPUTS), name
+    assert opened["encode"].sources == opened["answer"].sources == list(INPUTS)  # input order
+    ref = {r.source: r for r in opened["encode"]}
+    assert ref["clip.mp4"].kind == "video" and len(ref["clip.mp4"].timestamps) == 3
+    assert ref["a.png"].fingerprint == bivit.load_encoder(dtype="float32").fingerprint and ref["a.png"].dtype == "float32"
+    for name, items in opened.items():
+        for r in items:
+            want = ref[r.source]
+            assert {k: getattr(r, k) for k in COMPARED} == {k: getattr(want, k) for k in COMPARED}, (name, r.source)
+            assert torch.equal(r.embedding, want.embedding), (name, r.source)
+            assert [c.shape[0] for c in r.chunks] == r.chunk_tokens and sum(r.chunk_tokens) == r.tokens
+    assert opened["answer"][0].cached is False  # the service's own key, kept as such
+    assert opened["folder"][0].shard == written["shard"].name  # the dataset's
+
+
+def test_open_dataset_is_the_same_records(written):
+    ds = bivit.open_dataset(written["folder"])
+    view = ds.embeddings()
+    assert [r.source for r in ds] == view.sources
+    for rec, r in zip(ds, view):
+        assert torch.equal(ds.tensor(rec), r.embedding) and rec.placeholders == r.placeholders
+        assert (rec.sha256, rec.grid_thw, rec.timestamps) == (r.sha256, r.grid_thw, r.timestamps)
+
+
+# ------------------------------------------------------------------------------------- older files and others
+
+def _old_encode_file(path: Path, tensors: dict, items: list[dict]) -> None:
+    """What `bivit encode` wrote before bivit.embeddings/1: everything under one "bivit" JSON key."""
+    meta = {"format": "bivit.encode/1", "model": "demo", "demo": True, "dtype": "float32",
+            "projector_dtype": "float32", "output_dtype": "float32", "batch_invariant": True, "alpha": "model",
+            "processing": {}, "items": items}
+    save_file(tensors, str(path), metadata={"bivit": json.dumps(meta)})
+
+
+def test_old_formats_still_open(written, tmp_path):
+    new = bivit.load_embeddings(written["encode"])
+    a, clip = new[0], new[1]
+    old_items = [{"key": "0", "source": "a.png", "tokens": a.tokens, "grid_thw": a.grid_thw,
+                  "chunk_tokens": a.chunk_tokens, "placeholders": a.placeholders},
+                 {"key": "1", "source": "clip.mp4", "tokens": clip.tokens, "grid_thw": clip.grid_thw,
+                  "chunk_tokens": clip.chunk_tokens, "timestamps": clip.timestamps,
+                  "placeholders": clip.placeholders}]
+    _old_encode_file(tmp_path / "old.safetensors", {"0": a.embedding, "1": clip.embedding}, old_items)
+    old = bivit.load_embeddings(tmp_path / "old.safetensors")
+    assert old.format == "bivit.encode/1" and old.encoder["output_dtype"] == "float32"
+    assert [r.kind for r in old] == ["image", "video"] and old[1].timestamps == clip.timestamps
+    assert torch.equal(old[0].embedding, a.embedding) and torch.equal(old[1].embedding, clip.embedding)
+    # The service's answers before: format/model/fingerprint/dtype keys and items named by "name".
+    meta = {"format": "bivit.response/1", "model": "demo", "fingerprint": a.fingerprint, "dtype": "float32",
+            "items": json.dumps([{"index": 0, "name": "a.png", "kind": "image", "sha256": a.sha256, "tensor": "0",
+                                  "tokens": a.tokens, "grid_thw": a.grid_thw, "timestamps": None,
+                                  "placeholders": a.placeholders, "cached": False, "error": None,
+                                  "error_kind": None}])}
+    save_file({"0": a.embedding}, str(tmp_path / "answer1.safetensors"), metadata=meta)
+    (r,) = bivit.load_embeddings(tmp_path / "answer1.safetensors")
+    assert (r.source, r.sha256, r.fingerprint, r.dtype, r.chunk_tokens) == (
+        "a.png", a.sha256, a.fingerprint, "float32", a.chunk_tokens)
+    assert torch.equal(r.embedding, a.embedding) and r.cached is False
+
+
+def test_an_older_dataset_folder_and_its_shard_still_open(written, tmp_path):
+    """Folders written before manifest lines had placeholders and shards had records: the folder opens (no
+    placeholders), and a shard opens through its folder's manifest."""
+    import shutil
+
+    old = tmp_path / "old-ds"
+    shutil.copytree(written["folder"], old)
+    lines = [json.loads(x) for x in (old / "manifest.jsonl").read_text().splitlines()]
+    (old / "manifest.jsonl").write_text("".join(json.dumps({k: v for k, v in line.items()
+                                                             if k not in ("placeholders", "chunk_tokens")}) + "\n"
+                                                for line in lines))
+    shard = old / written["shard"].name
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(shard))
+    save_file(tensors, str(shard), metadata={"format": "bivit-encoded-dataset", "fingerprint": "x"})
+    for opened in (bivit.load_embeddings(old), bivit.load_embeddings(shard)):
+        new = {r.source: r for r in bivit.load_embeddings(written["folder"])}
+        assert sorted(opened.sources) == sorted(new)
+        for r in opened:
+            assert r.placeholders == [] and r.chunk_tokens == new[r.source].chunk_tokens
+            assert torch.equal(r.embedding, new[r.source].embedding)
+    alone = tmp_path / "alone.safetensors"
+    shutil.copy(shard, alone)
+    with pytest.raises(records.FormatError, match="older bivit.*open it inside that folder"):
+        bivit.load_embeddings(alone)
+
+
+def test_other_files_fail_naming_what_they_are(tmp_path):
+    newer = tmp_path / "newer.safetensors"
+    save_file({"0": torch.zeros(1, 2)}, str(newer), metadata={"format": "bivit.embeddings/2", "encoder": "{}",
+                                                               "items": "[]"})
+    with pytest.raises(records.FormatError, match=r"format 'bivit.embeddings/2', which this bivit does not read "
+                                                  r"\(it reads bivit.embeddings/1, bivit.encode/1, bivit.response/1\)"):
+        bivit.load_embeddings(newer)
+    plain = tmp_path / "weights.safetensors"
+    save_file({"w": torch.zeros(2)}, str(plain))
+    with pytest.raises(records.FormatError, match="not a bivit embedding file"):
+        bivit.load_embeddings(plain)
+    text = tmp_path / "notes.safetensors"
+    text.write_text("hello, this is not a safetensors file at all\n")
+    with pytest.raises(records.FormatError, match="not a safetensors file"):
+        bivit.load_embeddings(text)
+    with pytest.raises(bivit.BivitError, match="does not exist"):
+        bivit.load_embeddings(tmp_path / "missing.safetensors")
