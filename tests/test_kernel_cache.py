@@ -4,6 +4,7 @@ before any self-test) leaves a marker file: the marker must never appear, and th
 the one it built."""
 
 import hashlib
+import logging
 import os
 import shutil
 import stat
@@ -26,6 +27,13 @@ __attribute__((constructor)) static void planted(void) {
 }
 int tiny(void) { return 666; }
 """
+
+
+@pytest.fixture(autouse=True)
+def _warnings_reach_caplog(caplog):
+    """The checks' reasons are WARNING lines of the `bivit` logger; a command run in-process earlier in the session
+    (the CLI, doctor, a Ray worker) may have raised that logger's level, so set it here for each test."""
+    caplog.set_level(logging.WARNING, logger="bivit")
 
 
 @pytest.fixture
