@@ -11,36 +11,30 @@ page faults per case and the tuned / untuned time ratio.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
+import torch
+
 from bivit import bench
-from bivit.config import PRESETS
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", default="kimi-k2.6", choices=sorted(PRESETS))
-    p.add_argument("--dtype", default="bfloat16", choices=sorted(bench.TORCH_DTYPES))
+    p = bench.script_args(__doc__.split("\n\n")[0], dtypes=sorted(bench.TORCH_DTYPES))
     p.add_argument("--mode", default="invariant", choices=("invariant", "default"))
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--threads", type=int, default=None)
     args = p.parse_args(argv)
-    threads = args.threads or bench.torch.get_num_threads()
-    env = bench.environment(threads)
-    print(f"$ {bench.command_line()}")
-    print(f"preset {args.preset}, {args.dtype}, bivit {args.mode} mode, {threads} threads, CPU {env['cpu']} "
-          f"({bench.cpu_flags_text(env)}), load average {bench._fmt_load(env['loadavg'])}")
-    cases = bench.standard_cases()
+    bench.start(args)
+    threads = torch.get_num_threads()
+    print(f"preset {args.preset}, {args.dtype}, bivit {args.mode} mode")
+    cases = bench.standard_cases(args.seed)
     variants = ("glibc defaults", "bivit thresholds")
     res = {(v, c.name): {"s": [], "faults": []} for v in variants for c in cases}
     with tempfile.TemporaryDirectory(prefix="bivit-allocator-") as tmp:
         tmp = Path(tmp)
-        bench.write_checkpoint_isolated(tmp / "checkpoint", args.preset)
+        bench.write_checkpoint_isolated(tmp / "checkpoint", args.preset, args.seed)
         bench.save_cases(tmp / "inputs.safetensors", cases)
         workers = {}
         try:
@@ -59,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
             os.environ.pop("BIVIT_MALLOC_TUNE", None)
             for w in workers.values():
                 w.close()
-    print(f"\nload average at the end {bench._fmt_load(os.getloadavg())}\n")
+    print(f"\nat the end: {bench.load_line()}\n")
     print("| case | " + " | ".join(f"{v} s (faults)" for v in variants) + " | tuned / defaults |")
     print("|---|---:|---:|---:|")
     totals = {v: 0.0 for v in variants}

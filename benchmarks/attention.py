@@ -5,8 +5,8 @@
 
 One item of n patches, 16 heads, [1, heads, n, 72] q/k/v. Variants, each timed interleaved with the others
 (median of `--repeats`), each checked against float64 attention (max |error| relative to max |reference|):
-* bivit: bivit's compiled attention (`bivit.kernels`; what bivit runs on AVX-512 BF16 CPUs without AMX), forced
-  on with `BIVIT_ATTENTION=bivit` semantics wherever the CPU can run it.
+* bivit-avx512, bivit-avx2: bivit's compiled attention (`bivit.kernels`), each variant this CPU (and PyTorch's
+  dispatch, e.g. under `ATEN_CPU_CAPABILITY=avx2`) can run; `auto` picks the first (not on AMX CPUs).
 * sdpa: `F.scaled_dot_product_attention` (PyTorch's fused CPU flash kernel; what bivit runs elsewhere).
 * sdpa-pad80/96/128: head dim zero-padded (the scale kept at 1/sqrt(72)); the output sliced back.
 * sdpa-bhnd-contig: the same kernel on contiguous [1, heads, n, 72] inputs (bivit passes strided views).
@@ -18,9 +18,7 @@ All are per item, so all are batch-invariant by construction; the question is on
 
 from __future__ import annotations
 
-import argparse
 import math
-import os
 import statistics
 import sys
 import time
@@ -44,7 +42,7 @@ def bmm_attention(q, k, v, dtype, block: int = 4):
 
 def compiled_attention(kernel, q, k, v):
     out = torch.empty_like(q[0].transpose(0, 1))
-    kernel(*(t[0].transpose(0, 1) for t in (q, k, v)), out)
+    kernel(*(t[0].transpose(0, 1) for t in (q, k, v)), out, [q.shape[2]])
     return out.transpose(0, 1)[None]
 
 
@@ -55,24 +53,21 @@ def padded_sdpa(q, k, v, dim):
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = bench.script_args(__doc__.split("\n\n")[0], dtype="both", dtypes=sorted(bench.DTYPE_CHOICES))
     p.add_argument("--n", type=int, nargs="*", default=[1024, 3072])
-    p.add_argument("--dtype", default="both", choices=sorted(bench.DTYPE_CHOICES))
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--head-dim", type=int, default=72)
-    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-flex", action="store_true", help="skip torch.compile'd flex_attention")
     args = p.parse_args(argv)
-    env = bench.environment(torch.get_num_threads())
-    print(f"$ {bench.command_line()}")
-    print(f"torch {env['torch']}, {env['threads']} threads, CPU {env['cpu']} ({bench.cpu_flags_text(env)}), "
-          f"load average {bench._fmt_load(env['loadavg'])}")
-    try:
-        os.environ.setdefault(kernels.ATTENTION_ENV, "bivit")
-        compiled = kernels._load_attention()
-    except (kernels.KernelUnavailable, OSError) as e:
-        compiled = None
-        print(f"bivit's compiled attention unavailable: {e}")
+    bench.start(args)
+    compiled = {}
+    flags, capability = kernels.cpu_info()[1], torch.backends.cpu.get_cpu_capability()
+    for variant in kernels.VARIANTS:
+        try:
+            if kernels.pick_variant(variant.name, flags, capability) == variant:
+                compiled[f"bivit-{variant.name}"] = kernels.load_library(variant).attention
+        except (kernels.KernelUnavailable, OSError) as e:
+            print(f"bivit's compiled attention ({variant.name}) unavailable: {e}")
     flex = None
     if not args.no_flex:
         try:
@@ -100,8 +95,8 @@ def main(argv: list[str] | None = None) -> int:
                     "sdpa-pad128": lambda: padded_sdpa(q, k, v, 128),
                     "bmm-fp32": lambda: bmm_attention(q, k, v, torch.float32),
                 }
-                if compiled is not None:
-                    variants["bivit"] = lambda: compiled_attention(compiled, q, k, v)
+                for name, kernel in compiled.items():
+                    variants[name] = lambda kernel=kernel: compiled_attention(kernel, q, k, v)
                 if dtype != torch.float32:
                     variants["bmm-native"] = lambda: bmm_attention(q, k, v, dtype)
                 if flex is not None:
@@ -126,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
                     t = statistics.median(times[name])
                     print(f"| {dname} | {n} | {name} | {1e3 * t:.1f} | {flops / t / 1e9:.0f} | {base / t:.2f}x | "
                           f"{errors[name]:.1e} |")
-    print(f"\nload average at the end {bench._fmt_load(os.getloadavg())}")
+    print(f"\nat the end: {bench.load_line()}")
     return 0
 
 

@@ -15,7 +15,6 @@ slowdown. "Alone" means without *our* busy loops: the load average printed with 
 
 from __future__ import annotations
 
-import argparse
 import multiprocessing
 import os
 import statistics
@@ -23,8 +22,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+import torch
+
 from bivit import bench
-from bivit.config import PRESETS
 
 MODES = ("bivit-invariant", "bivit-default")
 
@@ -36,25 +36,18 @@ def _spin(stop) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", default="kimi-k2.6", choices=sorted(PRESETS))
-    p.add_argument("--dtype", default="bfloat16", choices=sorted(bench.TORCH_DTYPES))
+    p = bench.script_args(__doc__.split("\n\n")[0], dtypes=sorted(bench.TORCH_DTYPES))
     p.add_argument("--case", default="448x448", help="substring of a `bivit bench` case name")
     p.add_argument("--busy", type=int, default=2, help="busy-loop processes beside the encoder")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     cases = [c for c in bench.standard_cases(args.seed) if args.case in c.name]
     if not cases:
         print(f"contention: error: no case matches {args.case!r}", file=sys.stderr)
         return 2
     case = cases[0]
-    threads = args.threads or bench.torch.get_num_threads()
-    env = bench.environment(threads)
-    print(f"$ {bench.command_line()}")
-    print(f"preset {args.preset}, {args.dtype}, case {case.name}, {threads} threads, torch {env['torch']}, "
-          f"CPU {env['cpu']} ({bench.cpu_flags_text(env)}), {args.busy} busy loops, {args.repeats} rounds")
+    bench.start(args)
+    threads = torch.get_num_threads()
+    print(f"preset {args.preset}, {args.dtype}, case {case.name}, {args.busy} busy loops, {args.repeats} rounds")
     ctx = multiprocessing.get_context("spawn")
     times = {(m, c): [] for m in MODES for c in ("alone", "busy")}
     loads = {"alone": [], "busy": []}

@@ -14,14 +14,12 @@ figure when the machine's load drifts during the run.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
 from pathlib import Path
 
 from bivit import bench
-from bivit.config import PRESETS
 from bivit.errors import BivitError
 
 
@@ -63,17 +61,12 @@ def format_table(record: dict, table: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", default="kimi-k2.6", choices=sorted(PRESETS))
-    p.add_argument("--dtype", default="both", choices=sorted(bench.DTYPE_CHOICES))
-    p.add_argument("--repeats", type=int, default=3)
+    p = bench.script_args(__doc__.split("\n\n")[0], dtype="both", dtypes=sorted(bench.DTYPE_CHOICES))
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--threads", type=int, default=None, help="torch threads per mode (default: torch's default)")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None, help="also write the raw record and ratios as JSON here")
     args = p.parse_args(argv)
+    bench.start(args)
     command = bench.command_line()
-    print(f"$ {command}", flush=True)
     try:
         record = bench.run_benchmark(preset=args.preset, dtypes=bench.DTYPE_CHOICES[args.dtype],
                                      impls=bench.BIVIT_IMPLS, repeats=args.repeats, warmup=args.warmup,
@@ -83,17 +76,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     record["command"] = command
     table = ratios(record)
-    env = record["env"]
-    print(f"\npreset {args.preset}, {env['threads']} threads, torch {env['torch']}, CPU {env['cpu']}, "
-          f"{args.repeats} interleaved repeats (+{args.warmup} warm-up); load average "
-          f"{bench._fmt_load(env['loadavg'])} -> {bench._fmt_load(env['loadavg_end'])}\n")
+    print(f"\npreset {args.preset}, {args.repeats} interleaved repeats (+{args.warmup} warm-up); at the end: "
+          f"{bench.load_line()}\n")
     print(format_table(record, table))
     for dtype, rows in table.items():
         mix = rows["whole mix"]
         print(f"\n{dtype}: batch invariance costs {100 * (mix['ratio_of_medians'] - 1):+.1f} % of the default "
               f"mode's time on the whole mix (per-round median {100 * (mix['per_round_median'] - 1):+.1f} %)")
     if args.out:
-        bench.write_text_atomic(args.out, json.dumps({"record": record, "ratios": table}, indent=1, default=str))
+        bench.write_text(args.out, json.dumps({"record": record, "ratios": table}, indent=1, default=str))
         print(f"\nwrote {args.out}")
     return 0
 

@@ -16,8 +16,6 @@ average printed with them is below the thread count: compare the two modes, not 
 
 from __future__ import annotations
 
-import argparse
-import os
 import statistics
 import sys
 import tempfile
@@ -27,7 +25,6 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-import in_process  # benchmarks/in_process.py, next to this script
 from bivit import bench
 from bivit.config import PRESETS
 from bivit.encoder import load_encoder
@@ -47,16 +44,13 @@ def profile_once(enc, case) -> tuple[float, dict[str, tuple[float, int]]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", default="kimi-k2.6", choices=sorted(PRESETS))
-    p.add_argument("--dtype", default="both", choices=sorted(bench.DTYPE_CHOICES))
+    p = bench.script_args(__doc__.split("\n\n")[0], dtype="both", dtypes=sorted(bench.DTYPE_CHOICES), repeats=1)
     p.add_argument("--cases", nargs="*", default=None, help="substrings of case names (default: all four)")
     p.add_argument("--modes", nargs="*", default=list(MODES), choices=MODES)
     p.add_argument("--top", type=int, default=12, help="ops shown per table")
     p.add_argument("--checkpoint", type=Path, default=None,
                    help="reuse (or create) the seeded checkpoint here instead of a temporary directory")
-    in_process.add_options(p, repeats=1)
-    args = in_process.parse(p, argv)
+    args = p.parse_args(argv)
     cfg = PRESETS[args.preset]
     cases = bench.standard_cases(args.seed)
     if args.cases:
@@ -64,10 +58,8 @@ def main(argv: list[str] | None = None) -> int:
         if not cases:
             print(f"profile: error: no case matches {args.cases}", file=sys.stderr)
             return 2
-    env = bench.environment(torch.get_num_threads())
-    print(f"$ {bench.command_line()}")
-    print(f"preset {args.preset}, torch {env['torch']}, {env['threads']} threads, CPU {env['cpu']} "
-          f"({bench.cpu_flags_text(env)}), load average {bench._fmt_load(env['loadavg'])}")
+    bench.start(args)
+    print(f"preset {args.preset}")
     with tempfile.TemporaryDirectory(prefix="bivit-profile-") as tmp:
         ckpt = args.checkpoint or Path(tmp) / "checkpoint"
         if not (ckpt / "config.json").exists():
@@ -79,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"\n[{dtype}] {mode}: subnormal values in op outputs of '{cases[0].name}': "
                       f"{sub['subnormal']} of {sub['values']}")
             for case in cases:
-                n_attn = sum(bench.attention_flops_per_item(cfg, *g) for g in case.grids())
+                n_attn = bench.case_flops(cfg, case).attention
                 walls = {m: [] for m in encs}
                 ops_ = {m: {} for m in encs}
                 for enc in encs.values():
@@ -92,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
                         for k, (s, n) in table.items():
                             s0, n0 = ops_[mode].get(k, (0.0, 0))
                             ops_[mode][k] = (s0 + s / args.repeats, n0 + n / args.repeats)
-                print(f"\n### {case.name}, {dtype} (load average {bench._fmt_load(os.getloadavg())})\n")
+                print(f"\n### {case.name}, {dtype} ({bench.load_line()})\n")
                 print(format_table(ops_, walls, n_attn, args.top))
             del encs
     return 0

@@ -15,13 +15,15 @@ the GEMMs and quadratically in attention; the table shows attention's share of t
 
 from __future__ import annotations
 
-import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+import torch
 
 from bivit import bench
 from bivit.config import PRESETS
@@ -30,7 +32,7 @@ from bivit.errors import BivitError
 POINTS = (256, 1024, 2304, 4096, 9216, 16384)
 
 
-def measure(args: argparse.Namespace, log=lambda s: print(s, file=sys.stderr, flush=True)) -> dict:
+def measure(args, log=lambda s: print(s, file=sys.stderr, flush=True)) -> dict:
     cfg = PRESETS[args.preset]
     points = [p for p in args.points if p <= args.max_patches]
     if not points:
@@ -38,35 +40,35 @@ def measure(args: argparse.Namespace, log=lambda s: print(s, file=sys.stderr, fl
     cases = [bench.square_case(p, args.seed) for p in points]
     impl = f"bivit-{args.mode}"
     dtype = bench.TORCH_DTYPES[args.dtype]
-    record = {"format": "bivit.scaling/1", "preset": args.preset, "dtype": args.dtype, "mode": args.mode,
-              "repeats": args.repeats, "env": bench.environment(args.threads or bench.torch.get_num_threads()),
-              "points": []}
+    record = {"format": "bivit.scaling/2", "preset": args.preset, "dtype": args.dtype, "mode": args.mode,
+              "repeats": args.repeats, "env": bench.environment(torch.get_num_threads()), "points": []}
     with tempfile.TemporaryDirectory(prefix="bivit-scaling-") as tmp:
         tmp = Path(tmp)
         log(f"writing a seeded random {args.preset} checkpoint (bf16) ...")
         bench.write_checkpoint_isolated(tmp / "checkpoint", args.preset, args.seed)
         warm = bench.square_case(min(points), args.seed + 1)
         bench.save_cases(tmp / "inputs.safetensors", [warm] + cases)
-        worker = bench.Worker(impl, tmp / "checkpoint", args.dtype, args.threads or bench.torch.get_num_threads(),
+        worker = bench.Worker(impl, tmp / "checkpoint", args.dtype, torch.get_num_threads(),
                               tmp / "inputs.safetensors")
         try:
             record["load_s"] = worker.info["load_s"]
             record["memory_loaded"] = worker.info["memory"]
             record["source"] = worker.info["source"]
             worker.run(0)  # warm-up: first GEMM calls at each shape pick (or JIT) their kernels
-            peak = bench.gemm_gflops(dtype, bench.gemm_shapes(cfg), bench.PEAK_ROWS)
-            record["gemm_peak_gflops"] = max(peak.values())
+            shapes = bench.gemm_shapes(cfg)
+            peak = {how: bench.gemm_gflops(dtype, shapes, how=how) for how in ("stock", "bivit")}
+            record["gemm_peak_gflops"] = max(v for rates in peak.values() for v in rates.values())
             record["gemm_peak"] = peak
             for i, case in enumerate(cases, start=1):
                 worker.reset_peak()
                 times = [worker.run(i)["seconds"] for _ in range(args.repeats)]
                 mem = worker.memory()
-                total, gemm = bench.case_flops(cfg, case)
+                flops = bench.case_flops(cfg, case)
                 (t, h, w), = case.grids()
                 point = {"patches": case.patches, "tokens": case.tokens, "side_px": h * cfg.patch_size,
-                         "times": times, "median_s": statistics.median(times), "flops": total, "gemm_flops": gemm,
-                         "run_peak_mib": mem["hwm_mib"], "rss_after_mib": mem["rss_mib"],
-                         "loadavg": bench.os.getloadavg()}
+                         "times": times, "median_s": statistics.median(times), "flops": flops.total,
+                         "gemm_flops": flops.gemm, "run_peak_mib": mem["hwm_mib"], "rss_after_mib": mem["rss_mib"],
+                         "loadavg": os.getloadavg()}
                 record["points"].append(point)
                 log(f"{case.patches:6d} patches: {point['median_s']:.2f} s, run peak {point['run_peak_mib']:.0f} MiB")
         finally:
@@ -78,10 +80,10 @@ def format_table(record: dict) -> str:
     loaded = record["memory_loaded"]["loaded"]["rss_mib"]
     peak = record["gemm_peak_gflops"]
     lines = [f"preset {record['preset']}, {record['dtype']}, bivit {record['mode']} mode, "
-             f"{record['env']['threads']} threads, CPU {record['env']['cpu']}, median of {record['repeats']}; "
-             f"GEMM peak {peak:.0f} GFLOP/s; resident after load {loaded:.0f} MiB", "",
+             f"{bench.machine_line(record['env'])}, median of {record['repeats']}; "
+             f"GEMM rate {peak:.0f} GFLOP/s; resident after load {loaded:.0f} MiB", "",
              "| patches | image px | tokens | median s | patches/s | tokens/s | TFLOP | attention share | GFLOP/s | "
-             "% of GEMM peak | run peak RSS | working memory |",
+             "% of GEMM rate | run peak RSS | working memory |",
              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for p in record["points"]:
         s = p["median_s"]
@@ -105,7 +107,7 @@ def plot(record: dict, path: Path, title: str) -> None:
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
     a1.plot(x, [p["median_s"] for p in pts], "o-", label="measured")
     # What the same FLOPs would take at the measured GEMM peak: the floor a perfect implementation would hit.
-    a1.plot(x, [p["flops"] / (record["gemm_peak_gflops"] * 1e9) for p in pts], "--", label="FLOPs at GEMM peak")
+    a1.plot(x, [p["flops"] / (record["gemm_peak_gflops"] * 1e9) for p in pts], "--", label="FLOPs at GEMM rate")
     a1.set_xscale("log")
     a1.set_yscale("log")
     a1.set_xlabel("patches per image")
@@ -128,22 +130,17 @@ def plot(record: dict, path: Path, title: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", default="kimi-k2.6", choices=sorted(PRESETS))
-    p.add_argument("--dtype", default="bfloat16", choices=sorted(bench.TORCH_DTYPES))
+    p = bench.script_args(__doc__.split("\n\n")[0], dtypes=sorted(bench.TORCH_DTYPES), repeats=1)
     p.add_argument("--mode", default="invariant", choices=["invariant", "default"])
     p.add_argument("--points", type=lambda s: [int(v) for v in s.split(",")], default=list(POINTS),
                    help="comma-separated patch counts (even square sides), default " + ",".join(map(str, POINTS)))
     p.add_argument("--max-patches", type=int, default=16384)
-    p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", type=Path, default=Path("bench-results"))
     args = p.parse_args(argv)
     if args.repeats < 1:
         p.error("--repeats must be >= 1")
+    bench.start(args)
     command = bench.command_line()
-    print(f"$ {command}", flush=True)
     t0 = time.perf_counter()
     try:
         record = measure(args)
@@ -154,8 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     record["wall_s"] = time.perf_counter() - t0
     table = format_table(record)
     print(table)
-    bench.write_text_atomic(args.out_dir / "scaling.json", json.dumps(record, indent=1, default=str))
-    bench.write_text_atomic(args.out_dir / "scaling.md", f"$ {command}\n\n{table}\n")
+    bench.write_text(args.out_dir / "scaling.json", json.dumps(record, indent=1, default=str))
+    bench.write_text(args.out_dir / "scaling.md", f"$ {command}\n\n{table}\n")
     written = [args.out_dir / "scaling.json", args.out_dir / "scaling.md"]
     try:
         plot(record, args.out_dir / "scaling.png", command)

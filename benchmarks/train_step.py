@@ -16,7 +16,6 @@ Reported: median seconds per step and the ratio to the port (< 1: faster than th
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import tempfile
@@ -25,27 +24,10 @@ from pathlib import Path
 
 import torch
 
-import in_process  # benchmarks/in_process.py, next to this script
 from bivit import bench
 from bivit.config import PRESETS
 
 IMPLS = ("bivit-invariant", "bivit-default", "hf-sdpa")
-
-
-def cpu_line() -> str:
-    """lscpu's model name and whether the CPU has AMX / AVX-512 BF16 (what bf16 GEMM speed depends on)."""
-    name, flags = "unknown CPU", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and name == "unknown CPU":
-                name = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:
-        pass
-    marks = [f for f in sorted(flags) if f.startswith("amx") or f == "avx512_bf16"]
-    return f"{name} [{', '.join(marks) or 'no amx / avx512_bf16'}], {torch.get_num_threads()} threads"
 
 
 def make_steps(checkpoint: Path, dtype: str, case: bench.Case) -> dict:
@@ -90,7 +72,7 @@ def make_steps(checkpoint: Path, dtype: str, case: bench.Case) -> dict:
     return {"bivit-invariant": bivit_step(True), "bivit-default": bivit_step(False), "hf-sdpa": hf_step}
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(args) -> dict:
     cfg = PRESETS[args.preset]
     case = bench.square_case(args.patches, args.seed)
     results = {}
@@ -111,10 +93,9 @@ def run(args: argparse.Namespace) -> dict:
     return {"cfg": cfg, "case": case, "results": results}
 
 
-def report(args: argparse.Namespace, record: dict) -> str:
+def report(args, record: dict) -> str:
     case = record["case"]
-    lines = [f"command: {bench.command_line()}", f"cpu: {cpu_line()}",
-             f"torch {torch.__version__}; preset {args.preset}; one image of {case.patches} patches "
+    lines = [f"preset {args.preset}; one image of {case.patches} patches "
              f"({case.tokens} tokens); {args.repeats} interleaved rounds after one warm-up",
              "", "| dtype | implementation | fwd+bwd s (median) | [min, max] | / port | loss |",
              "|---|---|---:|---:|---:|---:|"]
@@ -129,13 +110,11 @@ def report(args: argparse.Namespace, record: dict) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--preset", default="kimi-k2.6", choices=sorted(PRESETS))
-    p.add_argument("--dtype", dest="dtypes", action="append", choices=("bfloat16", "float32"))
+    p = bench.script_args(__doc__.splitlines()[0], dtype="both", dtypes=sorted(bench.DTYPE_CHOICES))
     p.add_argument("--patches", type=int, default=1024, help="patches of the square image (a square, even side)")
-    in_process.add_options(p, repeats=3)
-    args = in_process.parse(p, argv)
-    args.dtypes = args.dtypes or ["bfloat16", "float32"]
+    args = p.parse_args(argv)
+    bench.start(args)
+    args.dtypes = bench.DTYPE_CHOICES[args.dtype]
     print(report(args, run(args)), flush=True)
     return 0
 

@@ -1,9 +1,23 @@
 """Fixtures shared by the test modules: real random checkpoints on disk, written once per session."""
 
+import os
+
 import pytest
 import torch
 
 from support.checkpoints import K3_SMALL, KIMI_SMALL, write_checkpoint
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _fresh_kernel_cache(tmp_path_factory):
+    """bivit's kernel cache (compiled kernels, proven GEMM plans) in a new private directory for the session, so
+    every session builds its kernels and proves its plans itself, whatever the user's cache holds. Child
+    processes the tests start inherit it."""
+    path = tmp_path_factory.mktemp("kernel-cache")
+    os.chmod(path, 0o700)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("BIVIT_KERNEL_CACHE", str(path))
+        yield path
 
 
 @pytest.fixture(scope="session")

@@ -12,6 +12,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import bivit
 from bivit import bench, kernels
+from bivit.bench.roofline import attention_flops_per_item, gemm_flops_per_item
 from bivit.config import PRESETS
 from bivit.model import flops_per_item
 from support.checkpoints import KIMI_SMALL
@@ -33,8 +34,8 @@ def test_flops_formula_counts_what_the_model_executes(kimi_ckpt, grid, monkeypat
         enc.encode_pixels(pixels, torch.tensor([grid]))
     counts = {str(k): v for k, v in counter.get_flop_counts()["Global"].items()}
     assert counter.get_total_flops() == flops_per_item(KIMI_SMALL, *grid)
-    assert counts["aten.bmm"] == bench.attention_flops_per_item(KIMI_SMALL, *grid)
-    assert counter.get_total_flops() - counts["aten.bmm"] == bench.gemm_flops_per_item(KIMI_SMALL, *grid)
+    assert counts["aten.bmm"] == attention_flops_per_item(KIMI_SMALL, *grid)
+    assert counter.get_total_flops() - counts["aten.bmm"] == gemm_flops_per_item(KIMI_SMALL, *grid)
 
 
 def test_standard_cases_are_the_documented_mix():
@@ -66,6 +67,20 @@ def test_in_process_run_summary_and_files(tmp_path):
     assert mix["bivit-invariant"]["tokens"] == sum(c.tokens for c in cases) == 6 + 2 + 4
     report = bench.format_report(record, summary)
     assert "| implementation | whole mix s" in report and "hf-sdpa" in report
+    # The roofline: GEMM FLOPs at the best GEMM rate any round measured (either way) + each item's attention
+    # FLOPs at the best attention rate for its length (either kernel), against each implementation's median.
+    rounds = run["rates"]["rounds"]
+    gemm_rate = max(v for r in rounds for way in r["gemm"].values() for v in way.values())
+    for c in record["cases"]:
+        attention = sum(f / 1e9 / max(way[str(n)] for r in rounds for way in r["attention"].values() if way)
+                        for n, f in c["attention_flops"])
+        roofline = c["gemm_flops"] / 1e9 / gemm_rate + attention
+        assert summary["float32"]["roofline_s"][c["name"]] == pytest.approx(roofline)
+        for row in summary["float32"]["rows"]:
+            if row["case"] == c["name"]:
+                assert row["pct_roofline"] == pytest.approx(roofline / row["median_s"])
+        assert 0 < c["other_flops"] < c["flops"]
+    assert "**Roofline** per case" in report and "hf-sdpa s (% of roofline)" in report
     written = bench.write_outputs(record, report, summary, tmp_path / "out", "bench", "test", lambda s: None)
     assert sorted(p.name for p in written) == ["bench.json", "bench.md", "bench.png"]
     assert json.loads((tmp_path / "out" / "bench.json").read_text())["record"]["preset"] == "demo"
@@ -100,6 +115,8 @@ def test_bench_command_user_errors_are_one_line(tmp_path):
     assert result.exit_code == 2 and "--dtype 'int8'" in result.output
     result = CliRunner().invoke(app, ["bench", "--preset", "nope", "--skip-hf", "--out-dir", str(tmp_path)])
     assert result.exit_code == 2 and "unknown preset 'nope'" in result.output
+    result = CliRunner().invoke(app, ["bench", "--case", "1x1", "--out-dir", str(tmp_path)])
+    assert result.exit_code == 2 and "--case 1x1: no case matches (cases: image 448x448" in result.output
     assert not (tmp_path / "bench.json").exists()
 
 

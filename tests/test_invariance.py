@@ -171,6 +171,84 @@ def test_self_check_proves_tiles_on_this_machine():
             assert torch.equal(gemm(x[:tile]), ref[:tile]), (dtype, tile)
 
 
+def _fresh_plans(monkeypatch, cache_dir) -> list:
+    """Forget every plan this process knows and point the kernel cache at `cache_dir`; returns the list the
+    shapes proven from now on are appended to."""
+    from bivit.ops import gemm
+
+    monkeypatch.setenv("BIVIT_KERNEL_CACHE", str(cache_dir))
+    monkeypatch.setattr(gemm._plans, "by_shape", {})
+    monkeypatch.setattr(gemm, "_records", {})
+    proven = []
+    real = gemm._prove
+    monkeypatch.setattr(gemm, "_prove", lambda g: proven.append(g.plan_key()) or real(g))
+    return proven
+
+
+def test_proven_plans_are_recorded_and_reused_on_this_machine_kind(monkeypatch, tmp_path):
+    """A plan is proven once per machine kind, library and thread count: a later load (a new process: nothing in
+    memory) reads it from the kernel cache instead of computing the probe again; under another thread count it
+    is proven again."""
+    from bivit import ops
+
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    w, b = torch.randn(96, 192).to(torch.bfloat16), torch.randn(96).to(torch.bfloat16)
+    proven = _fresh_plans(monkeypatch, cache)
+    first = ops.self_check([(w, b)])[0]
+    assert len(proven) == 1 and list(cache.glob("gemm-plans-*.json"))
+    proven = _fresh_plans(monkeypatch, cache)
+    assert ops.self_check([(w, b)])[0] == first and proven == []
+    torch.set_num_threads(torch.get_num_threads() + 1)
+    proven = _fresh_plans(monkeypatch, cache)
+    assert ops.self_check([(w, b)])[0] == first and len(proven) == 1
+
+
+@pytest.mark.parametrize("attack", ["loose directory", "tiles never proven"])
+def test_a_planted_plan_is_not_used(monkeypatch, tmp_path, attack):
+    """A plan record in a cache others can write, or naming a tile size the probe never considers, is ignored:
+    the plan is proven here."""
+    import json
+
+    from bivit import ops
+
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    w = torch.randn(96, 192)
+    proven = _fresh_plans(monkeypatch, cache)
+    ops.self_check([(w, None)])
+    (record,) = cache.glob("gemm-plans-*.json")
+    planted = {shape: [3000] if attack == "tiles never proven" else [64] for shape in json.loads(record.read_text())}
+    record.write_text(json.dumps(planted))
+    if attack == "loose directory":
+        cache.chmod(0o777)
+    proven = _fresh_plans(monkeypatch, cache)
+    plan = ops.self_check([(w, None)])[0]
+    assert len(proven) == 1 and plan.tiles[-1] == max(ops.CANDIDATE_TILES)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_residual_branch_tile_by_tile_gives_the_bits_of_whole_layers(dtype):
+    """`ops.residual_linear` runs the MLP chain one tile at a time into the residual: each row's bits equal
+    those of running each invariant linear over all rows, then adding (2500 rows: several tiles and a padded
+    tail). Control: the same chain in default mode (stock kernels over all rows) gives other bits."""
+    from bivit import ops
+
+    g = torch.Generator().manual_seed(3)
+    x, res = (torch.randn(2500, 96, generator=g).to(dtype) for _ in range(2))
+    w0, b0 = (torch.randn(200, 96, generator=g) / 10).to(dtype), torch.randn(200, generator=g).to(dtype)
+    w1, b1 = (torch.randn(96, 200, generator=g) / 14).to(dtype), torch.randn(96, generator=g).to(dtype)
+    layers = [(w0, b0, "tanh"), (w1, b1, None)]
+    with torch.inference_mode():
+        with ops.batch_invariant():
+            whole = res + ops.linear(ops.linear(x, w0, b0, gelu="tanh"), w1, b1)
+            tiled = ops.residual_linear(res.clone(), x, layers)
+            assert torch.equal(tiled, whole)
+            assert torch.equal(ops.residual_linear(res[:700].clone(), x[:700], layers), whole[:700])
+        with ops.batch_invariant(False):
+            assert not torch.equal(ops.residual_linear(res.clone(), x, layers), whole)
+
+
 @pytest.mark.parametrize("approximate", ["tanh", "none"])
 def test_pointwise_gelu_is_independent_of_tensor_size_and_threads(approximate):
     """Vectorised kernels compute each thread's last elements with scalar code that rounds differently (tanh

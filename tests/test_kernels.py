@@ -1,6 +1,7 @@
-"""bivit's compiled attention (`bivit.kernels`): accuracy against float64 attention, bits independent of the
-batch and of the thread count (with a control that does depend on the batch), gradients, and the build and
-selection rules (cache, missing compiler, `BIVIT_ATTENTION`)."""
+"""bivit's compiled kernels (`bivit.kernels`), every variant this CPU can run: the attention's accuracy against
+float64 attention, bits independent of the batch and of the thread count (with a control that does depend on
+the batch), gradients; the RoPE kernel's bits equal to PyTorch's; and the selection rules (`BIVIT_ATTENTION`, CPU
+flags, PyTorch's capability). The kernel cache's defences are in test_kernel_cache.py."""
 
 import logging
 import math
@@ -16,27 +17,39 @@ import torch.nn.functional as F
 from bivit import kernels, ops
 from bivit.ops import attend as attention_op
 
-MISSING = [f for f in kernels.ATTENTION_NEEDS if f not in kernels.cpu_info()[1]]
+FLAGS = kernels.cpu_info()[1]
 CAPABILITY = torch.backends.cpu.get_cpu_capability()
-CAN_RUN = not MISSING and CAPABILITY == "AVX512"
-# Why not, where not: the CPU (its flags), or PyTorch's capability (an OS without AVX-512 state, or torch
-# restricted by ATEN_CPU_CAPABILITY as in CI's AVX2 leg, on a CPU that has the flags).
-WHY_NOT = (f"this CPU lacks {', '.join(MISSING)}" if MISSING else f"PyTorch runs {CAPABILITY} kernels here, not AVX512"
-           ) + ": the compiled attention cannot run"
 HAS_CC = bool(os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc"))
-AUTO_USES_IT = CAN_RUN and "amx_bf16" not in kernels.cpu_info()[1]  # BIVIT_ATTENTION=auto picks it here
-needs_cpu = pytest.mark.skipif(not CAN_RUN, reason=WHY_NOT)
+
+
+def _runs_here(variant: kernels.Variant) -> bool:
+    try:
+        return kernels.pick_variant(variant.name, FLAGS, CAPABILITY) == variant
+    except kernels.KernelUnavailable:
+        return False
+
+
+RUNNABLE = [v for v in kernels.VARIANTS if _runs_here(v)]
+CAN_RUN = bool(RUNNABLE)
+AUTO_USES_IT = CAN_RUN and "amx_bf16" not in FLAGS  # BIVIT_ATTENTION=auto picks a variant here
+needs_cpu = pytest.mark.skipif(not CAN_RUN, reason="no variant of the compiled attention runs on this CPU")
+
+
+@pytest.fixture(scope="module", params=[v.name for v in kernels.VARIANTS])
+def library(request):
+    """Each variant of the compiled attention this CPU (and PyTorch's dispatch) can run, built into the cache and
+    loaded directly (also on AMX CPUs, where `auto` would leave PyTorch's attention in place). A CPU that can run
+    it must get it: a build failure fails the test. On an AVX-512 machine both variants run (AVX2 code runs
+    there), so the AVX2 kernel is tested wherever the AVX-512 one is."""
+    variant = next(v for v in kernels.VARIANTS if v.name == request.param)
+    if variant not in RUNNABLE:
+        pytest.skip(f"the {variant.name} variant does not run here (CPU flags / PyTorch capability {CAPABILITY})")
+    return kernels.load_library(variant)
 
 
 @pytest.fixture(scope="module")
-def kernel():
-    """The compiled attention, built into a fresh cache and forced on (also on AMX CPUs, where `auto` would
-    leave PyTorch's attention in place). A CPU that can run it must get it: a build failure fails the test."""
-    if not CAN_RUN:
-        pytest.skip(WHY_NOT)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(kernels.ATTENTION_ENV, "bivit")
-        return kernels._load_attention()
+def kernel(library):
+    return library.attention
 
 
 def _qkv(n: int, heads: int, d: int, seed: int = 0, scale: float = 1.5,
@@ -59,7 +72,7 @@ def test_matches_float64_attention_as_closely_as_pytorchs(kernel, n, heads, d, d
     (plus one rounding step of the output; measured: 1.0-1.7x in fp32, equal in bf16), and the log-sum-exp the backward pass uses agrees with float64's."""
     q, k, v = _qkv(n, heads, d, seed=n + d, dtype=dtype)
     out, lse = torch.empty_like(q), torch.empty(heads, n)
-    kernel(q, k, v, out, lse)
+    kernel(q, k, v, out, [n], lse)
     ref = _reference(q, k, v)
     ours = float((out.double() - ref).abs().max())
     stock = float((F.scaled_dot_product_attention(*(t.transpose(0, 1) for t in (q, k, v))).transpose(0, 1).double()
@@ -73,7 +86,7 @@ def test_large_scores_do_not_overflow(kernel):
     """Scores far beyond float32's exp range (the max is subtracted first) and one dominant key."""
     q, k, v = _qkv(200, 2, 72, scale=40.0)
     out = torch.empty_like(q)
-    kernel(q, k, v, out)
+    kernel(q, k, v, out, [200])
     assert torch.isfinite(out.float()).all()
     ref = _reference(q, k, v)
     assert float((out.double() - ref).abs().max()) <= 2 ** -6 * float(ref.abs().max())
@@ -144,46 +157,82 @@ def test_unsupported_dtypes_and_shapes_use_pytorchs_attention(kernel):
     assert kernels.Attention.supports(_qkv(10, 2, 72)[0])
 
 
-# ----------------------------------------------------------------------------------------- build and choice
+# ------------------------------------------------------------------------------------------------- choice
 
-def test_build_is_cached_and_atomic(tmp_path, monkeypatch):
-    if not HAS_CC:
-        pytest.skip("no C compiler")
-    monkeypatch.setenv("BIVIT_KERNEL_CACHE", str(tmp_path / "cache"))
-    source = tmp_path / "tiny.c"
-    source.write_text("int tiny(void) { return 42; }\n")
-    first = kernels.build(source)
-    stamp = first.stat().st_mtime_ns
-    assert kernels.build(source) == first and first.stat().st_mtime_ns == stamp  # reused, not rebuilt
-    assert [p.name for p in first.parent.iterdir()] == [first.name]  # no temporary left behind
-    source.write_text("int tiny(void) { return 43; }\n")
-    assert kernels.build(source) != first  # a changed source is a new library
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows,heads,d", [(2048, 16, 72), (37, 3, 8), (100, 12, 128), (5, 1, 4)])
+def test_rope_kernel_computes_pytorchs_bits(library, rows, heads, d, dtype):
+    """The compiled RoPE against PyTorch's elementwise form on the model's strided q/k view, at 1-3 threads:
+    the same bits, so which one runs never changes an embedding. Control: the exact sum rounded once (instead
+    of each product and the sum) gives other bits, so the comparison can fail."""
+    from bivit.model import rope_tables
+    from bivit.ops.rotary import rope_reference
+
+    side = int(math.isqrt(rows))
+    grid = [(1, side, rows // side)] if side * (rows // side) == rows else [(1, 1, rows)]
+    cos, sin = rope_tables(grid, d, 10000.0)
+    qkv = (4 * torch.randn(rows, 3, heads, d, generator=torch.Generator().manual_seed(rows))).to(dtype)
+    x = qkv[:, :2]
+    ref = rope_reference(x, cos, sin)
+    for threads in (1, 2, 3):
+        torch.set_num_threads(threads)
+        out = torch.empty(x.shape, dtype=dtype)
+        library.rope(x.view(rows, 2 * heads, d), cos, sin, out.view(rows, 2 * heads, d))
+        assert torch.equal(out, ref)
+    if dtype == torch.float32 and rows >= 100:  # control: one rounding of the exact sum instead of three
+        xd = x.double()
+        swapped = xd.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+        once = xd * cos.double().view(rows, 1, 1, d) + swapped * sin.double().view(rows, 1, 1, d)
+        assert not torch.equal(once.float(), ref)
 
 
-def test_build_errors_name_the_cause(tmp_path, monkeypatch):
-    monkeypatch.setenv("BIVIT_KERNEL_CACHE", str(tmp_path / "cache"))
-    source = tmp_path / "broken.c"
-    source.write_text("int broken(void) { return }\n")
-    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
-    with pytest.raises(kernels.KernelUnavailable, match="no-such-cc"):
-        kernels.build(source)
-    monkeypatch.delenv("CC")
-    if HAS_CC:
-        with pytest.raises(kernels.KernelUnavailable, match="could not build broken.c"):
-            kernels.build(source)
-        blocked = tmp_path / "file"
-        blocked.write_text("")
-        monkeypatch.setenv("BIVIT_KERNEL_CACHE", str(blocked / "cache"))
-        with pytest.raises(kernels.KernelUnavailable, match="cannot write the kernel cache"):
-            kernels.build(source)
+AVX512_FLAGS = frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16"})
+AVX2_FLAGS = frozenset({"avx2", "fma", "avx"})
+AMX_FLAGS = AVX512_FLAGS | {"amx_bf16", "amx_tile"}
+
+
+@pytest.mark.parametrize("choice,flags,capability,expect", [
+    ("auto", AVX512_FLAGS, "AVX512", "avx512"),               # AMD EPYC Zen 4
+    ("auto", AVX2_FLAGS, "AVX2", "avx2"),                     # AMD EPYC Zen 2/3
+    ("auto", AVX512_FLAGS, "AVX2", "avx2"),                   # ATEN_CPU_CAPABILITY=avx2 on an AVX-512 CPU
+    ("auto", AVX512_FLAGS - {"avx512_bf16"}, "AVX512", "avx2"),  # AVX-512 without BF16 (Skylake, Ice Lake)
+    ("auto", AMX_FLAGS, "AVX512", "avx512"),                  # AMX Xeon (the attention stays PyTorch's: below)
+    ("auto", AVX512_FLAGS, "DEFAULT", None),                  # ATEN_CPU_CAPABILITY=default: no vector code
+    ("auto", frozenset({"asimd", "sve"}), "SVE256", None),    # Arm (Graviton): no variant yet
+    ("avx2", AVX512_FLAGS, "AVX512", "avx2"),                 # the override the tests use
+    ("avx512", AVX2_FLAGS, "AVX2", None),                     # never code the CPU cannot run
+    ("avx512", AVX512_FLAGS, "AVX2", None),                   # nor code PyTorch was told not to run
+])
+def test_variant_choice_follows_cpu_flags_and_pytorch_capability(choice, flags, capability, expect):
+    """The choice is a function of the configuration, the CPU's flags and PyTorch's capability only. Where none
+    runs: a variant named by the user is a choice (a note, the fix: unset it); under `auto` a faster path is lost
+    (a warning), with a fix only where PyTorch's capability, not the CPU, is the limit."""
+    if expect is None:
+        with pytest.raises(kernels.KernelUnavailable) as e:
+            kernels.pick_variant(choice, flags, capability)
+        named = choice != "auto"
+        assert e.value.chosen is named
+        if named:
+            assert kernels.ATTENTION_ENV in e.value.fix
+        else:
+            assert (e.value.fix == "unset ATEN_CPU_CAPABILITY") is ("avx2" in flags)
+    else:
+        assert kernels.pick_variant(choice, flags, capability).name == expect
+
+
+@pytest.mark.parametrize("choice,flags,declined", [
+    ("auto", AVX512_FLAGS, False), ("auto", AMX_FLAGS, True), ("bivit", AMX_FLAGS, False),
+    ("sdpa", AVX512_FLAGS, True), ("avx2", AMX_FLAGS, False),
+])
+def test_attention_stays_pytorchs_on_amx_and_when_asked(choice, flags, declined):
+    assert bool(kernels.attention_declined(choice, flags)) == declined
 
 
 @pytest.mark.parametrize("choice,expect", [("sdpa", "BIVIT_ATTENTION=sdpa"), ("nonsense", None)])
 def test_choice_from_environment(monkeypatch, caplog, choice, expect):
     monkeypatch.setenv(kernels.ATTENTION_ENV, choice)
     if expect:
-        with pytest.raises(kernels.KernelUnavailable, match=expect):
-            kernels._load_attention()
+        assert expect in kernels.attention_declined(kernels._attention_choice(), FLAGS)
         return
     with caplog.at_level(logging.WARNING, logger="bivit"):
         assert kernels._attention_choice() == "auto"
@@ -200,13 +249,15 @@ def test_a_process_without_the_kernel_encodes_close_to_one_with_it(tmp_path):
         "from support.media import random_image\n"
         "enc = bivit.load_encoder(None, dtype='bfloat16')\n"
         "out = enc.encode([random_image(112, 140, 3)])[0]\n"
-        "torch.save({'out': out, 'kernel': kernels.attention() is not None}, sys.argv[1])\n")
+        "k = kernels.attention()\n"
+        "torch.save({'out': out, 'kernel': k is not None, 'variant': k and k.variant}, sys.argv[1])\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(os.path.dirname(__file__)), *sys.path]),
                BIVIT_KERNEL_CACHE=str(tmp_path / "cache"))
     runs = {}
-    for name, extra in {"sdpa": {kernels.ATTENTION_ENV: "sdpa"}, "auto": {},
-                        "no-cc": {"CC": str(tmp_path / "cc-missing"), "BIVIT_KERNEL_CACHE": str(tmp_path / "c2")}
-                        }.items():
+    configs = {"sdpa": {kernels.ATTENTION_ENV: "sdpa"}, "auto": {},
+               "no-cc": {"CC": str(tmp_path / "cc-missing"), "BIVIT_KERNEL_CACHE": str(tmp_path / "c2")}}
+    configs.update({v.name: {kernels.ATTENTION_ENV: v.name} for v in RUNNABLE})
+    for name, extra in configs.items():
         path = tmp_path / f"{name}.pt"
         done = subprocess.run([sys.executable, "-c", script, str(path)], env={**env, **extra},
                               capture_output=True, text=True, timeout=300)
@@ -221,3 +272,8 @@ def test_a_process_without_the_kernel_encodes_close_to_one_with_it(tmp_path):
     assert float((a - b).abs().max()) <= 3e-2 * float(b.abs().max())
     if AUTO_USES_IT:
         assert runs["auto"]["kernel"] and not torch.equal(runs["auto"]["out"], runs["sdpa"]["out"])
+        assert runs["auto"]["variant"] == RUNNABLE[0].name  # the best variant this CPU runs
+    for v in RUNNABLE:  # each variant, forced, encodes within bf16 rounding of PyTorch's attention
+        assert runs[v.name]["variant"] == v.name
+        a = runs[v.name]["out"].float()
+        assert float((a - b).abs().max()) <= 3e-2 * float(b.abs().max())

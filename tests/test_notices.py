@@ -11,15 +11,24 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from PIL import Image
 
 from bivit import kernels, notices
 from bivit.ops.backend import amx_unused
 from support.media import random_image
 
-# The compiled attention would run here (else the CPU, not the compiler, is the reason it is off).
-CAN_RUN = (all(f in kernels.cpu_info()[1] for f in kernels.ATTENTION_NEEDS)
-           and __import__("torch").backends.cpu.get_cpu_capability() == "AVX512")
+
+def _can_run() -> bool:
+    """A variant of the compiled kernels would run here (else the CPU, not the compiler, is why they are off)."""
+    try:
+        kernels.pick_variant("bivit", kernels.cpu_info()[1], torch.backends.cpu.get_cpu_capability())
+        return True
+    except kernels.KernelUnavailable:
+        return False
+
+
+CAN_RUN = _can_run()
 FALSE = shutil.which("false") or "/bin/false"
 
 
@@ -44,10 +53,10 @@ def test_encode_without_a_compiler_says_once_which_kernel_is_off_why_and_the_fix
     Image.fromarray(random_image(56, 84, seed=1)).save(image)
     r = bivit_cli("encode", image, "--out", tmp_path / "e.safetensors", env=no_compiler_env(tmp_path))
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
-    lines = [ln for ln in r.stderr.splitlines() if "compiled attention" in ln]
+    lines = [ln for ln in r.stderr.splitlines() if "compiled kernels" in ln]
     assert len(lines) == 1, r.stderr  # one line, said once
     line = lines[0]
-    assert line.startswith("bivit: compiled attention off: ") and "PyTorch's fused attention runs instead" in line
+    assert line.startswith("bivit: compiled kernels off: ") and "PyTorch's attention and RoPE run instead" in line
     if CAN_RUN:  # the reason is the compiler, and the fix says what to do about it
         assert FALSE in line and "does not work" in line and "fix: install a C compiler" in line
 

@@ -82,7 +82,7 @@ class Encoder:
         a dataset's header, the service's /v1/info and response header)."""
         dtypes = list(dict.fromkeys((self.dtype, self.projector_dtype)))
         probe = torch.empty(0, 1, self.config.head_dim, dtype=self.dtype, device=self.device)
-        compiled = kernels.Attention.supports(probe) and kernels.attention() is not None
+        compiled = kernels.attention() if kernels.Attention.supports(probe) else None
         gemm = ([ops.gemm_path(d, self.device.type).describe() for d in dtypes] if self.batch_invariant
                 else ["PyTorch F.linear (default mode: not batch invariant)"])
         return {"model": self.model_name, "demo": self.is_demo, "fingerprint": self.fingerprint,
@@ -90,7 +90,9 @@ class Encoder:
                 "output_dtype": dtype_name(self.output_dtype), "batch_invariant": self.batch_invariant,
                 "text_hidden_size": int(self.config.text_hidden_size), "alpha": self.alpha,
                 "processing": self.processing.to_dict(),
-                "kernels": {"gemm": gemm, "attention": "bivit compiled" if compiled else "PyTorch SDPA",
+                # the variant too: the avx2 and avx512 kernels round differently
+                "kernels": {"gemm": gemm,
+                            "attention": f"bivit compiled ({compiled.variant})" if compiled else "PyTorch SDPA",
                             # every faster path this process leaves off, why and the fix (bivit.notices)
                             "fallbacks": notices.warnings()}}
 
@@ -109,7 +111,7 @@ class Encoder:
         replace_weights(self.model, state_dict, source)
         self._fingerprint = None
         if self.batch_invariant:
-            ops.self_check(gemms(self.model))  # re-pack now rather than on the next request
+            ops.self_check(gemms(self.model), prepare=True)  # re-pack now rather than on the next request
         return self.fingerprint
 
     # ------------------------------------------------------------------------------------------ stages

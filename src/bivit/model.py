@@ -30,6 +30,11 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.linear(x, self.weight, self.bias, gelu=self.gelu)
 
+    @property
+    def layer(self) -> tuple[torch.Tensor, torch.Tensor | None, str | None]:
+        """(weight, bias, GELU) for `ops.residual_linear`."""
+        return self.weight, self.bias, self.gelu
+
 
 class LayerNorm(nn.LayerNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -56,7 +61,7 @@ def grids(grid_thw: torch.Tensor) -> list[tuple[int, int, int]]:
 @lru_cache(maxsize=256)
 @torch.inference_mode(False)  # cached tables are shared with autograd forwards, which must be able to save them
 def _rope_cos_sin(h: int, w: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The 2-D RoPE of an h x w grid as fp32 `[h*w, head_dim]` tables in the interleaved layout of `apply_rope`:
+    """The 2-D RoPE of an h x w grid as fp32 `[h*w, head_dim]` tables in the interleaved layout of `ops.rope`:
     cos = (c0, c0, c1, c1, ...), sin = (-s0, s0, -s1, s1, ...); complex slot 2i turns with the column, 2i+1
     with the row.
 
@@ -76,20 +81,6 @@ def rope_tables(grid_thw: list[tuple[int, int, int]], head_dim: int, theta: floa
     tables = [_rope_cos_sin(h, w, head_dim, theta) for _, h, w in grid_thw]
     return (torch.cat([c.repeat(t, 1) for (c, _), (t, _, _) in zip(tables, grid_thw)]),
             torch.cat([s.repeat(t, 1) for (_, s), (t, _, _) in zip(tables, grid_thw)]))
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved pairs (x[..., 2k], x[..., 2k+1]) of `[L, ..., head_dim]` as complex numbers, in fp32:
-    (re, im) -> (re*c - im*s, im*c + re*s) = x * cos + pairs_swapped(x) * sin with `rope_tables`' layout.
-
-    Real multiplies and adds round the same in vector and scalar code (a complex multiply's kernels do not, so
-    its result would depend on where in the batch tensor an element sits). bf16 inputs enter the fp32 multiply
-    directly (the widening is exact): no fp32 copy of x, no stack of the halves.
-    """
-    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
-    out = torch.mul(x, cos.view(shape))
-    out += torch.mul(x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2), sin.view(shape))
-    return out.to(x.dtype)
 
 
 @lru_cache(maxsize=16)
@@ -174,8 +165,8 @@ class MLP(nn.Module):
         self.fc0 = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.linear_bias, gelu="tanh")
         self.fc1 = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.linear_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc1(self.fc0(x))  # fc1(gelu_tanh(fc0(x)))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return ops.residual_linear(residual, x, [self.fc0.layer, self.fc1.layer])  # residual + fc1(gelu_tanh(fc0(x)))
 
 
 class Block(nn.Module):
@@ -190,16 +181,17 @@ class Block(nn.Module):
         self.norm1 = make_norm(cfg, cfg.hidden_size)
         self.mlp = MLP(cfg)
 
-    def attention(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], seqlens: list[int]) -> torch.Tensor:
+    def attention(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], seqlens: list[int],
+                  residual: torch.Tensor) -> torch.Tensor:
         qkv = self.wqkv(x).view(x.shape[0], 3, self.heads, self.head_dim)
-        qk = apply_rope(qkv[:, :2], *rope)  # q and k rotated together
-        return self.wo(ops.attention(qk[:, 0], qk[:, 1], qkv[:, 2], seqlens))
+        qk = ops.rope(qkv[:, :2], *rope)  # q and k rotated together
+        return ops.residual_linear(residual, ops.attention(qk[:, 0], qk[:, 1], qkv[:, 2], seqlens), [self.wo.layer])
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], seqlens: list[int]) -> torch.Tensor:
-        # Residual adds in place unless autograd records (it needs x): one allocation less per add in `encode`.
-        add = torch.add if torch.is_grad_enabled() else torch.Tensor.add_
-        x = add(x, self.attention(self.norm0(x), rope, seqlens))
-        return add(x, self.mlp(self.norm1(x)))
+        # x + attention(norm0(x)), then x + mlp(norm1(x)): the residual adds happen in the ops (in place unless
+        # autograd records).
+        x = self.attention(self.norm0(x), rope, seqlens, residual=x)
+        return self.mlp(self.norm1(x), residual=x)
 
 
 class Encoder(nn.Module):

@@ -60,7 +60,8 @@ def build_model(model: str | os.PathLike | None, *, device: torch.device, dtype:
     net.vision_tower.to(device=device, dtype=dtype)
     net.mm_projector.to(device=device, dtype=projector_dtype)
     if device.type == "cpu":
-        kernels.attention()  # build (or find in the cache) and self-test the compiled attention now, not mid-request
+        kernels.library()  # build (or find in the cache) and self-test the compiled kernels now, not mid-request
+        kernels.attention()
     return net, name, is_demo, proc
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import typer
 
@@ -23,12 +23,15 @@ def bench(
     seed: int = typer.Option(0, "--seed", help="Seed of the random weights and images."),
     in_process: bool = typer.Option(False, "--in-process", help="All implementations in this process (debugging; "
                                                                 "memory is then not attributable)."),
+    cases: Optional[List[str]] = typer.Option(None, "--case", help="Only the cases whose name contains this "
+                                                                   "(repeatable; default: all four)."),
 ) -> None:
-    """Throughput of bivit (invariant and default mode) vs the transformers port, against the GEMM peak.
+    """Throughput of bivit (invariant and default mode) vs the transformers port, each case beside its roofline.
 
     Seeded random weights at full size (no download); a fixed mix of a 448x448 image, an 896x672 image, 32
     images of 112x112 in one call and a 4-frame video chunk; repeats interleaved across implementations, each
-    implementation in its own process. Prints Markdown tables; writes bench.json, bench.md and bench.png.
+    implementation in its own process. Per case: GEMM / attention / other FLOPs, this machine's GEMM and attention
+    rates and the roofline they give. Prints Markdown tables; writes bench.json, bench.md and bench.png.
     """
     from .. import bench as b
 
@@ -37,10 +40,15 @@ def bench(
     if repeats < 1 or warmup < 0 or (threads is not None and threads < 1):
         fail("--repeats and --threads must be >= 1, --warmup >= 0")
     writable(out_dir / "bench.json", option="--out-dir")
+    chosen = [c for c in b.standard_cases(seed) if not cases or any(part in c.name for part in cases)]
+    if not chosen:
+        fail(f"--case {' '.join(cases)}: no case matches (cases: "
+             f"{', '.join(c.name for c in b.standard_cases(seed))})")
     command_line = b.command_line()
     typer.echo(f"$ {command_line}")
     record = b.run_benchmark(preset=preset, dtypes=b.DTYPE_CHOICES[dtype], impls=b.BIVIT_IMPLS if skip_hf else b.IMPLS,
-                             repeats=repeats, warmup=warmup, threads=threads, seed=seed, isolate=not in_process)
+                             repeats=repeats, warmup=warmup, threads=threads, seed=seed, isolate=not in_process,
+                             cases=chosen)
     record["command"] = command_line
     summary = b.summarize(record)
     report = f"$ {command_line}\n\n" + b.format_report(record, summary)

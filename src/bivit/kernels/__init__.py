@@ -1,49 +1,77 @@
 """bivit's own CPU kernels: C sources shipped in this package, compiled on first use and called through ctypes.
 
 Why compiled here and not shipped built: a kernel is only worth having for the instruction set it is written
-for (AVX-512 BF16 dot products), so it is built on the machine that runs it, by the system C compiler, once,
-into a cache keyed by the source and the compiler (`$BIVIT_KERNEL_CACHE`, else `$XDG_CACHE_HOME/bivit/kernels`,
-else `~/.cache/bivit/kernels`). Plain C with a C ABI, no PyTorch headers: the build takes about a second, and
-ctypes releases the GIL during the call. The library links the OpenMP runtime PyTorch has already loaded
-(`libgomp.so.1`), so its threads are PyTorch's threads.
+for, so it is built on the machine that runs it, by the system C compiler, once, into a cache keyed by the
+source and the compiler (`cache`: checked before anything in it is loaded). Plain C with a C ABI, no PyTorch
+headers: the build takes about a second, and ctypes releases the GIL during the call. The library links the
+OpenMP runtime PyTorch has already loaded (`libgomp.so.1`), so its threads are PyTorch's threads.
 
-Where a kernel cannot be used (no compiler, another CPU, a failed build or self-test), `attention()` returns None
-and says why once, with the fix (`bivit.notices`: a warning where a faster path is lost, else a note); callers
-then use PyTorch's own kernel. `status()` reports what happened, for `bivit doctor` and `Encoder.describe()`. `BIVIT_ATTENTION` chooses: `auto`
-(default: the bivit kernel on CPUs with AVX-512 BF16 but without AMX, where it was measured the faster one),
-`bivit` (wherever the CPU can run it) or `sdpa` (never).
+The library (attention and RoPE) comes in one variant per instruction set (`VARIANTS`, best first): `avx512`
+(attention by AVX-512 BF16 dot products; fp32 by FMAs) and `avx2` (AVX2 + FMA, all arithmetic in fp32, bf16
+widened in registers). A process uses the best variant that both the CPU's flags (/proc/cpuinfo) and
+PyTorch's own dispatch (`torch.backends.cpu.get_cpu_capability()`, which honours `ATEN_CPU_CAPABILITY` and says
+whether the OS saves the AVX-512 state) allow: decided once per process from those facts, never from a failure.
+Elsewhere (Arm, no compiler) `library()` is None, says why once with the fix (`bivit.notices`: a warning
+where a faster path is lost, else a note), and PyTorch's kernels run. `status()` reports what happened, for
+`bivit doctor`.
+
+`BIVIT_ATTENTION` chooses: `auto` (default: the best variant, except that on CPUs with AMX PyTorch's attention
+stays, running on AMX tiles), `bivit` (the best variant wherever one runs), `avx512` or `avx2` (that variant,
+if the CPU can run it: how the tests exercise the AVX2 kernels on an AVX-512 machine) or `sdpa` (PyTorch's
+attention; the RoPE kernel computes PyTorch's bits, so it runs whatever the choice).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import math
 import os
-import shutil
-import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
 from .. import notices
+from .cache import CACHE_ENV, Build, KernelUnavailable, Loaded, cache_dir, compiler, find_compiler, load
+
+__all__ = ["ATTENTION_ENV", "CACHE_ENV", "Attention", "KernelUnavailable", "Library", "Rope", "VARIANTS", "Variant",
+           "attention", "attention_declined", "cache_dir", "compiler", "cpu_info", "find_compiler", "library",
+           "load_library", "pick_variant", "rope", "status"]
 
 log = logging.getLogger("bivit")
 
 _HERE = Path(__file__).parent
 ATTENTION_ENV = "BIVIT_ATTENTION"
-ATTENTION_CHOICES = ("auto", "bivit", "sdpa")
-# Instruction sets the compiled attention needs. AMX Xeons have them too, but there PyTorch's fused attention
-# runs on AMX tiles (measured at ~840 GFLOP/s in bf16) and `auto` leaves it in place.
-ATTENTION_NEEDS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
-CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp",
-          "-shared", "-fPIC")
 DTYPES = (torch.bfloat16, torch.float32)
-MAX_HEAD_DIM = 128  # the kernel's register blocking covers head dims up to this (K2.x: 72, K3: 128)
+MAX_HEAD_DIM = 128  # every variant's register blocking covers head dims up to this (K2.x: 72, K3: 128)
+# -ffp-contract=off: a product and a sum written apart stay apart (rounded twice, as PyTorch rounds them), so
+# the RoPE kernel computes PyTorch's bits; the attention's fused multiply-adds are explicit intrinsics.
+COMMON_CFLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One instruction-set variant of the compiled attention."""
+
+    name: str
+    source: str
+    needs: tuple[str, ...]           # /proc/cpuinfo flags the code executes
+    capabilities: tuple[str, ...]    # PyTorch CPU capabilities under which it may run
+    cflags: tuple[str, ...]
+
+    def build(self) -> Build:
+        return Build(_HERE / self.source, (_HERE / "common.h", _HERE / "rope.h"), (*COMMON_CFLAGS, *self.cflags))
+
+
+VARIANTS = (
+    Variant("avx512", "attention_avx512.c", ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"), ("AVX512",),
+            ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma")),
+    Variant("avx2", "attention_avx2.c", ("avx2", "fma"), ("AVX2", "AVX512"), ("-mavx2", "-mfma")),
+)
+ATTENTION_CHOICES = ("auto", "bivit", *(v.name for v in VARIANTS), "sdpa")
 
 
 @functools.cache
@@ -59,112 +87,6 @@ def cpu_info() -> tuple[str, frozenset[str]]:
     return model, flags
 
 
-class KernelUnavailable(Exception):
-    """Why a compiled kernel is not used (said once; PyTorch's kernel runs instead). `chosen`: by the
-    configuration or because a faster kernel runs (a note), not lost to a failure or to the CPU (a warning).
-    `fix`: what the user can do about it (None: nothing)."""
-
-    def __init__(self, reason: str, chosen: bool = False, fix: str | None = None) -> None:
-        super().__init__(reason)
-        self.chosen = chosen
-        self.fix = fix
-
-
-INSTALL_CC = "install a C compiler (e.g. apt install gcc), or set CC to one"
-
-
-def find_compiler() -> tuple[str | None, str]:
-    """(the C compiler kernels are built with, where it was found): `$CC`, else `cc` or `gcc` on PATH."""
-    if os.environ.get("CC"):
-        return os.environ["CC"], "$CC"
-    for name in ("cc", "gcc"):
-        found = shutil.which(name)
-        if found:
-            return found, "PATH"
-    return None, "PATH"
-
-
-def _compiler() -> str:
-    cc, _ = find_compiler()
-    if not cc:
-        raise KernelUnavailable("no C compiler found (no $CC, no cc or gcc on PATH)", fix=INSTALL_CC)
-    return cc
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("BIVIT_KERNEL_CACHE")
-    if root:
-        return Path(root)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "bivit" / "kernels"
-
-
-def build(source: Path) -> Path:
-    """Compile `source` into a shared library in the cache (once per source, flags and compiler) -> its path.
-
-    Written under a temporary name and renamed into place, so concurrent processes (dataset workers, server
-    replicas) never load a half-written library."""
-    cc = _compiler()
-    try:
-        probe = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.SubprocessError) as e:
-        raise KernelUnavailable(f"the C compiler {cc} does not run ({e})", fix=INSTALL_CC) from e
-    if probe.returncode != 0:
-        raise KernelUnavailable(f"the C compiler {cc} does not work (`{cc} --version` exited {probe.returncode})",
-                                fix=INSTALL_CC)
-    version = probe.stdout
-    key = hashlib.sha256(source.read_bytes() + " ".join(CFLAGS).encode() + version.encode()).hexdigest()[:16]
-    target = cache_dir() / f"{source.stem}-{key}.so"
-    if target.is_file():
-        return target
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-        os.close(fd)
-    except OSError as e:
-        raise KernelUnavailable(f"cannot write the kernel cache {target.parent}: {e}",
-                                fix="set BIVIT_KERNEL_CACHE to a writable folder") from e
-    try:
-        done = subprocess.run([cc, *CFLAGS, "-o", tmp, str(source)], capture_output=True, text=True, timeout=300)
-        if done.returncode != 0:
-            detail = " ".join(done.stderr.split())[-300:] or f"exit status {done.returncode}"
-            raise KernelUnavailable(f"{cc} could not build {source.name}: {detail}",
-                                    fix="set CC to a compiler with AVX-512 BF16 support (gcc >= 10, clang >= 9)")
-        os.replace(tmp, target)
-    except (OSError, subprocess.SubprocessError) as e:
-        raise KernelUnavailable(f"building {source.name} failed: {e}", fix=INSTALL_CC) from e
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
-
-
-@dataclass(frozen=True)
-class Attention:
-    """The compiled attention (bf16 and fp32): one call per item, `out[n, heads, d]` written in place."""
-
-    lib: ctypes.CDLL
-
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                 lse: torch.Tensor | None = None) -> None:
-        """q/k/v/out: `[n, heads, d]` views of one dtype with a contiguous last dim; lse: `[heads, n]` float32
-        or None."""
-        n, heads, d = q.shape
-        fn = self.lib.bivit_attention_bf16 if q.dtype == torch.bfloat16 else self.lib.bivit_attention_f32
-        rc = fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), n, heads, d,
-                q.stride(0), k.stride(0), v.stride(0), out.stride(0),
-                q.stride(1), k.stride(1), v.stride(1), out.stride(1), 1 / math.sqrt(d),
-                None if lse is None else lse.data_ptr(), torch.get_num_threads())
-        if rc == 1:
-            raise MemoryError(f"bivit attention: no memory for the scratch of an item of {n} patches")
-        if rc != 0:
-            raise ValueError(f"bivit attention: unsupported head dim {d}")
-
-    @staticmethod
-    def supports(q: torch.Tensor) -> bool:
-        return (q.dtype in DTYPES and q.device.type == "cpu" and q.dim() == 3
-                and q.shape[2] <= MAX_HEAD_DIM and q.stride(2) == 1)
-
-
 def _attention_choice() -> str:
     choice = os.environ.get(ATTENTION_ENV, "auto").strip().lower() or "auto"
     if choice not in ATTENTION_CHOICES:
@@ -173,65 +95,181 @@ def _attention_choice() -> str:
     return choice
 
 
-def _load_attention() -> Attention:
-    choice = _attention_choice()
+def pick_variant(choice: str, flags: frozenset[str], capability: str) -> Variant:
+    """The variant of the compiled kernels on a CPU with `flags` where PyTorch dispatches `capability` kernels:
+    the best one both allow, or the one `choice` names; raises KernelUnavailable where none is to run (chosen
+    when `choice` named a variant, else the CPU's limit: no fix). A pure function of its arguments."""
+    named = [v for v in VARIANTS if v.name == choice]
+    unset = f"unset {ATTENTION_ENV} (auto picks the variant this CPU runs)"
+    for v in named or VARIANTS:
+        missing = [f for f in v.needs if f not in flags]
+        if missing:
+            if named:
+                raise KernelUnavailable(f"{ATTENTION_ENV}={choice}: this CPU lacks {', '.join(missing)}",
+                                        chosen=True, fix=unset)
+            continue
+        if capability not in v.capabilities:
+            if named:
+                raise KernelUnavailable(f"{ATTENTION_ENV}={choice}: PyTorch runs {capability} kernels here",
+                                        chosen=True, fix=unset)
+            continue
+        return v
+    needs = " or ".join("+".join(v.needs) for v in VARIANTS)
+    cpu_allows = any(all(f in flags for f in v.needs) for v in VARIANTS)
+    raise KernelUnavailable(f"neither this CPU nor PyTorch's {capability} kernels allow a variant (needs {needs})",
+                            fix="unset ATEN_CPU_CAPABILITY" if cpu_allows else None)  # else: the CPU's limit
+
+
+def attention_declined(choice: str, flags: frozenset[str]) -> str | None:
+    """Why `choice` leaves PyTorch's attention in place on a CPU with `flags` (None: the compiled one runs)."""
     if choice == "sdpa":
-        raise KernelUnavailable(f"{ATTENTION_ENV}=sdpa", chosen=True)
-    _, flags = cpu_info()
-    missing = [f for f in ATTENTION_NEEDS if f not in flags]
-    if missing:
-        raise KernelUnavailable(f"this CPU lacks {', '.join(missing)}")  # no fix: the CPU's limit
-    # /proc/cpuinfo lists what the CPU has; PyTorch's capability also says the OS saves AVX-512 state (else the
-    # first instruction would be SIGILL, not an exception) and honours ATEN_CPU_CAPABILITY.
-    capability = torch.backends.cpu.get_cpu_capability()
-    if capability != "AVX512":
-        forced = os.environ.get("ATEN_CPU_CAPABILITY")
-        raise KernelUnavailable(f"PyTorch runs {capability} kernels here, not AVX512"
-                                + (f" (ATEN_CPU_CAPABILITY={forced})" if forced else " (the OS does not enable AVX-512)"),
-                                fix="unset ATEN_CPU_CAPABILITY" if forced else None)
+        return f"{ATTENTION_ENV}=sdpa"
     if choice == "auto" and "amx_bf16" in flags:
-        raise KernelUnavailable(f"AMX-BF16 CPU: PyTorch's fused attention runs on AMX here ({ATTENTION_ENV}=bivit "
-                                "overrides)", chosen=True)
-    lib = ctypes.CDLL(str(build(_HERE / "attention.c")))
+        return f"AMX-BF16 CPU: PyTorch's fused attention runs on AMX here ({ATTENTION_ENV}=bivit overrides)"
+    return None
+
+
+@dataclass(frozen=True)
+class Attention:
+    """The compiled attention (bf16 and fp32) of one variant: one call per packed batch, each item attending to
+    itself, `out[L, heads, d]` written in place."""
+
+    lib: ctypes.CDLL
+    variant: str
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                 seqlens: Sequence[int], lse: torch.Tensor | None = None) -> None:
+        """q/k/v/out: `[L, heads, d]` views of one dtype with a contiguous last dim, item i owning the next
+        `seqlens[i]` rows; lse: float32 with room for `heads * L` values (item by item, `[heads, n_i]` each), or
+        None."""
+        _, heads, d = q.shape
+        cu = torch.zeros(len(seqlens) + 1, dtype=torch.int64)
+        torch.cumsum(torch.tensor(seqlens, dtype=torch.int64), 0, out=cu[1:])
+        fn = self.lib.bivit_attention_bf16 if q.dtype == torch.bfloat16 else self.lib.bivit_attention_f32
+        rc = fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), cu.data_ptr(), len(seqlens), heads, d,
+                q.stride(0), k.stride(0), v.stride(0), out.stride(0),
+                q.stride(1), k.stride(1), v.stride(1), out.stride(1), 1 / math.sqrt(d),
+                None if lse is None else lse.data_ptr(), torch.get_num_threads())
+        if rc == 1:
+            raise MemoryError(f"bivit attention: no memory for the scratch of {len(seqlens)} item(s) of up to "
+                              f"{max(seqlens)} patches")
+        if rc == 2:
+            raise ValueError(f"bivit attention: unsupported head dim {d}")
+        if rc != 0:
+            raise ValueError(f"bivit attention: bad item lengths {list(seqlens)}")
+
+    @staticmethod
+    def supports(q: torch.Tensor) -> bool:
+        return (q.dtype in DTYPES and q.device.type == "cpu" and q.dim() == 3
+                and q.shape[2] <= MAX_HEAD_DIM and q.stride(2) == 1)
+
+
+@dataclass(frozen=True)
+class Rope:
+    """The compiled rotary embedding (`bivit.ops.rotary` holds the math and PyTorch's form of it; same bits)."""
+
+    lib: ctypes.CDLL
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor) -> None:
+        """x, out: `[L, slots, d]` of one dtype, last dim contiguous; cos, sin: contiguous float32 `[L, d]`."""
+        rows, slots, d = x.shape
+        fn = self.lib.bivit_rope_bf16 if x.dtype == torch.bfloat16 else self.lib.bivit_rope_f32
+        rc = fn(x.data_ptr(), out.data_ptr(), cos.data_ptr(), sin.data_ptr(), rows, slots, d, x.stride(0),
+                x.stride(1), out.stride(0), out.stride(1), torch.get_num_threads())
+        if rc != 0:
+            raise ValueError(f"bivit rope: unsupported head dim {d}")
+
+    @staticmethod
+    def supports(x: torch.Tensor, cos: torch.Tensor) -> bool:
+        return (x.dtype in DTYPES and x.device.type == "cpu" and x.dim() == 3 and x.stride(2) == 1
+                and x.shape[2] % 2 == 0 and x.shape[2] <= 256 and cos.dtype == torch.float32
+                and cos.is_contiguous() and tuple(cos.shape) == (x.shape[0], x.shape[2]))
+
+
+@dataclass(frozen=True)
+class Library:
+    """One variant's compiled kernels, loaded and self-tested."""
+
+    loaded: Loaded
+    variant: str
+    attention: Attention
+    rope: Rope
+
+
+def load_library(variant: Variant) -> Library:
+    """Build (or find in the cache), load and self-test one variant. The caller has checked the CPU runs it."""
+    loaded = load(variant.build())
+    lib = loaded.lib
     for fn in (lib.bivit_attention_bf16, lib.bivit_attention_f32):
         fn.restype = ctypes.c_int
-        fn.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_int64] * 11
+        fn.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int64] * 11
                        + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int])
-    kernel = Attention(lib)
+    for fn in (lib.bivit_rope_bf16, lib.bivit_rope_f32):
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 7 + [ctypes.c_int]
+    library = Library(loaded, variant.name, Attention(lib, variant.name), Rope(lib))
     for dtype, bound in ((torch.bfloat16, 2 ** -7), (torch.float32, 1e-5)):
-        _self_test(kernel, dtype, bound)
-    return kernel
+        _self_test(library.attention, dtype, bound)
+    return library
 
 
 def _self_test(kernel: Attention, dtype: torch.dtype, bound: float) -> None:
     """Refuse a kernel that does not compute attention (a miscompile, an odd toolchain): compared with float64
-    attention on a small item, it must be as close as rounding to `dtype` allows."""
+    attention on two small items of one call, it must be as close as rounding to `dtype` allows. (The RoPE
+    kernel is held to PyTorch's bits by `bivit.ops.rotary` itself.)"""
     g = torch.Generator().manual_seed(0)
-    q, k, v = torch.randn(3, 37, 2, 72, generator=g).to(dtype).unbind(0)
+    lens = [37, 20]
+    q, k, v = torch.randn(3, sum(lens), 2, 72, generator=g).to(dtype).unbind(0)
     out = torch.empty_like(q)
-    kernel(q, k, v, out)
-    ref = torch.nn.functional.scaled_dot_product_attention(*(t.double().transpose(0, 1) for t in (q, k, v)))
-    err = (out.double() - ref.transpose(0, 1)).abs().max().item()
+    kernel(q, k, v, out, lens)
+    err, start = 0.0, 0
+    for n in lens:
+        item = [t[start:start + n].double().transpose(0, 1) for t in (q, k, v)]
+        ref = torch.nn.functional.scaled_dot_product_attention(*item).transpose(0, 1)
+        err = max(err, (out[start:start + n].double() - ref).abs().max().item())
+        start += n
     if not err <= bound:
-        raise KernelUnavailable(f"the compiled attention failed its self-test in {dtype} (max error {err:.3g})",
-                                fix="set CC to another compiler, and report it with the output of `bivit doctor`")
+        raise KernelUnavailable(f"the compiled attention ({kernel.variant}) failed its self-test in {dtype} "
+                                f"(max error {err:.3g})")
+
+
+@functools.cache
+def library() -> Library | None:
+    """This process's compiled kernels (the variant `pick_variant` chooses), or None: PyTorch's kernels are
+    used instead, and why is said once, with the fix."""
+    choice = _attention_choice()
+    try:
+        variant = pick_variant(choice, cpu_info()[1], torch.backends.cpu.get_cpu_capability())
+        lib = load_library(variant)
+    except (KernelUnavailable, OSError, AttributeError) as e:
+        if isinstance(e, KernelUnavailable) and e.chosen:
+            notices.note("attention", "compiled kernels not used", str(e), "PyTorch's attention and RoPE run")
+        else:
+            notices.fallback("attention", "compiled kernels off", str(e),
+                             "PyTorch's attention and RoPE run instead, slower", getattr(e, "fix", None))
+        return None
+    log.info("bivit: compiled kernels in use (%s, %s)", lib.variant, lib.loaded.path)
+    return lib
+
+
+def rope() -> Rope | None:
+    lib = library()
+    return None if lib is None else lib.rope
 
 
 @functools.cache
 def attention() -> Attention | None:
     """The compiled attention for this process, or None (PyTorch's fused attention is used instead; why is said
-    once, with the fix: `bivit.notices`)."""
-    try:
-        kernel = _load_attention()
-    except (KernelUnavailable, OSError, AttributeError) as e:
-        if isinstance(e, KernelUnavailable) and e.chosen:
-            notices.note("attention", "compiled attention not used", str(e), "PyTorch's fused attention runs")
-        else:
-            notices.fallback("attention", "compiled attention off", str(e),
-                             "PyTorch's fused attention runs instead, slower", getattr(e, "fix", None))
+    once: `bivit.notices`)."""
+    lib = library()
+    if lib is None:
         return None
-    log.info("bivit: compiled attention in use (%s)", kernel.lib._name)
-    return kernel
+    why = attention_declined(_attention_choice(), cpu_info()[1])
+    if why:
+        notices.note("attention", "compiled attention not used", why, "PyTorch's fused attention runs")
+        return None
+    log.info("bivit: compiled attention in use (%s)", lib.variant)
+    return lib.attention
 
 
 def status() -> dict:
@@ -239,7 +277,7 @@ def status() -> dict:
     `why` (and `fix`) it does not. Builds it on first call, like `attention()`."""
     kernel = attention()
     if kernel is not None:
-        return {"in_use": True, "kernel": "bivit compiled (AVX-512 BF16)", "library": kernel.lib._name}
+        return {"in_use": True, "kernel": f"bivit compiled ({kernel.variant})", "library": str(library().loaded.path)}
     said = notices.said("attention")
     why = said[0] if said else None
     return {"in_use": False, "kernel": "PyTorch SDPA", "why": why.why if why else "unknown",

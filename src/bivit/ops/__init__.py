@@ -5,11 +5,14 @@ through this package. One switch, `batch_invariant(True)` (`mode`), makes each o
 a way that does not depend on which other rows share the call:
 
 * `gemm`: GEMMs and the patch conv (a GEMM over flattened patches) run only at row counts a load-time probe
-  proved row-position invariant on this machine; GELU after a GEMM is fused into it where the kernel allows.
+  proved row-position invariant on this machine; GELU after a GEMM is fused into it where the kernel allows;
+  a residual branch of linears (`residual_linear`) runs tile by tile into the residual stream.
 * `pointwise`: GELU in fixed-size chunks (vectorised kernels round a thread's scalar tail differently); the
   temporal mean adds frames in a fixed order in float32.
 * `norms`: row-wise kernels; LayerNorm's weight gradient is summed in a fixed order.
 * `attend`: attention per item, so its shapes depend on the item only (bivit's compiled kernel or PyTorch's).
+* `rotary`: the rotary embedding of q and k, elementwise in fp32 (bivit's compiled kernel or PyTorch's ops, same
+  bits).
 * `backend`: which kernel each op uses, decided once per process and dtype from the CPU and the PyTorch build,
   never switched by a failure (an item's bits depend only on the checkpoint, the dtype settings, the input and
   the machine kind).
@@ -28,13 +31,15 @@ Functions are skipped: the fast path stays the fast path.
 
 from .attend import attention
 from .backend import GemmPath, KernelFailed, gemm_path
-from .gemm import CANDIDATE_TILES, REFERENCE_TILE, GemmPlan, gemm_plan, linear, patch_conv, self_check
+from .gemm import CANDIDATE_TILES, REFERENCE_TILE, GemmPlan, gemm_plan, linear, patch_conv, residual_linear, \
+    self_check
 from .mode import batch_invariant, checkpoint, is_batch_invariant, trace
 from .norms import layer_norm, rms_norm
 from .pointwise import POINTWISE_CHUNK, gelu, temporal_mean
+from .rotary import rope
 
 __all__ = [
     "CANDIDATE_TILES", "POINTWISE_CHUNK", "REFERENCE_TILE", "GemmPath", "GemmPlan", "KernelFailed", "attention",
     "batch_invariant", "checkpoint", "gelu", "gemm_path", "gemm_plan", "is_batch_invariant", "layer_norm",
-    "linear", "patch_conv", "rms_norm", "self_check", "temporal_mean", "trace",
+    "linear", "patch_conv", "residual_linear", "rms_norm", "rope", "self_check", "temporal_mean", "trace",
 ]

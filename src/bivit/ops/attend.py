@@ -22,9 +22,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: Sequen
 
     Each item attends only to itself, so it runs alone: its kernel shapes depend on that item alone, which
     makes attention batch-invariant in both modes (and is what the reference does on CPU too). On CPUs where
-    it is the faster kernel, bf16 and fp32 run bivit's compiled attention (`bivit.kernels`: a fixed split of
-    each item into units computed by one thread each, so its bits depend on neither batch nor thread count);
-    elsewhere PyTorch's fused attention.
+    it is the faster kernel, bf16 and fp32 run bivit's compiled attention (`bivit.kernels`: one call for the
+    whole batch, split into per-item units computed by one thread each, so an item's bits depend on neither
+    batch nor thread count); elsewhere PyTorch's fused attention.
     """
     kernel = kernels.attention() if all(kernels.Attention.supports(t) for t in (q, k, v)) else None
     if kernel is None:
@@ -34,8 +34,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: Sequen
     else:
         out = q.new_empty(q.shape)
         with torch.profiler.record_function("bivit::attention"):  # else invisible to torch.profiler
-            for s, e in _spans(seqlens):
-                kernel(q[s:e], k[s:e], v[s:e], out[s:e])
+            kernel(q, k, v, out, seqlens)
     return emit("attention", out.view(q.shape[0], -1))
 
 
@@ -67,9 +66,8 @@ class _CompiledAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, seqlens, kernel):
         out = q.new_empty(q.shape)
-        lse = torch.empty(q.shape[0] * q.shape[1], dtype=torch.float32)
-        for s, e in _spans(seqlens):
-            kernel(q[s:e], k[s:e], v[s:e], out[s:e], lse[s * q.shape[1]:e * q.shape[1]].view(q.shape[1], e - s))
+        lse = torch.empty(q.shape[0] * q.shape[1], dtype=torch.float32)  # item by item, [heads, n_i] each
+        kernel(q, k, v, out, seqlens, lse)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.seqlens = seqlens
         return out

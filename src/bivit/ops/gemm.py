@@ -5,9 +5,10 @@ row three ways: M = 1, M in {2, 3}, M >= 4), but at one fixed shape a row's resu
 position or its neighbours. In invariant mode GEMMs therefore run only at pinned row counts ("tiles"). Which
 row counts are allowed (`CANDIDATE_TILES`) is decided by a probe on this machine and library, at load: the
 reference tile must compute moved rows bit-identically, and every other size is used only if it computes every
-row bit-identically to the reference tile. The rows of a call are cut into the largest proven tiles, the
-remainder zero-padded up to a proven size. If even the reference tile is not row-position invariant, every row
-is computed alone (M = 1 always: slow, exact) and the probe says so.
+row bit-identically to the reference tile. What the probe proved is recorded per machine kind and library build
+(the kernel cache), so later loads on the same kind do not repeat it. The rows of a call are cut into the
+largest proven tiles, the remainder zero-padded up to a proven size. If even the reference tile is not
+row-position invariant, every row is computed alone (M = 1 always: slow, exact) and the probe says so.
 
 Which kernel a GEMM uses (pre-packed oneDNN or not, fused GELU or not, bf16 widened to float32 or not) is
 `backend.gemm_path(dtype)`: fixed per process and dtype, never switched by a failure.
@@ -15,7 +16,11 @@ Which kernel a GEMM uses (pre-packed oneDNN or not, fused GELU or not, bf16 wide
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
 import logging
+import os
 import threading
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -24,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .. import kernels
 from .backend import KernelFailed, gemm_path
 from .mode import emit, is_batch_invariant, needs_grad
 from .pointwise import chunked_gelu, chunked_gelu_backward
@@ -34,9 +40,13 @@ log = logging.getLogger("bivit")
 # invariance the probe proves directly; every other size is used only if it computes each row bit-identically
 # to it. Large tiles mean few calls (each call is one OpenMP fork/join, which is what hurts on a busy machine,
 # and one output copy less when a whole input fits one call); small ones keep the zero-padding of tails small.
-# The probe computes about 2.5x the largest tile's rows per GEMM shape at load, hence no larger tile.
-CANDIDATE_TILES = (64, 128, 256, 512, 1024)
+# The probe computes about 3x the largest tile's rows per GEMM shape, once per machine kind (the plan is then
+# recorded): tiles above 1024 rows are proven only where that stays under PROBE_TILE_FLOPS per tile, i.e. for
+# the tower's GEMMs (2048 rows: one call for a 2048-patch batch, two for 3072) and not for the projector's
+# 5-7x larger weights, which see a quarter of the rows.
+CANDIDATE_TILES = (64, 128, 256, 512, 1024, 2048)
 REFERENCE_TILE = 256
+PROBE_TILE_FLOPS = 25e9
 
 
 @dataclass
@@ -107,11 +117,9 @@ class Gemm:
         path = gemm_path(weight.dtype, weight.device.type)
         self.weight, self.dtype, self.compute = weight, weight.dtype, path.compute
         self.bias = None if bias is None else bias.detach().to(self.compute)  # exact: bias is never wider
-        packed = pack and path.packed
-        self.packed = _prepared(weight, key, transposed, self.compute, True) if packed else None
-        self.plain = (weight if self.compute == weight.dtype or packed
-                      else _prepared(weight, key, transposed, self.compute, False))
-        self.gelu = gelu if packed and path.fused_gelu else None
+        self.key, self.transposed = key, transposed
+        self.packs = pack and path.packed
+        self.gelu = gelu if self.packs and path.fused_gelu else None
 
     @property
     def fuses(self) -> bool:
@@ -120,35 +128,84 @@ class Gemm:
     def plan_key(self) -> tuple:
         w = self.weight
         return (w.shape[0], w.shape[1], w.stride(), w.dtype, self.compute, w.device, self.bias is None,
-                self.packed is not None, self.gelu)
+                self.packs, self.gelu)
+
+    def prepared(self) -> torch.Tensor:
+        """The weight as the kernel takes it (packed and/or widened), made at its first use (`_prepared`)."""
+        if not self.packs and self.compute == self.dtype:
+            return self.weight
+        return _prepared(self.weight, self.key, self.transposed, self.compute, self.packs)
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """The GEMM of `x`'s rows, into `out` when given (else a new tensor of the weights' dtype)."""
         xc = x if x.dtype == self.compute else x.to(self.compute)
-        if self.packed is not None:
+        weight = self.prepared()
+        if self.packs:
             try:
                 if self.gelu is not None:
-                    y = torch.ops.mkldnn._linear_pointwise(xc, self.packed, self.bias, "gelu", [], self.gelu)
+                    y = torch.ops.mkldnn._linear_pointwise(xc, weight, self.bias, "gelu", [], self.gelu)
                 else:
-                    y = torch.ops.mkldnn._linear_pointwise(xc, self.packed, self.bias, "none", [], "")
+                    y = torch.ops.mkldnn._linear_pointwise(xc, weight, self.bias, "none", [], "")
             except Exception as e:
                 raise KernelFailed(f"oneDNN's packed GEMM raised for input {tuple(x.shape)}: {e}") from e
         elif out is not None and self.compute == self.dtype:
             # MKL writes straight into `out` (a row block of the caller's output: no temporary, no copy).
-            return self._mm(xc, out)
+            return self._mm(xc, weight, out)
         else:
-            y = self._mm(xc, xc.new_empty(xc.shape[0], self.plain.shape[0]))
+            y = self._mm(xc, weight, xc.new_empty(xc.shape[0], weight.shape[0]))
         if out is not None:
             return out.copy_(y)
         return y if y.dtype == self.dtype else y.to(self.dtype)
 
-    def _mm(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    def _mm(self, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         if self.bias is None:
-            return torch.mm(x, self.plain.t(), out=out)
-        return torch.addmm(self.bias, x, self.plain.t(), out=out)
+            return torch.mm(x, weight.t(), out=out)
+        return torch.addmm(self.bias, x, weight.t(), out=out)
+
+
+# Bump when what the probe proves changes: plans recorded by an older bivit are then proven again.
+PLAN_FORMAT = 2
+
+
+@functools.cache
+def _build_facts() -> str:
+    model, flags = kernels.cpu_info()
+    env = sorted((k, v) for k, v in os.environ.items()
+                 if k.startswith(("ONEDNN_", "DNNL_", "MKL_", "ATEN_", "OMP_", "KMP_", "GOMP_")))
+    return json.dumps([PLAN_FORMAT, torch.__version__, torch.version.git_version, torch.__config__.show(), model,
+                       sorted(flags), torch.backends.cpu.get_cpu_capability(), env])
+
+
+def _plan_record_name() -> str:
+    """The plan record of this machine kind, library build and thread count: what decides which kernel a GEMM
+    shape gets (CPU flags, PyTorch/oneDNN/MKL versions, the variables that cap their instruction sets, threads).
+    A plan proven under one of them is reused only under the same one."""
+    facts = f"{_build_facts()}|threads={torch.get_num_threads()}"
+    return f"gemm-plans-{hashlib.sha256(facts.encode()).hexdigest()[:16]}.json"
+
+
+_records: dict[str, dict] = {}  # plan records read or written by this process, by name
 
 
 def _probe(gemm: Gemm) -> GemmPlan:
+    """The plan of this GEMM's shape: recorded in the kernel cache when this machine kind and library proved it
+    before (`kernels.cache`: the same ownership checks as a compiled kernel), else proven now and recorded.
+    The proof costs a few hundred GFLOP per model (seconds at load; more on a CPU without bf16 GEMMs)."""
+    name, shape = _plan_record_name(), repr(gemm.plan_key())
+    if name not in _records:
+        _records[name] = kernels.cache.read_record(name) or {}
+    tiles = _records[name].get(shape)
+    if isinstance(tiles, list) and all(t in CANDIDATE_TILES for t in tiles) and tiles == sorted(set(tiles)):
+        return GemmPlan(tuple(tiles))
+    plan = _prove(gemm)
+    record = kernels.cache.read_record(name) or {}  # re-read: another process may have added shapes meanwhile
+    record[shape] = list(plan.tiles)
+    kernels.cache.write_record(name, record)
+    _records[name] = record
+    return plan
+
+
+def _prove(gemm: Gemm) -> GemmPlan:
     """Prove, on this machine and library, which tile sizes compute a row the same way as REFERENCE_TILE.
 
     Row-position invariance at the reference tile: the tile is computed, then computed again with half of its
@@ -158,16 +215,16 @@ def _probe(gemm: Gemm) -> GemmPlan:
     GEMM shape (and post-op) suffices.
     """
     g = torch.Generator(device="cpu").manual_seed(1234)
-    ref_rows, half, most = REFERENCE_TILE, REFERENCE_TILE // 2, max(CANDIDATE_TILES)
     w = gemm.weight
+    candidates = [t for t in CANDIDATE_TILES if t <= 1024 or 2 * t * w.shape[0] * w.shape[1] <= PROBE_TILE_FLOPS]
+    ref_rows, half, most = REFERENCE_TILE, REFERENCE_TILE // 2, max(candidates)
     x = torch.randn(max(most, ref_rows), w.shape[1], generator=g).to(w.device, w.dtype)
     ref = torch.cat([gemm(x[i:i + ref_rows]) for i in range(0, x.shape[0] - ref_rows + 1, ref_rows)])
     moved = torch.randn(ref_rows, w.shape[1], generator=g).to(w.device, w.dtype)
     moved[half:] = torch.flip(x[:half], [0])
     if not torch.equal(torch.flip(gemm(moved)[half:], [0]), ref[:half]):
         return GemmPlan(())
-    tiles = [t for t in CANDIDATE_TILES
-             if t == ref_rows or (t <= ref.shape[0] and torch.equal(gemm(x[:t]), ref[:t]))]
+    tiles = [t for t in candidates if t == ref_rows or (t <= ref.shape[0] and torch.equal(gemm(x[:t]), ref[:t]))]
     return GemmPlan(tuple(sorted(tiles)))
 
 
@@ -188,22 +245,28 @@ def gemm_plan(gemm: Gemm) -> GemmPlan:
     return plan
 
 
-def self_check(gemms: Sequence[tuple]) -> list[GemmPlan]:
-    """Prepare and probe the GEMMs `(weight, bias[, gelu])` of a model at load, so a failure is known (and said)
-    up front. `weight` is a Linear weight `[out, in]` or a patch-conv weight `[out, C, p, p]`; `gelu` (None,
-    "tanh" or "none") names the GELU that follows the GEMM: the fused call is what is probed then, unless it
-    cannot fuse or is not invariant (the plain GEMM is probed instead). Returns the plan inference will use."""
+def self_check(gemms: Sequence[tuple], prepare: bool = False) -> list[GemmPlan]:
+    """Probe the GEMMs `(weight, bias[, gelu])` of a model at load, so a failure is known (and said) up front.
+    `weight` is a Linear weight `[out, in]` or a patch-conv weight `[out, C, p, p]`; `gelu` (None, "tanh" or
+    "none") names the GELU that follows the GEMM: the fused call is what is probed then, unless it cannot fuse
+    or is not invariant (the plain GEMM is probed instead). Returns the plan inference will use.
+
+    A shape whose plan this machine kind has recorded is not computed again, and its weights are then prepared
+    (packed, widened) at their first use, unless `prepare`: loading costs reading the weights, little more."""
     plans = []
     with torch.no_grad():
         for w, b, *rest in gemms:
             w2 = w.reshape(w.shape[0], -1)
             gelu = rest[0] if rest else None
-            plan = None
+            plan, gemm = None, None
             if gelu is not None:
-                fused = Gemm(w2, b, w, gelu=gelu)
-                plan = gemm_plan(fused) if fused.fuses else None
+                gemm = Gemm(w2, b, w, gelu=gelu)
+                plan = gemm_plan(gemm) if gemm.fuses else None
             if plan is None or plan.exact_fallback:
-                plan = gemm_plan(Gemm(w2, b, w))
+                gemm = Gemm(w2, b, w)
+                plan = gemm_plan(gemm)
+            if prepare:
+                gemm.prepared()
             plans.append(plan)
     return plans
 
@@ -233,7 +296,7 @@ def _tiled(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ke
         if fused.fuses and not gemm_plan(fused).exact_fallback:
             return _tiled_with(fused, x2)
     gemm = Gemm(weight, bias, key, transposed)
-    if gemm.packed is not None and gemm_plan(gemm).exact_fallback:
+    if gemm.packs and gemm_plan(gemm).exact_fallback:
         gemm = Gemm(weight, bias, key, transposed, pack=False)  # row by row: PyTorch's GEMM at M = 1
     out = _tiled_with(gemm, x2)
     return out if gelu is None else chunked_gelu(out, gelu)
@@ -316,6 +379,59 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     out = _invariant_linear(x2, weight, bias, weight, gelu)
     return emit("linear" if gelu is None else "linear_gelu", out.view(*lead, weight.shape[0]))
+
+
+Layer = tuple[torch.Tensor, "torch.Tensor | None", "str | None"]  # (weight, bias, GELU after it or None)
+
+
+def residual_linear(residual: torch.Tensor, x: torch.Tensor, layers: Sequence[Layer]) -> torch.Tensor:
+    """`residual + L_k(... L_1(x))` for a chain of linear layers `(weight, bias, gelu)` (a block's output
+    projection: one; its MLP: two), written into `residual` unless autograd records (then a new tensor).
+
+    In invariant mode without autograd the rows go through the whole chain one proven tile at a time (a tile
+    size every GEMM of the chain has proven), and each tile's result is added into its rows of `residual`:
+    per row the same computations as running each linear over all rows and adding (so the same bits), without
+    the chain's intermediate activations and without copying tile outputs into a whole output, which on a
+    busy machine cost more than the GEMMs' own tiling. Traced as one "residual_linear"."""
+    if is_batch_invariant() and not torch.is_grad_enabled():
+        steps = _chain(layers)
+        if steps is not None:
+            _chain_into(residual, x, steps)
+            return emit("residual_linear", residual)
+    y = x
+    for weight, bias, gelu in layers:
+        y = linear(y, weight, bias, gelu=gelu)
+    return emit("residual_linear", residual + y if torch.is_grad_enabled() else residual.add_(y))
+
+
+def _chain(layers: Sequence[Layer]) -> list[tuple[Gemm, str | None]] | None:
+    """Each layer's GEMM call (fused with its GELU where that is proven, else with GELU as a separate step), or
+    None where one of them runs row by row (the exact path of `_tiled`)."""
+    steps = []
+    for weight, bias, gelu in layers:
+        if gelu is not None:
+            fused = Gemm(weight, bias, weight, gelu=gelu)
+            if fused.fuses and not gemm_plan(fused).exact_fallback:
+                steps.append((fused, None))
+                continue
+        gemm = Gemm(weight, bias, weight)
+        if gemm_plan(gemm).exact_fallback:
+            return None
+        steps.append((gemm, gelu))
+    return steps
+
+
+def _chain_into(residual: torch.Tensor, x: torch.Tensor, steps: list[tuple[Gemm, str | None]]) -> None:
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    r2 = residual.view(-1, residual.shape[-1])
+    tiles = tuple(sorted(set.intersection(*(set(gemm_plan(g).tiles) for g, _ in steps))))  # REFERENCE_TILE at least
+    for start, rows, tile in _calls(x2.shape[0], tiles):
+        h = x2[start:start + rows] if rows == tile else _zero_padded(x2[start:], tile)
+        for gemm, gelu in steps:
+            h = gemm(h)
+            if gelu is not None:
+                h = chunked_gelu(h, gelu)
+        r2[start:start + rows].add_(h[:rows])
 
 
 def patch_conv(pixels: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -1,4 +1,4 @@
-/* Exact per-item attention on CPUs with AVX-512 (bf16 inputs: AVX-512 BF16 dot products, vdpbf16ps; fp32
+/* Exact per-item attention on CPUs with AVX-512 BF16 (bf16 inputs: AVX-512 BF16 dot products, vdpbf16ps; fp32
  * inputs: fused multiply-adds).
  *
  * Why it exists: at Kimi's head dim 72, PyTorch's fused CPU attention reaches ~150-180 GFLOP/s in bf16 on an
@@ -10,56 +10,30 @@
  *   p_j = 2^(s_j - max_j s_j)                             fp32 (rounded to bf16 for the second product in bf16)
  *   o_i = (sum_j p_j v_j) / (sum_j p_j)                   fp32 accumulation, rounded to the output dtype once
  * which is what PyTorch's flash kernel computes, without its running-max rescaling (each query block sees all
- * of its keys at once).
- *
- * Invariance: work is split into (head, block of BQ query rows) units; each unit is computed by one thread in
- * a fixed order that depends only on the item (n, d), so an item's output bits do not depend on the thread
- * count, on which thread ran a unit, or on other items (each item is a separate call). Units are handed out
- * dynamically: on a shared machine a descheduled thread does not hold the others back, and bits cannot change.
+ * of its keys at once). Items, units and invariance: common.h.
  *
  * One code path for both dtypes: the unit of every inner product step is a 32-bit word, a pair of bf16 values
  * (vdpbf16ps multiplies pairs) or one float, so packing, blocking and tails are the same; only the
  * multiply-add, the packing of a word and the stores of p and of the output differ.
- *
- * Layout: q/k/v/out rows are `*_row` elements apart, heads `*_head` apart, head_dim contiguous. `lse`, when not
- * NULL, receives each row's log-sum-exp of the scaled scores as [heads][n] floats (what a backward pass needs).
  */
 #include <immintrin.h>
 #include <math.h>
-#include <omp.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
 
-typedef uint16_t bf16;
+#include "common.h"
+
 typedef uint32_t word;  /* a pair of bf16 values, or one float */
 
 #define BQ 24          /* query rows per work unit (a multiple of QK_R and of every PV row count) */
 #define QK_R 6         /* query rows per QK^T microtile */
 #define QK_C 4         /* 16-key vectors per QK^T microtile */
-#define MAX_D 128
 
-static inline size_t round_up(size_t x, size_t m) { return (x + m - 1) / m * m; }
-
-static void *alloc64(size_t bytes) {
-    void *p = NULL;
-    if (posix_memalign(&p, 64, round_up(bytes ? bytes : 64, 64)) != 0) return NULL;
-    return p;
-}
-
-/* 2^x for x <= 0: n = round(x), 2^(x-n) by a degree-7 polynomial (ln2^k / k!), scaled by 2^n. */
+/* 2^x for x <= 0: n = round(x), 2^(x-n) by EXP2_POLY, scaled by 2^n. */
 static inline __m512 exp2_neg(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-127.0f));
     __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 f = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_set1_ps(1.5252733804059841e-05f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393381606e-04f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-03f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-03f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-02f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-01f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-01f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    __m512 p;
+    EXP2_POLY(p, f, _mm512_fmadd_ps, _mm512_set1_ps);
     return _mm512_scalef_ps(p, n);
 }
 
@@ -223,62 +197,88 @@ static inline word pack_word(const void *row, int64_t c, int64_t d, const int bf
     return (word)r[c] | (c + 1 < d ? (word)r[c + 1] << 16 : 0);
 }
 
-/* One call: the item's tensors, its sizes and the packed scratch. */
-struct job {
-    const char *q, *k, *v;
-    char *out;
-    int64_t n, d, q_row, k_row, v_row, out_row, q_head, k_head, v_head, out_head;
-    float scale2, *lse;
-    int steps, NV, per_word;
-    size_t esize, npad16, vsteps, kp_size, vp_size, s_stride, p_stride;
-    int64_t qblocks;
-    word *kpack, *vpack;
+
+/* The packed sizes of an item of n rows. */
+struct geom {
+    int per_word, steps, NV;
+    size_t npad16, vsteps, kp_size, vp_size, s_stride, p_stride;  /* kp_size, vp_size: words per head */
 };
+
+static inline struct geom geometry(int64_t n, int64_t d, int bf) {
+    struct geom G;
+    G.per_word = bf ? 2 : 1;
+    G.steps = (int)((d + G.per_word - 1) / G.per_word);  /* words per q/k row */
+    G.NV = (int)round_up((size_t)d, 16) / 16;
+    G.npad16 = round_up((size_t)n, 16);
+    G.vsteps = (n + G.per_word - 1) / G.per_word;        /* key steps of the second product */
+    G.kp_size = (size_t)G.steps * G.npad16;
+    G.vp_size = G.vsteps * (size_t)G.NV * 16;
+    G.s_stride = G.npad16;
+    G.p_stride = round_up(G.npad16 / G.per_word, 16);
+    return G;
+}
+
+static size_t kpack_bytes(int64_t n, int64_t d, int bf) { return geometry(n, d, bf).kp_size * sizeof(word); }
+static size_t vpack_bytes(int64_t n, int64_t d, int bf) { return geometry(n, d, bf).vp_size * sizeof(word); }
+
+/* Per thread: scores, softmax numerators and the unit's queries, for the largest item. */
+static size_t scratch_bytes(int64_t n, int64_t d, int bf) {
+    const struct geom G = geometry(n, d, bf);
+    return round_up(BQ * G.s_stride * sizeof(float), 64) + round_up(BQ * G.p_stride * sizeof(word), 64)
+           + round_up(BQ * (size_t)G.steps * sizeof(word), 64);
+}
 
 /* Keys as [steps][keys] words and values as [key steps][columns] words: the layouts the microtiles read,
  * zero-padded so padded keys and columns contribute nothing. */
-static inline __attribute__((always_inline)) void pack_head(const struct job *J, int64_t h, const int bf) {
-    word *kp = J->kpack + J->kp_size * h, *vp = J->vpack + J->vp_size * h;
-    const int64_t n = J->n, d = J->d, pw = J->per_word;
-    memset(kp, 0, J->kp_size * sizeof(word));
-    memset(vp, 0, J->vp_size * sizeof(word));
+static inline __attribute__((always_inline)) void pack_head_t(const struct call *C, const struct item *it,
+                                                              int64_t h, const int bf) {
+    const struct geom G = geometry(it->n, C->d, bf);
+    word *kp = (word *)(it->kpack + it->kp_head * h), *vp = (word *)(it->vpack + it->vp_head * h);
+    const int64_t n = it->n, d = C->d, pw = G.per_word;
+    const size_t es = C->esize;
+    memset(kp, 0, G.kp_size * sizeof(word));
+    memset(vp, 0, G.vp_size * sizeof(word));
     for (int64_t j0 = 0; j0 < n; j0 += 16) {  /* 16 keys at a time: each packed row gets one 64-byte run */
         const int64_t jn = n - j0 < 16 ? n - j0 : 16;
-        const char *kr = J->k + (j0 * J->k_row + h * J->k_head) * J->esize;
+        const char *kr = row_of(C->k, it->row0 + j0, C->k_row, h, C->k_head, es);
         for (int64_t c = 0, p = 0; c < d; c += pw, p++)
             for (int64_t jj = 0; jj < jn; jj++)
-                kp[(size_t)p * J->npad16 + j0 + jj] = pack_word(kr + jj * J->k_row * J->esize, c, d, bf);
+                kp[(size_t)p * G.npad16 + j0 + jj] = pack_word(kr + jj * C->k_row * (int64_t)es, c, d, bf);
     }
     for (int64_t j = 0; j < n; j += pw) {
-        const char *v0 = J->v + (j * J->v_row + h * J->v_head) * J->esize;
-        word *vw = vp + (size_t)(j / pw) * J->NV * 16;
+        const char *v0 = row_of(C->v, it->row0 + j, C->v_row, h, C->v_head, es);
+        word *vw = vp + (size_t)(j / pw) * G.NV * 16;
         if (!bf) memcpy(vw, v0, d * sizeof(float));
         else if (j + 1 < n)
             for (int64_t c = 0; c < d; c++)
-                vw[c] = (word)((const bf16 *)v0)[c] | (word)((const bf16 *)(v0 + J->v_row * 2))[c] << 16;
+                vw[c] = (word)((const bf16 *)v0)[c] | (word)((const bf16 *)(v0 + C->v_row * 2))[c] << 16;
         else
             for (int64_t c = 0; c < d; c++) vw[c] = ((const bf16 *)v0)[c];
     }
 }
 
-/* One work unit: BQ query rows of head h, start to finish. s/pb/qb: this thread's scratch. */
-static inline __attribute__((always_inline)) void run_unit(const struct job *J, int64_t u, float *s, word *pb,
-                                                           word *qb, const int bf) {
-    const int64_t n = J->n, d = J->d, h = u / J->qblocks, i0 = (u % J->qblocks) * BQ;
-    const int rows = (int)(n - i0 < BQ ? n - i0 : BQ), steps = J->steps;
-    const size_t s_stride = J->s_stride, p_stride = J->p_stride, npad16 = J->npad16;
+/* One work unit: BQ query rows (from i0) of head h, start to finish, in this thread's scratch. */
+static inline __attribute__((always_inline)) void run_unit_t(const struct call *C, const struct item *it, int64_t h,
+                                                             int64_t i0, void *scratch, const int bf) {
+    const int64_t n = it->n, d = C->d;
+    const struct geom G = geometry(n, d, bf);
+    const int rows = (int)(n - i0 < BQ ? n - i0 : BQ), steps = G.steps;
+    const size_t s_stride = G.s_stride, p_stride = G.p_stride, npad16 = G.npad16;
+    float *s = scratch;
+    word *pb = (word *)((char *)scratch + round_up(BQ * s_stride * sizeof(float), 64));
+    word *qb = (word *)((char *)pb + round_up(BQ * p_stride * sizeof(word), 64));
     float inv[BQ];
     memset(qb, 0, BQ * (size_t)steps * sizeof(word));
     for (int r = 0; r < rows; r++) {
-        const char *qr = J->q + ((i0 + r) * J->q_row + h * J->q_head) * J->esize;
-        for (int64_t c = 0, p = 0; c < d; c += J->per_word, p++) qb[(size_t)r * steps + p] = pack_word(qr, c, d, bf);
+        const char *qr = row_of(C->q, it->row0 + i0 + r, C->q_row, h, C->q_head, C->esize);
+        for (int64_t c = 0, p = 0; c < d; c += G.per_word, p++) qb[(size_t)r * steps + p] = pack_word(qr, c, d, bf);
     }
-    const word *kp = J->kpack + J->kp_size * h, *vp = J->vpack + J->vp_size * h;
+    const word *kp = (const word *)(it->kpack + it->kp_head * h), *vp = (const word *)(it->vpack + it->vp_head * h);
     for (size_t j0 = 0; j0 < npad16; j0 += 16 * QK_C) {
-        int C = (int)((npad16 - j0) / 16);
-        if (C > QK_C) C = QK_C;
+        int Cn = (int)((npad16 - j0) / 16);
+        if (Cn > QK_C) Cn = QK_C;
         for (int r0 = 0; r0 < BQ; r0 += QK_R)
-            qk_dispatch(qb + (size_t)r0 * steps, steps, kp, npad16, j0, C, J->scale2, s + r0 * s_stride, s_stride,
+            qk_dispatch(qb + (size_t)r0 * steps, steps, kp, npad16, j0, Cn, C->scale2, s + r0 * s_stride, s_stride,
                         bf);
     }
     /* Softmax numerators in fp32 over the n real keys (zero for the padding); the sum is of the fp32 values,
@@ -303,72 +303,14 @@ static inline __attribute__((always_inline)) void run_unit(const struct job *J, 
         }
         const float total = _mm512_reduce_add_ps(sum);
         inv[r] = 1.0f / total;
-        if (J->lse && r < rows) J->lse[h * n + i0 + r] = (mr + log2f(total)) * 0.6931471805599453f;
+        if (C->lse && r < rows) C->lse[it->row0 * C->heads + h * n + i0 + r] = (mr + log2f(total)) * 0.6931471805599453f;
     }
     for (int r0 = 0; r0 < rows; r0 += 4)
-        pv_dispatch(pb + r0 * p_stride, p_stride, vp, J->vsteps, J->NV, inv + r0, rows - r0, (int)d,
-                    J->out + ((i0 + r0) * J->out_row + h * J->out_head) * J->esize, J->out_row, bf);
+        pv_dispatch(pb + r0 * p_stride, p_stride, vp, G.vsteps, G.NV, inv + r0, rows - r0, (int)d,
+                    C->out + ((it->row0 + i0 + r0) * C->out_row + h * C->out_head) * (int64_t)C->esize, C->out_row,
+                    bf);
 }
 
-/* Per-dtype instances: the dtype is a constant inside each, so every branch on it folds away. */
-static void pack_head_bf16(const struct job *J, int64_t h) { pack_head(J, h, 1); }
-static void pack_head_f32(const struct job *J, int64_t h) { pack_head(J, h, 0); }
-static void run_unit_bf16(const struct job *J, int64_t u, float *s, word *pb, word *qb) { run_unit(J, u, s, pb, qb, 1); }
-static void run_unit_f32(const struct job *J, int64_t u, float *s, word *pb, word *qb) { run_unit(J, u, s, pb, qb, 0); }
+BIVIT_VARIANT
 
-static int attention(const void *q, const void *k, const void *v, void *out, int64_t n, int64_t heads, int64_t d,
-                     int64_t q_row, int64_t k_row, int64_t v_row, int64_t out_row, int64_t q_head, int64_t k_head,
-                     int64_t v_head, int64_t out_head, float scale, float *lse, int threads, int bf) {
-    if (d < 1 || d > MAX_D) return 2;
-    if (n <= 0 || heads <= 0) return 0;
-    struct job J = {.q = q, .k = k, .v = v, .out = out, .n = n, .d = d, .q_row = q_row, .k_row = k_row,
-                    .v_row = v_row, .out_row = out_row, .q_head = q_head, .k_head = k_head, .v_head = v_head,
-                    .out_head = out_head, .scale2 = scale * 1.4426950408889634f, .lse = lse};
-    J.per_word = bf ? 2 : 1;
-    J.esize = bf ? 2 : 4;
-    J.steps = (int)((d + J.per_word - 1) / J.per_word);     /* words per q/k row */
-    J.NV = (int)round_up((size_t)d, 16) / 16;
-    J.npad16 = round_up((size_t)n, 16);
-    J.vsteps = (n + J.per_word - 1) / J.per_word;          /* key steps of the second product */
-    J.kp_size = (size_t)J.steps * J.npad16;                /* words per head */
-    J.vp_size = J.vsteps * (size_t)J.NV * 16;              /* words per head */
-    J.s_stride = J.npad16;
-    J.p_stride = round_up(J.npad16 / J.per_word, 16);
-    J.qblocks = (n + BQ - 1) / BQ;
-    J.kpack = alloc64(J.kp_size * heads * sizeof(word));
-    J.vpack = alloc64(J.vp_size * heads * sizeof(word));
-    if (!J.kpack || !J.vpack) { free(J.kpack); free(J.vpack); return 1; }
-    int failed = 0;
-#pragma omp parallel num_threads(threads)
-    {
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t h = 0; h < heads; h++) (bf ? pack_head_bf16 : pack_head_f32)(&J, h);
-        float *s = alloc64(BQ * J.s_stride * sizeof(float));
-        word *pb = alloc64(BQ * J.p_stride * sizeof(word));
-        word *qb = alloc64(BQ * (size_t)J.steps * sizeof(word));
-        if (!s || !pb || !qb) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp for schedule(dynamic, 4)
-        for (int64_t u = 0; u < heads * J.qblocks; u++)
-            if (s && pb && qb) (bf ? run_unit_bf16 : run_unit_f32)(&J, u, s, pb, qb);
-        free(s);
-        free(pb);
-        free(qb);
-    }
-    free(J.kpack);
-    free(J.vpack);
-    return failed;
-}
-
-/* Returns 0 on success, 1 if scratch memory could not be allocated, 2 for an unsupported head dim. */
-#define ENTRY(NAME, BF)                                                                                          \
-    int NAME(const void *q, const void *k, const void *v, void *out, int64_t n, int64_t heads, int64_t d,       \
-             int64_t q_row, int64_t k_row, int64_t v_row, int64_t out_row, int64_t q_head, int64_t k_head,      \
-             int64_t v_head, int64_t out_head, float scale, float *lse, int threads) {                          \
-        return attention(q, k, v, out, n, heads, d, q_row, k_row, v_row, out_row, q_head, k_head, v_head,       \
-                         out_head, scale, lse, threads, BF);                                                    \
-    }
-ENTRY(bivit_attention_bf16, 1)
-ENTRY(bivit_attention_f32, 0)
+#include "rope.h"

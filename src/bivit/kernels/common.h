@@ -1,0 +1,182 @@
+/* What every attention variant shares: the items of a call, the packed scratch, the split into work units and
+ * the entry points. A variant (one .c file per instruction set) supplies how one head of one item is packed
+ * and how one unit is computed; this file hands them out.
+ *
+ * One call covers every item of a packed batch (`cu[i]`..`cu[i + 1]` are item i's rows): one OpenMP region per
+ * layer instead of one per item, which is what many small items (32 images of 64 patches) pay for otherwise.
+ *
+ * Invariance: an item's work is split into (head, block of `bq` query rows) units, each computed start to
+ * finish by one thread, in an order that depends only on that item's size; items never share a unit. So an
+ * item's output bits depend neither on the other items of the call, nor on the thread count, nor on which
+ * thread ran which unit. Units are handed out dynamically: a descheduled thread on a shared machine does not
+ * hold the others back, and bits cannot change.
+ *
+ * Layout: q/k/v/out rows are `*_row` elements apart, heads `*_head` apart, head_dim contiguous. `lse`, when not
+ * NULL, receives each row's log-sum-exp of the scaled scores, item by item as [heads][n] floats (what a
+ * backward pass needs).
+ */
+#ifndef BIVIT_ATTENTION_COMMON_H
+#define BIVIT_ATTENTION_COMMON_H
+
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef uint16_t bf16;
+
+#define MAX_D 128  /* the register blocking of every variant covers head dims up to this (K2.x: 72, K3: 128) */
+
+/* p = 2^f for f in [-0.5, 0.5]: a degree-7 polynomial with coefficients ln2^k / k!, by Horner's rule with the
+ * variant's fused multiply-add and broadcast. */
+#define EXP2_POLY(p, f, FMADD, SET1)                      \
+    do {                                                  \
+        p = SET1(1.5252733804059841e-05f);                \
+        p = FMADD(p, f, SET1(1.5403530393381606e-04f));   \
+        p = FMADD(p, f, SET1(1.3333558146428443e-03f));   \
+        p = FMADD(p, f, SET1(9.6181291076284772e-03f));   \
+        p = FMADD(p, f, SET1(5.5504108664821580e-02f));   \
+        p = FMADD(p, f, SET1(2.4022650695910071e-01f));   \
+        p = FMADD(p, f, SET1(6.9314718055994531e-01f));   \
+        p = FMADD(p, f, SET1(1.0f));                      \
+    } while (0)
+
+static inline size_t round_up(size_t x, size_t m) { return (x + m - 1) / m * m; }
+
+static void *alloc64(size_t bytes) {
+    void *p = NULL;
+    if (posix_memalign(&p, 64, round_up(bytes ? bytes : 64, 64)) != 0) return NULL;
+    return p;
+}
+
+/* One item of a call: its rows, its packed keys/values (all heads), its first unit. */
+struct item {
+    int64_t n, row0, qblocks, unit0;
+    char *kpack, *vpack;
+    size_t kp_head, vp_head;  /* bytes per head */
+};
+
+struct call {
+    const char *q, *k, *v;
+    char *out;
+    int64_t d, heads, q_row, k_row, v_row, out_row, q_head, k_head, v_head, out_head;
+    float scale2, *lse;  /* scale2 = scale * log2(e): scores are exponentiated base 2 */
+    int bf;              /* bf16 tensors (else float32) */
+    size_t esize;
+};
+
+static inline const char *row_of(const char *base, int64_t row, int64_t row_stride, int64_t h, int64_t head_stride,
+                                  size_t esize) {
+    return base + (row * row_stride + h * head_stride) * (int64_t)esize;
+}
+
+/* What a variant supplies. Sizes are in bytes, per head of an item of n rows (scratch: per thread, for the
+ * largest item of the call). */
+struct variant {
+    int64_t bq;
+    size_t (*kpack_bytes)(int64_t n, int64_t d, int bf);
+    size_t (*vpack_bytes)(int64_t n, int64_t d, int bf);
+    size_t (*scratch_bytes)(int64_t n, int64_t d, int bf);
+    void (*pack_head)(const struct call *C, const struct item *it, int64_t h);
+    void (*run_unit)(const struct call *C, const struct item *it, int64_t h, int64_t i0, void *scratch);
+};
+
+/* The item that owns unit u: the last one starting at or before u (an empty item owns no unit and shares its
+ * unit0 with the next item, so the last one is never empty). */
+static const struct item *unit_item(const struct item *items, int64_t count, int64_t u) {
+    int64_t lo = 0, hi = count - 1;
+    while (lo < hi) {
+        int64_t mid = (lo + hi + 1) / 2;
+        if (items[mid].unit0 <= u) lo = mid;
+        else hi = mid - 1;
+    }
+    return &items[lo];
+}
+
+/* Returns 0 on success, 1 if memory could not be allocated, 2 for an unsupported head dim, 3 for bad offsets. */
+static int run_call(const struct variant *V, const struct call *C, const int64_t *cu, int64_t count, int threads) {
+    if (C->d < 1 || C->d > MAX_D) return 2;
+    if (count <= 0 || C->heads <= 0) return 0;
+    struct item *items = malloc((size_t)count * sizeof *items);
+    if (!items) return 1;
+    size_t kbytes = 0, vbytes = 0;
+    int64_t units = 0, nmax = 0;
+    for (int64_t i = 0; i < count; i++) {
+        const int64_t n = cu[i + 1] - cu[i];
+        if (n < 0) { free(items); return 3; }
+        struct item *it = &items[i];
+        it->n = n;
+        it->row0 = cu[i];
+        it->qblocks = (n + V->bq - 1) / V->bq;
+        it->unit0 = units;
+        it->kp_head = n ? round_up(V->kpack_bytes(n, C->d, C->bf), 64) : 0;
+        it->vp_head = n ? round_up(V->vpack_bytes(n, C->d, C->bf), 64) : 0;
+        units += C->heads * it->qblocks;
+        kbytes += it->kp_head * C->heads;
+        vbytes += it->vp_head * C->heads;
+        if (n > nmax) nmax = n;
+    }
+    char *kpack = alloc64(kbytes), *vpack = alloc64(vbytes);
+    if (!kpack || !vpack) { free(kpack); free(vpack); free(items); return 1; }
+    for (int64_t i = 0, ko = 0, vo = 0; i < count; i++) {
+        items[i].kpack = kpack + ko;
+        items[i].vpack = vpack + vo;
+        ko += items[i].kp_head * C->heads;
+        vo += items[i].vp_head * C->heads;
+    }
+    const size_t scratch = V->scratch_bytes(nmax, C->d, C->bf);
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t p = 0; p < count * C->heads; p++)
+            if (items[p / C->heads].n) V->pack_head(C, &items[p / C->heads], p % C->heads);
+        void *buf = alloc64(scratch);
+        if (!buf) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 4)
+        for (int64_t u = 0; u < units; u++) {
+            if (!buf) continue;
+            const struct item *it = unit_item(items, count, u);
+            const int64_t local = u - it->unit0;
+            V->run_unit(C, it, local / it->qblocks, (local % it->qblocks) * V->bq, buf);
+        }
+        free(buf);
+    }
+    free(kpack);
+    free(vpack);
+    free(items);
+    return failed;
+}
+
+/* The exported entry points of a variant whose file defines `BQ`, the size functions and the dtype-generic
+ * `pack_head_t(C, it, h, bf)` and `run_unit_t(C, it, h, i0, scratch, bf)`: per-dtype instances (the dtype is
+ * a constant inside each, so every branch on it folds away) and `bivit_attention_bf16` / `_f32`. */
+#define BIVIT_ATTENTION_PARAMS                                                                                   \
+    const void *q, const void *k, const void *v, void *out, const int64_t *cu, int64_t count, int64_t heads,    \
+        int64_t d, int64_t q_row, int64_t k_row, int64_t v_row, int64_t out_row, int64_t q_head, int64_t k_head, \
+        int64_t v_head, int64_t out_head, float scale, float *lse, int threads
+#define BIVIT_ATTENTION_ENTRY(FN, BF)                                                                            \
+    int FN(BIVIT_ATTENTION_PARAMS) {                                                                            \
+        struct call C = {.q = q, .k = k, .v = v, .out = out, .d = d, .heads = heads, .q_row = q_row,            \
+                         .k_row = k_row, .v_row = v_row, .out_row = out_row, .q_head = q_head, .k_head = k_head, \
+                         .v_head = v_head, .out_head = out_head, .scale2 = scale * 1.4426950408889634f,         \
+                         .lse = lse, .bf = BF, .esize = BF ? 2 : 4};                                            \
+        return run_call(&VARIANT, &C, cu, count, threads);                                                      \
+    }
+#define BIVIT_VARIANT                                                                                            \
+    static void pack_head(const struct call *C, const struct item *it, int64_t h) {                             \
+        if (C->bf) pack_head_t(C, it, h, 1);                                                                    \
+        else pack_head_t(C, it, h, 0);                                                                          \
+    }                                                                                                           \
+    static void run_unit(const struct call *C, const struct item *it, int64_t h, int64_t i0, void *scratch) {   \
+        if (C->bf) run_unit_t(C, it, h, i0, scratch, 1);                                                        \
+        else run_unit_t(C, it, h, i0, scratch, 0);                                                              \
+    }                                                                                                           \
+    static const struct variant VARIANT = {BQ, kpack_bytes, vpack_bytes, scratch_bytes, pack_head, run_unit};   \
+    BIVIT_ATTENTION_ENTRY(bivit_attention_bf16, 1)                                                              \
+    BIVIT_ATTENTION_ENTRY(bivit_attention_f32, 0)
+
+#endif
