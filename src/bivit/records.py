@@ -132,7 +132,7 @@ class Record:
         out = {"tensor": self.tensor, "source": self.source, "kind": self.kind, "sha256": self.sha256,
                "tokens": int(self.tokens), "grid_thw": [list(map(int, g)) for g in self.grid_thw],
                "chunk_tokens": [int(n) for n in self.chunk_tokens],
-               "sizes": [None if z is None else list(map(int, z)) for z in self.sizes], "timestamps": self.timestamps,
+               "sizes": chunk_sizes(self.sizes, len(self.grid_thw)), "timestamps": self.timestamps,
                "placeholders": [dict(p) for p in self.placeholders], "error": self.error}
         out.update({k: v for k, v in self.extra.items() if k not in out})
         return out
@@ -146,10 +146,9 @@ class Record:
         chunk_tokens = obj.get("chunk_tokens")
         if chunk_tokens is None:  # records of older files: the tower's rule, h/2 * w/2 per chunk
             chunk_tokens = [(h // 2) * (w // 2) for _, h, w in grid]
-        sizes = obj.get("sizes") or [None] * len(grid)  # older files: not recorded
         return Record(source=obj["source"], kind=obj.get("kind") or "image", sha256=obj.get("sha256"),
                       tokens=int(obj.get("tokens") or 0), grid_thw=grid, chunk_tokens=list(chunk_tokens),
-                      sizes=[None if z is None else list(z) for z in sizes],
+                      sizes=chunk_sizes(obj.get("sizes"), len(grid)),  # older files: not recorded
                       timestamps=obj.get("timestamps"), placeholders=list(obj.get("placeholders") or []),
                       error=obj.get("error"), tensor=obj.get("tensor"),
                       extra={k: v for k, v in obj.items() if k not in RECORD_KEYS},
@@ -159,15 +158,19 @@ class Record:
 EmbeddingRecord = Record  # its public name: `bivit.EmbeddingRecord`
 
 
+def chunk_sizes(sizes: Optional[Sequence], chunks: int) -> list:
+    """A record's `sizes` as files list them: per chunk [width, height] or None; all None when not known."""
+    return [None if z is None else [int(v) for v in z] for z in sizes] if sizes else [None] * chunks
+
+
 def record(source: str, *, kind: str, sha256: Optional[str], grid_thw: Sequence, chunk_tokens: Sequence[int],
            timestamps: Optional[Sequence[str]], placeholders: Sequence[Any], sizes: Optional[Sequence] = None,
            tensor: Optional[str] = None, error: Optional[str] = None, **extra: Any) -> Record:
     """A record for a writer: `placeholders` as `bivit.Placeholder`s or their dicts; `sizes` per chunk (width,
     height) or None where unknown; `extra`: the writer's keys."""
-    sizes = [None] * len(grid_thw) if sizes is None else sizes
     return Record(source=source, kind=kind, sha256=sha256, tokens=sum(int(n) for n in chunk_tokens),
                   grid_thw=[list(map(int, g)) for g in grid_thw], chunk_tokens=[int(n) for n in chunk_tokens],
-                  sizes=[None if z is None else list(map(int, z)) for z in sizes],
+                  sizes=chunk_sizes(sizes, len(grid_thw)),
                   timestamps=None if timestamps is None else list(timestamps),
                   placeholders=[p if isinstance(p, dict) else p.to_dict() for p in placeholders], error=error,
                   tensor=tensor if error is None else None, extra=dict(extra))

@@ -226,7 +226,7 @@ class DatasetWriter:
         lines = [Record(s.source, sha, "", sha, int(tensor.shape[0]), grid_thw, s.kind, timestamps,
                         st.st_size if st else None, st.st_mtime_ns if st else None,
                         chunk_tokens=[int(n) for n in chunk_tokens], placeholders=[dict(p) for p in placeholders],
-                        sizes=[None if z is None else [int(v) for v in z] for z in sizes] or None)
+                        sizes=records.chunk_sizes(sizes, len(grid_thw)))
                  for s, st in zip(sources, stats)]
         if sha in self._pending:
             self._pending[sha][1].extend(lines)

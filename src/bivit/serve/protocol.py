@@ -87,7 +87,7 @@ class ItemResult:
         """The answer's record of input `i` (its tensor is "i")."""
         return records.record(self.name, kind=self.kind, sha256=self.sha256 or None, grid_thw=self.grid_thw,
                               chunk_tokens=self.chunk_tokens, timestamps=self.timestamps,
-                              placeholders=self.placeholders, sizes=self.sizes or None, tensor=str(i),
+                              placeholders=self.placeholders, sizes=self.sizes, tensor=str(i),
                               error=self.error, cached=self.cached, error_kind=self.error_kind,
                               **({} if self.ec_ids is None else {"ec_ids": self.ec_ids}))
 

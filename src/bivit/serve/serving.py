@@ -199,7 +199,7 @@ class Service:
         done = assemble(prepared, outs)
         res.embedding, res.grid_thw, res.timestamps = done.embedding, done.grid_thw, done.timestamps
         res.chunk_tokens, res.placeholders = done.chunk_tokens, [p.to_dict() for p in done.placeholders]
-        res.sizes = [None if z is None else list(z) for z in done.sizes]
+        res.sizes = done.sizes  # made JSON-ready with the rest of the record (`records.record`)
         if self.settings.ec_dir is not None:
             try:
                 res.ec_ids = await asyncio.get_running_loop().run_in_executor(self.pool, self._write_encoder_cache,
