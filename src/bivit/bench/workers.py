@@ -134,8 +134,8 @@ def hf_unavailable_reason(cfg: ModelConfig) -> str | None:
 # -------------------------------------------------------------------------------------------------- workers
 
 def source_hash() -> str:
-    """Short hash of the bivit sources this process has imported: the lead edits them while benchmarks run, so
-    the record says which version every worker measured."""
+    """Short hash of the bivit sources this process has imported and of the compiled kernels' C sources: the
+    lead edits them while benchmarks run, so the record says which version every worker measured."""
     import hashlib
 
     h = hashlib.sha256()
@@ -144,6 +144,9 @@ def source_hash() -> str:
         if path and os.path.isfile(path):
             h.update(name.encode())
             h.update(Path(path).read_bytes())
+    for path in sorted((Path(__file__).parent.parent / "kernels").glob("*.[ch]")):
+        h.update(path.name.encode())
+        h.update(path.read_bytes())
     return h.hexdigest()[:12]
 
 
