@@ -94,7 +94,8 @@ def test_large_scores_do_not_overflow(kernel):
 
 def test_bits_do_not_depend_on_batch_position_or_threads(kernel, monkeypatch):
     """Through `ops.attention`: an item's rows are the same bits alone, packed after or before other items,
-    at 1, 2 and 3 threads. Control: attention over the packed rows with a block-diagonal mask (what a batched
+    at 1, 2 and 3 threads (items on both sides of the kernel's 256-row split between head-by-head and
+    unit-by-unit work, in one call). Control: attention over the packed rows with a block-diagonal mask (what a batched
     implementation does) gives the same item other bits beside other neighbours."""
     monkeypatch.setattr(kernels, "attention", lambda: kernel)
     items = [_qkv(n, 4, 72, seed=n) for n in (300, 77, 512, 1)]
