@@ -197,6 +197,8 @@ def _probe(gemm: Gemm) -> GemmPlan:
     tiles = _records[name].get(shape)
     if isinstance(tiles, list) and all(t in CANDIDATE_TILES for t in tiles) and tiles == sorted(set(tiles)):
         return GemmPlan(tuple(tiles))
+    log.info("bivit: proving the GEMM tile plan of shape %s on this machine kind (once; recorded in the kernel "
+             "cache)", shape)
     plan = _prove(gemm)
     record = kernels.cache.read_record(name) or {}  # re-read: another process may have added shapes meanwhile
     record[shape] = list(plan.tiles)
