@@ -6,10 +6,10 @@
  * layer instead of one per item, which is what many small items (32 images of 64 patches) pay for otherwise.
  *
  * Invariance: an item's work is split into (head, block of `bq` query rows) units, each computed start to
- * finish by one thread (see SMALL_N for how units are grouped into tasks), in an order that depends only on that item's size; items never share a unit. So an
- * item's output bits depend neither on the other items of the call, nor on the thread count, nor on which
- * thread ran which unit. Units are handed out dynamically: a descheduled thread on a shared machine does not
- * hold the others back, and bits cannot change.
+ * finish by one thread (SMALL_N: how units are grouped into tasks), in an order that depends only on that
+ * item's size; items never share a unit. So an item's output bits depend neither on the other items of the
+ * call, nor on the thread count, nor on which thread ran which unit. Units are handed out dynamically: a
+ * descheduled thread on a shared machine does not hold the others back, and bits cannot change.
  *
  * Layout: q/k/v/out rows are `*_row` elements apart, heads `*_head` apart, head_dim contiguous. `lse`, when not
  * NULL, receives each row's log-sum-exp of the scaled scores, item by item as [heads][n] floats (what a
@@ -135,6 +135,7 @@ static int run_call(const struct variant *V, const struct call *C, const int64_t
         it->qblocks = (n + V->bq - 1) / V->bq;
         it->small = n <= SMALL_N;
         it->task0 = tasks;
+        it->kpack = it->vpack = NULL;
         it->kp_head = n ? round_up(V->kpack_bytes(n, C->d, C->bf), 64) : 0;
         it->vp_head = n ? round_up(V->vpack_bytes(n, C->d, C->bf), 64) : 0;
         if (!n) continue;
