@@ -245,7 +245,7 @@ static inline __attribute__((always_inline)) void run_unit_t(const struct call *
         }
         const float total = hsum(sum);
         inv[r] = 1.0f / total;
-        if (C->lse && r < rows) C->lse[it->row0 * C->heads + h * n + i0 + r] = (mr + log2f(total)) * 0.6931471805599453f;
+        if (r < rows) store_lse(C, it, h, i0 + r, mr, total);
     }
     const int NV = (int)(dpad / 8);
     for (int r0 = 0; r0 < rows; r0 += PV_R)

@@ -303,7 +303,7 @@ static inline __attribute__((always_inline)) void run_unit_t(const struct call *
         }
         const float total = _mm512_reduce_add_ps(sum);
         inv[r] = 1.0f / total;
-        if (C->lse && r < rows) C->lse[it->row0 * C->heads + h * n + i0 + r] = (mr + log2f(total)) * 0.6931471805599453f;
+        if (r < rows) store_lse(C, it, h, i0 + r, mr, total);
     }
     for (int r0 = 0; r0 < rows; r0 += 4)
         pv_dispatch(pb + r0 * p_stride, p_stride, vp, G.vsteps, G.NV, inv + r0, rows - r0, (int)d,

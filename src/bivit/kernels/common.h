@@ -18,6 +18,7 @@
 #ifndef BIVIT_ATTENTION_COMMON_H
 #define BIVIT_ATTENTION_COMMON_H
 
+#include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -90,6 +91,13 @@ struct variant {
     void (*pack_head)(const struct call *C, const struct item *it, int64_t h);
     void (*run_unit)(const struct call *C, const struct item *it, int64_t h, int64_t i0, void *scratch);
 };
+
+/* Row i of head h of an item gets its log-sum-exp of the scaled scores (natural log), from the base-2 maximum
+ * `max2` and the sum `total` of 2^(s - max2): the [heads][n]-per-item layout of `lse` the backward pass reads. */
+static inline void store_lse(const struct call *C, const struct item *it, int64_t h, int64_t i, float max2,
+                             float total) {
+    if (C->lse) C->lse[it->row0 * C->heads + h * it->n + i] = (max2 + log2f(total)) * 0.6931471805599453f;
+}
 
 /* The item that owns task t: the last one starting at or before t (an empty item owns no task and shares its
  * task0 with the next item, so the last one is never empty). */
