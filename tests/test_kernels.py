@@ -255,8 +255,9 @@ def test_a_process_without_the_kernel_encodes_close_to_one_with_it(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(os.path.dirname(__file__)), *sys.path]),
                BIVIT_KERNEL_CACHE=str(tmp_path / "cache"))
     runs = {}
-    configs = {"sdpa": {kernels.ATTENTION_ENV: "sdpa"}, "auto": {},
-               "no-cc": {"CC": str(tmp_path / "cc-missing"), "BIVIT_KERNEL_CACHE": str(tmp_path / "c2")}}
+    configs = {"sdpa": {kernels.ATTENTION_ENV: "sdpa"}, "auto": {kernels.ATTENTION_ENV: "auto"},
+               "no-cc": {kernels.ATTENTION_ENV: "auto", "CC": str(tmp_path / "cc-missing"),
+                         "BIVIT_KERNEL_CACHE": str(tmp_path / "c2")}}
     configs.update({v.name: {kernels.ATTENTION_ENV: v.name} for v in RUNNABLE})
     for name, extra in configs.items():
         path = tmp_path / f"{name}.pt"
