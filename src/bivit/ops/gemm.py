@@ -258,15 +258,8 @@ def self_check(gemms: Sequence[tuple], prepare: bool = False) -> list[GemmPlan]:
     plans = []
     with torch.no_grad():
         for w, b, *rest in gemms:
-            w2 = w.reshape(w.shape[0], -1)
-            gelu = rest[0] if rest else None
-            plan, gemm = None, None
-            if gelu is not None:
-                gemm = Gemm(w2, b, w, gelu=gelu)
-                plan = gemm_plan(gemm) if gemm.fuses else None
-            if plan is None or plan.exact_fallback:
-                gemm = Gemm(w2, b, w)
-                plan = gemm_plan(gemm)
+            gemm, _ = _fused_or_plain(w.reshape(w.shape[0], -1), b, w, rest[0] if rest else None)
+            plan = gemm_plan(gemm)
             if prepare:
                 gemm.prepared()
             plans.append(plan)
@@ -289,15 +282,22 @@ def _calls(m: int, tiles: tuple[int, ...]) -> list[tuple[int, int, int]]:
     return calls
 
 
+def _fused_or_plain(weight: torch.Tensor, bias: torch.Tensor | None, key: torch.Tensor, gelu: str | None,
+                    transposed: bool = False) -> tuple[Gemm, str | None]:
+    """The GEMM call for `weight` followed by GELU `gelu`, and the GELU still to apply after it: the fused call
+    where oneDNN fuses it and its plan is proven (nothing left), else the plain call (then `gelu`)."""
+    if gelu is not None:
+        fused = Gemm(weight, bias, key, transposed, gelu)
+        if fused.fuses and not gemm_plan(fused).exact_fallback:
+            return fused, None
+    return Gemm(weight, bias, key, transposed), gelu
+
+
 def _tiled(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, key: torch.Tensor,
            transposed: bool = False, gelu: str | None = None) -> torch.Tensor:
     """`x2 @ weight.t() + bias` (then GELU if `gelu`) at the proven tile sizes only: each row's bits depend on
     that row alone."""
-    if gelu is not None:
-        fused = Gemm(weight, bias, key, transposed, gelu)
-        if fused.fuses and not gemm_plan(fused).exact_fallback:
-            return _tiled_with(fused, x2)
-    gemm = Gemm(weight, bias, key, transposed)
+    gemm, gelu = _fused_or_plain(weight, bias, key, gelu, transposed)
     if gemm.packs and gemm_plan(gemm).exact_fallback:
         gemm = Gemm(weight, bias, key, transposed, pack=False)  # row by row: PyTorch's GEMM at M = 1
     out = _tiled_with(gemm, x2)
@@ -411,15 +411,10 @@ def _chain(layers: Sequence[Layer]) -> list[tuple[Gemm, str | None]] | None:
     None where one of them runs row by row (the exact path of `_tiled`)."""
     steps = []
     for weight, bias, gelu in layers:
-        if gelu is not None:
-            fused = Gemm(weight, bias, weight, gelu=gelu)
-            if fused.fuses and not gemm_plan(fused).exact_fallback:
-                steps.append((fused, None))
-                continue
-        gemm = Gemm(weight, bias, weight)
-        if gemm_plan(gemm).exact_fallback:
+        step = _fused_or_plain(weight, bias, weight, gelu)
+        if gemm_plan(step[0]).exact_fallback:
             return None
-        steps.append((gemm, gelu))
+        steps.append(step)
     return steps
 
 
