@@ -22,6 +22,7 @@ from PIL import Image
 import bivit
 from bivit import ops
 from bivit.client import parse_response
+from bivit.kernels import cache as kernels_cache
 from bivit.media import preprocess_images
 from bivit.ops import backend, gemm
 from support.server import ServerProcess
@@ -36,10 +37,11 @@ def _broken(*args, **kwargs):
 
 
 def _fresh_decisions(monkeypatch) -> None:
-    """Per-process decisions and prepared weights that live for this test only (monkeypatch restores the real
-    ones): `ops.gemm_path` decides again, from what oneDNN reports now."""
+    """Per-process decisions, plans, plan records read and prepared weights that live for this test only
+    (monkeypatch restores the real ones): `ops.gemm_path` decides again, from what oneDNN reports now."""
     monkeypatch.setattr(backend, "_decide_gemm_path", functools.cache(backend._decide_gemm_path.__wrapped__))
     monkeypatch.setattr(gemm, "_plans", gemm._Plans())
+    monkeypatch.setattr(gemm, "_records", {})
 
 
 # ------------------------------------------------------------------------------------------ the decision
@@ -101,11 +103,14 @@ def test_a_kernel_failing_after_the_decision_raises_and_switches_nothing(monkeyp
         assert not torch.equal(ops.linear(x, w, b, gelu="tanh"), before)
 
 
-def test_a_failed_load_leaves_the_float32_bits_alone(monkeypatch, kimi_ckpt):
+def test_a_failed_load_leaves_the_float32_bits_alone(monkeypatch, kimi_ckpt, tmp_path):
     """The old failure, end to end: loading a bf16 encoder whose weights cannot be packed raises `KernelFailed`
-    (it used to switch the whole process to other kernels); a float32 encoder loaded before keeps its bits."""
+    (it used to switch the whole process to other kernels); a float32 encoder loaded before keeps its bits.
+    A kernel cache of its own: with no plan recorded, the load proves the plans and packs then (where a plan is
+    recorded, packing waits for the first encode, and an earlier test in this process may have recorded it)."""
     real = {d: ops.gemm_path(d) for d in DTYPES}
     _fresh_decisions(monkeypatch)
+    monkeypatch.setenv(kernels_cache.CACHE_ENV, str(tmp_path / "kernel-cache"))
     if not ops.gemm_path(torch.bfloat16).packed:
         pytest.skip(f"{ops.gemm_path(torch.bfloat16).describe()}: no packing to fail")
     items = [preprocess_images([random_image(h, w, 7)]) for h, w in ((28, 28), (84, 56), (112, 140))]
