@@ -3,8 +3,9 @@
 Why compiled here and not shipped built: a kernel is only worth having for the instruction set it is written
 for, so it is built on the machine that runs it, by the system C compiler, once, into a cache keyed by the
 source and the compiler (`cache`: checked before anything in it is loaded). Plain C with a C ABI, no PyTorch
-headers: the build takes about a second, and ctypes releases the GIL during the call. The library links the
-OpenMP runtime PyTorch has already loaded (`libgomp.so.1`), so its threads are PyTorch's threads.
+headers: the build takes seconds, once per machine (gcc -O3: 3.3 s for the avx512 variant, 0.8 s for avx2, on
+a Zen 5 EPYC), and ctypes releases the GIL during the call. The library links the OpenMP runtime PyTorch has
+already loaded (`libgomp.so.1`), so its threads are PyTorch's threads.
 
 The library (attention and RoPE) comes in one variant per instruction set (`VARIANTS`, best first): `avx512`
 (attention by AVX-512 BF16 dot products; fp32 by FMAs) and `avx2` (AVX2 + FMA, all arithmetic in fp32, bf16
