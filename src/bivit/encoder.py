@@ -48,8 +48,7 @@ class Encoder:
         self.is_demo = is_demo
         self.batch_invariant = batch_invariant
         self.output_dtype = output_dtype
-        self.max_batch_patches = check_budget(renamed(max_batch_patches, max_batch_tokens, name="max_batch_patches",
-                                                      old_name="max_batch_tokens"))
+        self.max_batch_patches = check_budget(_patch_budget(max_batch_patches, max_batch_tokens))
         self.device = device
         self._fingerprint: str | None = None
 
@@ -238,14 +237,14 @@ class Encoder:
     def encode_batch(self, batch: MediaBatch, max_batch_patches: int | None = None, *,
                      max_batch_tokens: int | None = None) -> list[torch.Tensor]:
         """A packed MediaBatch -> one embedding per item (`encode_pixels`)."""
-        budget = renamed(max_batch_patches, max_batch_tokens, name="max_batch_patches", old_name="max_batch_tokens")
+        budget = _patch_budget(max_batch_patches, max_batch_tokens)
         return self.encode_pixels(batch.pixel_values, batch.grid_thw, budget)
 
     def encode_pixels(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor, max_batch_patches: int | None = None,
                       *, max_batch_tokens: int | None = None) -> list[torch.Tensor]:
         """Packed patches `[L, 3, p, p]` + `grid_thw` `[n, 3]` -> one embedding per item (output dtype), in passes
         of at most `max_batch_patches` patches for this call only (default: the encoder's)."""
-        budget = renamed(max_batch_patches, max_batch_tokens, name="max_batch_patches", old_name="max_batch_tokens")
+        budget = _patch_budget(max_batch_patches, max_batch_tokens)
         grid_thw = torch.as_tensor(grid_thw, dtype=torch.int64).reshape(-1, 3)
         check_pixels(self.config, pixel_values, grid_thw)
         batch = MediaBatch(pixel_values, grid_thw)
@@ -262,6 +261,13 @@ def _as_list(inputs: Any) -> list:
     if isinstance(inputs, (str, os.PathLike, bytes)) or not isinstance(inputs, Sequence):
         return [inputs]
     return list(inputs)
+
+
+def _patch_budget(max_batch_patches: int | None, max_batch_tokens: int | None) -> int | None:
+    """`max_batch_patches`, or the value given under its deprecated name `max_batch_tokens` (it always counted
+    patches), warned at the caller of the public method that took it."""
+    return renamed(max_batch_patches, max_batch_tokens, name="max_batch_patches", old_name="max_batch_tokens",
+                   stacklevel=4)
 
 
 def load_encoder(model: str | os.PathLike | None = None, *, device: str | torch.device = "cpu",
@@ -287,8 +293,7 @@ def load_encoder(model: str | os.PathLike | None = None, *, device: str | torch.
         raise ConfigError(f"unknown option(s) {', '.join(map(repr, sorted(options)))}")
     check_alpha(alpha)
     tower_dtype, proj_dtype, out_dtype = resolve_dtypes(dtype, projector_dtype, output_dtype)
-    budget = check_budget(renamed(max_batch_patches, max_batch_tokens, name="max_batch_patches",
-                                  old_name="max_batch_tokens"))
+    budget = check_budget(_patch_budget(max_batch_patches, max_batch_tokens))
     device = parse_device(device)
     net, name, is_demo, proc = build_model(model, device=device, dtype=tower_dtype, projector_dtype=proj_dtype,
                                            seed=seed, revision=revision, processing=processing)
