@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from bivit import bench
+from bivit.errors import BivitError
 
 MODES = ("bivit-invariant", "bivit-default")
 
@@ -40,11 +41,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--case", default="448x448", help="substring of a `bivit bench` case name")
     p.add_argument("--busy", type=int, default=2, help="busy-loop processes beside the encoder")
     args = p.parse_args(argv)
-    cases = [c for c in bench.standard_cases(args.seed) if args.case in c.name]
-    if not cases:
-        print(f"contention: error: no case matches {args.case!r}", file=sys.stderr)
+    try:
+        case = bench.select_cases([args.case], args.seed)[0]
+    except BivitError as e:
+        print(f"contention: error: {e}", file=sys.stderr)
         return 2
-    case = cases[0]
     bench.start(args)
     threads = torch.get_num_threads()
     print(f"preset {args.preset}, {args.dtype}, case {case.name}, {args.busy} busy loops, {args.repeats} rounds")

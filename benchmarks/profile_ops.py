@@ -25,6 +25,7 @@ from pathlib import Path
 from torch.profiler import ProfilerActivity, profile
 
 from bivit import bench
+from bivit.errors import BivitError
 from bivit.config import PRESETS
 from bivit.encoder import load_encoder
 
@@ -51,12 +52,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="reuse (or create) the seeded checkpoint here instead of a temporary directory")
     args = p.parse_args(argv)
     cfg = PRESETS[args.preset]
-    cases = bench.standard_cases(args.seed)
-    if args.cases:
-        cases = [c for c in cases if any(s in c.name for s in args.cases)]
-        if not cases:
-            print(f"profile: error: no case matches {args.cases}", file=sys.stderr)
-            return 2
+    try:
+        cases = bench.select_cases(args.cases, args.seed, option="--cases")
+    except BivitError as e:
+        print(f"profile: error: {e}", file=sys.stderr)
+        return 2
     bench.start(args)
     print(f"preset {args.preset}")
     with tempfile.TemporaryDirectory(prefix="bivit-profile-") as tmp:

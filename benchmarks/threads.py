@@ -23,6 +23,7 @@ import tempfile
 from pathlib import Path
 
 from bivit import bench
+from bivit.errors import BivitError
 from bivit.config import PRESETS
 
 IMPL_DEFAULT = ("bivit-invariant", "hf-sdpa")
@@ -45,9 +46,10 @@ def main() -> None:
         print(f"the transformers port is skipped: {reason}")
         impls.remove("hf-sdpa")
     env = bench.start(args)
-    cases = [c for c in bench.standard_cases(args.seed) if not args.case or any(s in c.name for s in args.case)]
-    if not cases:
-        sys.exit(f"threads.py: no case matches {args.case}")
+    try:
+        cases = bench.select_cases(args.case, args.seed)
+    except BivitError as e:
+        sys.exit(f"threads.py: {e}")
     workers: dict[tuple[str, int], bench.Worker] = {}
     times: dict[tuple[str, int, str], list[float]] = {}
     cpu: dict[tuple[str, int, str], list[float]] = {}

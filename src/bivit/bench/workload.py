@@ -76,6 +76,16 @@ def standard_cases(seed: int = 0) -> list[Case]:
     ]
 
 
+def select_cases(parts: Sequence[str] | None, seed: int = 0, option: str = "--case") -> list[Case]:
+    """The standard cases whose name contains any of `parts` (all of them when `parts` is empty); BivitError
+    naming `option` and the cases there are when none matches."""
+    cases = standard_cases(seed)
+    chosen = [c for c in cases if not parts or any(part in c.name for part in parts)]
+    if not chosen:
+        raise BivitError(f"{option} {' '.join(parts)}: no case matches (cases: {', '.join(c.name for c in cases)})")
+    return chosen
+
+
 def square_case(patches: int, seed: int = 0) -> Case:
     """One square image of exactly `patches` patches (a perfect square of an even side, <= 16384)."""
     side = int(round(patches ** 0.5))

@@ -7,6 +7,7 @@ from typing import List, Optional
 
 import typer
 
+from ..errors import BivitError
 from .common import FAILURE, command, fail, writable
 
 
@@ -40,10 +41,10 @@ def bench(
     if repeats < 1 or warmup < 0 or (threads is not None and threads < 1):
         fail("--repeats and --threads must be >= 1, --warmup >= 0")
     writable(out_dir / "bench.json", option="--out-dir")
-    chosen = [c for c in b.standard_cases(seed) if not cases or any(part in c.name for part in cases)]
-    if not chosen:
-        fail(f"--case {' '.join(cases)}: no case matches (cases: "
-             f"{', '.join(c.name for c in b.standard_cases(seed))})")
+    try:
+        chosen = b.select_cases(cases, seed)
+    except BivitError as e:
+        fail(str(e))
     command_line = b.command_line()
     typer.echo(f"$ {command_line}")
     record = b.run_benchmark(preset=preset, dtypes=b.DTYPE_CHOICES[dtype], impls=b.BIVIT_IMPLS if skip_hf else b.IMPLS,
