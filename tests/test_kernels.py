@@ -149,6 +149,36 @@ def test_gradients_match_pytorch_and_do_not_depend_on_the_batch(kernel, monkeypa
     assert torch.equal(grads(base, lens, ops.attention), stock)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("d", [72, 64, 26])
+def test_rotating_q_and_k_inside_the_kernel_gives_the_bits_of_rotating_first(kernel, dtype, d):
+    """`rope=`: the kernel rotates q and k as it packs them; output and log-sum-exp are the same bits as
+    PyTorch's form of the rotation (`rope_reference`, an independent implementation) followed by the kernel,
+    for small and large items in one call at 1-3 threads (d = 26 reaches every variant's tails: 16 + 8 + 2
+    and 3 x 8 + 2 lanes). Control: the tables swapped (sin for cos) give other bits, so the comparison can
+    fail; and an odd head dim, which has no pairs to rotate, is refused."""
+    from bivit.ops.rotary import rope_reference
+
+    lens = [64] * 5 + [300, 1, 257, 0, 17]
+    g = torch.Generator().manual_seed(d)
+    qkv = (2 * torch.randn(sum(lens), 3, 4, d, generator=g)).to(dtype)
+    cos, sin = torch.randn(2, sum(lens), d, generator=g).unbind(0)
+    q, k, v = qkv.unbind(1)
+    ref, ref_lse = torch.empty_like(q), torch.empty(4 * sum(lens))
+    kernel(rope_reference(q, cos, sin), rope_reference(k, cos, sin), v, ref, lens, ref_lse)
+    for threads in (1, 2, 3):
+        torch.set_num_threads(threads)
+        out, lse = torch.empty_like(q), torch.empty(4 * sum(lens))
+        kernel(q, k, v, out, lens, lse, rope=(cos, sin))
+        assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
+    swapped = torch.empty_like(q)
+    kernel(q, k, v, swapped, lens, rope=(sin, cos))
+    assert not torch.equal(swapped, ref)
+    odd = _qkv(10, 2, 27, dtype=dtype)
+    with pytest.raises(ValueError, match="head dim 27"):
+        kernel(*odd, torch.empty_like(odd[0]), [10], rope=(cos[:10, :27].contiguous(), sin[:10, :27].contiguous()))
+
+
 @needs_cpu
 def test_unsupported_dtypes_and_shapes_use_pytorchs_attention(kernel):
     assert kernels.Attention.supports(_qkv(10, 2, 72, dtype=torch.float32)[0])

@@ -184,8 +184,8 @@ class Block(nn.Module):
     def attention(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], seqlens: list[int],
                   residual: torch.Tensor) -> torch.Tensor:
         qkv = self.wqkv(x).view(x.shape[0], 3, self.heads, self.head_dim)
-        qk = ops.rope(qkv[:, :2], *rope)  # q and k rotated together
-        return ops.residual_linear(residual, ops.attention(qk[:, 0], qk[:, 1], qkv[:, 2], seqlens), [self.wo.layer])
+        out = ops.attention(qkv[:, 0], qkv[:, 1], qkv[:, 2], seqlens, rope=rope)  # q and k rotated first
+        return ops.residual_linear(residual, out, [self.wo.layer])
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], seqlens: list[int]) -> torch.Tensor:
         # x + attention(norm0(x)), then x + mlp(norm1(x)): the residual adds happen in the ops (in place unless

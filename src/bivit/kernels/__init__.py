@@ -19,7 +19,9 @@ where a faster path is lost, else a note), and PyTorch's kernels run. `status()`
 `BIVIT_ATTENTION` chooses: `auto` (default: the best variant, except that on CPUs with AMX PyTorch's attention
 stays, running on AMX tiles), `bivit` (the best variant wherever one runs), `avx512` or `avx2` (that variant,
 if the CPU can run it: how the tests exercise the AVX2 kernels on an AVX-512 machine) or `sdpa` (PyTorch's
-attention; the RoPE kernel computes PyTorch's bits, so it runs whatever the choice).
+attention; the RoPE kernel computes PyTorch's bits, so it runs whatever the choice). The compiled attention
+also takes the RoPE tables (`Attention(..., rope=)`) and rotates q and k as it packs them, with the same bits:
+inference then never writes the rotated q and k out.
 """
 
 from __future__ import annotations
@@ -139,18 +141,22 @@ class Attention:
     variant: str
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                 seqlens: Sequence[int], lse: torch.Tensor | None = None) -> None:
+                 seqlens: Sequence[int], lse: torch.Tensor | None = None,
+                 rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """q/k/v/out: `[L, heads, d]` views of one dtype with a contiguous last dim, item i owning the next
         `seqlens[i]` rows; lse: float32 with room for `heads * L` values (item by item, `[heads, n_i]` each), or
-        None."""
+        None; rope: the (cos, sin) tables of `Rope` (`supports_rope`), which q and k are then rotated by as the
+        kernel reads them: the bits of rotating them with `Rope` first."""
         _, heads, d = q.shape
+        cos, sin = rope if rope is not None else (None, None)
         cu = torch.zeros(len(seqlens) + 1, dtype=torch.int64)
         torch.cumsum(torch.tensor(seqlens, dtype=torch.int64), 0, out=cu[1:])
         fn = self.lib.bivit_attention_bf16 if q.dtype == torch.bfloat16 else self.lib.bivit_attention_f32
         rc = fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), cu.data_ptr(), len(seqlens), heads, d,
                 q.stride(0), k.stride(0), v.stride(0), out.stride(0),
                 q.stride(1), k.stride(1), v.stride(1), out.stride(1), 1 / math.sqrt(d),
-                None if lse is None else lse.data_ptr(), torch.get_num_threads())
+                None if lse is None else lse.data_ptr(), None if cos is None else cos.data_ptr(),
+                None if sin is None else sin.data_ptr(), torch.get_num_threads())
         if rc == 1:
             raise MemoryError(f"bivit attention: no memory for the scratch of {len(seqlens)} item(s) of up to "
                               f"{max(seqlens)} patches")
@@ -163,6 +169,13 @@ class Attention:
     def supports(q: torch.Tensor) -> bool:
         return (q.dtype in DTYPES and q.device.type == "cpu" and q.dim() == 3
                 and q.shape[2] <= MAX_HEAD_DIM and q.stride(2) == 1)
+
+    @staticmethod
+    def supports_rope(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+        """Whether the kernel can rotate q and k itself (`rope=`): an even head dim and `Rope`'s tables."""
+        return q.shape[2] % 2 == 0 and all(
+            t.dtype == torch.float32 and t.is_contiguous() and tuple(t.shape) == (q.shape[0], q.shape[2])
+            for t in (cos, sin))
 
 
 @dataclass(frozen=True)
@@ -204,7 +217,7 @@ def load_library(variant: Variant) -> Library:
     for fn in (lib.bivit_attention_bf16, lib.bivit_attention_f32):
         fn.restype = ctypes.c_int
         fn.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int64] * 11
-                       + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int])
+                       + [ctypes.c_float] + [ctypes.c_void_p] * 3 + [ctypes.c_int])
     for fn in (lib.bivit_rope_bf16, lib.bivit_rope_f32):
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 7 + [ctypes.c_int]

@@ -58,12 +58,18 @@ static inline __m256 load_bf16(const bf16 *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
 }
 
-/* 8 floats -> 8 bf16, rounded to nearest even (NaN stays a quiet NaN), as PyTorch converts. */
-static inline __m128i to_bf16(__m256 x) {
+/* 8 floats -> their bf16 bits in the low halves of 8 lanes, rounded to nearest even (NaN: a quiet NaN), as
+ * PyTorch converts. */
+static inline __m256i bf16_bits(__m256 x) {
     __m256i u = _mm256_castps_si256(x);
     __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
     __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb)), 16);
-    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+    return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+}
+
+/* 8 floats -> 8 bf16 (bf16_bits, packed). */
+static inline __m128i to_bf16(__m256 x) {
+    const __m256i r = bf16_bits(x);
     return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
 }
 
@@ -85,6 +91,36 @@ static inline void widen_row(float *dst, const char *row, int64_t d, size_t widt
         for (; c + 8 <= d; c += 8) _mm256_storeu_ps(dst + c, _mm256_loadu_ps((const float *)row + c));
     for (; c < d; c++) dst[c] = elem(row, c, bf);
     for (; c < (int64_t)width; c++) dst[c] = 0.0f;
+}
+
+/* Row `row` of the call's q or k rotated by its RoPE tables (d even), rounded to the input dtype as rope.h
+ * rounds, then widened to floats at dst (exact): 8 lanes at a time, rope.h's scalar form for the last pairs. */
+static inline void widen_rotated(const struct call *C, float *dst, const char *src, int64_t row, const int bf) {
+    const int64_t d = C->d;
+    const float *c = C->cos + row * d, *s = C->sin + row * d;
+    int64_t i = 0;
+    for (; i + 8 <= d; i += 8) {
+        const __m256 x = bf ? load_bf16((const bf16 *)src + i) : _mm256_loadu_ps((const float *)src + i);
+        const __m256 a = _mm256_mul_ps(x, _mm256_loadu_ps(c + i));
+        const __m256 b = _mm256_mul_ps(_mm256_permute_ps(x, 0xB1), _mm256_loadu_ps(s + i));
+        const __m256 y = _mm256_add_ps(a, b);
+        _mm256_storeu_ps(dst + i, bf ? _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits(y), 16)) : y);
+    }
+    for (; i < d; i++) {
+        const float y = rope_elem(elem(src, i, bf), elem(src, i ^ 1, bf), c[i], s[i]);
+        if (!bf) {
+            dst[i] = y;
+        } else {
+            const uint32_t w = (uint32_t)rope_bf16(y) << 16;
+            memcpy(dst + i, &w, sizeof w);
+        }
+    }
+}
+
+/* Row `row` of q or k as the microtiles read it: d floats at dst, rotated when the call has RoPE tables. */
+static inline void widen_qk(const struct call *C, float *dst, const char *src, int64_t row, const int bf) {
+    if (C->cos) widen_rotated(C, dst, src, row, bf);
+    else widen_row(dst, src, C->d, C->d, bf);
 }
 
 /* The packed sizes of an item of n rows: keys as [d][npad] floats, values as [n][dpad] floats. */
@@ -110,7 +146,7 @@ static inline __attribute__((always_inline)) void pack_head_t(const struct call 
         const int64_t jn = n - j0 < 8 ? n - j0 : 8;
         float rows[8][MAX_D];
         for (int64_t jj = 0; jj < jn; jj++)
-            widen_row(rows[jj], row_of(C->k, it->row0 + j0 + jj, C->k_row, h, C->k_head, es), d, d, bf);
+            widen_qk(C, rows[jj], row_of(C->k, it->row0 + j0 + jj, C->k_row, h, C->k_head, es), it->row0 + j0 + jj, bf);
         for (int64_t c = 0; c < d; c++)
             for (int64_t jj = 0; jj < jn; jj++) kp[(size_t)c * npad + j0 + jj] = rows[jj][c];
     }
@@ -215,8 +251,9 @@ static inline __attribute__((always_inline)) void run_unit_t(const struct call *
     float *qb = (float *)((char *)scratch + round_up(BQ * npad_of(n) * sizeof(float), 64));
     float inv[BQ];
     for (int r = 0; r < BQ; r++) {
-        if (r < rows) widen_row(qb + (size_t)r * d, row_of(C->q, it->row0 + i0 + r, C->q_row, h, C->q_head, C->esize),
-                                d, d, bf);
+        if (r < rows)
+            widen_qk(C, qb + (size_t)r * d, row_of(C->q, it->row0 + i0 + r, C->q_row, h, C->q_head, C->esize),
+                     it->row0 + i0 + r, bf);
         else memset(qb + (size_t)r * d, 0, (size_t)d * sizeof(float));
     }
     const float *kp = (const float *)(it->kpack + it->kp_head * h), *vp = (const float *)(it->vpack + it->vp_head * h);
@@ -258,4 +295,3 @@ static inline __attribute__((always_inline)) void run_unit_t(const struct call *
 
 BIVIT_VARIANT
 
-#include "rope.h"

@@ -228,32 +228,124 @@ static size_t scratch_bytes(int64_t n, int64_t d, int bf) {
            + round_up(BQ * (size_t)G.steps * sizeof(word), 64);
 }
 
+/* 16 lanes of a row from element i: m of them (the rest zero), as floats. Masked loads only for a last partial
+ * block (on AMD Zen 4/5 a masked store is several times slower than a plain one, so the full blocks avoid masks
+ * altogether). */
+static inline __attribute__((always_inline)) __m512 load16(const void *row, int64_t i, int64_t m, const int bf) {
+    const __mmask16 k = (__mmask16)((1u << m) - 1);
+    if (bf) {
+        const bf16 *p = (const bf16 *)row + i;
+        const __m256i h = m == 16 ? _mm256_loadu_si256((const __m256i *)p) : _mm256_maskz_loadu_epi16(k, p);
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    const float *p = (const float *)row + i;
+    return m == 16 ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(k, p);
+}
+
+/* Row `row` of the call's q or k rotated by its RoPE tables (d even), d elements in the input dtype into dst:
+ * rope.h's products and sum in fp32, then bf16 rounded to nearest even (NaN: a quiet NaN), as rope.h rounds.
+ * 16 lanes, then 8, then rope.h's scalar form for the last pairs: a masked store costs several times a plain
+ * one on AMD Zen 4/5. */
+static inline __m512i bf16_bits16(__m512 y) {
+    const __m512i u = _mm512_castps_si512(y);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb)), 16);
+    return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+}
+
+static inline __attribute__((always_inline)) void rotate_row(const struct call *C, const char *src, int64_t row,
+                                                             void *dst, const int bf) {
+    const int64_t d = C->d;
+    const float *c = C->cos + row * d, *s = C->sin + row * d;
+    const __m512i swap = _mm512_setr_epi32(1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+    int64_t i = 0;
+    for (; i + 16 <= d; i += 16) {
+        const __m512 x = load16(src, i, 16, bf);
+        const __m512 a = _mm512_mul_ps(x, _mm512_loadu_ps(c + i));
+        const __m512 b = _mm512_mul_ps(_mm512_permutexvar_ps(swap, x), _mm512_loadu_ps(s + i));
+        const __m512 y = _mm512_add_ps(a, b);
+        if (bf) _mm256_storeu_si256((__m256i *)((bf16 *)dst + i), _mm512_cvtepi32_epi16(bf16_bits16(y)));
+        else _mm512_storeu_ps((float *)dst + i, y);
+    }
+    if (i + 8 <= d) {
+        const __m256 x = bf ? _mm256_castsi256_ps(_mm256_slli_epi32(
+                                  _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const bf16 *)src + i))), 16))
+                            : _mm256_loadu_ps((const float *)src + i);
+        const __m256 a = _mm256_mul_ps(x, _mm256_loadu_ps(c + i));
+        const __m256 b = _mm256_mul_ps(_mm256_permute_ps(x, 0xB1), _mm256_loadu_ps(s + i));
+        const __m256 y = _mm256_add_ps(a, b);
+        if (bf)
+            _mm_storeu_si128((__m128i *)((bf16 *)dst + i),
+                             _mm256_cvtepi32_epi16(_mm512_castsi512_si256(bf16_bits16(_mm512_castps256_ps512(y)))));
+        else _mm256_storeu_ps((float *)dst + i, y);
+        i += 8;
+    }
+    for (; i < d; i++) {
+        const float y = rope_elem(rope_load(src, i, bf), rope_load(src, i ^ 1, bf), c[i], s[i]);
+        if (bf) ((bf16 *)dst)[i] = rope_bf16(y);
+        else ((float *)dst)[i] = y;
+    }
+}
+
+/* Whole 32-bit words of a row: both elements of a bf16 pair inside the row (an odd head dim's last element is
+ * a word of its own, upper half zero), or one float. */
+static inline int64_t whole_words(int64_t d, const int bf) { return bf ? d / 2 : d; }
+
+/* 16 lanes of byte offsets 0, stride, 2 stride, ...: a gather's rows. */
+static inline __m512i lane_offsets(int64_t stride) {
+    return _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                              _mm512_set1_epi32((int)stride));
+}
+
 /* Keys as [steps][keys] words and values as [key steps][columns] words: the layouts the microtiles read,
- * zero-padded so padded keys and columns contribute nothing. */
+ * zero-padded so padded keys and columns contribute nothing. Data movement (and the RoPE of the keys, with
+ * rope.h's bits), nothing else: how it is done cannot change a result. */
 static inline __attribute__((always_inline)) void pack_head_t(const struct call *C, const struct item *it,
                                                               int64_t h, const int bf) {
     const struct geom G = geometry(it->n, C->d, bf);
     word *kp = (word *)(it->kpack + it->kp_head * h), *vp = (word *)(it->vpack + it->vp_head * h);
-    const int64_t n = it->n, d = C->d, pw = G.per_word;
+    const int64_t n = it->n, d = C->d, pw = G.per_word, whole = whole_words(d, bf);
     const size_t es = C->esize;
-    memset(kp, 0, G.kp_size * sizeof(word));
-    memset(vp, 0, G.vp_size * sizeof(word));
-    for (int64_t j0 = 0; j0 < n; j0 += 16) {  /* 16 keys at a time: each packed row gets one 64-byte run */
+    const int64_t k_bytes = C->k_row * (int64_t)es, v_bytes = C->v_row * (int64_t)es;
+    /* Keys: the [keys][words] block of 16 keys transposed by gathers, lanes past the item's end zero. Rotated
+     * keys are gathered from a rotated copy of the block; others straight from k where 16 rows' byte offsets
+     * fit the gather's 32-bit indices (else word by word). */
+    word rot[16][MAX_D];
+    const int gather = C->cos || (k_bytes > -(INT32_MAX / 16) && k_bytes < INT32_MAX / 16);
+    const int64_t stride = C->cos ? (int64_t)sizeof rot[0] : k_bytes;
+    const __m512i idx = lane_offsets(gather ? stride : 0);
+    for (int64_t j0 = 0; j0 < n; j0 += 16) {
         const int64_t jn = n - j0 < 16 ? n - j0 : 16;
         const char *kr = row_of(C->k, it->row0 + j0, C->k_row, h, C->k_head, es);
-        for (int64_t c = 0, p = 0; c < d; c += pw, p++)
-            for (int64_t jj = 0; jj < jn; jj++)
-                kp[(size_t)p * G.npad16 + j0 + jj] = pack_word(kr + jj * C->k_row * (int64_t)es, c, d, bf);
+        if (C->cos) {
+            for (int64_t jj = 0; jj < jn; jj++) rotate_row(C, kr + jj * k_bytes, it->row0 + j0 + jj, rot[jj], bf);
+            kr = (const char *)rot;
+        }
+        int64_t p = 0;
+        if (gather) {
+            const __mmask16 m = (__mmask16)((1u << jn) - 1);
+            for (; p < whole; p++)
+                _mm512_store_si512(kp + (size_t)p * G.npad16 + j0,
+                                   _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, idx, kr + 4 * p, 1));
+        }
+        for (int64_t c = p * pw; c < d; c += pw, p++) {
+            word *dst = kp + (size_t)p * G.npad16 + j0;
+            for (int64_t jj = 0; jj < 16; jj++) dst[jj] = jj < jn ? pack_word(kr + jj * stride, c, d, bf) : 0;
+        }
     }
+    /* Values: rows j and j + 1 interleaved into pairs (bf16) or copied (fp32), columns past d zero. */
     for (int64_t j = 0; j < n; j += pw) {
         const char *v0 = row_of(C->v, it->row0 + j, C->v_row, h, C->v_head, es);
         word *vw = vp + (size_t)(j / pw) * G.NV * 16;
-        if (!bf) memcpy(vw, v0, d * sizeof(float));
-        else if (j + 1 < n)
-            for (int64_t c = 0; c < d; c++)
-                vw[c] = (word)((const bf16 *)v0)[c] | (word)((const bf16 *)(v0 + C->v_row * 2))[c] << 16;
-        else
-            for (int64_t c = 0; c < d; c++) vw[c] = ((const bf16 *)v0)[c];
+        for (int v = 0; v < G.NV; v++) {
+            const int64_t m = d - 16 * v < 16 ? d - 16 * v : 16;
+            __m512i w = _mm512_castps_si512(load16(v0, 16 * v, m, bf));
+            if (bf) {  /* the pair's second row in the upper halves */
+                w = _mm512_srli_epi32(w, 16);
+                if (j + 1 < n) w = _mm512_or_si512(w, _mm512_castps_si512(load16(v0 + v_bytes, 16 * v, m, 1)));
+            }
+            _mm512_store_si512(vw + 16 * v, w);
+        }
     }
 }
 
@@ -268,23 +360,36 @@ static inline __attribute__((always_inline)) void run_unit_t(const struct call *
     word *pb = (word *)((char *)scratch + round_up(BQ * s_stride * sizeof(float), 64));
     word *qb = (word *)((char *)pb + round_up(BQ * p_stride * sizeof(word), 64));
     float inv[BQ];
-    memset(qb, 0, BQ * (size_t)steps * sizeof(word));
-    for (int r = 0; r < rows; r++) {
+    /* Rows computed: the unit's rows rounded up to the value microtile (4 rows), then to the score microtile
+     * (QK_R); rows past the unit's end are zero queries whose results are never stored. */
+    const int prow = (rows + 3) / 4 * 4, srow = (prow + QK_R - 1) / QK_R * QK_R;
+    const int64_t whole = whole_words(d, bf);
+    for (int r = 0; r < srow; r++) {
+        word *qw = qb + (size_t)r * steps;
+        if (r >= rows) {
+            memset(qw, 0, (size_t)steps * sizeof(word));
+            continue;
+        }
         const char *qr = row_of(C->q, it->row0 + i0 + r, C->q_row, h, C->q_head, C->esize);
-        for (int64_t c = 0, p = 0; c < d; c += G.per_word, p++) qb[(size_t)r * steps + p] = pack_word(qr, c, d, bf);
+        if (C->cos) {
+            rotate_row(C, qr, it->row0 + i0 + r, qw, bf);
+        } else {
+            memcpy(qw, qr, (size_t)whole * sizeof(word));
+            if (whole < steps) qw[whole] = pack_word(qr, 2 * whole, d, bf);
+        }
     }
     const word *kp = (const word *)(it->kpack + it->kp_head * h), *vp = (const word *)(it->vpack + it->vp_head * h);
     for (size_t j0 = 0; j0 < npad16; j0 += 16 * QK_C) {
         int Cn = (int)((npad16 - j0) / 16);
         if (Cn > QK_C) Cn = QK_C;
-        for (int r0 = 0; r0 < BQ; r0 += QK_R)
+        for (int r0 = 0; r0 < srow; r0 += QK_R)
             qk_dispatch(qb + (size_t)r0 * steps, steps, kp, npad16, j0, Cn, C->scale2, s + r0 * s_stride, s_stride,
                         bf);
     }
     /* Softmax numerators in fp32 over the n real keys (zero for the padding); the sum is of the fp32 values,
      * the second product uses them rounded to the input dtype. */
     const __mmask16 tail = (n % 16) ? (__mmask16)((1u << (n % 16)) - 1) : (__mmask16)0xFFFF;
-    for (int r = 0; r < BQ; r++) {
+    for (int r = 0; r < prow; r++) {
         const float *sr = s + r * s_stride;
         word *pr = pb + r * p_stride;
         __m512 mx = _mm512_set1_ps(-INFINITY);
@@ -313,4 +418,3 @@ static inline __attribute__((always_inline)) void run_unit_t(const struct call *
 
 BIVIT_VARIANT
 
-#include "rope.h"

@@ -14,6 +14,11 @@
  * Layout: q/k/v/out rows are `*_row` elements apart, heads `*_head` apart, head_dim contiguous. `lse`, when not
  * NULL, receives each row's log-sum-exp of the scaled scores, item by item as [heads][n] floats (what a
  * backward pass needs).
+ *
+ * RoPE: when `cos`/`sin` are not NULL (fp32 [rows][d] tables, row = row of the call, d even), q and k are
+ * rotated as they are packed, with rope.h's arithmetic: the same bits as rotating them first (rope.h's kernel
+ * or PyTorch's form), without writing the rotated q and k out and reading them back (a pass over 2 x rows x
+ * heads x d values that costs as much as the attention of small items).
  */
 #ifndef BIVIT_ATTENTION_COMMON_H
 #define BIVIT_ATTENTION_COMMON_H
@@ -23,6 +28,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "rope.h"
 
 typedef uint16_t bf16;
 
@@ -72,6 +79,8 @@ struct call {
     char *out;
     int64_t d, heads, q_row, k_row, v_row, out_row, q_head, k_head, v_head, out_head;
     float scale2, *lse;  /* scale2 = scale * log2(e): scores are exponentiated base 2 */
+    const float *cos, *sin; /* RoPE tables, or NULL */
+    int64_t hgroup;      /* heads per task of a small item */
     int bf;              /* bf16 tensors (else float32) */
     size_t esize;
 };
@@ -111,7 +120,22 @@ static const struct item *task_item(const struct item *items, int64_t count, int
     return &items[lo];
 }
 
-/* One task: a whole head of a small item (packed here, into `kbuf`/`vbuf`), or one unit of a large item. */
+/* Ask for head h's q, k and v rows of an item while the previous head is computed: the rows of one head are a
+ * few hundred bytes each, a whole qkv row apart, a stride the hardware prefetchers do not follow. */
+static void prefetch_head(const struct call *C, const struct item *it, int64_t h) {
+    const int64_t bytes = C->d * (int64_t)C->esize;
+    for (int64_t j = 0; j < it->n; j++) {
+        const char *rows[3] = {row_of(C->q, it->row0 + j, C->q_row, h, C->q_head, C->esize),
+                               row_of(C->k, it->row0 + j, C->k_row, h, C->k_head, C->esize),
+                               row_of(C->v, it->row0 + j, C->v_row, h, C->v_head, C->esize)};
+        for (int t = 0; t < 3; t++)
+            for (uintptr_t a = (uintptr_t)rows[t] & ~(uintptr_t)63; a < (uintptr_t)rows[t] + bytes; a += 64)
+                __builtin_prefetch((const void *)a, 0, 3);
+    }
+}
+
+/* One task: `hgroup` heads of a small item (each packed here, into `kbuf`/`vbuf`, the next one's rows prefetched
+ * meanwhile), or one unit of a large item. */
 static void run_task(const struct variant *V, const struct call *C, const struct item *it, int64_t local,
                      void *scratch, char *kbuf, char *vbuf) {
     if (!it->small) {
@@ -122,13 +146,29 @@ static void run_task(const struct variant *V, const struct call *C, const struct
     mine.kpack = kbuf;
     mine.vpack = vbuf;
     mine.kp_head = mine.vp_head = 0;
-    V->pack_head(C, &mine, local);
-    for (int64_t b = 0; b < it->qblocks; b++) V->run_unit(C, &mine, local, b * V->bq, scratch);
+    const int64_t h0 = local * C->hgroup, h1 = h0 + C->hgroup < C->heads ? h0 + C->hgroup : C->heads;
+    for (int64_t h = h0; h < h1; h++) {
+        if (h + 1 < h1) prefetch_head(C, it, h + 1);
+        V->pack_head(C, &mine, h);
+        for (int64_t b = 0; b < it->qblocks; b++) V->run_unit(C, &mine, h, b * V->bq, scratch);
+    }
 }
 
-/* Returns 0 on success, 1 if memory could not be allocated, 2 for an unsupported head dim, 3 for bad offsets. */
-static int run_call(const struct variant *V, const struct call *C, const int64_t *cu, int64_t count, int threads) {
-    if (C->d < 1 || C->d > MAX_D) return 2;
+/* Heads per task of a small item: 4 where small items give every thread at least 16 such tasks (what the
+ * prefetch of the next head needs: the same thread computes it), else 1 (a lone small item still spreads over
+ * the threads). Grouping only decides which thread runs a head, never its arithmetic. */
+#define HEAD_GROUP 4
+
+static int64_t head_group(const struct item *items, int64_t count, int64_t heads, int threads) {
+    int64_t small = 0;
+    for (int64_t i = 0; i < count; i++) small += items[i].n && items[i].small;
+    return small * heads >= (int64_t)HEAD_GROUP * 16 * threads ? HEAD_GROUP : 1;
+}
+
+/* Returns 0 on success, 1 if memory could not be allocated, 2 for an unsupported head dim (or an odd one with
+ * RoPE tables), 3 for bad offsets. */
+static int run_call(const struct variant *V, struct call *C, const int64_t *cu, int64_t count, int threads) {
+    if (C->d < 1 || C->d > MAX_D || (C->cos && C->d % 2)) return 2;
     if (count <= 0 || C->heads <= 0) return 0;
     struct item *items = malloc((size_t)count * sizeof *items);
     if (!items) return 1;
@@ -142,21 +182,23 @@ static int run_call(const struct variant *V, const struct call *C, const int64_t
         it->row0 = cu[i];
         it->qblocks = (n + V->bq - 1) / V->bq;
         it->small = n <= SMALL_N;
-        it->task0 = tasks;
         it->kpack = it->vpack = NULL;
         it->kp_head = n ? round_up(V->kpack_bytes(n, C->d, C->bf), 64) : 0;
         it->vp_head = n ? round_up(V->vpack_bytes(n, C->d, C->bf), 64) : 0;
         if (!n) continue;
         if (it->small) {
-            tasks += C->heads;
             if (it->kp_head > kbuf_bytes) kbuf_bytes = it->kp_head;
             if (it->vp_head > vbuf_bytes) vbuf_bytes = it->vp_head;
         } else {
-            tasks += C->heads * it->qblocks;
             kbytes += it->kp_head * C->heads;
             vbytes += it->vp_head * C->heads;
         }
         if (n > nmax) nmax = n;
+    }
+    C->hgroup = head_group(items, count, C->heads, threads);
+    for (int64_t i = 0; i < count; i++) {
+        items[i].task0 = tasks;
+        if (items[i].n) tasks += items[i].small ? (C->heads + C->hgroup - 1) / C->hgroup : C->heads * items[i].qblocks;
     }
     char *kpack = alloc64(kbytes), *vpack = alloc64(vbytes);
     if (!kpack || !vpack) { free(kpack); free(vpack); free(items); return 1; }
@@ -185,6 +227,10 @@ static int run_call(const struct variant *V, const struct call *C, const int64_t
         for (int64_t t = 0; t < tasks; t++) {
             if (!buf) continue;
             const struct item *it = task_item(items, count, t);
+            if (t + threads < tasks) {  /* likely this thread's next task (units are handed out in turn) */
+                const struct item *next = task_item(items, count, t + threads);
+                if (next->small) prefetch_head(C, next, (t + threads - next->task0) * C->hgroup);
+            }
             run_task(V, C, it, t - it->task0, buf, buf + scratch, buf + scratch + kbuf_bytes);
         }
         free(buf);
@@ -201,13 +247,13 @@ static int run_call(const struct variant *V, const struct call *C, const int64_t
 #define BIVIT_ATTENTION_PARAMS                                                                                   \
     const void *q, const void *k, const void *v, void *out, const int64_t *cu, int64_t count, int64_t heads,    \
         int64_t d, int64_t q_row, int64_t k_row, int64_t v_row, int64_t out_row, int64_t q_head, int64_t k_head, \
-        int64_t v_head, int64_t out_head, float scale, float *lse, int threads
+        int64_t v_head, int64_t out_head, float scale, float *lse, const float *cos, const float *sin, int threads
 #define BIVIT_ATTENTION_ENTRY(FN, BF)                                                                            \
     int FN(BIVIT_ATTENTION_PARAMS) {                                                                            \
         struct call C = {.q = q, .k = k, .v = v, .out = out, .d = d, .heads = heads, .q_row = q_row,            \
                          .k_row = k_row, .v_row = v_row, .out_row = out_row, .q_head = q_head, .k_head = k_head, \
                          .v_head = v_head, .out_head = out_head, .scale2 = scale * 1.4426950408889634f,         \
-                         .lse = lse, .bf = BF, .esize = BF ? 2 : 4};                                            \
+                         .lse = lse, .cos = cos, .sin = sin, .bf = BF, .esize = BF ? 2 : 4};                    \
         return run_call(&VARIANT, &C, cu, count, threads);                                                      \
     }
 #define BIVIT_VARIANT                                                                                            \

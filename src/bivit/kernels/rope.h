@@ -11,7 +11,9 @@
  *
  * Why: in PyTorch the same math on a strided bf16 view times fp32 tables takes the slow mixed-dtype path of
  * TensorIterator (measured: RoPE was a third of a 32 x 112x112 encode on one thread); here it is one pass. Rows
- * are independent, so any split over threads gives the same bits.
+ * are independent, so any split over threads gives the same bits. Where the compiled attention runs, it rotates
+ * q and k itself as it reads them (common.h), with this formula and rounding (`rope_elem`, `rope_bf16`; its
+ * vector forms are held to these bits by the tests): this pass then runs only beside PyTorch's attention.
  */
 #ifndef BIVIT_ROPE_H
 #define BIVIT_ROPE_H
@@ -36,6 +38,13 @@ static inline uint16_t rope_bf16(float f) {
     return (uint16_t)((u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : rounded);
 }
 
+/* Element i of a rotated row from x_i, its pair partner x_p (x[i ^ 1]) and the tables' c_i, s_i: the formula above
+ * (the attention kernels' fused rotation uses it for the elements its vector code leaves). */
+static inline float rope_elem(float xi, float xp, float ci, float si) {
+    const float a = xi * ci, b = xp * si;
+    return a + b;
+}
+
 static inline __attribute__((always_inline)) void rope_rows(const char *x, char *out, const float *cos,
                                                             const float *sin, int64_t rows, int64_t slots,
                                                             int64_t d, int64_t x_row, int64_t x_slot,
@@ -48,15 +57,11 @@ static inline __attribute__((always_inline)) void rope_rows(const char *x, char 
         for (int64_t j = 0; j < slots; j++) {
             const char *xr = x + (l * x_row + j * x_slot) * es;
             char *orow = out + (l * out_row + j * out_slot) * es;
-            float xf[256], xs[256], y[256];
+            float xf[256], y[256];
             for (int64_t i = 0; i < d; i++) xf[i] = rope_load(xr, i, bf);
             for (int64_t i = 0; i < d; i += 2) {
-                xs[i] = xf[i + 1];
-                xs[i + 1] = xf[i];
-            }
-            for (int64_t i = 0; i < d; i++) {
-                const float a = xf[i] * c[i], b = xs[i] * s[i];
-                y[i] = a + b;
+                y[i] = rope_elem(xf[i], xf[i + 1], c[i], s[i]);
+                y[i + 1] = rope_elem(xf[i + 1], xf[i], c[i + 1], s[i + 1]);
             }
             if (bf)
                 for (int64_t i = 0; i < d; i++) ((uint16_t *)orow)[i] = rope_bf16(y[i]);

@@ -14,19 +14,26 @@ import torch.nn.functional as F
 from .. import kernels
 from .backend import flash_attention_backward
 from .mode import emit, needs_grad
+from .rotary import rope as rotate
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: Sequence[int]) -> torch.Tensor:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: Sequence[int],
+              rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Non-causal attention over packed `[L, heads, head_dim]` q/k/v where item i owns `seqlens[i]` rows -> `[L,
-    heads * head_dim]`.
+    heads * head_dim]`; with `rope`, q and k are first rotated by its (cos, sin) tables (`ops.rope`).
 
     Each item attends only to itself, so it runs alone: its kernel shapes depend on that item alone, which
     makes attention batch-invariant in both modes (and is what the reference does on CPU too). On CPUs where
     it is the faster kernel, bf16 and fp32 run bivit's compiled attention (`bivit.kernels`: one call for the
     whole batch, split into per-item units computed by one thread each, so an item's bits depend on neither
-    batch nor thread count); elsewhere PyTorch's fused attention.
+    batch nor thread count); elsewhere PyTorch's fused attention. Without autograd the compiled kernel also
+    rotates q and k as it reads them, with `ops.rope`'s bits: the rotated q and k are never written out.
     """
     kernel = kernels.attention() if all(kernels.Attention.supports(t) for t in (q, k, v)) else None
+    fused = (rope is not None and kernel is not None and not needs_grad(q, k, v)
+             and kernels.Attention.supports_rope(q, *rope))
+    if rope is not None and not fused:
+        q, k = rotate(q, *rope), rotate(k, *rope)
     if kernel is None:
         out = _sdpa(q, k, v, seqlens)
     elif needs_grad(q, k, v):
@@ -34,7 +41,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: Sequen
     else:
         out = q.new_empty(q.shape)
         with torch.profiler.record_function("bivit::attention"):  # else invisible to torch.profiler
-            kernel(q, k, v, out, seqlens)
+            kernel(q, k, v, out, seqlens, rope=rope if fused else None)
     return emit("attention", out.view(q.shape[0], -1))
 
 
