@@ -135,23 +135,29 @@ static inline __attribute__((always_inline)) void pv_tile(const word *pb, size_t
             for (int v = 0; v < 8; v++) tot[r][v] = _mm512_add_ps(tot[r][v], acc[r][v]);
         }
     }
+    /* Plain stores for whole vectors, masked ones only past d (a masked store costs several plain ones here). */
     for (int r = 0; r < R && r < rows; r++) {
         for (int v = 0; v < NF; v++) {
-            int cols = d - 16 * v;
-            __mmask16 m = cols >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << cols) - 1);
-            __m512 o = _mm512_mul_ps(tot[r][v], _mm512_set1_ps(inv[r]));
-            if (bf)
-                _mm256_mask_storeu_epi16((bf16 *)out + r * out_row + 16 * v, m, (__m256i)_mm512_cvtneps_pbh(o));
-            else
-                _mm512_mask_storeu_ps((float *)out + r * out_row + 16 * v, m, o);
+            const int cols = d - 16 * v;
+            const __mmask16 m = cols >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << cols) - 1);
+            const __m512 o = _mm512_mul_ps(tot[r][v], _mm512_set1_ps(inv[r]));
+            bf16 *ob = (bf16 *)out + r * out_row + 16 * v;
+            float *of = (float *)out + r * out_row + 16 * v;
+            if (bf && cols >= 16) _mm256_storeu_si256((__m256i *)ob, (__m256i)_mm512_cvtneps_pbh(o));
+            else if (bf) _mm256_mask_storeu_epi16(ob, m, (__m256i)_mm512_cvtneps_pbh(o));
+            else if (cols >= 16) _mm512_storeu_ps(of, o);
+            else _mm512_mask_storeu_ps(of, m, o);
         }
         if (HALF) {
-            __mmask8 m = (__mmask8)((1u << (d - 16 * NF)) - 1);
-            __m256 o = _mm256_mul_ps(toth[r], _mm256_set1_ps(inv[r]));
-            if (bf)
-                _mm_mask_storeu_epi16((bf16 *)out + r * out_row + 16 * NF, m, (__m128i)_mm256_cvtneps_pbh(o));
-            else
-                _mm256_mask_storeu_ps((float *)out + r * out_row + 16 * NF, m, o);
+            const int cols = d - 16 * NF;
+            const __mmask8 m = (__mmask8)((1u << cols) - 1);
+            const __m256 o = _mm256_mul_ps(toth[r], _mm256_set1_ps(inv[r]));
+            bf16 *ob = (bf16 *)out + r * out_row + 16 * NF;
+            float *of = (float *)out + r * out_row + 16 * NF;
+            if (bf && cols == 8) _mm_storeu_si128((__m128i *)ob, (__m128i)_mm256_cvtneps_pbh(o));
+            else if (bf) _mm_mask_storeu_epi16(ob, m, (__m128i)_mm256_cvtneps_pbh(o));
+            else if (cols == 8) _mm256_storeu_ps(of, o);
+            else _mm256_mask_storeu_ps(of, m, o);
         }
     }
 }
