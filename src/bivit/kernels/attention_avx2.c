@@ -73,15 +73,6 @@ static inline __m128i to_bf16(__m256 x) {
     return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
 }
 
-/* Element c of a row as a float. */
-static inline float elem(const char *row, int64_t c, const int bf) {
-    if (!bf) return ((const float *)row)[c];
-    uint32_t w = (uint32_t)((const bf16 *)row)[c] << 16;
-    float f;
-    memcpy(&f, &w, sizeof f);
-    return f;
-}
-
 /* d elements of a row -> floats at dst (d <= MAX_D), the rest of `width` zero. */
 static inline void widen_row(float *dst, const char *row, int64_t d, size_t width, const int bf) {
     int64_t c = 0;
@@ -89,7 +80,7 @@ static inline void widen_row(float *dst, const char *row, int64_t d, size_t widt
         for (; c + 8 <= d; c += 8) _mm256_storeu_ps(dst + c, load_bf16((const bf16 *)row + c));
     else
         for (; c + 8 <= d; c += 8) _mm256_storeu_ps(dst + c, _mm256_loadu_ps((const float *)row + c));
-    for (; c < d; c++) dst[c] = elem(row, c, bf);
+    for (; c < d; c++) dst[c] = load_elem(row, c, bf);
     for (; c < (int64_t)width; c++) dst[c] = 0.0f;
 }
 
@@ -107,7 +98,7 @@ static inline void widen_rotated(const struct call *C, float *dst, const char *s
         _mm256_storeu_ps(dst + i, bf ? _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits(y), 16)) : y);
     }
     for (; i < d; i++) {
-        const float y = rope_elem(elem(src, i, bf), elem(src, i ^ 1, bf), c[i], s[i]);
+        const float y = rope_elem(load_elem(src, i, bf), load_elem(src, i ^ 1, bf), c[i], s[i]);
         if (!bf) {
             dst[i] = y;
         } else {

@@ -288,7 +288,7 @@ static inline __attribute__((always_inline)) void rotate_row(const struct call *
         i += 8;
     }
     for (; i < d; i++) {
-        const float y = rope_elem(rope_load(src, i, bf), rope_load(src, i ^ 1, bf), c[i], s[i]);
+        const float y = rope_elem(load_elem(src, i, bf), load_elem(src, i ^ 1, bf), c[i], s[i]);
         if (bf) ((bf16 *)dst)[i] = rope_bf16(y);
         else ((float *)dst)[i] = y;
     }

@@ -22,7 +22,8 @@
 #include <stdint.h>
 #include <string.h>
 
-static inline float rope_load(const void *row, int64_t c, int bf) {
+/* Element c of a row (bf16 or float) as a float, exactly. */
+static inline float load_elem(const void *row, int64_t c, int bf) {
     if (!bf) return ((const float *)row)[c];
     uint32_t w = (uint32_t)((const uint16_t *)row)[c] << 16;
     float f;
@@ -58,7 +59,7 @@ static inline __attribute__((always_inline)) void rope_rows(const char *x, char 
             const char *xr = x + (l * x_row + j * x_slot) * es;
             char *orow = out + (l * out_row + j * out_slot) * es;
             float xf[256], y[256];
-            for (int64_t i = 0; i < d; i++) xf[i] = rope_load(xr, i, bf);
+            for (int64_t i = 0; i < d; i++) xf[i] = load_elem(xr, i, bf);
             for (int64_t i = 0; i < d; i += 2) {
                 y[i] = rope_elem(xf[i], xf[i + 1], c[i], s[i]);
                 y[i + 1] = rope_elem(xf[i + 1], xf[i], c[i + 1], s[i + 1]);
