@@ -95,17 +95,19 @@ def test_large_scores_do_not_overflow(kernel):
 def test_bits_do_not_depend_on_batch_position_or_threads(kernel, monkeypatch):
     """Through `ops.attention`: an item's rows are the same bits alone, packed after or before other items,
     at 1, 2 and 3 threads (items on both sides of the kernel's 256-row split between head-by-head and
-    unit-by-unit work, in one call). Control: attention over the packed rows with a block-diagonal mask (what a batched
-    implementation does) gives the same item other bits beside other neighbours."""
+    unit-by-unit work, in one call; and with 40 more items of 64 rows, enough small heads for the kernel to
+    give a thread four heads at a time and prefetch ahead at 1 and 2 threads, one head per task at 3).
+    Control: attention over the packed rows with a block-diagonal mask (what a batched implementation does)
+    gives the same item other bits beside other neighbours."""
     monkeypatch.setattr(kernels, "attention", lambda: kernel)
-    items = [_qkv(n, 4, 72, seed=n) for n in (300, 77, 512, 1)]
+    items = [_qkv(n, 4, 72, seed=n) for n in (300, 77, 512, 1)] + [_qkv(64, 4, 72, seed=1000 + i) for i in range(40)]
     alone = []
     torch.set_num_threads(2)
     for q, k, v in items:
         alone.append(ops.attention(q, k, v, [q.shape[0]]))
     for threads in (1, 2, 3):
         torch.set_num_threads(threads)
-        for order in ([0, 1, 2, 3], [3, 2, 1, 0], [1, 3, 0, 2]):
+        for order in ([0, 1, 2, 3], [3, 2, 1, 0], [1, 3, 0, 2], list(range(len(items)))[::-1]):
             packed = [torch.cat([items[i][j] for i in order]) for j in range(3)]
             lens = [items[i][0].shape[0] for i in order]
             out = ops.attention(*packed, lens)
