@@ -32,6 +32,13 @@ from .weights import DEMO_NOTICE, DEMO_SEED, build_model, fingerprint, parse_dev
 __all__ = ["DEMO_NOTICE", "DEMO_SEED", "Encoder", "load_encoder"]
 
 
+def _gemm_description(dtype: torch.dtype, device_type: str) -> str:
+    kernel = ops.gemm_kernel(dtype, device_type)
+    if kernel is not None:
+        return f"{dtype_name(dtype)}: {kernel.describe()}"
+    return f"{ops.gemm_path(dtype, device_type).describe()} at proven tiles (no compiled GEMM here)"
+
+
 class Encoder:
     """Images and videos in, Kimi vision embeddings out. Not re-entrant: call it from one thread at a time."""
 
@@ -81,17 +88,26 @@ class Encoder:
         a dataset's header, the service's /v1/info and response header)."""
         dtypes = list(dict.fromkeys((self.dtype, self.projector_dtype)))
         probe = torch.empty(0, 1, self.config.head_dim, dtype=self.dtype, device=self.device)
-        compiled = kernels.attention() if kernels.Attention.supports(probe) else None
-        gemm = ([ops.gemm_path(d, self.device.type).describe() for d in dtypes] if self.batch_invariant
-                else ["PyTorch F.linear (default mode: not batch invariant)"])
+        compiled = None
+        if kernels.Attention.supports(probe):
+            compiled = ops.attention_kernel() if self.batch_invariant else kernels.attention()
+        attention = f"bivit compiled ({compiled.variant})" if compiled else "PyTorch SDPA"
+        if self.batch_invariant:
+            proof = ops.prove(self.model)
+            gemm = [_gemm_description(d, self.device.type) for d in dtypes]
+        else:
+            proof = None
+            gemm = ["PyTorch F.linear (default mode: not batch invariant)"]
         return {"model": self.model_name, "demo": self.is_demo, "fingerprint": self.fingerprint,
                 "dtype": dtype_name(self.dtype), "projector_dtype": dtype_name(self.projector_dtype),
                 "output_dtype": dtype_name(self.output_dtype), "batch_invariant": self.batch_invariant,
                 "text_hidden_size": int(self.config.text_hidden_size), "alpha": self.alpha,
                 "processing": self.processing.to_dict(),
                 # the variant too: the avx2 and avx512 kernels round differently
-                "kernels": {"gemm": gemm,
-                            "attention": f"bivit compiled ({compiled.variant})" if compiled else "PyTorch SDPA",
+                "kernels": {"gemm": gemm, "attention": attention,
+                            # the load-time proof: per op, the path and whether it is bit-identical alone,
+                            # packed and reversed at several thread counts on this machine (bivit.ops.prove)
+                            "proof": None if proof is None else proof.to_dict(),
                             # every faster path this process leaves off, why and the fix (bivit.notices)
                             "fallbacks": notices.warnings()}}
 
@@ -110,7 +126,7 @@ class Encoder:
         replace_weights(self.model, state_dict, source)
         self._fingerprint = None
         if self.batch_invariant:
-            ops.self_check(gemms(self.model), prepare=True)  # re-pack now rather than on the next request
+            ops.prepare(gemms(self.model))  # re-pack now rather than on the next request
         return self.fingerprint
 
     # ------------------------------------------------------------------------------------------ stages
@@ -299,7 +315,8 @@ def load_encoder(model: str | os.PathLike | None = None, *, device: str | torch.
                                            seed=seed, revision=revision, processing=processing)
     net.requires_grad_(False)  # an inference engine: no autograd bookkeeping, ever
     if batch_invariant:
-        # Prove now, not on the first request, that the pinned GEMMs are row-position invariant here.
-        ops.self_check(gemms(net))
+        # Pack the weights and prove every op invariant on this machine now, not on the first request.
+        ops.prepare(gemms(net))
+        ops.prove(net)
     return Encoder(net, model_name=name, is_demo=is_demo, batch_invariant=batch_invariant, output_dtype=out_dtype,
                    max_batch_patches=budget, device=device, processing=proc, alpha=alpha)

@@ -64,5 +64,6 @@ def load_model(model: str | os.PathLike | None = None, *, device: str | torch.de
     net.activation_checkpointing = activation_checkpointing
     net.requires_grad_(True)
     if batch_invariant:
-        ops.self_check(gemms(net))
+        ops.prepare(gemms(net))
+        ops.prove(net)
     return net

@@ -16,8 +16,8 @@ Elsewhere (Arm, no compiler) `library()` is None, says why once with the fix (`b
 where a faster path is lost, else a note), and PyTorch's kernels run. `status()` reports what happened, for
 `bivit doctor`.
 
-`BIVIT_ATTENTION` chooses: `auto` (default: the best variant, except that on CPUs with AMX PyTorch's attention
-stays, running on AMX tiles), `bivit` (the best variant wherever one runs), `avx512` or `avx2` (that variant,
+`BIVIT_ATTENTION` chooses: `auto` (default: the best variant, except that default mode on CPUs with AMX keeps
+PyTorch's attention, running on AMX tiles; invariant mode always runs the compiled one, `invariant_attention`), `bivit` (the best variant wherever one runs), `avx512` or `avx2` (that variant,
 if the CPU can run it: how the tests exercise the AVX2 kernels on an AVX-512 machine) or `sdpa` (PyTorch's
 attention; the RoPE kernel computes PyTorch's bits, so it runs whatever the choice). The compiled attention
 also takes the RoPE tables (`Attention(..., rope=)`) and rotates q and k as it packs them, with the same bits:
@@ -39,10 +39,12 @@ import torch
 
 from .. import notices
 from .cache import CACHE_ENV, Build, KernelUnavailable, Loaded, cache_dir, compiler, find_compiler, load
+from .gemm import GemmKernel
+from .gemm import bind as _bind_gemm
 
-__all__ = ["ATTENTION_ENV", "CACHE_ENV", "Attention", "KernelUnavailable", "Library", "Rope", "VARIANTS", "Variant",
-           "attention", "attention_declined", "cache_dir", "compiler", "cpu_info", "find_compiler", "library",
-           "load_library", "pick_variant", "rope", "status"]
+__all__ = ["ATTENTION_ENV", "CACHE_ENV", "Attention", "GemmKernel", "KernelUnavailable", "Library", "Rope",
+           "VARIANTS", "Variant", "attention", "attention_declined", "cache_dir", "compiler", "cpu_info",
+           "find_compiler", "gemm_kernels", "library", "load_library", "pick_variant", "rope", "status"]
 
 log = logging.getLogger("bivit")
 
@@ -66,13 +68,15 @@ class Variant:
     cflags: tuple[str, ...]
 
     def build(self) -> Build:
-        return Build(_HERE / self.source, (_HERE / "common.h", _HERE / "rope.h"), (*COMMON_CFLAGS, *self.cflags))
+        headers = ("common.h", "rope.h", "gemm.h", f"gemm_{self.name}.h")
+        return Build(_HERE / self.source, tuple(_HERE / h for h in headers), (*COMMON_CFLAGS, *self.cflags))
 
 
 VARIANTS = (
-    Variant("avx512", "attention_avx512.c", ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"), ("AVX512",),
-            ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma")),
-    Variant("avx2", "attention_avx2.c", ("avx2", "fma"), ("AVX2", "AVX512"), ("-mavx2", "-mfma")),
+    Variant("avx512", "attention_avx512.c", ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "f16c"),
+            ("AVX512",),
+            ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-mf16c")),
+    Variant("avx2", "attention_avx2.c", ("avx2", "fma", "f16c"), ("AVX2", "AVX512"), ("-mavx2", "-mfma", "-mf16c")),
 )
 ATTENTION_CHOICES = ("auto", "bivit", *(v.name for v in VARIANTS), "sdpa")
 
@@ -128,7 +132,8 @@ def attention_declined(choice: str, flags: frozenset[str]) -> str | None:
     if choice == "sdpa":
         return f"{ATTENTION_ENV}=sdpa"
     if choice == "auto" and "amx_bf16" in flags:
-        return f"AMX-BF16 CPU: PyTorch's fused attention runs on AMX here ({ATTENTION_ENV}=bivit overrides)"
+        return (f"AMX-BF16 CPU: in default mode PyTorch's fused attention runs on AMX here ({ATTENTION_ENV}=bivit "
+                "overrides; invariant mode runs the compiled one)")
     return None
 
 
@@ -202,12 +207,29 @@ class Rope:
 
 @dataclass(frozen=True)
 class Library:
-    """One variant's compiled kernels, loaded and self-tested."""
+    """One variant's compiled kernels, loaded and self-tested (the GEMM kernels are self-tested per dtype when
+    first chosen: `bivit.ops.backend`)."""
 
     loaded: Loaded
     variant: str
     attention: Attention
     rope: Rope
+    gemms: tuple[GemmKernel, ...]  # the GEMM kernels this CPU runs, best first
+
+
+def _gemm_kernels(lib: ctypes.CDLL, variant: str, flags: frozenset[str]) -> tuple[GemmKernel, ...]:
+    kinds = ["fp32"]
+    if variant == "avx512":
+        kinds.insert(0, "avx512_bf16")
+        if {"amx_bf16", "amx_tile"} <= flags:
+            if lib.bivit_amx_init() == 0:
+                kinds.insert(0, "amx")
+            else:
+                notices.fallback("amx", "AMX not used", "the CPU has AMX but the OS does not grant its tile state to "
+                                 "this process (Linux before 5.16, or a VM that hides it)",
+                                 "bf16 GEMMs run on AVX-512 BF16 instead, slower",
+                                 "a Linux kernel >= 5.16 with AMX enabled for this machine")
+    return tuple(GemmKernel(lib, variant, k) for k in kinds)
 
 
 def load_library(variant: Variant) -> Library:
@@ -221,7 +243,9 @@ def load_library(variant: Variant) -> Library:
     for fn in (lib.bivit_rope_bf16, lib.bivit_rope_f32):
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 7 + [ctypes.c_int]
-    library = Library(loaded, variant.name, Attention(lib, variant.name), Rope(lib))
+    _bind_gemm(lib)
+    library = Library(loaded, variant.name, Attention(lib, variant.name), Rope(lib),
+                      _gemm_kernels(lib, variant.name, cpu_info()[1]))
     for dtype, bound in ((torch.bfloat16, 2 ** -7), (torch.float32, 1e-5)):
         _self_test(library.attention, dtype, bound)
     return library
@@ -266,6 +290,12 @@ def library() -> Library | None:
     return lib
 
 
+def gemm_kernels() -> tuple[GemmKernel, ...]:
+    """This process's compiled GEMM kernels, best first (none where the compiled library does not run)."""
+    lib = library()
+    return () if lib is None else lib.gemms
+
+
 def rope() -> Rope | None:
     lib = library()
     return None if lib is None else lib.rope
@@ -283,6 +313,17 @@ def attention() -> Attention | None:
         notices.note("attention", "compiled attention not used", why, "PyTorch's fused attention runs")
         return None
     log.info("bivit: compiled attention in use (%s)", lib.variant)
+    return lib.attention
+
+
+@functools.cache
+def invariant_attention() -> Attention | None:
+    """Invariant mode's attention: the compiled kernel wherever the library runs, AMX CPUs included (its bits
+    depend on neither the batch nor the thread count by construction; PyTorch's fused attention on AMX tiles
+    is faster but gave other bits at other thread counts), unless BIVIT_ATTENTION=sdpa."""
+    lib = library()
+    if lib is None or _attention_choice() == "sdpa":
+        return None
     return lib.attention
 
 

@@ -286,3 +286,5 @@ static inline __attribute__((always_inline)) void run_unit_t(const struct call *
 
 BIVIT_VARIANT
 
+
+#include "gemm_avx2.h"

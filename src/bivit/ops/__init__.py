@@ -4,18 +4,22 @@ Every reduction-bearing op of the model (GEMMs, the patch conv, norms, attention
 through this package. One switch, `batch_invariant(True)` (`mode`), makes each of them compute an item's rows in
 a way that does not depend on which other rows share the call:
 
-* `gemm`: GEMMs and the patch conv (a GEMM over flattened patches) run only at row counts a load-time probe
-  proved row-position invariant on this machine; GELU after a GEMM is fused into it where the kernel allows;
-  a residual branch of linears (`residual_linear`) runs tile by tile into the residual stream.
+* `gemm`: GEMMs and the patch conv (a GEMM over flattened patches) run in bivit's compiled GEMM, whose reduction
+  order is fixed (one accumulator per output element, K in order, no split over threads); where it does not
+  run, PyTorch's GEMMs at row counts proven on this machine (`tiles`).
 * `pointwise`: GELU in fixed-size chunks (vectorised kernels round a thread's scalar tail differently); the
   temporal mean adds frames in a fixed order in float32.
 * `norms`: row-wise kernels; LayerNorm's weight gradient is summed in a fixed order.
-* `attend`: attention per item, so its shapes depend on the item only (bivit's compiled kernel or PyTorch's).
+* `attend`: attention per item, so its shapes depend on the item only (bivit's compiled kernel, whose units are
+  fixed per item, or PyTorch's where it does not run).
 * `rotary`: the rotary embedding of q and k, elementwise in fp32 (bivit's compiled kernel or PyTorch's ops, same
   bits).
 * `backend`: which kernel each op uses, decided once per process and dtype from the CPU and the PyTorch build,
   never switched by a failure (an item's bits depend only on the checkpoint, the dtype settings, the input and
-  the machine kind).
+  the machine kind); the load-time proof can refuse one first.
+* `prove`: the load-time proof: every op of the model, at its real shapes, computes each item's rows
+  bit-identically alone, packed and reversed, at this thread count and others; a path that does not is
+  refused for this machine and the next one proven.
 
 Every op returns exactly the dtype the op it replaces returns (never a silently promoted float32): that is the
 dtype contract that vLLM's invariant `mean` broke on Kimi-K2.6 (issue 41638).
@@ -30,16 +34,19 @@ Functions are skipped: the fast path stays the fast path.
 """
 
 from .attend import attention
-from .backend import GemmPath, KernelFailed, gemm_path
-from .gemm import CANDIDATE_TILES, REFERENCE_TILE, GemmPlan, gemm_plan, linear, patch_conv, residual_linear, \
-    self_check
+from .backend import GemmPath, KernelFailed, attention_kernel, gemm_kernel, gemm_path
+from .gemm import linear, patch_conv, prepare, residual_linear
+from .tiles import CANDIDATE_TILES, REFERENCE_TILE, GemmPlan, gemm_plan, self_check
 from .mode import batch_invariant, checkpoint, is_batch_invariant, trace
 from .norms import layer_norm, rms_norm
 from .pointwise import POINTWISE_CHUNK, gelu, temporal_mean
+from .prove import InvarianceError, Proof, prove
 from .rotary import rope
 
 __all__ = [
-    "CANDIDATE_TILES", "POINTWISE_CHUNK", "REFERENCE_TILE", "GemmPath", "GemmPlan", "KernelFailed", "attention",
-    "batch_invariant", "checkpoint", "gelu", "gemm_path", "gemm_plan", "is_batch_invariant", "layer_norm",
-    "linear", "patch_conv", "residual_linear", "rms_norm", "rope", "self_check", "temporal_mean", "trace",
+    "CANDIDATE_TILES", "POINTWISE_CHUNK", "REFERENCE_TILE", "GemmPath", "GemmPlan", "InvarianceError", "KernelFailed",
+    "Proof", "attention", "prove",
+    "attention_kernel", "batch_invariant", "checkpoint", "gelu", "gemm_kernel", "gemm_path", "gemm_plan",
+    "is_batch_invariant", "layer_norm", "linear", "patch_conv", "prepare", "residual_linear", "rms_norm", "rope",
+    "self_check", "temporal_mean", "trace",
 ]

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from .. import kernels
-from .backend import flash_attention_backward
-from .mode import emit, needs_grad
+from .backend import attention_kernel, flash_attention_backward
+from .mode import emit, is_batch_invariant, needs_grad
 from .rotary import rope as rotate
 
 
@@ -22,14 +22,18 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: Sequen
     """Non-causal attention over packed `[L, heads, head_dim]` q/k/v where item i owns `seqlens[i]` rows -> `[L,
     heads * head_dim]`; with `rope`, q and k are first rotated by its (cos, sin) tables (`ops.rope`).
 
-    Each item attends only to itself, so it runs alone: its kernel shapes depend on that item alone, which
-    makes attention batch-invariant in both modes (and is what the reference does on CPU too). On CPUs where
-    it is the faster kernel, bf16 and fp32 run bivit's compiled attention (`bivit.kernels`: one call for the
-    whole batch, split into per-item units computed by one thread each, so an item's bits depend on neither
-    batch nor thread count); elsewhere PyTorch's fused attention. Without autograd the compiled kernel also
-    rotates q and k as it reads them, with `ops.rope`'s bits: the rotated q and k are never written out.
+    Each item attends only to itself, so it runs alone: its kernel shapes depend on that item alone (what the
+    reference does on CPU too). bivit's compiled attention (`bivit.kernels`) makes one call for the whole batch,
+    split into per-item units computed by one thread each, so an item's bits depend on neither the batch nor
+    the thread count: invariant mode runs it wherever it runs (`backend.attention_kernel`), default mode where
+    it is the faster kernel; elsewhere PyTorch's fused attention runs (on AMX tiles its bits changed with the
+    thread count). Without autograd the compiled kernel also rotates q and k as it reads them, with
+    `ops.rope`'s bits: the rotated q and k are never written out.
     """
-    kernel = kernels.attention() if all(kernels.Attention.supports(t) for t in (q, k, v)) else None
+    if all(kernels.Attention.supports(t) for t in (q, k, v)):
+        kernel = attention_kernel() if is_batch_invariant() else kernels.attention()
+    else:
+        kernel = None
     fused = (rope is not None and kernel is not None and not needs_grad(q, k, v)
              and kernels.Attention.supports_rope(q, *rope))
     if rope is not None and not fused:

@@ -1,4 +1,9 @@
-"""Which kernel computes each op: decided once per process, per dtype, from the CPU and the PyTorch build.
+"""Which kernel computes each op: decided once per process, per dtype, from the CPU and the PyTorch build (and
+the load-time proof, which can refuse a kernel on this machine: `refuse`, `bivit.ops.prove`).
+
+Invariant mode's GEMM is bivit's compiled GEMM (`gemm_kernel`): the best kernel of the compiled library that
+takes the dtype, passes its self-test and was not refused by the proof. The rest of this docstring is about
+the fallback where no compiled GEMM runs (`bivit.ops.tiles`): PyTorch's oneDNN GEMMs at proven row counts.
 
 Why decided up front and never changed: an item's bits depend on which kernel computed them. bivit once
 switched a private kernel off process-wide the first time it raised; on a CPU where oneDNN has no bf16 GEMM,
@@ -35,6 +40,77 @@ from .. import notices
 from ..dtypes import dtype_name
 
 log = logging.getLogger("bivit")
+
+
+# (op, path) -> why: paths the load-time proof refused on this machine (bivit.ops.prove), for this process.
+_refused: dict[tuple[str, str], str] = {}
+
+
+def refuse(op: str, path: str, why: str) -> None:
+    """Never use `path` for `op` again in this process: the proof found it not invariant here. Said once."""
+    if (op, path) in _refused:
+        return
+    _refused[(op, path)] = why
+    notices.fallback(f"refused-{op}-{path}", f"{op} path {path} refused", why,
+                     "the next proven path runs instead", None)
+    _decide_gemm_kernel.cache_clear()
+    _decide_attention.cache_clear()
+
+
+def refused(op: str, path: str) -> bool:
+    return (op, path) in _refused
+
+
+def gemm_kernel(dtype: torch.dtype, device_type: str = "cpu"):
+    """Invariant mode's compiled GEMM kernel for weights of `dtype` (`bivit.kernels.GemmKernel`), or None where
+    none runs here (PyTorch's GEMMs at proven tiles then: `bivit.ops.tiles`). Fixed per process and dtype,
+    except that the load-time proof may refuse it first (`refuse`)."""
+    return _decide_gemm_kernel(dtype, device_type)
+
+
+# Kernels tried before the library's own (tests put a deliberately broken one here to see the proof refuse it).
+extra_gemm_kernels: list = []
+
+
+@functools.cache
+def _decide_gemm_kernel(dtype: torch.dtype, device_type: str):
+    from .. import kernels
+    from ..kernels.gemm import self_test
+
+    if device_type != "cpu":
+        return None
+    for kernel in (*extra_gemm_kernels, *kernels.gemm_kernels()):
+        if not kernel.takes(dtype) or refused("gemm", kernel.name):
+            continue
+        why = _gemm_self_test(kernel, dtype, self_test)
+        if why is None:
+            log.info("bivit: %s GEMMs: %s", dtype_name(dtype), kernel.describe())
+            return kernel
+        notices.fallback(f"gemm-{kernel.name}-{dtype_name(dtype)}", f"{kernel.name} GEMM off for {dtype_name(dtype)}",
+                         f"it failed its self-test: {why}", "the next GEMM kernel runs instead", None)
+    return None
+
+
+@functools.cache
+def _gemm_self_test(kernel, dtype: torch.dtype, test: Callable) -> str | None:
+    return test(kernel, dtype)
+
+
+def attention_kernel():
+    """Invariant mode's attention: bivit's compiled kernel (`bivit.kernels.Attention`), or None for PyTorch's
+    fused attention per item (where no compiled library runs, where BIVIT_ATTENTION=sdpa, or where the proof
+    refused the compiled one)."""
+    return _decide_attention()
+
+
+@functools.cache
+def _decide_attention():
+    from .. import kernels
+
+    kernel = kernels.invariant_attention()
+    if kernel is not None and refused("attention", kernel.variant):
+        return None
+    return kernel
 
 
 class KernelFailed(RuntimeError):

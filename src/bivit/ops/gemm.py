@@ -1,76 +1,34 @@
-"""GEMMs (Linear layers and the patch conv) at pinned row counts: the invariant GEMM of `bivit.ops`.
+"""GEMMs (Linear layers and the patch conv): the invariant GEMM of `bivit.ops`.
 
-Library GEMMs pick kernels and reduction orders by shape (on an AVX-512 EPYC, stock fp32 `F.linear` computes a
-row three ways: M = 1, M in {2, 3}, M >= 4), but at one fixed shape a row's result does not depend on its
-position or its neighbours. In invariant mode GEMMs therefore run only at pinned row counts ("tiles"). Which
-row counts are allowed (`CANDIDATE_TILES`) is decided by a probe on this machine and library, at load: the
-reference tile must compute moved rows bit-identically, and every other size is used only if it computes every
-row bit-identically to the reference tile. What the probe proved is recorded per machine kind and library build
-(the kernel cache), so later loads on the same kind do not repeat it. The rows of a call are cut into the
-largest proven tiles, the remainder zero-padded up to a proven size. If even the reference tile is not
-row-position invariant, every row is computed alone (M = 1 always: slow, exact) and the probe says so.
+In invariant mode a GEMM runs in bivit's compiled GEMM (`bivit.kernels.gemm`), whose reduction order bivit fixes:
+each output element is one fp32 accumulator fed its K products in order by one thread, and threads split the
+output by rows and columns only. A row's bits therefore depend on that row, the weights and the kernel, not on
+the batch, the row count or the thread count, by construction. The kernel per dtype is `backend.gemm_kernel`:
+the best one this CPU runs that passed its self-test and the load-time proof (`bivit.ops.prove`), fixed for the
+process. Where no compiled GEMM runs (no C compiler, a CPU without a variant), PyTorch's GEMMs at proven row
+counts (`bivit.ops.tiles`) do, and the proof checks them at this thread count and another.
 
-Which kernel a GEMM uses (pre-packed oneDNN or not, fused GELU or not, bf16 widened to float32 or not) is
-`backend.gemm_path(dtype)`: fixed per process and dtype, never switched by a failure.
+Weights are packed once per tensor version into the kernel's layout (again after an optimizer step or
+`update_weights`), and dropped with the tensor.
 """
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import json
-import logging
-import os
-import threading
-from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .. import kernels
-from .backend import KernelFailed, gemm_path
+from . import tiles
+from .backend import gemm_kernel
 from .mode import emit, is_batch_invariant, needs_grad
-from .pointwise import chunked_gelu, chunked_gelu_backward
+from .pointwise import chunked_gelu_backward
 
-log = logging.getLogger("bivit")
+Layer = tuple[torch.Tensor, "torch.Tensor | None", "str | None"]  # (weight, bias, GELU after it or None)
 
-# Row counts GEMMs may run at in invariant mode, ascending. REFERENCE_TILE is the tile whose row-position
-# invariance the probe proves directly; every other size is used only if it computes each row bit-identically
-# to it. Large tiles mean few calls (each call is one OpenMP fork/join, which is what hurts on a busy machine,
-# and one output copy less when a whole input fits one call); small ones keep the zero-padding of tails small.
-# The probe computes about 3x the largest tile's rows per GEMM shape, once per machine kind (the plan is then
-# recorded): tiles above 1024 rows are proven only where that stays under PROBE_TILE_FLOPS per tile, i.e. for
-# the tower's GEMMs (2048 rows: one call for a 2048-patch batch, two for 3072) and not for the projector's
-# 5-7x larger weights, which see a quarter of the rows.
-CANDIDATE_TILES = (64, 128, 256, 512, 1024, 2048)
-REFERENCE_TILE = 256
-PROBE_TILE_FLOPS = 25e9
-
-
-@dataclass
-class GemmPlan:
-    """Which row counts a GEMM of one shape may run at in invariant mode, as proven by the probe."""
-
-    tiles: tuple[int, ...]  # ascending; empty means: row by row (M = 1), the exact slow path
-
-    @property
-    def exact_fallback(self) -> bool:
-        return not self.tiles
-
-
-@dataclass
-class _Plans:
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    by_shape: dict[tuple, GemmPlan] = field(default_factory=dict)
-    # Weights prepared for the GEMM kernel (pre-packed for oneDNN, or widened to the compute dtype), per weight
-    # tensor -> {(transposed?, packed?): (version, prepared)}: dropped with the weight, prepared again when the
-    # weight is updated in place (optimizer step, update_weights).
-    prepared: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)
-
-
-_plans = _Plans()
+# Per weight tensor (the Linear's or the conv's): {(kernel, transposed?): (version, packed weight, fp32 bias)}.
+_packed: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def _version(t: torch.Tensor) -> int:
@@ -80,281 +38,49 @@ def _version(t: torch.Tensor) -> int:
         return -1
 
 
-def _prepared(weight: torch.Tensor, key: torch.Tensor, transposed: bool, compute: torch.dtype,
-              packed: bool) -> torch.Tensor:
-    """`weight` in `compute` dtype, pre-packed for oneDNN when `packed`; made once per version of `key`."""
-    slot = _plans.prepared.setdefault(key, {})
-    version, ready = slot.get((transposed, packed), (None, None))
-    if version != _version(key) or ready is None:
-        ready = weight.detach().to(compute).contiguous()
-        if packed:
-            try:
-                ready = torch.ops.mkldnn._reorder_linear_weight(ready, REFERENCE_TILE)
-            except Exception as e:
-                raise KernelFailed(f"oneDNN weight packing of a {tuple(weight.shape)} weight failed: {e}") from e
-        slot[(transposed, packed)] = (_version(key), ready)
-    return ready
+def _prepared(kernel, weight: torch.Tensor, bias: torch.Tensor | None, key: torch.Tensor,
+              transposed: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    slot = _packed.setdefault(key, {})
+    version, packed, bias32 = slot.get((kernel, transposed), (None, None, None))
+    if version != _version(key) or packed is None:
+        packed = kernel.pack(weight.detach())
+        bias32 = None if bias is None else bias.detach().float().contiguous()  # exact: bias is never wider
+        slot[(kernel, transposed)] = (_version(key), packed, bias32)
+    return packed, bias32
 
 
-class Gemm:
-    """The one GEMM call of invariant mode, `x @ weight.t() + bias` (then GELU when `gelu` names its
-    approximation); the probe proves facts about exactly this call.
-
-    With the pre-packed path, weights are packed once (oneDNN's blocked layout): stock bf16 `F.linear` re-packs
-    the weight on every call, which at a 256-row tile costs about as much as the multiply itself (the packed
-    call computes the same bits); in fp32 oneDNN's packed GEMM is faster than MKL's. GELU then runs as oneDNN's
-    post-op on the float32 accumulator, inside the GEMM: no second pass over the output (its bits differ from
-    GELU of the rounded output, within rounding; both are exact per row). Without fusion, `fuses` is False and
-    the caller applies GELU itself. Where the compute dtype is wider than the weights' (bf16 on a CPU without a
-    bf16 GEMM), inputs are widened per call and the result rounded back to the weights' dtype.
-    `key` is the tensor the prepared copy belongs to (the Linear or conv weight); `transposed` says `weight` is
-    that tensor's transpose (the input-gradient GEMM), which gets its own copy. `pack=False` forces PyTorch's
-    GEMM (the row-by-row exact path).
-    """
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, key: torch.Tensor,
-                 transposed: bool = False, gelu: str | None = None, pack: bool = True) -> None:
-        path = gemm_path(weight.dtype, weight.device.type)
-        self.weight, self.dtype, self.compute = weight, weight.dtype, path.compute
-        self.bias = None if bias is None else bias.detach().to(self.compute)  # exact: bias is never wider
-        self.key, self.transposed = key, transposed
-        self.packs = pack and path.packed
-        self.gelu = gelu if self.packs and path.fused_gelu else None
-
-    @property
-    def fuses(self) -> bool:
-        return self.gelu is not None
-
-    def plan_key(self) -> tuple:
-        w = self.weight
-        return (w.shape[0], w.shape[1], w.stride(), w.dtype, self.compute, w.device, self.bias is None,
-                self.packs, self.gelu)
-
-    def prepared(self) -> torch.Tensor:
-        """The weight as the kernel takes it (packed and/or widened), made at its first use (`_prepared`)."""
-        if not self.packs and self.compute == self.dtype:
-            return self.weight
-        return _prepared(self.weight, self.key, self.transposed, self.compute, self.packs)
-
-    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The GEMM of `x`'s rows, into `out` when given (else a new tensor of the weights' dtype)."""
-        xc = x if x.dtype == self.compute else x.to(self.compute)
-        weight = self.prepared()
-        if self.packs:
-            try:
-                if self.gelu is not None:
-                    y = torch.ops.mkldnn._linear_pointwise(xc, weight, self.bias, "gelu", [], self.gelu)
-                else:
-                    y = torch.ops.mkldnn._linear_pointwise(xc, weight, self.bias, "none", [], "")
-            except Exception as e:
-                raise KernelFailed(f"oneDNN's packed GEMM raised for input {tuple(x.shape)}: {e}") from e
-        elif out is not None and self.compute == self.dtype:
-            # MKL writes straight into `out` (a row block of the caller's output: no temporary, no copy).
-            return self._mm(xc, weight, out)
-        else:
-            y = self._mm(xc, weight, xc.new_empty(xc.shape[0], weight.shape[0]))
-        if out is not None:
-            return out.copy_(y)
-        return y if y.dtype == self.dtype else y.to(self.dtype)
-
-    def _mm(self, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        if self.bias is None:
-            return torch.mm(x, weight.t(), out=out)
-        return torch.addmm(self.bias, x, weight.t(), out=out)
-
-
-# Bump when what the probe proves changes: plans recorded by an older bivit are then proven again.
-PLAN_FORMAT = 2
-
-
-@functools.cache
-def _build_facts() -> str:
-    model, flags = kernels.cpu_info()
-    env = sorted((k, v) for k, v in os.environ.items()
-                 if k.startswith(("ONEDNN_", "DNNL_", "MKL_", "ATEN_", "OMP_", "KMP_", "GOMP_")))
-    return json.dumps([PLAN_FORMAT, torch.__version__, torch.version.git_version, torch.__config__.show(), model,
-                       sorted(flags), torch.backends.cpu.get_cpu_capability(), env])
-
-
-def _plan_record_name() -> str:
-    """The plan record of this machine kind, library build and thread count: what decides which kernel a GEMM
-    shape gets (CPU flags, PyTorch/oneDNN/MKL versions, the variables that cap their instruction sets, threads).
-    A plan proven under one of them is reused only under the same one."""
-    facts = f"{_build_facts()}|threads={torch.get_num_threads()}"
-    return f"gemm-plans-{hashlib.sha256(facts.encode()).hexdigest()[:16]}.json"
-
-
-_records: dict[str, dict] = {}  # plan records read or written by this process, by name
-
-
-def _probe(gemm: Gemm) -> GemmPlan:
-    """The plan of this GEMM's shape: recorded in the kernel cache when this machine kind and library proved it
-    before (`kernels.cache`: the same ownership checks as a compiled kernel), else proven now and recorded.
-    The proof costs a few hundred GFLOP per model (seconds at load; more on a CPU without bf16 GEMMs)."""
-    name, shape = _plan_record_name(), repr(gemm.plan_key())
-    if name not in _records:
-        _records[name] = kernels.cache.read_record(name) or {}
-    tiles = _records[name].get(shape)
-    if isinstance(tiles, list) and all(t in CANDIDATE_TILES for t in tiles) and tiles == sorted(set(tiles)):
-        return GemmPlan(tuple(tiles))
-    log.info("bivit: proving the GEMM tile plan of shape %s on this machine kind (once; recorded in the kernel "
-             "cache)", shape)
-    plan = _prove(gemm)
-    record = kernels.cache.read_record(name) or {}  # re-read: another process may have added shapes meanwhile
-    record[shape] = list(plan.tiles)
-    kernels.cache.write_record(name, record)
-    _records[name] = record
-    return plan
-
-
-def _prove(gemm: Gemm) -> GemmPlan:
-    """Prove, on this machine and library, which tile sizes compute a row the same way as REFERENCE_TILE.
-
-    Row-position invariance at the reference tile: the tile is computed, then computed again with half of its
-    rows moved (reversed) to other positions beside other neighbours; each moved row must come back
-    bit-identical. Then every other candidate size is allowed only if it reproduces, bit for bit, what
-    reference tiles compute for the same rows. Kernel choice depends on shapes, not values, so one probe per
-    GEMM shape (and post-op) suffices.
-    """
-    g = torch.Generator(device="cpu").manual_seed(1234)
-    w = gemm.weight
-    candidates = [t for t in CANDIDATE_TILES if t <= 1024 or 2 * t * w.shape[0] * w.shape[1] <= PROBE_TILE_FLOPS]
-    ref_rows, half, most = REFERENCE_TILE, REFERENCE_TILE // 2, max(candidates)
-    x = torch.randn(max(most, ref_rows), w.shape[1], generator=g).to(w.device, w.dtype)
-    ref = torch.cat([gemm(x[i:i + ref_rows]) for i in range(0, x.shape[0] - ref_rows + 1, ref_rows)])
-    moved = torch.randn(ref_rows, w.shape[1], generator=g).to(w.device, w.dtype)
-    moved[half:] = torch.flip(x[:half], [0])
-    if not torch.equal(torch.flip(gemm(moved)[half:], [0]), ref[:half]):
-        return GemmPlan(())
-    tiles = [t for t in candidates if t == ref_rows or (t <= ref.shape[0] and torch.equal(gemm(x[:t]), ref[:t]))]
-    return GemmPlan(tuple(sorted(tiles)))
-
-
-def gemm_plan(gemm: Gemm) -> GemmPlan:
-    """The proven plan for GEMMs of this weight's shape, dtype, device and kernel (probed once, then cached)."""
-    key = gemm.plan_key()
-    plan = _plans.by_shape.get(key)
-    if plan is None:
-        with _plans.lock:
-            plan = _plans.by_shape.get(key)
-            if plan is None:
-                plan = _probe(gemm)
-                if plan.exact_fallback and not gemm.fuses:
-                    w = gemm.weight
-                    log.warning("bivit: GEMM %sx%s %s is not row-position invariant on this machine; using the "
-                                "exact row-by-row path (slower)", w.shape[0], w.shape[1], w.dtype)
-                _plans.by_shape[key] = plan
-    return plan
-
-
-def self_check(gemms: Sequence[tuple], prepare: bool = False) -> list[GemmPlan]:
-    """Probe the GEMMs `(weight, bias[, gelu])` of a model at load, so a failure is known (and said) up front.
-    `weight` is a Linear weight `[out, in]` or a patch-conv weight `[out, C, p, p]`; `gelu` (None, "tanh" or
-    "none") names the GELU that follows the GEMM: the fused call is what is probed then, unless it cannot fuse
-    or is not invariant (the plain GEMM is probed instead). Returns the plan inference will use.
-
-    A shape whose plan this machine kind has recorded is not computed again, and its weights are then prepared
-    (packed, widened) at their first use, unless `prepare`: loading costs reading the weights, little more."""
-    plans = []
-    with torch.no_grad():
-        for w, b, *rest in gemms:
-            gemm, _ = _fused_or_plain(w.reshape(w.shape[0], -1), b, w, rest[0] if rest else None)
-            plan = gemm_plan(gemm)
-            if prepare:
-                gemm.prepared()
-            plans.append(plan)
-    return plans
-
-
-def _calls(m: int, tiles: tuple[int, ...]) -> list[tuple[int, int, int]]:
-    """Cut m rows into GEMM calls (start, rows, tile): the largest tiles first; a remainder runs zero-padded in
-    one call when that wastes at most a quarter of it (or when it is below the smallest tile)."""
-    calls, start = [], 0
-    while start < m:
-        rest = m - start
-        up = next((t for t in tiles if t >= rest), None)
-        if up is not None and (up == tiles[0] or 4 * rest >= 3 * up):
-            calls.append((start, rest, up))
-            break
-        tile = max(t for t in tiles if t <= rest)
-        calls.append((start, tile, tile))
-        start += tile
-    return calls
-
-
-def _fused_or_plain(weight: torch.Tensor, bias: torch.Tensor | None, key: torch.Tensor, gelu: str | None,
-                    transposed: bool = False) -> tuple[Gemm, str | None]:
-    """The GEMM call for `weight` followed by GELU `gelu`, and the GELU still to apply after it: the fused call
-    where oneDNN fuses it and its plan is proven (nothing left), else the plain call (then `gelu`)."""
-    if gelu is not None:
-        fused = Gemm(weight, bias, key, transposed, gelu)
-        if fused.fuses and not gemm_plan(fused).exact_fallback:
-            return fused, None
-    return Gemm(weight, bias, key, transposed), gelu
-
-
-def _tiled(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, key: torch.Tensor,
-           transposed: bool = False, gelu: str | None = None) -> torch.Tensor:
-    """`x2 @ weight.t() + bias` (then GELU if `gelu`) at the proven tile sizes only: each row's bits depend on
-    that row alone."""
-    gemm, gelu = _fused_or_plain(weight, bias, key, gelu, transposed)
-    if gemm.packs and gemm_plan(gemm).exact_fallback:
-        gemm = Gemm(weight, bias, key, transposed, pack=False)  # row by row: PyTorch's GEMM at M = 1
-    out = _tiled_with(gemm, x2)
-    return out if gelu is None else chunked_gelu(out, gelu)
-
-
-def _tiled_with(gemm: Gemm, x2: torch.Tensor) -> torch.Tensor:
-    m = x2.shape[0]
-    plan = gemm_plan(gemm)
-    if plan.exact_fallback:
-        out = x2.new_empty(m, gemm.weight.shape[0])
-        for i in range(m):
-            gemm(x2[i:i + 1], out=out[i:i + 1])
-        return out
-    calls = _calls(m, plan.tiles)
-    if len(calls) == 1:  # the whole input in one call: its result is the output (no copy)
-        return gemm(x2 if m == calls[0][2] else _zero_padded(x2, calls[0][2]))[:m]
-    out = x2.new_empty(m, gemm.weight.shape[0])
-    for start, rows, tile in calls:
-        if rows == tile:
-            gemm(x2[start:start + rows], out=out[start:start + rows])
-        else:  # the zero-padded tail: its rows are computed as in a full tile
-            out[start:] = gemm(_zero_padded(x2[start:], tile))[:rows]
-    return out
-
-
-def _zero_padded(x2: torch.Tensor, rows: int) -> torch.Tensor:
-    pad = x2.new_zeros(rows, x2.shape[1])
-    pad[:x2.shape[0]] = x2
-    return pad
+def _gemm(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, key: torch.Tensor,
+          transposed: bool = False, gelu: str | None = None) -> torch.Tensor:
+    """`x2 @ weight.t() + bias` (then GELU if `gelu`), invariant: each row's bits depend on that row alone."""
+    kernel = gemm_kernel(weight.dtype, weight.device.type)
+    if kernel is None:
+        return tiles.tiled(x2, weight, bias, key, transposed, gelu)
+    x2 = x2 if x2.dtype == weight.dtype and x2.stride(-1) == 1 else x2.to(weight.dtype).contiguous()
+    packed, bias32 = _prepared(kernel, weight, bias, key, transposed)
+    return kernel(x2, packed, weight.shape[0], bias32, x2.new_empty(x2.shape[0], weight.shape[0]), gelu=gelu)
 
 
 class _InvariantLinear(torch.autograd.Function):
-    """`x2 @ weight.t() + bias` (then GELU if `gelu`) at pinned tiles, forward and input gradient; `key` owns
-    the prepared copies.
-
-    The forward is the inference call itself (fused GELU included), so a trainer's outputs are the bits an
-    encoder serves. A fused GEMM keeps no pre-activation; backward recomputes it (one plain tiled GEMM of the
-    saved input) instead of storing an `[rows, out]` tensor per layer.
-    """
+    """`x2 @ weight.t() + bias` (then GELU if `gelu`) in invariant mode, forward and input gradient; `key` owns
+    the packed copies. The forward is the inference call itself, so a trainer's outputs are the bits an encoder
+    serves; backward recomputes the pre-activation (one GEMM of the saved input) instead of storing it."""
 
     @staticmethod
     def forward(ctx, x2, weight, bias, key, gelu):
         ctx.save_for_backward(x2, weight, bias, key)
         ctx.gelu = gelu
-        return _tiled(x2, weight.detach(), None if bias is None else bias.detach(), key, gelu=gelu)
+        return _gemm(x2, weight.detach(), None if bias is None else bias.detach(), key, gelu=gelu)
 
     @staticmethod
     def backward(ctx, grad):
         x2, weight, bias, key = ctx.saved_tensors
         grad = grad.contiguous()
         if ctx.gelu is not None:
-            pre = _tiled(x2, weight.detach(), None if bias is None else bias.detach(), key)
+            pre = _gemm(x2, weight.detach(), None if bias is None else bias.detach(), key)
             grad = chunked_gelu_backward(grad, pre, ctx.gelu)
         gx = gw = gb = None
         if ctx.needs_input_grad[0]:
-            gx = _tiled(grad, weight.detach().t(), None, key, transposed=True)
+            gx = _gemm(grad, weight.detach().t(), None, key, transposed=True)
         if ctx.needs_input_grad[1]:
             gw = grad.t().mm(x2)  # sums over the batch; one GEMM of a fixed shape, whatever the threads
         if bias is not None and ctx.needs_input_grad[2]:
@@ -366,7 +92,7 @@ def _invariant_linear(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
                       key: torch.Tensor, gelu: str | None = None) -> torch.Tensor:
     if needs_grad(x2, weight, bias):
         return _InvariantLinear.apply(x2, weight, bias, key, gelu)
-    return _tiled(x2, weight, bias, key, gelu=gelu)
+    return _gemm(x2, weight, bias, key, gelu=gelu)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -383,52 +109,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return emit("linear" if gelu is None else "linear_gelu", out.view(*lead, weight.shape[0]))
 
 
-Layer = tuple[torch.Tensor, "torch.Tensor | None", "str | None"]  # (weight, bias, GELU after it or None)
-
-
 def residual_linear(residual: torch.Tensor, x: torch.Tensor, layers: Sequence[Layer]) -> torch.Tensor:
     """`residual + L_k(... L_1(x))` for a chain of linear layers `(weight, bias, gelu)` (a block's output
     projection: one; its MLP: two), written into `residual` unless autograd records (then a new tensor).
-
-    In invariant mode without autograd the rows go through the whole chain one proven tile at a time (a tile
-    size every GEMM of the chain has proven), and each tile's result is added into its rows of `residual`:
-    per row the same computations as running each linear over all rows and adding (so the same bits), without
-    the chain's intermediate activations and without copying tile outputs into a whole output, which on a
-    busy machine cost more than the GEMMs' own tiling. Traced as one "residual_linear"."""
-    if is_batch_invariant() and not torch.is_grad_enabled():
-        steps = _chain(layers)
+    Traced as one "residual_linear"."""
+    if is_batch_invariant() and not torch.is_grad_enabled() and gemm_kernel(x.dtype, x.device.type) is None:
+        # PyTorch's GEMMs at proven tiles: the chain runs tile by tile into the residual (bivit.ops.tiles)
+        steps = tiles.chain(layers)
         if steps is not None:
-            _chain_into(residual, x, steps)
+            tiles.chain_into(residual, x, steps)
             return emit("residual_linear", residual)
     y = x
     for weight, bias, gelu in layers:
         y = linear(y, weight, bias, gelu=gelu)
     return emit("residual_linear", residual + y if torch.is_grad_enabled() else residual.add_(y))
-
-
-def _chain(layers: Sequence[Layer]) -> list[tuple[Gemm, str | None]] | None:
-    """Each layer's GEMM call (fused with its GELU where that is proven, else with GELU as a separate step), or
-    None where one of them runs row by row (the exact path of `_tiled`)."""
-    steps = []
-    for weight, bias, gelu in layers:
-        step = _fused_or_plain(weight, bias, weight, gelu)
-        if gemm_plan(step[0]).exact_fallback:
-            return None
-        steps.append(step)
-    return steps
-
-
-def _chain_into(residual: torch.Tensor, x: torch.Tensor, steps: list[tuple[Gemm, str | None]]) -> None:
-    x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    r2 = residual.view(-1, residual.shape[-1])
-    tiles = tuple(sorted(set.intersection(*(set(gemm_plan(g).tiles) for g, _ in steps))))  # REFERENCE_TILE at least
-    for start, rows, tile in _calls(x2.shape[0], tiles):
-        h = x2[start:start + rows] if rows == tile else _zero_padded(x2[start:], tile)
-        for gemm, gelu in steps:
-            h = gemm(h)
-            if gelu is not None:
-                h = chunked_gelu(h, gelu)
-        r2[start:start + rows].add_(h[:rows])
 
 
 def patch_conv(pixels: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -439,3 +133,16 @@ def patch_conv(pixels: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     out = _invariant_linear(pixels.reshape(pixels.shape[0], -1).contiguous(), weight.reshape(weight.shape[0], -1),
                             bias, weight)
     return emit("patch_conv", out)
+
+
+def prepare(gemms: Sequence[tuple]) -> None:
+    """Pack the weights of the GEMMs `(weight, bias[, gelu])` of a model now (at load, or after a weight update)
+    rather than at their first use; where no compiled GEMM runs, prove their tile plans now (`tiles`)."""
+    with torch.no_grad():
+        for w, b, *rest in gemms:
+            w2 = w.reshape(w.shape[0], -1)
+            kernel = gemm_kernel(w.dtype, w.device.type)
+            if kernel is None:
+                tiles.self_check([(w, b, *rest)], prepare=True)
+            else:
+                _prepared(kernel, w2, b, w, False)

@@ -16,10 +16,12 @@ from .mode import emit, is_batch_invariant, needs_grad
 # Vectorised CPU kernels finish each thread's range with scalar code for its last (length mod 2 x vector width)
 # elements, and for some ops (tanh-GELU, complex multiply) the scalar code rounds differently from the vector
 # code. Which elements land in such a tail depends on the tensor's size and the thread count: on the batch.
-# In invariant mode those ops therefore run in calls of exactly POINTWISE_CHUNK elements: 2 x ATen's grain
-# size (32768), so a call uses at most 2 threads whatever torch.get_num_threads() says, each thread gets a
-# range of 32768 elements — a multiple of every vector width — and no element ever takes the scalar path.
-POINTWISE_CHUNK = 2 * 32768
+# In invariant mode those ops therefore run in calls of exactly POINTWISE_CHUNK elements, each computed by one
+# thread with no scalar tail: PyTorch's GELU kernel cuts a call of more than 16384 elements into one range per
+# thread (numel / threads: at 3 threads not a multiple of any vector width; the load-time proof caught it),
+# and runs one of at most 16384 elements (under ATen's 32768 grain) in one range. 16384 is a multiple of every
+# vector width. (GELU after a compiled GEMM runs inside it instead: `bivit.kernels.gemm`.)
+POINTWISE_CHUNK = 16384
 
 
 def _chunked_pointwise(fn: Callable[..., torch.Tensor], *xs: torch.Tensor, out_fn: Callable | None = None,

@@ -1,0 +1,152 @@
+/* bivit's invariant GEMM, shared by every variant: y[M][N] = x[M][K] . w[N][K]^T (+ bias[N]).
+ *
+ * Why bivit computes its own GEMMs: a library GEMM (oneDNN, MKL) picks its blocking, its kernel and whether
+ * threads split the K reduction by the shape and the thread count, so a row's bits can change with the rows
+ * beside it or with the thread count (seen on an Intel AMX Xeon: oneDNN's packed bf16 GEMM at one row count
+ * gave other bits at 3-4 threads than at 1). Pinning row counts hides the first and not the second. Here the
+ * order of every reduction is fixed by this code:
+ *
+ *   y[i][j] = round(acc + bias[j]),  acc = the microkernel's multiply-adds over k = 0, 1, ..., K-1 in order,
+ *
+ * in fp32 accumulators that belong to exactly one output element. Work is split over threads by (block of
+ * rows, group of column panels) only, never over K; a row's arithmetic does not depend on which block it is in,
+ * how many rows the block has (short blocks run the same instruction sequence per row, or a zero-padded copy of
+ * the rows), the row count M, or which thread runs it. Padding past K or N is zeros in the packed weights and
+ * never reaches an output. So an output row's bits are a function of that input row, the weights and the
+ * microkernel: the variant (its instruction set) and nothing else.
+ *
+ * A variant supplies `struct gemm_kernel`: its weight packing (done once per weight, at load), and a `block`
+ * computing up to `mb` rows against one packed column panel of `nr` columns into y (bias added, rounded).
+ */
+#ifndef BIVIT_GEMM_H
+#define BIVIT_GEMM_H
+
+#include "common.h"
+
+/* Element types of x, w and y: a product of two bf16 or two fp16 values is exact in fp32, so kinds that widen
+ * them compute the products a native 16-bit GEMM with fp32 accumulation computes. */
+enum { E_F32 = 0, E_BF16 = 1, E_F16 = 2 };
+
+static inline size_t esize_of(int et) { return et == E_F32 ? 4 : 2; }
+
+/* Element c of a row of type et as a float, exactly. */
+static inline __attribute__((always_inline)) float gemm_elem(const void *row, int64_t c, const int et) {
+    if (et == E_F16) return _cvtsh_ss(((const uint16_t *)row)[c]);
+    return load_elem(row, c, et == E_BF16);
+}
+
+struct gemm_call {
+    const char *x;      /* [M] rows, x_row elements apart, K contiguous elements each, of type xt */
+    int64_t x_row;
+    int xt;
+    const char *w;      /* packed by the same kernel's `pack` */
+    const float *bias;  /* [N] or NULL */
+    char *y;            /* [M] rows, y_row elements apart, of type yt */
+    int64_t y_row;
+    int yt;
+    int act;            /* ACT_*: what is applied to acc + bias before rounding */
+    int64_t M, N, K;
+};
+
+/* GELU after the GEMM, on the fp32 sum, in the kernel's own vector code: every element takes the same
+ * instructions whatever its position or the thread count (PyTorch's GELU kernel cuts its range by the thread
+ * count above 16384 elements, and its scalar tail rounds differently from its vector body). */
+enum { ACT_NONE = 0, ACT_GELU_TANH = 1, ACT_GELU_ERF = 2 };
+
+/* The GELUs from exp: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), tanh(u) = sign(u) (1 - e) / (1 + e) with
+ * e = exp(-2|u|); and 0.5 x (1 + erf(x / sqrt(2))), erf(z) = sign(z) (1 - poly(t) exp(-z^2)), t = 1 / (1 +
+ * 0.3275911 |z|) (Abramowitz & Stegun 7.1.26, |error| < 1.5e-7). A variant defines them with its vector type
+ * V, by these macros, from its exp2_neg (2^x for x <= 0), so both variants compute the same formulas. */
+#define GELU_CONSTS                                                                                              \
+    const float k_sqrt2_pi = 0.7978845608028654f, k_cubic = 0.044715f, k_log2e = 1.4426950408889634f,          \
+                k_rsqrt2 = 0.7071067811865476f, k_p = 0.3275911f, k_a1 = 0.254829592f, k_a2 = -0.284496736f,    \
+                k_a3 = 1.421413741f, k_a4 = -1.453152027f, k_a5 = 1.061405429f
+
+
+struct gemm_kernel {
+    int64_t mb, nr;  /* rows per block (a multiple of the microtile's), columns per packed panel */
+    size_t (*packed_bytes)(int64_t N, int64_t K);
+    void (*pack_panel)(const char *w, int64_t w_row, int wt, int64_t N, int64_t K, int64_t p, char *out);
+    size_t (*scratch_bytes)(int64_t K);
+    void (*enter)(void);  /* per thread, before its first block (AMX: load the tile configuration) */
+    void (*leave)(void);
+    void (*block)(const struct gemm_call *G, int64_t i0, int64_t rows, int64_t p0, int64_t p1, void *scratch);
+};
+
+static inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+/* Pack w ([N] rows of K elements of type wt, w_row apart) panel by panel into out (packed_bytes(N, K) bytes). */
+static int gemm_pack(const struct gemm_kernel *G, const void *w, int64_t w_row, int wt, int64_t N, int64_t K,
+                     void *out, int threads) {
+    if (N <= 0 || K <= 0) return 3;
+    const int64_t panels = ceil_div(N, G->nr);
+    const size_t panel_bytes = G->packed_bytes(G->nr, K);
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int64_t p = 0; p < panels; p++)
+        G->pack_panel((const char *)w, w_row, wt, N, K, p, (char *)out + p * panel_bytes);
+    return 0;
+}
+
+/* Column panels per task: as many as keep a task's packed weights within about 512 KB (they stay in the core's
+ * cache while its row blocks stream past), at least one. Only which thread computes what depends on this. */
+static inline int64_t panels_per_task(const struct gemm_kernel *G, int64_t K, int64_t panels) {
+    int64_t pt = (int64_t)((512 * 1024) / (G->packed_bytes(G->nr, K) ? G->packed_bytes(G->nr, K) : 1));
+    if (pt < 1) pt = 1;
+    return pt < panels ? pt : panels;
+}
+
+/* Returns 0, 1 when scratch memory could not be allocated, 3 for bad sizes. */
+static int gemm_run(const struct gemm_kernel *G, const struct gemm_call *C, int threads) {
+    if (C->M < 0 || C->N <= 0 || C->K <= 0) return 3;
+    if (C->M == 0) return 0;
+    const int64_t panels = ceil_div(C->N, G->nr), pt = panels_per_task(G, C->K, panels);
+    const int64_t mblocks = ceil_div(C->M, G->mb), pgroups = ceil_div(panels, pt), tasks = mblocks * pgroups;
+    if (threads > tasks) threads = (int)tasks;
+    const size_t scratch = G->scratch_bytes(C->K);
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        void *buf = alloc64(scratch);
+        if (!buf) {
+#pragma omp atomic write
+            failed = 1;
+        } else if (G->enter) {
+            G->enter();
+        }
+        /* Tasks go column group by column group, so the threads work on the same packed weights at a time. */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < tasks; t++) {
+            if (!buf) continue;
+            const int64_t g = t / mblocks, b = t % mblocks;
+            const int64_t i0 = b * G->mb, rows = C->M - i0 < G->mb ? C->M - i0 : G->mb;
+            const int64_t p0 = g * pt, p1 = p0 + pt < panels ? p0 + pt : panels;
+            G->block(C, i0, rows, p0, p1, buf);
+        }
+        if (buf && G->leave) G->leave();
+        free(buf);
+    }
+    return failed;
+}
+
+/* The exported entry points, for a variant that defines `gemm_kernel_of(kind)` (NULL for a kind it lacks):
+ * `kind` names a kernel to Python, so one library holds several. */
+#define BIVIT_GEMM_ENTRIES                                                                                       \
+    size_t bivit_gemm_packed_bytes(int kind, int64_t N, int64_t K) {                                            \
+        const struct gemm_kernel *G = gemm_kernel_of(kind);                                                     \
+        return G && N > 0 && K > 0 ? G->packed_bytes(N, K) : 0;                                                 \
+    }                                                                                                           \
+    int bivit_gemm_pack(int kind, const void *w, int64_t w_row, int wt, int64_t N, int64_t K, void *out,        \
+                        int threads) {                                                                          \
+        const struct gemm_kernel *G = gemm_kernel_of(kind);                                                     \
+        return G ? gemm_pack(G, w, w_row, wt, N, K, out, threads) : 2;                                         \
+    }                                                                                                           \
+    int bivit_gemm(int kind, const void *x, int64_t x_row, int xt, const void *w, const float *bias, void *y,    \
+                   int64_t y_row, int yt, int act, int64_t M, int64_t N, int64_t K, int threads) {             \
+        const struct gemm_kernel *G = gemm_kernel_of(kind);                                                     \
+        if (!G) return 2;                                                                                       \
+        const struct gemm_call C = {.x = x, .x_row = x_row, .xt = xt, .w = w, .bias = bias, .y = y,           \
+                                    .y_row = y_row, .yt = yt, .act = act, .M = M, .N = N, .K = K};            \
+        return gemm_run(G, &C, threads);                                                                        \
+    }
+
+#endif

@@ -1,0 +1,116 @@
+"""bivit's compiled GEMM (`gemm.h`): invariant by construction, the GEMM of invariant mode wherever the compiled
+library runs.
+
+Each output element is one fp32 accumulator fed its K products in a fixed order by one thread; threads split the
+output by rows and columns only, never K. So a row's bits depend on that row, the weights and the kernel, not on
+the other rows of the call, their number, or the thread count (`gemm.h` gives the whole argument). Which kernel
+computes a dtype is fixed per machine kind (the first of `candidates` that passes its self-test and the load-time
+proof, `bivit.ops.prove`), never per call:
+
+* `amx` (kind 2): bf16 on AMX tiles, where the CPU has AMX and the OS grants its tile state;
+* `avx512_bf16` (kind 1): bf16 pair products (vdpbf16ps), on CPUs with AVX-512 BF16;
+* `fp32` (kind 0): fp32 FMAs; bf16 and fp16 weights and inputs are widened exactly (a product of two 16-bit
+  values is exact in fp32), so it is the math of a 16-bit GEMM with fp32 accumulation. Every variant has it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass, field
+
+import torch
+
+ETYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # gemm.h's E_F32, E_BF16, E_F16
+ACTS = {None: 0, "tanh": 1, "none": 2}  # gemm.h's ACT_*: GELU after the GEMM, by its `approximate` name
+KINDS = {"fp32": 0, "avx512_bf16": 1, "amx": 2}
+
+
+def bind(lib: ctypes.CDLL) -> None:
+    """Declare the GEMM entry points' C signatures (once per loaded library)."""
+    lib.bivit_gemm_packed_bytes.restype = ctypes.c_size_t
+    lib.bivit_gemm_packed_bytes.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    lib.bivit_gemm_pack.restype = ctypes.c_int
+    lib.bivit_gemm_pack.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int64,
+                                    ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+    lib.bivit_gemm.restype = ctypes.c_int
+    lib.bivit_gemm.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p,
+                               ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
+                               ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+    lib.bivit_amx_init.restype = ctypes.c_int
+    lib.bivit_amx_init.argtypes = []
+
+
+@dataclass(frozen=True)
+class GemmKernel:
+    """One compiled GEMM kernel: `pack` a weight once, then `y = x @ weight.t() + bias` any number of times."""
+
+    lib: ctypes.CDLL = field(repr=False)
+    variant: str  # the library's instruction-set variant
+    name: str     # a key of KINDS
+
+    @property
+    def kind(self) -> int:
+        return KINDS[self.name]
+
+    def describe(self) -> str:
+        return f"bivit {self.name} GEMM ({self.variant} library)"
+
+    def takes(self, dtype: torch.dtype) -> bool:
+        """Whether this kernel multiplies weights and inputs of `dtype` (the 16-bit kinds: bf16 only)."""
+        return dtype in ETYPES and (self.name == "fp32" or dtype == torch.bfloat16)
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """`weight` `[N, K]` (last dim contiguous) in this kernel's blocked layout, as a byte tensor."""
+        n, k = weight.shape
+        if weight.stride(1) != 1:
+            weight = weight.contiguous()
+        buf = torch.empty(self.lib.bivit_gemm_packed_bytes(self.kind, n, k), dtype=torch.uint8)
+        rc = self.lib.bivit_gemm_pack(self.kind, weight.data_ptr(), weight.stride(0), ETYPES[weight.dtype], n, k,
+                                      buf.data_ptr(), torch.get_num_threads())
+        if rc != 0:
+            raise ValueError(f"bivit gemm: cannot pack a {tuple(weight.shape)} {weight.dtype} weight (code {rc})")
+        return buf
+
+    def __call__(self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None,
+                 out: torch.Tensor, gelu: str | None = None, threads: int | None = None) -> torch.Tensor:
+        """`out[M, n] = x[M, K] @ weight.t() + bias`, then GELU `gelu` ("tanh", "none" = erf, or None) on the fp32
+        sum: x and out with a contiguous last dim, bias float32 `[n]` contiguous or None. `threads` defaults to
+        PyTorch's thread count; it never changes the bits."""
+        m, k = x.shape
+        rc = self.lib.bivit_gemm(self.kind, x.data_ptr(), x.stride(0), ETYPES[x.dtype], packed.data_ptr(),
+                                 None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0),
+                                 ETYPES[out.dtype], ACTS[gelu], m, n, k, threads or torch.get_num_threads())
+        if rc == 1:
+            raise MemoryError(f"bivit gemm: no memory for the scratch of a {m}x{k} by {k}x{n} GEMM")
+        if rc != 0:
+            raise ValueError(f"bivit gemm: bad sizes {m}x{k} by {k}x{n} (code {rc})")
+        return out
+
+
+def self_test(kernel: GemmKernel, dtype: torch.dtype) -> str | None:
+    """Why `kernel` must not be used for `dtype` (a miscompile, an odd toolchain, a CPU that faults), or None:
+    on shapes that reach every tail (rows, columns, K not multiples of any block), as close to float64 as
+    rounding to `dtype` allows, and each row bit-identical computed alone, in the call, and at 3 threads."""
+    g = torch.Generator().manual_seed(0)
+    m, n, k = 37, 50, 77
+    w, x = (torch.randn(*s, generator=g).to(dtype) for s in ((n, k), (m, k)))
+    bias = torch.randn(n, generator=g)
+    try:
+        packed = kernel.pack(w)
+        y = kernel(x, packed, n, bias, torch.empty(m, n, dtype=torch.float32), threads=2)
+        alone = torch.cat([kernel(x[i:i + 1], packed, n, bias, torch.empty(1, n), threads=1) for i in range(5)])
+        many = kernel(x, packed, n, bias, torch.empty(m, n), threads=3)
+    except (ValueError, MemoryError, OSError) as e:
+        return f"it raised ({e})"
+    ref = x.double() @ w.double().t() + bias.double()
+    err = float((y.double() - ref).abs().max() / ref.abs().max())
+    if not err <= 1e-5:
+        return f"its result is off by {err:.3g} (relative) from float64"
+    for gelu in ("tanh", "none"):
+        act = kernel(x, packed, n, bias, torch.empty(m, n), gelu=gelu)
+        gerr = float((act.double() - torch.nn.functional.gelu(ref, approximate=gelu)).abs().max() / ref.abs().max())
+        if not gerr <= 1e-5:
+            return f"its GELU ({gelu}) is off by {gerr:.3g} (relative) from float64"
+    if not (torch.equal(alone, y[:5]) and torch.equal(many, y)):
+        return "its rows change with the rows beside them or the thread count"
+    return None

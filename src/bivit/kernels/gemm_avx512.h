@@ -1,0 +1,347 @@
+/* The AVX-512 variant's GEMM kernels (gemm.h says what every kernel guarantees):
+ *
+ *   kind 0  fp32 weights and inputs (bf16 inputs widened exactly): 8 rows x 48 columns of fp32 FMAs
+ *   kind 1  bf16: AVX-512 BF16 pair products (vdpbf16ps), 8 rows x 48 columns, fp32 accumulators
+ *   kind 2  bf16 on AMX tiles (tdpbf16ps): 32 rows x 32 columns per step, fp32 accumulators in tiles
+ *
+ * Kinds 1 and 2 compute with different instructions, so their bits differ from each other: which one runs is
+ * fixed per machine kind by Python (`bivit.kernels`), never per call.
+ */
+#ifndef BIVIT_GEMM_AVX512_H
+#define BIVIT_GEMM_AVX512_H
+
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include "gemm.h"
+
+static inline uint32_t load_u32(const void *p) {
+    uint32_t u;
+    memcpy(&u, p, 4);
+    return u;
+}
+
+static inline __m512 gelu16(__m512 x, const int act) {
+    GELU_CONSTS;
+    const __m512 half = _mm512_set1_ps(0.5f), one = _mm512_set1_ps(1.0f);
+    const __m512 sign = _mm512_set1_ps(-0.0f);
+    __m512 u, a, e, t;
+    if (act == ACT_GELU_TANH) {
+        u = _mm512_mul_ps(_mm512_set1_ps(k_sqrt2_pi),
+                          _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(k_cubic), x), _mm512_mul_ps(x, x), x));
+        a = _mm512_andnot_ps(sign, u);
+        e = exp2_neg(_mm512_mul_ps(a, _mm512_set1_ps(-2.0f * k_log2e)));
+        t = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
+    } else {
+        u = _mm512_mul_ps(x, _mm512_set1_ps(k_rsqrt2));
+        a = _mm512_andnot_ps(sign, u);
+        const __m512 r = _mm512_div_ps(one, _mm512_fmadd_ps(_mm512_set1_ps(k_p), a, one));
+        __m512 poly = _mm512_set1_ps(k_a5);
+        poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(k_a4));
+        poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(k_a3));
+        poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(k_a2));
+        poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(k_a1));
+        poly = _mm512_mul_ps(poly, r);
+        e = exp2_neg(_mm512_mul_ps(_mm512_mul_ps(a, a), _mm512_set1_ps(-k_log2e)));
+        t = _mm512_fnmadd_ps(poly, e, one);
+    }
+    t = _mm512_or_ps(t, _mm512_and_ps(u, sign));  /* the sign of u */
+    return _mm512_mul_ps(_mm512_mul_ps(half, x), _mm512_add_ps(one, t));
+}
+
+/* Row i's results at columns j0.. (NV vectors of 16): acc + bias, rounded to the output dtype, the columns that
+ * exist (below N). */
+static inline __attribute__((always_inline)) void store_row(const struct gemm_call *C, int64_t i, int64_t j0,
+                                                             const __m512 *acc, const int NV) {
+#pragma GCC unroll 3
+    for (int c = 0; c < NV; c++) {
+        const int64_t j = j0 + 16 * c, m = C->N - j < 16 ? C->N - j : 16;
+        if (m <= 0) return;
+        const __mmask16 k = (__mmask16)((1u << m) - 1);
+        __m512 v = acc[c];
+        if (C->bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(k, C->bias + j));
+        if (C->act) v = gelu16(v, C->act);
+        if (C->yt == E_BF16)
+            _mm256_mask_storeu_epi16((bf16 *)C->y + i * C->y_row + j, k, _mm512_cvtepi32_epi16(bf16_bits16(v)));
+        else if (C->yt == E_F16)
+            _mm256_mask_storeu_epi16((uint16_t *)C->y + i * C->y_row + j, k,
+                                     _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        else
+            _mm512_mask_storeu_ps((float *)C->y + i * C->y_row + j, k, v);
+    }
+}
+
+#define MR512 8   /* rows per microtile of kinds 0 and 1: 24 accumulators, 3 weight vectors, 1 broadcast */
+#define NR512 48  /* columns per panel of kinds 0 and 1 */
+
+/* ---- kind 0: fp32. Panel p: [K][48] floats. ---- */
+
+static size_t f32_packed_bytes(int64_t N, int64_t K) { return (size_t)ceil_div(N, NR512) * K * NR512 * 4; }
+
+static void f32_pack_panel(const char *w, int64_t w_row, int wt, int64_t N, int64_t K, int64_t p, char *out) {
+    float *o = (float *)out;
+    for (int64_t k = 0; k < K; k++)
+        for (int64_t c = 0; c < NR512; c++) {
+            const int64_t j = p * NR512 + c;
+            o[k * NR512 + c] = j < N ? gemm_elem(w + j * w_row * esize_of(wt), k, wt) : 0.0f;
+        }
+}
+
+static inline __attribute__((always_inline)) void f32_micro(const struct gemm_call *C, int64_t i0, const int R,
+                                                             const float *bp, int64_t j0, const int XT) {
+    __m512 acc[MR512][3];
+#pragma GCC unroll 8
+    for (int r = 0; r < MR512; r++)
+#pragma GCC unroll 3
+        for (int c = 0; c < 3; c++) acc[r][c] = _mm512_setzero_ps();
+    const char *x0 = C->x + i0 * C->x_row * esize_of(XT);
+    const size_t xs = (size_t)C->x_row * esize_of(XT);
+    for (int64_t k = 0; k < C->K; k++) {
+        const float *b = bp + k * NR512;
+        const __m512 b0 = _mm512_loadu_ps(b), b1 = _mm512_loadu_ps(b + 16), b2 = _mm512_loadu_ps(b + 32);
+#pragma GCC unroll 8
+        for (int r = 0; r < MR512; r++) {
+            if (r >= R) break;
+            const __m512 a = _mm512_set1_ps(gemm_elem(x0 + r * xs, k, XT));
+            acc[r][0] = _mm512_fmadd_ps(a, b0, acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(a, b1, acc[r][1]);
+            acc[r][2] = _mm512_fmadd_ps(a, b2, acc[r][2]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < MR512; r++)
+        if (r < R) store_row(C, i0 + r, j0, acc[r], 3);
+}
+
+/* ---- kind 1: bf16 pairs. Panel p: [ceil(K/2)][48][2] bf16 (a pair of k per column; an odd K's last pair
+ * padded with 0). ---- */
+
+static size_t dp_packed_bytes(int64_t N, int64_t K) { return (size_t)ceil_div(N, NR512) * ceil_div(K, 2) * NR512 * 4; }
+
+static void dp_pack_panel(const char *w, int64_t w_row, int wt, int64_t N, int64_t K, int64_t p, char *out) {
+    bf16 *o = (bf16 *)out;
+    const bf16 *wb = (const bf16 *)w;
+    (void)wt;  /* bf16 weights only */
+    for (int64_t q = 0; q < ceil_div(K, 2); q++)
+        for (int64_t c = 0; c < NR512; c++)
+            for (int e = 0; e < 2; e++) {
+                const int64_t j = p * NR512 + c, k = 2 * q + e;
+                o[(q * NR512 + c) * 2 + e] = (j < N && k < K) ? wb[j * w_row + k] : 0;
+            }
+}
+
+/* acc[r] += (x[r][k], x[r][k + 1]) . the 48 column pairs at b; `last`: an odd K's last pair, (x[r][k], 0) (the
+ * element past the row is never read). */
+static inline __attribute__((always_inline)) void dp_step(__m512 acc[MR512][3], const int R, const bf16 *x0,
+                                                           int64_t x_row, int64_t k, const bf16 *b, const int last) {
+    const __m512i b0 = _mm512_loadu_si512(b), b1 = _mm512_loadu_si512(b + 32), b2 = _mm512_loadu_si512(b + 64);
+#pragma GCC unroll 8
+    for (int r = 0; r < MR512; r++) {
+        if (r >= R) break;
+        const bf16 *xr = x0 + r * x_row + k;
+        const __m512i a = _mm512_set1_epi32(last ? (int)xr[0] : (int)load_u32(xr));
+        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)a, (__m512bh)b0);
+        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], (__m512bh)a, (__m512bh)b1);
+        acc[r][2] = _mm512_dpbf16_ps(acc[r][2], (__m512bh)a, (__m512bh)b2);
+    }
+}
+
+static inline __attribute__((always_inline)) void dp_micro(const struct gemm_call *C, int64_t i0, const int R,
+                                                            const bf16 *bp, int64_t j0) {
+    __m512 acc[MR512][3];
+#pragma GCC unroll 8
+    for (int r = 0; r < MR512; r++)
+#pragma GCC unroll 3
+        for (int c = 0; c < 3; c++) acc[r][c] = _mm512_setzero_ps();
+    const bf16 *x0 = (const bf16 *)C->x + i0 * C->x_row;
+    const int64_t pairs = C->K / 2;
+    for (int64_t q = 0; q < pairs; q++) dp_step(acc, R, x0, C->x_row, 2 * q, bp + q * NR512 * 2, 0);
+    if (C->K % 2) dp_step(acc, R, x0, C->x_row, C->K - 1, bp + pairs * NR512 * 2, 1);
+#pragma GCC unroll 8
+    for (int r = 0; r < MR512; r++)
+        if (r < R) store_row(C, i0 + r, j0, acc[r], 3);
+}
+
+/* A block of kinds 0 and 1: microtiles of MR512 rows (the last one shorter: the same instructions per row),
+ * each against panels p0..p1. */
+#define MB512 64
+
+#define MICRO_DISPATCH(CALL)                                  \
+    switch (R) {                                              \
+        case 8: CALL(8); break;                               \
+        case 7: CALL(7); break;                               \
+        case 6: CALL(6); break;                               \
+        case 5: CALL(5); break;                               \
+        case 4: CALL(4); break;                               \
+        case 3: CALL(3); break;                               \
+        case 2: CALL(2); break;                               \
+        default: CALL(1); break;                              \
+    }
+
+static void f32_block(const struct gemm_call *C, int64_t i0, int64_t rows, int64_t p0, int64_t p1, void *scratch) {
+    (void)scratch;
+    const size_t panel = (size_t)C->K * NR512;
+    for (int64_t p = p0; p < p1; p++)
+        for (int64_t r0 = 0; r0 < rows; r0 += MR512) {
+            const int R = rows - r0 < MR512 ? (int)(rows - r0) : MR512;
+            const float *bp = (const float *)C->w + p * panel;
+#define F32_CALL(n) (C->xt == E_BF16 ? f32_micro(C, i0 + r0, n, bp, p * NR512, E_BF16)        \
+                   : C->xt == E_F16 ? f32_micro(C, i0 + r0, n, bp, p * NR512, E_F16)        \
+                                    : f32_micro(C, i0 + r0, n, bp, p * NR512, E_F32))
+            MICRO_DISPATCH(F32_CALL)
+#undef F32_CALL
+        }
+}
+
+static void dp_block(const struct gemm_call *C, int64_t i0, int64_t rows, int64_t p0, int64_t p1, void *scratch) {
+    (void)scratch;
+    const size_t panel = (size_t)ceil_div(C->K, 2) * NR512 * 2;
+    for (int64_t p = p0; p < p1; p++)
+        for (int64_t r0 = 0; r0 < rows; r0 += MR512) {
+            const int R = rows - r0 < MR512 ? (int)(rows - r0) : MR512;
+            const bf16 *bp = (const bf16 *)C->w + p * panel;
+#define DP_CALL(n) dp_micro(C, i0 + r0, n, bp, p * NR512)
+            MICRO_DISPATCH(DP_CALL)
+#undef DP_CALL
+        }
+}
+
+static size_t no_scratch(int64_t K) { (void)K; return 64; }
+
+static const struct gemm_kernel GEMM_F32 = {MB512, NR512, f32_packed_bytes, f32_pack_panel, no_scratch, NULL, NULL,
+                                            f32_block};
+static const struct gemm_kernel GEMM_DP = {MB512, NR512, dp_packed_bytes, dp_pack_panel, no_scratch, NULL, NULL,
+                                           dp_block};
+
+/* ---- kind 2: AMX. 32 rows x 32 columns per step of 32 k: C tiles 0-3 (2 x 2 of 16 x 16 fp32), A tiles 4-5
+ * (16 rows x 32 bf16), B tiles 6-7 (16 pairs of k x 16 columns). Panel p: [ceil(K/32)][2 halves][16 pairs][16
+ * columns][2] bf16. Rows come straight from x when a chunk has 32 rows and K is a multiple of 32, else from a
+ * zero-padded copy (the same values: a tile row's results depend on that row alone). ---- */
+
+#define AMX_R 32
+#define AMX_N 32
+
+static inline int64_t amx_steps(int64_t K) { return ceil_div(K, 32); }
+
+static size_t amx_packed_bytes(int64_t N, int64_t K) {
+    return (size_t)ceil_div(N, AMX_N) * amx_steps(K) * 1024 * 2;
+}
+
+static void amx_pack_panel(const char *w, int64_t w_row, int wt, int64_t N, int64_t K, int64_t p, char *out) {
+    bf16 *o = (bf16 *)out;
+    const bf16 *wb = (const bf16 *)w;
+    (void)wt;
+    for (int64_t s = 0; s < amx_steps(K); s++)
+        for (int h = 0; h < 2; h++)
+            for (int r = 0; r < 16; r++)
+                for (int c = 0; c < 16; c++)
+                    for (int e = 0; e < 2; e++) {
+                        const int64_t j = p * AMX_N + 16 * h + c, k = 32 * s + 2 * r + e;
+                        o[((s * 2 + h) * 16 + r) * 32 + c * 2 + e] = (j < N && k < K) ? wb[j * w_row + k] : 0;
+                    }
+}
+
+static size_t amx_scratch_bytes(int64_t K) {
+    return (size_t)AMX_R * amx_steps(K) * 32 * 2 + AMX_R * 32 * 2 + AMX_R * AMX_N * 4;
+}
+
+struct tile_config {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+/* Every tile 16 rows x 64 bytes. A static object: GCC 12's _tile_loadconfig tells the compiler it reads only a
+ * pointer's worth of its argument, so the stores filling a local configuration could be dropped. */
+static const struct tile_config AMX_CONFIG __attribute__((aligned(64))) = {
+    .palette = 1, .colsb = {64, 64, 64, 64, 64, 64, 64, 64}, .rows = {16, 16, 16, 16, 16, 16, 16, 16}};
+
+__attribute__((target("amx-tile"))) static void amx_enter(void) { _tile_loadconfig(&AMX_CONFIG); }
+
+__attribute__((target("amx-tile"))) static void amx_leave(void) { _tile_release(); }
+
+/* 32 rows of a (lda apart) against panel bp: `steps` steps of 32 k straight from a, then, when `tail` is not
+ * NULL, one more from tail ([32 rows][32] bf16: the last K % 32 values of each row, zero-padded). */
+__attribute__((target("amx-tile,amx-bf16"))) static void amx_micro(const bf16 *a, int64_t lda, const bf16 *bp,
+                                                                   int64_t steps, const bf16 *tail, float *c) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t s = 0; s < steps; s++) {
+        _tile_loadd(4, a + 32 * s, lda * 2);
+        _tile_loadd(5, a + 16 * lda + 32 * s, lda * 2);
+        _tile_loadd(6, bp + s * 1024, 64);
+        _tile_loadd(7, bp + s * 1024 + 512, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+    }
+    if (tail) {
+        _tile_loadd(4, tail, 64);
+        _tile_loadd(5, tail + 16 * 32, 64);
+        _tile_loadd(6, bp + steps * 1024, 64);
+        _tile_loadd(7, bp + steps * 1024 + 512, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, c, AMX_N * 4);
+    _tile_stored(1, c + 16, AMX_N * 4);
+    _tile_stored(2, c + 16 * AMX_N, AMX_N * 4);
+    _tile_stored(3, c + 16 * AMX_N + 16, AMX_N * 4);
+}
+
+/* Rows r0.. of a block: 32 rows straight from x (the last K % 32 of each copied, zero-padded, into `tail`), or,
+ * for a chunk of fewer rows, all of them copied zero-padded into `apad`. */
+static void amx_block(const struct gemm_call *C, int64_t i0, int64_t rows, int64_t p0, int64_t p1, void *scratch) {
+    const int64_t steps = amx_steps(C->K), kpad = steps * 32, whole = C->K / 32, rest = C->K - whole * 32;
+    bf16 *apad = (bf16 *)scratch, *tailbuf = apad + AMX_R * kpad;
+    float *c = (float *)(tailbuf + AMX_R * 32);
+    const size_t panel = (size_t)steps * 1024;
+    for (int64_t r0 = 0; r0 < rows; r0 += AMX_R) {
+        const int64_t R = rows - r0 < AMX_R ? rows - r0 : AMX_R;
+        const bf16 *a = (const bf16 *)C->x + (i0 + r0) * C->x_row, *tail = NULL;
+        int64_t lda = C->x_row, direct = whole;
+        if (R < AMX_R) {
+            memset(apad, 0, (size_t)AMX_R * kpad * 2);
+            for (int64_t r = 0; r < R; r++) memcpy(apad + r * kpad, a + r * C->x_row, (size_t)C->K * 2);
+            a = apad;
+            lda = kpad;
+            direct = steps;
+        } else if (rest) {
+            memset(tailbuf, 0, AMX_R * 32 * 2);
+            for (int64_t r = 0; r < AMX_R; r++) memcpy(tailbuf + r * 32, a + r * C->x_row + whole * 32, (size_t)rest * 2);
+            tail = tailbuf;
+        }
+        for (int64_t p = p0; p < p1; p++) {
+            amx_micro(a, lda, (const bf16 *)C->w + p * panel, direct, tail, c);
+            for (int64_t r = 0; r < R; r++) {
+                const __m512 acc[2] = {_mm512_loadu_ps(c + r * AMX_N), _mm512_loadu_ps(c + r * AMX_N + 16)};
+                store_row(C, i0 + r0 + r, p * AMX_N, acc, 2);
+            }
+        }
+    }
+}
+
+static const struct gemm_kernel GEMM_AMX = {64, AMX_N, amx_packed_bytes, amx_pack_panel, amx_scratch_bytes,
+                                            amx_enter, amx_leave, amx_block};
+
+/* Linux lends AMX's tile state only to a process that asks (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA);
+ * 0 when granted. */
+int bivit_amx_init(void) { return (int)syscall(SYS_arch_prctl, 0x1023, 18); }
+
+static const struct gemm_kernel *gemm_kernel_of(int kind) {
+    switch (kind) {
+        case 0: return &GEMM_F32;
+        case 1: return &GEMM_DP;
+        case 2: return &GEMM_AMX;
+        default: return NULL;
+    }
+}
+
+BIVIT_GEMM_ENTRIES
+
+#endif

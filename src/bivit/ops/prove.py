@@ -1,0 +1,291 @@
+"""The load-time proof: bivit's invariance, shown by this machine before it encodes anything.
+
+bivit's compiled GEMM and attention are invariant by construction (each output element's reduction runs in an
+order bivit fixes, in one thread), and the remaining ops are row-wise or elementwise. A construction argument
+is only as good as the code that carries it out on this CPU, compiler and PyTorch build, so at the first load on
+a machine, every reduction-bearing op of the model runs at its real shapes and dtypes on random items, and each
+item's rows must come out bit-identical when it is computed
+
+  * alone, at this process's thread count,
+  * packed with the others, at another thread count (1, or 2 where this process runs 1),
+  * packed in reverse order, at one thread more than this process's count (more threads than cores, often).
+
+The ops: every distinct GEMM (Linear layers, the patch conv as its GEMM, GELU after it where the model has one),
+attention at the model's heads and head dim (item lengths on both sides of the compiled kernel's small-item
+split, with the rotary tables), and every norm. A path that fails is refused for this machine
+(`backend.refuse`: said once on stderr, listed in `bivit doctor`, `Encoder.describe()` and /v1/info) and the op is
+proven again on the next path (GEMM: the next compiled kernel, then PyTorch's GEMMs at proven tiles; attention:
+PyTorch's). An op with no path left raises InvarianceError: invariant mode would break its promise here.
+
+The outcome is recorded in the kernel cache (checked like a compiled library) under the facts that decide it:
+CPU model and flags, PyTorch build, the variables that steer its kernels, the thread count, the dtypes and the
+shapes. A later load applies the recorded outcome without running it again. Two processes that prove the same key
+at once must agree: a proof whose answer differs between processes is itself a failure (InvarianceError).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Iterator, Sequence
+
+import torch
+
+from .. import kernels
+from ..dtypes import dtype_name
+from ..errors import BivitError
+from .attend import attention
+from .backend import _refused, attention_kernel, gemm_kernel, refuse
+from .gemm import linear
+from .mode import batch_invariant
+from .norms import layer_norm, rms_norm
+
+log = logging.getLogger("bivit")
+
+PROOF_FORMAT = 1
+GEMM_ROWS = (1, 7, 33, 100)       # items of a GEMM or norm check (rows); tails of every microtile and block
+ATTENTION_GRIDS = ((1, 1), (5, 5), (10, 10), (15, 20))  # items of the attention check: 1, 25, 100, 300 patches
+
+
+class InvarianceError(BivitError):
+    """Invariant mode cannot keep its promise on this machine (no proven path for an op, or proofs disagree)."""
+
+
+@dataclass(frozen=True)
+class Check:
+    """One op at one shape: the path that computed it and whether every item came out bit-identical alone,
+    packed and reversed at `threads`."""
+
+    op: str
+    path: str
+    invariant: bool
+    threads: tuple[int, ...]
+
+
+@dataclass
+class Proof:
+    checks: list[Check]
+    refused: list[tuple[str, str, str]]  # (op, path, why)
+    seconds: float
+    recorded: bool = False  # applied from the kernel cache (proven by an earlier process on this machine kind)
+    key: str = ""
+
+    def to_dict(self) -> dict:
+        return {"checks": [asdict(c) for c in self.checks], "refused": [list(r) for r in self.refused],
+                "seconds": round(self.seconds, 3), "recorded": self.recorded}
+
+    def table(self) -> list[str]:
+        width = max([len(c.op) for c in self.checks] + [2])
+        pwidth = max([len(c.path) for c in self.checks] + [4])
+        rows = [f"{'op':<{width}}  {'path':<{pwidth}}  alone=packed=reversed  threads"]
+        for c in self.checks:
+            rows.append(f"{c.op:<{width}}  {c.path:<{pwidth}}  {'yes' if c.invariant else 'NO':<21}  "
+                        f"{','.join(map(str, c.threads))}")
+        for op, path, why in self.refused:
+            rows.append(f"refused: {op} via {path}: {why}")
+        return rows
+
+
+@contextlib.contextmanager
+def _threads(n: int) -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def thread_counts() -> tuple[int, int, int]:
+    n = torch.get_num_threads()
+    return n, (1 if n > 1 else 2), n + 1
+
+
+def _items_invariant(run: Callable[[list], list[torch.Tensor]], items: list, threads: Sequence[int]) -> bool:
+    """`run(items) -> one output per item`: each item's output bit-identical alone, packed, reversed."""
+    with torch.inference_mode(), batch_invariant(True):
+        with _threads(threads[0]):
+            alone = [run([it])[0] for it in items]
+        with _threads(threads[1]):
+            packed = run(items)
+        with _threads(threads[2]):
+            backwards = run(items[::-1])[::-1]
+    return all(torch.equal(a, p) and torch.equal(a, b) for a, p, b in zip(alone, packed, backwards))
+
+
+def _rows(g: torch.Generator, width: int, dtype: torch.dtype, scale: float = 1.0) -> list[torch.Tensor]:
+    return [(torch.randn(n, width, generator=g) * scale).to(dtype) for n in GEMM_ROWS]
+
+
+def _split_rows(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[list], list[torch.Tensor]]:
+    def run(items: list) -> list[torch.Tensor]:
+        return list(fn(torch.cat(items)).split([len(i) for i in items]))
+    return run
+
+
+def _gemm_path(dtype: torch.dtype) -> str:
+    kernel = gemm_kernel(dtype)
+    return kernel.describe() if kernel is not None else "PyTorch GEMM at proven tiles"
+
+
+def _attention_path() -> str:
+    kernel = attention_kernel()
+    return f"bivit compiled attention ({kernel.variant})" if kernel is not None else "PyTorch SDPA per item"
+
+
+def _prove_gemm(weight: torch.Tensor, bias: torch.Tensor | None, gelu: str | None, g: torch.Generator,
+                threads: Sequence[int], refused: list) -> Check:
+    w2 = weight.reshape(weight.shape[0], -1)
+    op = f"gemm {w2.shape[1]}->{w2.shape[0]}{'+gelu' if gelu else ''} {dtype_name(weight.dtype)}"
+    items = _rows(g, w2.shape[1], weight.dtype)
+    run = _split_rows(lambda x: linear(x, w2, bias, gelu=gelu))
+    while True:
+        path = _gemm_path(weight.dtype)
+        if _items_invariant(run, items, threads):
+            return Check(op, path, True, tuple(threads))
+        kernel = gemm_kernel(weight.dtype)
+        if kernel is None:
+            return Check(op, path, False, tuple(threads))
+        why = f"{op}: an item's rows differ alone, packed and reversed at threads {threads}"
+        refused.append(("gemm", kernel.name, why))
+        refuse("gemm", kernel.name, why)
+
+
+def _prove_attention(heads: int, head_dim: int, theta: float, dtype: torch.dtype, g: torch.Generator,
+                     threads: Sequence[int], refused: list) -> Check:
+    from ..model import rope_tables
+
+    op = f"attention {heads}x{head_dim} {dtype_name(dtype)}"
+    items = []
+    for h, w in ATTENTION_GRIDS:
+        q, k, v = (torch.randn(h * w, heads, head_dim, generator=g).to(dtype) for _ in range(3))
+        items.append((q, k, v, (1, h, w)))
+
+    def run(batch: list) -> list[torch.Tensor]:
+        grids = [it[3] for it in batch]
+        q, k, v = (torch.cat([it[i] for it in batch]) for i in range(3))
+        out = attention(q, k, v, [t * h * w for t, h, w in grids], rope=rope_tables(grids, head_dim, theta))
+        return list(out.split([t * h * w for t, h, w in grids]))
+
+    while True:
+        path = _attention_path()
+        if _items_invariant(run, items, threads):
+            return Check(op, path, True, tuple(threads))
+        kernel = attention_kernel()
+        if kernel is None:
+            return Check(op, path, False, tuple(threads))
+        why = f"{op}: an item's rows differ alone, packed and reversed at threads {threads}"
+        refused.append(("attention", kernel.variant, why))
+        refuse("attention", kernel.variant, why)
+
+
+def _prove_norm(module: torch.nn.Module, g: torch.Generator, threads: Sequence[int]) -> Check:
+    weight = module.weight
+    dim, dtype = weight.shape[0], weight.dtype
+    if isinstance(module, torch.nn.LayerNorm):
+        op, fn = f"layer_norm {dim} {dtype_name(dtype)}", lambda x: layer_norm(x, weight, module.bias, module.eps)
+    else:
+        op, fn = f"rms_norm {dim} {dtype_name(dtype)}", lambda x: rms_norm(x, weight, module.eps)
+    ok = _items_invariant(_split_rows(fn), _rows(g, dim, dtype, scale=3.0), threads)
+    return Check(op, "PyTorch row-wise kernel", ok, tuple(threads))
+
+
+def _facts(model: torch.nn.Module) -> str:
+    """What decides the proof's outcome: the machine, the build, its steering variables, threads, shapes."""
+    from ..model import gemms
+
+    cpu, flags = kernels.cpu_info()
+    env = sorted((k, v) for k, v in os.environ.items()
+                 if k.startswith(("ONEDNN_", "DNNL_", "MKL_", "ATEN_", "OMP_", "KMP_", "GOMP_", "BIVIT_ATTENTION")))
+    shapes = sorted({(tuple(w.shape), str(w.dtype), b is None, gelu) for w, b, gelu in gemms(model)})
+    norms = sorted({(type(m).__name__, m.weight.shape[0], str(m.weight.dtype)) for m in model.modules()
+                    if isinstance(m, (torch.nn.LayerNorm, torch.nn.RMSNorm))})
+    cfg = model.config
+    return json.dumps([PROOF_FORMAT, torch.__version__, torch.version.git_version, cpu, sorted(flags),
+                       torch.backends.cpu.get_cpu_capability(), env, thread_counts(), repr(shapes), repr(norms),
+                       cfg.num_heads, cfg.head_dim, str(model.vision_tower.dtype)])
+
+
+def _run(model: torch.nn.Module) -> Proof:
+    from ..model import gemms
+
+    start = time.perf_counter()
+    g = torch.Generator().manual_seed(0)
+    threads = thread_counts()
+    checks: list[Check] = []
+    refused: list[tuple[str, str, str]] = []
+    seen = set()
+    for w, b, gelu in gemms(model):
+        key = (tuple(w.shape), w.dtype, b is None, gelu)
+        if key not in seen:
+            seen.add(key)
+            checks.append(_prove_gemm(w, b, gelu, g, threads, refused))
+    cfg = model.config
+    checks.append(_prove_attention(cfg.num_heads, cfg.head_dim, cfg.rope_theta, model.vision_tower.dtype, g,
+                                   threads, refused))
+    seen.clear()
+    for m in model.modules():
+        if isinstance(m, (torch.nn.LayerNorm, torch.nn.RMSNorm)) and m.weight is not None:
+            key = (type(m), m.weight.shape[0], m.weight.dtype)
+            if key not in seen:
+                seen.add(key)
+                checks.append(_prove_norm(m, g, threads))
+    return Proof(checks, refused, time.perf_counter() - start)
+
+
+_proven: dict[str, Proof] = {}  # by record name, this process
+
+
+def prove(model: torch.nn.Module, *, fresh: bool = False) -> Proof:
+    """The proof for `model` on this machine: recorded by an earlier load on this machine kind (its refusals
+    applied) or run now and recorded. `fresh`: run it now whatever is recorded (`bivit doctor --prove`); it must
+    then agree with the record. Raises InvarianceError where an op has no invariant path here."""
+    name = f"proof-{hashlib.sha256(_facts(model).encode()).hexdigest()[:16]}.json"
+    if not fresh and name in _proven:
+        return _proven[name]
+    record = None if fresh else kernels.cache.read_record(name)
+    if _valid(record):
+        for op, path, why in record["refused"]:
+            refuse(op, path, why)
+        proof = Proof([Check(c["op"], c["path"], c["invariant"], tuple(c["threads"])) for c in record["checks"]],
+                      [tuple(r) for r in record["refused"]], record["seconds"], recorded=True, key=name)
+    else:
+        log.info("bivit: proving invariance of every op at this model's shapes on this machine (once; recorded "
+                 "in the kernel cache)")
+        proof = _run(model)
+        proof.key = name
+        earlier = kernels.cache.read_record(name)  # another process may have proven it meanwhile
+        if _valid(earlier) and _outcome(earlier) != _outcome(proof.to_dict()):
+            raise InvarianceError(f"the invariance proof gave another answer in another process on this machine "
+                                  f"({kernels.cache_dir()}/{name}): its outcome depends on something it does not "
+                                  "control, so invariant mode cannot be trusted here")
+        if not _valid(earlier):
+            kernels.cache.write_record(name, proof.to_dict())
+    _proven[name] = proof
+    failed = [c for c in proof.checks if not c.invariant]
+    if failed:
+        raise InvarianceError("invariant mode cannot keep its promise on this machine: "
+                              + "; ".join(f"{c.op} via {c.path} is not bit-identical alone, packed and reversed "
+                                          f"at threads {','.join(map(str, c.threads))}" for c in failed)
+                              + " (no other path left); use batch_invariant=False, or report this machine")
+    return proof
+
+
+def _valid(record) -> bool:
+    return (isinstance(record, dict) and isinstance(record.get("checks"), list)
+            and isinstance(record.get("refused"), list) and isinstance(record.get("seconds"), (int, float))
+            and all(isinstance(c, dict) and {"op", "path", "invariant", "threads"} <= set(c) for c in record["checks"]))
+
+
+def _outcome(record: dict) -> list:
+    return [[(c["op"], c["path"], c["invariant"]) for c in record["checks"]], sorted(map(tuple, record["refused"]))]
+
+
+def refusals() -> list[tuple[str, str, str]]:
+    """Every path refused in this process, as (op, path, why)."""
+    return [(op, path, why) for (op, path), why in _refused.items()]
