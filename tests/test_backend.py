@@ -2,8 +2,9 @@
 the input: never on what the process did before, nor on which process computes them.
 
 The kernel choice is made once per process and per dtype from the CPU and the PyTorch build, and never switched
-by a failure. These tests force the choices a CPU of another kind would make (bf16 widened to float32, as on
-an AVX2 CPU) by monkeypatching what oneDNN reports, with fresh per-process decisions for the test.
+by a failure. Most tests here are about the fallback GEMM (PyTorch's oneDNN GEMMs at proven tiles, where no
+compiled GEMM runs): they force it, and the choices a CPU of another kind would make there (bf16 widened to
+float32, as on an AVX2 CPU) by monkeypatching what oneDNN reports, with fresh per-process decisions.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from bivit import ops
 from bivit.client import parse_response
 from bivit.kernels import cache as kernels_cache
 from bivit.media import preprocess_images
-from bivit.ops import backend, gemm
+from bivit.ops import backend, proof, tiles
 from support.server import ServerProcess
 from support.controls import differences_found_by_check, differing
 from support.media import make_video, random_image
@@ -37,11 +38,14 @@ def _broken(*args, **kwargs):
 
 
 def _fresh_decisions(monkeypatch) -> None:
-    """Per-process decisions, plans, plan records read and prepared weights that live for this test only
-    (monkeypatch restores the real ones): `ops.gemm_path` decides again, from what oneDNN reports now."""
+    """The fallback GEMM, with per-process decisions, plans, plan records read, proofs and prepared weights that
+    live for this test only (monkeypatch restores the real ones): `ops.gemm_path` decides again, from what oneDNN
+    reports now."""
+    monkeypatch.setattr(backend, "_decide_gemm_kernel", lambda *a: None)
     monkeypatch.setattr(backend, "_decide_gemm_path", functools.cache(backend._decide_gemm_path.__wrapped__))
-    monkeypatch.setattr(gemm, "_plans", gemm._Plans())
-    monkeypatch.setattr(gemm, "_records", {})
+    monkeypatch.setattr(tiles, "_plans", tiles._Plans())
+    monkeypatch.setattr(tiles, "_records", {})
+    monkeypatch.setattr(proof, "_proven", {})
 
 
 # ------------------------------------------------------------------------------------------ the decision
@@ -99,7 +103,7 @@ def test_a_kernel_failing_after_the_decision_raises_and_switches_nothing(monkeyp
         # The control: the kernel the old code switched to (PyTorch's GEMM) gives other bits for the same rows.
         monkeypatch.setattr(backend, "_decide_gemm_path", lambda *a: dataclasses.replace(path, packed=False,
                                                                                          fused_gelu=False))
-        monkeypatch.setattr(gemm, "_plans", gemm._Plans())
+        monkeypatch.setattr(tiles, "_plans", tiles._Plans())
         assert not torch.equal(ops.linear(x, w, b, gelu="tanh"), before)
 
 
@@ -137,8 +141,8 @@ def test_widened_bf16_is_invariant_and_within_bf16_rounding_of_stock(monkeypatch
     stock_enc = bivit.load_encoder(kimi_ckpt, dtype="bfloat16")
     stock = [stock_enc.encode_batch(it)[0] for it in items]
 
-    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
     _fresh_decisions(monkeypatch)
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
     path = ops.gemm_path(torch.bfloat16)
     assert path.compute == torch.float32 and "widened" in path.describe()
     enc = bivit.load_encoder(kimi_ckpt, dtype="bfloat16")
@@ -158,7 +162,7 @@ def test_widened_bf16_is_invariant_and_within_bf16_rounding_of_stock(monkeypatch
 _IN_ONE_PROCESS = """
 import dataclasses, functools, sys
 import torch, bivit
-from bivit.ops import backend, gemm
+from bivit.ops import backend, proof, tiles
 
 ckpt, out, *inputs = sys.argv[1:]
 run = lambda enc: [enc.encode([p])[0] for p in inputs]
@@ -168,11 +172,12 @@ for dtype in ("bfloat16", "float16"):
     res[dtype] = run(bivit.load_encoder(ckpt, dtype=dtype))
 res["after"] = run(f32)
 res["reloaded"] = run(bivit.load_encoder(ckpt, dtype="float32"))
-res["paths"] = {str(d): backend.gemm_path(d).describe() for d in (torch.float32, torch.bfloat16, torch.float16)}
-# The control: the old behaviour, a process-wide switch of the float32 GEMM kernel after the bf16 load.
+res["paths"] = {str(d): str(backend.gemm_kernel(d)) for d in (torch.float32, torch.bfloat16, torch.float16)}
+# The control: the old behaviour, a process-wide switch of the float32 GEMM kernel after the bf16 load (here
+# from the compiled GEMM, or from oneDNN's packed GEMM where none runs, to PyTorch's stock call at proven tiles).
 real = backend.gemm_path(torch.float32)
+backend._decide_gemm_kernel = lambda *a: None
 backend._decide_gemm_path = lambda *a: dataclasses.replace(real, packed=not real.packed, fused_gelu=False)
-gemm._plans = gemm._Plans()
 res["switched"] = run(f32)
 torch.save(res, out)
 """

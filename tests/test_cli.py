@@ -167,10 +167,9 @@ def test_verify_demo_invariant_stable_default_differs_and_bisect(tmp_path):
     assert "invariant mode (float32): BIT-STABLE" in inv and "DIFFERS" not in inv
     assert "NOT bit-stable" in default and "DIFFERS" in default
     assert "no op differs" in inv
-    # Stock fp32 GEMMs change kernels with the row count: the first op to differ is a GEMM, named by its
-    # module path (here the 1-token item's single projector row, M = 1 alone vs M = 180 batched).
-    assert re.search(r"first difference at (vision_tower|mm_projector)\.[\w.]+ \((linear|patch_conv), call 0\)",
-                     default)
+    # The first op to differ is named by its module path and op kind (which op it is depends on the CPU's
+    # kernels: a GEMM where stock GEMMs change kernels with the row count, attention or another op elsewhere).
+    assert re.search(r"first difference at (vision_tower|mm_projector)[\w.]* \(\w+, call \d+\)", default)
     assert plot.stat().st_size > 1000
     with Image.open(plot) as im:
         assert im.format == "PNG"

@@ -82,18 +82,19 @@ def test_doctor_reports_the_missing_compiler_fast_and_without_a_traceback(tmp_pa
         assert any(n["key"] == "attention" for n in report["fallbacks"])
 
 
-def test_widened_gemms_are_said_where_onednn_has_no_bf16_gemm(tmp_path):
-    """ONEDNN_MAX_CPU_ISA=AVX2 takes oneDNN's bf16 GEMM away on any x86 CPU: bf16 weights are widened to float32,
-    and the command says so in one line (no fix: it is the CPU's limit)."""
+def test_widened_gemms_are_said_where_the_cpu_has_no_bf16_gemm(tmp_path):
+    """Where bivit's compiled library has no bf16 GEMM kernel for the CPU (an AVX2 CPU; here PyTorch's AVX2
+    dispatch on any x86 CPU, which picks the avx2 library), bf16 weights are widened to float32, and the command
+    says so in one line (no fix: it is the CPU's limit)."""
     image = tmp_path / "a.png"
     Image.fromarray(random_image(28, 28, seed=2)).save(image)
     r = bivit_cli("encode", image, "--out", tmp_path / "e.safetensors", "--dtype", "bfloat16",
-                  env={**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"})
+                  env={**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "BIVIT_KERNEL_CACHE": str(tmp_path / "cache")})
     assert r.returncode == 0, r.stderr
     lines = [ln for ln in r.stderr.splitlines() if "GEMMs widened" in ln]
-    assert lines == ["bivit: bfloat16 GEMMs widened to float32: oneDNN has no bfloat16 GEMM on this CPU (it needs "
-                     "AVX-512 BW/VL/DQ, AVX-NE-CONVERT or AMX); same results, float32 speed, twice the weight "
-                     "memory"], r.stderr
+    assert lines == ["bivit: bfloat16 GEMMs widened to float32: bivit has no bfloat16 GEMM kernel for this CPU "
+                     "(bf16: AVX-512 BF16 or AMX); its weights are widened to float32 once, exact products; same "
+                     "math, float32 speed, twice the weight memory"], r.stderr
 
 
 def test_a_fallback_is_logged_once_and_kept(caplog):

@@ -288,19 +288,22 @@ def test_checkpoint_recomputes_in_the_forward_mode():
 # ------------------------------------------------------------------------------ private kernels fall back
 
 def test_private_kernels_missing_or_raising_fall_back_and_stay_invariant(monkeypatch, paths):
-    """A build whose oneDNN packed GEMM raises and that lacks GELU with `out=`: the paths chosen for the process
-    avoid them from the start (decided on a tiny tensor, not by a failure mid-run), and stay invariant."""
+    """Where no compiled GEMM runs, a build whose oneDNN packed GEMM raises and that lacks GELU with `out=`: the
+    paths chosen for the process avoid them from the start (decided on a tiny tensor, not by a failure mid-run),
+    and stay invariant."""
     import functools
 
-    from bivit.ops import backend, gemm, pointwise
+    from bivit.ops import backend, pointwise, proof, tiles
 
     def broken(*args, **kwargs):
         raise RuntimeError("simulated: kernel not available in this build")
 
     # Fresh per-process decisions and weight copies for this test only (monkeypatch restores the real ones).
+    monkeypatch.setattr(backend, "_decide_gemm_kernel", lambda *a: None)  # the fallback GEMM
     monkeypatch.setattr(backend, "_decide_gemm_path", functools.cache(backend._decide_gemm_path.__wrapped__))
     monkeypatch.setattr(pointwise, "gelu_out", functools.cache(backend.gelu_out.__wrapped__))
-    monkeypatch.setattr(gemm, "_plans", gemm._Plans())
+    monkeypatch.setattr(tiles, "_plans", tiles._Plans())
+    monkeypatch.setattr(proof, "_proven", {})
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", broken)  # present but raising
     monkeypatch.setattr(torch._C._nn, "gelu", None)  # missing
     with pytest.raises(RuntimeError):

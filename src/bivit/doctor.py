@@ -68,14 +68,21 @@ def pytorch() -> dict:
 
 
 def gemm() -> dict:
+    """Invariant mode's GEMM per dtype: bivit's compiled kernel (invariant by construction), or PyTorch's GEMM at
+    proven tiles where none runs here."""
     import torch
 
-    from .ops import gemm_path
+    from .ops import gemm_kernel, gemm_path
 
     out = {}
     for name in GEMM_DTYPES:
+        kernel = gemm_kernel(getattr(torch, name))
+        if kernel is not None:
+            out[name] = {"path": f"{name}: {kernel.describe()}, reduction order fixed by bivit"}
+            continue
         path = gemm_path(getattr(torch, name))
-        out[name] = {"path": path.describe(), **({"note": path.note} if path.note else {})}
+        out[name] = {"path": f"{path.describe()} at proven tiles (no compiled GEMM here)",
+                     **({"note": path.note} if path.note else {})}
     return out
 
 
@@ -96,9 +103,30 @@ def compiler() -> dict:
 
 def attention() -> dict:
     from . import kernels
+    from .ops import attention_kernel
 
+    invariant = attention_kernel()
     return {**kernels.status(), "choice": os.environ.get(kernels.ATTENTION_ENV, "auto"),
-            "cache": str(kernels.cache_dir())}
+            "cache": str(kernels.cache_dir()),
+            "invariant_mode": f"bivit compiled ({invariant.name})" if invariant else "PyTorch SDPA per item"}
+
+
+def prove(model: str | None, dtype: str, projector_dtype: str | None) -> dict:
+    """Run the load-time proof now (`bivit.ops.proof`) on `model`'s real shapes: the table, its cost, and whether it
+    agrees with what this machine kind recorded. Raises InvarianceError where an op has no invariant path."""
+    import time
+
+    from . import ops
+    from .encoder import load_encoder
+    from .model import gemms
+
+    encoder = load_encoder(model, dtype=dtype, projector_dtype=projector_dtype, batch_invariant=False)
+    start = time.perf_counter()
+    ops.prepare(gemms(encoder.model))
+    packed = time.perf_counter() - start
+    proof = ops.prove(encoder.model, fresh=True)
+    return {"model": encoder.model_name, "dtype": dtype, **proof.to_dict(), "pack_seconds": round(packed, 3),
+            "table": proof.table()}
 
 
 def extras() -> dict:
@@ -178,7 +206,8 @@ def format_report(r: dict) -> list[str]:
         else:
             lines.append(f"attention    {a['kernel']} — compiled attention not used: {a['why']}"
                          + (f"; fix: {a['fix']}" if a.get("fix") else ""))
-        lines.append(f"  choice     BIVIT_ATTENTION={a['choice']}, cache {a['cache']}")
+        lines.append(f"  choice     BIVIT_ATTENTION={a['choice']}, cache {a['cache']}; invariant mode: "
+                     f"{a['invariant_mode']}")
     if not failed("compiler"):
         cc = r["compiler"]
         lines.append("compiler     " + (f"{cc['found']} (from {cc['where']}): {cc['version']}" if cc["found"]

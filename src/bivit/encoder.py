@@ -91,7 +91,7 @@ class Encoder:
         compiled = None
         if kernels.Attention.supports(probe):
             compiled = ops.attention_kernel() if self.batch_invariant else kernels.attention()
-        attention = f"bivit compiled ({compiled.variant})" if compiled else "PyTorch SDPA"
+        attention = f"bivit compiled ({compiled.name})" if compiled else "PyTorch SDPA"
         if self.batch_invariant:
             proof = ops.prove(self.model)
             gemm = [_gemm_description(d, self.device.type) for d in dtypes]
@@ -106,8 +106,8 @@ class Encoder:
                 # the variant too: the avx2 and avx512 kernels round differently
                 "kernels": {"gemm": gemm, "attention": attention,
                             # the load-time proof: per op, the path and whether it is bit-identical alone,
-                            # packed and reversed at several thread counts on this machine (bivit.ops.prove)
-                            "proof": None if proof is None else proof.to_dict(),
+                            # packed and reversed at several thread counts on this machine (bivit.ops.proof)
+                            "proof": None if proof is None else proof.summary(),
                             # every faster path this process leaves off, why and the fix (bivit.notices)
                             "fallbacks": notices.warnings()}}
 

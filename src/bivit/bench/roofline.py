@@ -7,8 +7,9 @@ attention rates measured on this machine, and the roofline time they give.
   multiply or add as written, `OTHER_PER_ELEMENT`). GFLOP/s figures count GEMM + attention only. Invariant
   mode executes more than that (zero-padded GEMM tiles); that is a cost, not work, so it is not counted.
 * **Rates.** GEMM: the best GFLOP/s of two ways of running the tower's GEMM shapes on `PEAK_ROWS` rows, stock
-  `F.linear` and bivit's own GEMM call (pre-packed / widened weights, `bivit.ops.gemm.Gemm`), best of
-  `TRIES`; attention: the best of PyTorch's fused attention and bivit's compiled one (where it runs here),
+  `F.linear` and bivit's invariant GEMM (`bivit.ops.linear` in invariant mode: the compiled kernel on packed
+  weights, or the proven-tile fallback), best of `TRIES`; attention: the best of PyTorch's fused attention and
+  bivit's compiled one (where it runs here),
   one item of n patches, at every item length of the mix. Both are measured in every round, between the
   workers' turns, and the best over rounds is the machine's rate.
 * **Roofline** of a case = its GEMM FLOPs at the GEMM rate + each item's attention FLOPs at the attention rate
@@ -98,8 +99,8 @@ def _best_of(fn: Callable[[], object], tries: int) -> float:
 def gemm_gflops(dtype: torch.dtype, shapes: Iterable[tuple[int, int]], rows: int = PEAK_ROWS, how: str = "stock",
                 tries: int = TRIES, seed: int = 0) -> dict[str, float]:
     """Best-of-`tries` GFLOP/s per (out, in) shape, with bias as the model calls it: `how` = "stock"
-    (`F.linear`) or "bivit" (bivit's invariant GEMM call on prepared weights, one call of `rows` rows)."""
-    from ..ops.gemm import Gemm
+    (`F.linear`) or "bivit" (bivit's invariant GEMM on prepared weights, one call of `rows` rows)."""
+    from .. import ops
 
     g = torch.Generator().manual_seed(seed)
     result = {}
@@ -108,7 +109,12 @@ def gemm_gflops(dtype: torch.dtype, shapes: Iterable[tuple[int, int]], rows: int
             x = torch.randn(rows, k, generator=g).to(dtype)
             w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype)
             b = torch.randn(n, generator=g).to(dtype)
-            call = (lambda: F.linear(x, w, b)) if how == "stock" else (lambda gemm=Gemm(w, b, w): gemm(x))
+            if how == "stock":
+                call = lambda: F.linear(x, w, b)  # noqa: E731
+            else:
+                def call(x=x, w=w, b=b):
+                    with ops.batch_invariant():
+                        return ops.linear(x, w, b)
             result[f"{n}x{k}"] = 2 * rows * n * k / _best_of(call, tries) / 1e9
     return result
 
@@ -119,7 +125,7 @@ def attention_gflops(dtype: torch.dtype, cfg: ModelConfig, lengths: Iterable[int
     attention) or "bivit" (bivit's compiled attention; None where it does not run here)."""
     from .. import kernels
 
-    kernel = kernels.attention() if how == "bivit" else None
+    kernel = kernels.invariant_attention() if how == "bivit" else None
     if how == "bivit" and kernel is None:
         return None
     g = torch.Generator().manual_seed(seed)

@@ -66,7 +66,7 @@ def environment(threads: int) -> dict:
             "isa_limits": {k: v for k, v in os.environ.items() if k in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY",
                                                                      "MKL_ENABLE_INSTRUCTIONS")},
             "kernels": lib.variant if lib else None,
-            "attention": f"bivit compiled ({attention.variant})" if attention else "PyTorch SDPA",
+            "attention": f"bivit compiled ({attention.name})" if attention else "PyTorch SDPA",
             "gemm": gemm, "fallbacks": notices.warnings(),
             "cpu_count": os.cpu_count(), "threads": threads,
             "loadavg": os.getloadavg() if hasattr(os, "getloadavg") else None}

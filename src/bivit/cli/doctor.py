@@ -4,21 +4,45 @@ from __future__ import annotations
 
 import json
 import logging
+from typing import Optional
 
 import typer
 
-from .common import command
+from .common import FAILURE, DtypeOpt, ModelOpt, ProjDtypeOpt, command, fail
 
 
 @command()
 def doctor(
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+    prove: bool = typer.Option(False, "--prove", help="Also run the invariance proof now on the model's real "
+                               "shapes and print its table (op, path, alone=packed=reversed, threads)."),
+    model: Optional[str] = ModelOpt,
+    dtype: str = DtypeOpt,
+    projector_dtype: Optional[str] = ProjDtypeOpt,
 ) -> None:
     """What this machine and install run, for a bug report: CPU kind and instruction sets, PyTorch (capability,
-    oneDNN bf16/fp16, threads), the GEMM path per dtype, the compiled attention (in use, or why not and the fix),
-    the C compiler, the extras installed. Loads no model."""
-    from ..doctor import format_report, report
+    oneDNN bf16/fp16, threads), the GEMM kernel per dtype, the compiled attention (in use, or why not and the
+    fix), the C compiler, the extras installed. Loads no model, unless --prove: then the load-time proof runs on
+    --model (default: the demo) at --dtype, whatever this machine recorded, and must agree with the record;
+    exit 1 where an op has no invariant path here."""
+    from ..doctor import format_report, prove as run_proof, report
+    from ..ops import InvarianceError
 
     logging.getLogger("bivit").setLevel(logging.ERROR)  # every fallback is in the report itself
     r = report()
-    typer.echo(json.dumps(r, indent=2) if as_json else "\n".join(format_report(r)))
+    if prove:
+        try:
+            r["proof"] = run_proof(model, dtype, projector_dtype)
+        except InvarianceError as e:
+            typer.echo(json.dumps(r, indent=2) if as_json else "\n".join(format_report(r)))
+            fail(str(e), FAILURE)
+    if as_json:
+        typer.echo(json.dumps(r, indent=2))
+        return
+    lines = format_report(r)
+    if prove:
+        p = r["proof"]
+        lines.append(f"proof        {p['model']} at {p['dtype']}: {len(p['checks'])} ops in {p['seconds']:.2f} s "
+                     f"(+ {p['pack_seconds']:.2f} s packing weights)")
+        lines += ["  " + row for row in p["table"]]
+    typer.echo("\n".join(lines))

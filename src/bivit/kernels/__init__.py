@@ -31,7 +31,7 @@ import functools
 import logging
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Sequence
 
@@ -68,7 +68,7 @@ class Variant:
     cflags: tuple[str, ...]
 
     def build(self) -> Build:
-        headers = ("common.h", "rope.h", "gemm.h", f"gemm_{self.name}.h")
+        headers = ("common.h", "rope.h", "gemm.h", f"gemm_{self.name}.h", "attention_amx.h")
         return Build(_HERE / self.source, tuple(_HERE / h for h in headers), (*COMMON_CFLAGS, *self.cflags))
 
 
@@ -140,10 +140,17 @@ def attention_declined(choice: str, flags: frozenset[str]) -> str | None:
 @dataclass(frozen=True)
 class Attention:
     """The compiled attention (bf16 and fp32) of one variant: one call per packed batch, each item attending to
-    itself, `out[L, heads, d]` written in place."""
+    itself, `out[L, heads, d]` written in place. `amx`: bf16 runs on AMX tiles (`attention_amx.h`; the CPU has
+    AMX and the OS grants it), fp32 on the variant's own code."""
 
-    lib: ctypes.CDLL
+    lib: ctypes.CDLL = field(repr=False)
     variant: str
+    amx: bool = False
+
+    @property
+    def name(self) -> str:
+        """The path's name (what `bivit doctor`, `describe()` and the load-time proof call it)."""
+        return f"{self.variant}+amx" if self.amx else self.variant
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                  seqlens: Sequence[int], lse: torch.Tensor | None = None,
@@ -156,7 +163,10 @@ class Attention:
         cos, sin = rope if rope is not None else (None, None)
         cu = torch.zeros(len(seqlens) + 1, dtype=torch.int64)
         torch.cumsum(torch.tensor(seqlens, dtype=torch.int64), 0, out=cu[1:])
-        fn = self.lib.bivit_attention_bf16 if q.dtype == torch.bfloat16 else self.lib.bivit_attention_f32
+        if q.dtype == torch.bfloat16:
+            fn = self.lib.bivit_attention_amx_bf16 if self.amx else self.lib.bivit_attention_bf16
+        else:
+            fn = self.lib.bivit_attention_f32
         rc = fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), cu.data_ptr(), len(seqlens), heads, d,
                 q.stride(0), k.stride(0), v.stride(0), out.stride(0),
                 q.stride(1), k.stride(1), v.stride(1), out.stride(1), 1 / math.sqrt(d),
@@ -236,7 +246,10 @@ def load_library(variant: Variant) -> Library:
     """Build (or find in the cache), load and self-test one variant. The caller has checked the CPU runs it."""
     loaded = load(variant.build())
     lib = loaded.lib
-    for fn in (lib.bivit_attention_bf16, lib.bivit_attention_f32):
+    entries = [lib.bivit_attention_bf16, lib.bivit_attention_f32]
+    if variant.name == "avx512":
+        entries.append(lib.bivit_attention_amx_bf16)
+    for fn in entries:
         fn.restype = ctypes.c_int
         fn.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int64] * 11
                        + [ctypes.c_float] + [ctypes.c_void_p] * 3 + [ctypes.c_int])
@@ -244,10 +257,15 @@ def load_library(variant: Variant) -> Library:
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 7 + [ctypes.c_int]
     _bind_gemm(lib)
-    library = Library(loaded, variant.name, Attention(lib, variant.name), Rope(lib),
-                      _gemm_kernels(lib, variant.name, cpu_info()[1]))
+    gemms = _gemm_kernels(lib, variant.name, cpu_info()[1])
+    # AMX tiles for bf16 attention where the GEMM has them, unless a variant was named (BIVIT_ATTENTION=avx512
+    # runs that variant's own code: how the AVX-512 kernel is exercised on an AMX machine).
+    amx = any(g.name == "amx" for g in gemms) and _attention_choice() in ("auto", "bivit")
+    library = Library(loaded, variant.name, Attention(lib, variant.name, amx), Rope(lib), gemms)
     for dtype, bound in ((torch.bfloat16, 2 ** -7), (torch.float32, 1e-5)):
         _self_test(library.attention, dtype, bound)
+        if amx and dtype == torch.bfloat16:
+            _self_test(replace(library.attention, amx=False), dtype, bound)
     return library
 
 
@@ -267,7 +285,7 @@ def _self_test(kernel: Attention, dtype: torch.dtype, bound: float) -> None:
         err = max(err, (out[start:start + n].double() - ref).abs().max().item())
         start += n
     if not err <= bound:
-        raise KernelUnavailable(f"the compiled attention ({kernel.variant}) failed its self-test in {dtype} "
+        raise KernelUnavailable(f"the compiled attention ({kernel.name}) failed its self-test in {dtype} "
                                 f"(max error {err:.3g})")
 
 
@@ -332,7 +350,7 @@ def status() -> dict:
     `why` (and `fix`) it does not. Builds it on first call, like `attention()`."""
     kernel = attention()
     if kernel is not None:
-        return {"in_use": True, "kernel": f"bivit compiled ({kernel.variant})", "library": str(library().loaded.path)}
+        return {"in_use": True, "kernel": f"bivit compiled ({kernel.name})", "library": str(library().loaded.path)}
     said = notices.said("attention")
     why = said[0] if said else None
     return {"in_use": False, "kernel": "PyTorch SDPA", "why": why.why if why else "unknown",

@@ -427,3 +427,4 @@ BIVIT_VARIANT
 
 
 #include "gemm_avx512.h"
+#include "attention_amx.h"

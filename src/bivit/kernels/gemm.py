@@ -5,7 +5,7 @@ Each output element is one fp32 accumulator fed its K products in a fixed order 
 output by rows and columns only, never K. So a row's bits depend on that row, the weights and the kernel, not on
 the other rows of the call, their number, or the thread count (`gemm.h` gives the whole argument). Which kernel
 computes a dtype is fixed per machine kind (the first of `candidates` that passes its self-test and the load-time
-proof, `bivit.ops.prove`), never per call:
+proof, `bivit.ops.proof`), never per call:
 
 * `amx` (kind 2): bf16 on AMX tiles, where the CPU has AMX and the OS grants its tile state;
 * `avx512_bf16` (kind 1): bf16 pair products (vdpbf16ps), on CPUs with AVX-512 BF16;

@@ -17,7 +17,7 @@ a way that does not depend on which other rows share the call:
 * `backend`: which kernel each op uses, decided once per process and dtype from the CPU and the PyTorch build,
   never switched by a failure (an item's bits depend only on the checkpoint, the dtype settings, the input and
   the machine kind); the load-time proof can refuse one first.
-* `prove`: the load-time proof: every op of the model, at its real shapes, computes each item's rows
+* `proof`: the load-time proof: every op of the model, at its real shapes, computes each item's rows
   bit-identically alone, packed and reversed, at this thread count and others; a path that does not is
   refused for this machine and the next one proven.
 
@@ -40,7 +40,7 @@ from .tiles import CANDIDATE_TILES, REFERENCE_TILE, GemmPlan, gemm_plan, self_ch
 from .mode import batch_invariant, checkpoint, is_batch_invariant, trace
 from .norms import layer_norm, rms_norm
 from .pointwise import POINTWISE_CHUNK, gelu, temporal_mean
-from .prove import InvarianceError, Proof, prove
+from .proof import InvarianceError, Proof, prove
 from .rotary import rope
 
 __all__ = [

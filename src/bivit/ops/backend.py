@@ -1,5 +1,5 @@
 """Which kernel computes each op: decided once per process, per dtype, from the CPU and the PyTorch build (and
-the load-time proof, which can refuse a kernel on this machine: `refuse`, `bivit.ops.prove`).
+the load-time proof, which can refuse a kernel on this machine: `refuse`, `bivit.ops.proof`).
 
 Invariant mode's GEMM is bivit's compiled GEMM (`gemm_kernel`): the best kernel of the compiled library that
 takes the dtype, passes its self-test and was not refused by the proof. The rest of this docstring is about
@@ -30,6 +30,7 @@ import functools
 import logging
 import math
 import os
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -42,7 +43,7 @@ from ..dtypes import dtype_name
 log = logging.getLogger("bivit")
 
 
-# (op, path) -> why: paths the load-time proof refused on this machine (bivit.ops.prove), for this process.
+# (op, path) -> why: paths the load-time proof refused on this machine (bivit.ops.proof), for this process.
 _refused: dict[tuple[str, str], str] = {}
 
 
@@ -85,6 +86,12 @@ def _decide_gemm_kernel(dtype: torch.dtype, device_type: str):
         why = _gemm_self_test(kernel, dtype, self_test)
         if why is None:
             log.info("bivit: %s GEMMs: %s", dtype_name(dtype), kernel.describe())
+            if dtype != torch.float32 and kernel.name == "fp32":  # no fix: the CPU's limit (or no fp16 kernel)
+                name = dtype_name(dtype)
+                notices.fallback(f"gemm-{name}", f"{name} GEMMs widened to float32",
+                                 f"bivit has no {name} GEMM kernel for this CPU (bf16: AVX-512 BF16 or AMX); its "
+                                 "weights are widened to float32 once, exact products",
+                                 "same math, float32 speed, twice the weight memory")
             return kernel
         notices.fallback(f"gemm-{kernel.name}-{dtype_name(dtype)}", f"{kernel.name} GEMM off for {dtype_name(dtype)}",
                          f"it failed its self-test: {why}", "the next GEMM kernel runs instead", None)
@@ -108,7 +115,9 @@ def _decide_attention():
     from .. import kernels
 
     kernel = kernels.invariant_attention()
-    if kernel is not None and refused("attention", kernel.variant):
+    if kernel is not None and kernel.amx and refused("attention", kernel.name):
+        kernel = dataclasses.replace(kernel, amx=False)  # the variant's own AVX-512 code
+    if kernel is not None and refused("attention", kernel.name):
         return None
     return kernel
 

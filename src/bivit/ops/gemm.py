@@ -4,7 +4,7 @@ In invariant mode a GEMM runs in bivit's compiled GEMM (`bivit.kernels.gemm`), w
 each output element is one fp32 accumulator fed its K products in order by one thread, and threads split the
 output by rows and columns only. A row's bits therefore depend on that row, the weights and the kernel, not on
 the batch, the row count or the thread count, by construction. The kernel per dtype is `backend.gemm_kernel`:
-the best one this CPU runs that passed its self-test and the load-time proof (`bivit.ops.prove`), fixed for the
+the best one this CPU runs that passed its self-test and the load-time proof (`bivit.ops.proof`), fixed for the
 process. Where no compiled GEMM runs (no C compiler, a CPU without a variant), PyTorch's GEMMs at proven row
 counts (`bivit.ops.tiles`) do, and the proof checks them at this thread count and another.
 

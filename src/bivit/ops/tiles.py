@@ -1,6 +1,6 @@
 """The fallback invariant GEMM, where bivit's compiled GEMM does not run (no C compiler, a CPU without a
 variant): PyTorch's GEMMs (oneDNN, MKL) at pinned row counts, proven on this machine rather than invariant by
-construction (the load-time proof, `bivit.ops.prove`, checks them at this thread count and another).
+construction (the load-time proof, `bivit.ops.proof`, checks them at this thread count and another).
 
 Library GEMMs pick kernels and reduction orders by shape (on an AVX-512 EPYC, stock fp32 `F.linear` computes a
 row three ways: M = 1, M in {2, 3}, M >= 4), but at one fixed shape a row's result does not depend on its
@@ -310,9 +310,15 @@ def _tiled_with(gemm: Gemm, x2: torch.Tensor) -> torch.Tensor:
     m = x2.shape[0]
     plan = gemm_plan(gemm)
     if plan.exact_fallback:
+        # One thread: a library GEMV at M = 1 may split K over threads (MKL's fp32 one did, at 3 threads).
         out = x2.new_empty(m, gemm.weight.shape[0])
-        for i in range(m):
-            gemm(x2[i:i + 1], out=out[i:i + 1])
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            for i in range(m):
+                gemm(x2[i:i + 1], out=out[i:i + 1])
+        finally:
+            torch.set_num_threads(threads)
         return out
     calls = _calls(m, plan.tiles)
     if len(calls) == 1:  # the whole input in one call: its result is the output (no copy)

@@ -75,6 +75,11 @@ class Proof:
     recorded: bool = False  # applied from the kernel cache (proven by an earlier process on this machine kind)
     key: str = ""
 
+    def summary(self) -> dict:
+        """What an encoder's description carries: per op its path and verdict, and what was refused (no timing:
+        the same in every process on this machine kind)."""
+        return {"checks": [asdict(c) for c in self.checks], "refused": [list(r) for r in self.refused]}
+
     def to_dict(self) -> dict:
         return {"checks": [asdict(c) for c in self.checks], "refused": [list(r) for r in self.refused],
                 "seconds": round(self.seconds, 3), "recorded": self.recorded}
@@ -135,7 +140,7 @@ def _gemm_path(dtype: torch.dtype) -> str:
 
 def _attention_path() -> str:
     kernel = attention_kernel()
-    return f"bivit compiled attention ({kernel.variant})" if kernel is not None else "PyTorch SDPA per item"
+    return f"bivit compiled attention ({kernel.name})" if kernel is not None else "PyTorch SDPA per item"
 
 
 def _prove_gemm(weight: torch.Tensor, bias: torch.Tensor | None, gelu: str | None, g: torch.Generator,
@@ -180,8 +185,8 @@ def _prove_attention(heads: int, head_dim: int, theta: float, dtype: torch.dtype
         if kernel is None:
             return Check(op, path, False, tuple(threads))
         why = f"{op}: an item's rows differ alone, packed and reversed at threads {threads}"
-        refused.append(("attention", kernel.variant, why))
-        refuse("attention", kernel.variant, why)
+        refused.append(("attention", kernel.name, why))
+        refuse("attention", kernel.name, why)
 
 
 def _prove_norm(module: torch.nn.Module, g: torch.Generator, threads: Sequence[int]) -> Check:
@@ -206,9 +211,10 @@ def _facts(model: torch.nn.Module) -> str:
     norms = sorted({(type(m).__name__, m.weight.shape[0], str(m.weight.dtype)) for m in model.modules()
                     if isinstance(m, (torch.nn.LayerNorm, torch.nn.RMSNorm))})
     cfg = model.config
+    paths = [_gemm_path(d) for d in sorted({w.dtype for w, _, _ in gemms(model)}, key=str)] + [_attention_path()]
     return json.dumps([PROOF_FORMAT, torch.__version__, torch.version.git_version, cpu, sorted(flags),
                        torch.backends.cpu.get_cpu_capability(), env, thread_counts(), repr(shapes), repr(norms),
-                       cfg.num_heads, cfg.head_dim, str(model.vision_tower.dtype)])
+                       cfg.num_heads, cfg.head_dim, str(model.vision_tower.dtype), paths])
 
 
 def _run(model: torch.nn.Module) -> Proof:
@@ -241,11 +247,15 @@ def _run(model: torch.nn.Module) -> Proof:
 _proven: dict[str, Proof] = {}  # by record name, this process
 
 
+def _record_name(model: torch.nn.Module) -> str:
+    return f"proof-{hashlib.sha256(_facts(model).encode()).hexdigest()[:16]}.json"
+
+
 def prove(model: torch.nn.Module, *, fresh: bool = False) -> Proof:
     """The proof for `model` on this machine: recorded by an earlier load on this machine kind (its refusals
     applied) or run now and recorded. `fresh`: run it now whatever is recorded (`bivit doctor --prove`); it must
     then agree with the record. Raises InvarianceError where an op has no invariant path here."""
-    name = f"proof-{hashlib.sha256(_facts(model).encode()).hexdigest()[:16]}.json"
+    name = _record_name(model)
     if not fresh and name in _proven:
         return _proven[name]
     record = None if fresh else kernels.cache.read_record(name)
@@ -266,7 +276,7 @@ def prove(model: torch.nn.Module, *, fresh: bool = False) -> Proof:
                                   "control, so invariant mode cannot be trusted here")
         if not _valid(earlier):
             kernels.cache.write_record(name, proof.to_dict())
-    _proven[name] = proof
+    _proven[name] = _proven[_record_name(model)] = proof  # under the paths it ends with, too
     failed = [c for c in proof.checks if not c.invariant]
     if failed:
         raise InvarianceError("invariant mode cannot keep its promise on this machine: "
