@@ -19,15 +19,16 @@ import torch
 _TY = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
-def variants() -> list[tuple[str, object, dict, dict]]:
-    """(label, kernel, signature, constexprs) of every variant to compile."""
+def variants(dtypes=tuple(_TY)) -> list[tuple[str, object, dict, dict, object]]:
+    """(label, kernel, signature, constexprs, launch tiles) of every variant to compile, in `dtypes`."""
     import triton
 
     from . import kernels as K
     from . import ops
 
     out = []
-    for dtype, ty in _TY.items():
+    for dtype in dtypes:
+        ty = _TY[dtype]
         t = ops.gemm_tiles(dtype)
         for has_bias, gelu, residual in ((True, K.GELU_NONE, False), (True, K.GELU_TANH, False),
                                          (True, K.GELU_ERF, False), (True, K.GELU_NONE, True),
@@ -59,7 +60,7 @@ def variants() -> list[tuple[str, object, dict, dict]]:
     return out
 
 
-def compile_all(arch: int = 90) -> list[dict]:
+def compile_all(arch: int = 90, dtypes=tuple(_TY)) -> list[dict]:
     """Compile every variant for CUDA compute capability `arch` -> one record per variant: label, whether
     the PTX uses wgmma, the PTX target line and the cubin's size."""
     import triton
@@ -72,7 +73,7 @@ def compile_all(arch: int = 90) -> list[dict]:
         raise RuntimeError("bivit.gpu.build compiles kernels: run it without TRITON_INTERPRET=1")
     target = GPUTarget("cuda", arch, 32)
     records = []
-    for label, kernel, sig, const, tiles in variants():
+    for label, kernel, sig, const, tiles in variants(dtypes):
         sig = dict(sig, **{k: "constexpr" for k in const})
         aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
                    if name in sig and (sig[name].startswith("*") or name.startswith("stride") or name in ("N", "K", "D"))}
@@ -91,9 +92,12 @@ def compile_all(arch: int = 90) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bivit.gpu.build", description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability (90 = sm_90a)")
+    parser.add_argument("--dtype", choices=[str(d).removeprefix("torch.") for d in _TY], action="append",
+                        help="only the variants of this dtype (repeatable; default: all)")
     parser.add_argument("--json", action="store_true", help="print the records as JSON")
     args = parser.parse_args(argv)
-    records = compile_all(args.arch)
+    dtypes = [getattr(torch, d) for d in args.dtype] if args.dtype else list(_TY)
+    records = compile_all(args.arch, dtypes)
     if args.json:
         print(json.dumps(records))
     else:
