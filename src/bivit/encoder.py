@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
-from . import kernels, notices, ops
+from . import gpu, kernels, notices, ops
 from .config import ModelConfig
 from .dtypes import dtype_name, resolve_dtypes
 from .errors import ConfigError
@@ -84,14 +84,16 @@ class Encoder:
         compiled = kernels.attention() if kernels.Attention.supports(probe) else None
         gemm = ([ops.gemm_path(d, self.device.type).describe() for d in dtypes] if self.batch_invariant
                 else ["PyTorch F.linear (default mode: not batch invariant)"])
+        on_gpu = gpu.describe(self.batch_invariant) if self.device.type == "cuda" else {}
         return {"model": self.model_name, "demo": self.is_demo, "fingerprint": self.fingerprint,
                 "dtype": dtype_name(self.dtype), "projector_dtype": dtype_name(self.projector_dtype),
                 "output_dtype": dtype_name(self.output_dtype), "batch_invariant": self.batch_invariant,
                 "text_hidden_size": int(self.config.text_hidden_size), "alpha": self.alpha,
                 "processing": self.processing.to_dict(),
                 # the variant too: the avx2 and avx512 kernels round differently
-                "kernels": {"gemm": gemm,
-                            "attention": f"bivit compiled ({compiled.variant})" if compiled else "PyTorch SDPA",
+                "kernels": {"gemm": on_gpu.get("gemm", gemm),
+                            "attention": on_gpu.get("attention", f"bivit compiled ({compiled.variant})" if compiled
+                                                    else "PyTorch SDPA"),
                             # every faster path this process leaves off, why and the fix (bivit.notices)
                             "fallbacks": notices.warnings()}}
 
@@ -109,7 +111,7 @@ class Encoder:
         """
         replace_weights(self.model, state_dict, source)
         self._fingerprint = None
-        if self.batch_invariant:
+        if self.batch_invariant and self.device.type == "cpu":
             ops.self_check(gemms(self.model), prepare=True)  # re-pack now rather than on the next request
         return self.fingerprint
 
@@ -123,7 +125,7 @@ class Encoder:
         """One forward pass over every item of `batch` (no cutting) -> one embedding per item (output dtype)."""
         with torch.inference_mode(), ops.batch_invariant(self.batch_invariant):
             outs = self.model(batch.pixel_values.to(self.device), batch.grid_thw)
-            return [o.to(self.output_dtype) for o in outs]
+            return [o.to(self.output_dtype).cpu() for o in outs]  # on the CPU, whatever the device: to files, replies
 
     def forward_each(self, batch: MediaBatch) -> list[torch.Tensor | Exception]:
         """`forward`, except that a pass that raises is run again item by item, so that one item that breaks it
@@ -298,8 +300,10 @@ def load_encoder(model: str | os.PathLike | None = None, *, device: str | torch.
     net, name, is_demo, proc = build_model(model, device=device, dtype=tower_dtype, projector_dtype=proj_dtype,
                                            seed=seed, revision=revision, processing=processing)
     net.requires_grad_(False)  # an inference engine: no autograd bookkeeping, ever
-    if batch_invariant:
+    if batch_invariant and device.type == "cpu":
         # Prove now, not on the first request, that the pinned GEMMs are row-position invariant here.
         ops.self_check(gemms(net))
+    elif batch_invariant:
+        gpu.require()  # the Triton kernels (bivit.gpu): fixed tiles, nothing to probe
     return Encoder(net, model_name=name, is_demo=is_demo, batch_invariant=batch_invariant, output_dtype=out_dtype,
                    max_batch_patches=budget, device=device, processing=proc, alpha=alpha)
