@@ -7,11 +7,8 @@ interpreter evaluates each tile with numpy, so the bits a GPU produces are prove
 on a GPU. The interpreter's bf16 dot is wrong (triton issue 11584): bits are tested in fp32 and fp16.
 """
 
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported (bivit imports it lazily)
-
 import json
+import os
 import subprocess
 import sys
 
@@ -20,7 +17,11 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-pytest.importorskip("triton", reason="triton is not installed (pip install 'bivit[gpu]'): the GPU path is untested")
+triton = pytest.importorskip("triton", reason="triton is not installed (pip install 'bivit[gpu]'): the GPU path "
+                                             "is untested")
+if not triton.knobs.runtime.interpret:  # conftest.py sets TRITON_INTERPRET=1 before anything imports triton
+    pytest.skip("triton was imported without TRITON_INTERPRET=1: its interpreter is off in this process",
+                allow_module_level=True)
 
 import bivit
 from bivit import gpu, ops
@@ -29,9 +30,6 @@ from bivit.model import VisionModel
 from support.checkpoints import K3_SMALL, KIMI_SMALL
 from support.controls import row_count_dependent_gemms
 from support.media import random_image
-
-if os.environ.get("TRITON_INTERPRET") != "1" or not gpu.interpreting():
-    pytest.skip("TRITON_INTERPRET=1 was not in force when triton was imported", allow_module_level=True)
 
 # Items (t, h, w) and a filler that shifts the others to row offsets that are no multiple of any tile (12, 36,
 # 68 when packed; 24, 56, 80 reversed): a 2-frame video (temporal mean), a non-square and a taller image.

@@ -17,7 +17,6 @@ import contextlib
 import functools
 import importlib.metadata
 import importlib.util
-import os
 from contextvars import ContextVar
 from typing import Callable, Iterator
 
@@ -44,7 +43,8 @@ def require() -> None:
 
 
 def interpreting() -> bool:
-    """Whether triton runs kernels in its interpreter (TRITON_INTERPRET=1 when triton was imported)."""
+    """Whether triton runs kernels in its interpreter (TRITON_INTERPRET=1 when triton was imported: its own
+    library functions are decorated then)."""
     import triton
 
     return bool(triton.knobs.runtime.interpret)
@@ -55,7 +55,8 @@ def interpreted() -> Iterator[None]:
     """Send CPU tensors down the Triton path too (tests and the CPU dry run), under Triton's interpreter."""
     require()
     if not interpreting():
-        raise ConfigError("bivit.gpu.interpreted() needs TRITON_INTERPRET=1 set before triton is imported")
+        raise ConfigError("bivit.gpu.interpreted() needs Triton's interpreter: set TRITON_INTERPRET=1 before "
+                          "triton is imported")
     token = _on_cpu.set(True)
     try:
         yield
@@ -100,7 +101,7 @@ def facts(device: torch.device, batch_invariant: bool) -> dict:
         out.update(triton=_triton_version(), precision=ops.PRECISION, fp_fusion=ops.FP_FUSION,
                    gemm_tiles={str(d).removeprefix("torch."): list(vars(ops.gemm_tiles(d)).values())
                                for d in (torch.bfloat16, torch.float16, torch.float32)},
-                   interpreted=os.environ.get("TRITON_INTERPRET", "0") == "1")
+                   interpreted=interpreting())
     return out
 
 
