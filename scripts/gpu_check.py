@@ -209,7 +209,8 @@ def transformers_tower(cfg, state, device, dtype):
 
     def forward(pixels, grid_thw):
         with torch.inference_mode():
-            return model.get_image_features(pixels.to(dtype), grid_thw).pooler_output
+            # the port takes its device from grid_thw
+            return model.get_image_features(pixels.to(dtype), grid_thw.to(device)).pooler_output
 
     return forward
 
