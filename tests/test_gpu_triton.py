@@ -225,3 +225,12 @@ def test_every_kernel_compiles_for_sm90a():
     assert {r["kernel"].split()[0] for r in records} == {"gemm", "norm", "rope", "attention", "frame_mean"}
     assert all(r["target"] == "sm_90a" and r["cubin_bytes"] > 0 for r in records)
     assert all(r["wgmma"] for r in records if r["kernel"].split()[0] in ("gemm", "attention"))
+
+
+def test_encode_on_a_missing_cuda_device_is_one_line_before_any_work(tmp_path):
+    out = tmp_path / "emb.safetensors"
+    run = subprocess.run([sys.executable, "-m", "bivit", "encode", "examples/sample.png", "--device", "cuda",
+                          "--out", str(out)], capture_output=True, text=True, timeout=120,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert run.returncode == 2 and not out.exists()
+    assert run.stderr.strip().splitlines() == [run.stderr.strip()] and "option 'device' = 'cuda'" in run.stderr
