@@ -2,6 +2,10 @@
 
 import os
 
+# Triton (the GPU path's kernels, tests/test_gpu_triton.py) runs on CPU tensors in its interpreter; it reads this
+# when it is imported, so before anything imports it. Nothing else in the suite uses triton.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import pytest
 import torch
 

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
-from . import kernels, notices, ops
+from . import gpu, kernels, notices, ops
 from .config import ModelConfig
 from .dtypes import dtype_name, resolve_dtypes
 from .errors import ConfigError
@@ -92,7 +92,8 @@ class Encoder:
         if kernels.Attention.supports(probe):
             compiled = ops.attention_kernel() if self.batch_invariant else kernels.attention()
         attention = f"bivit compiled ({compiled.name})" if compiled else "PyTorch SDPA"
-        if self.batch_invariant:
+        on_gpu = gpu.describe(self.batch_invariant) if self.device.type == "cuda" else {}
+        if self.batch_invariant and self.device.type == "cpu":
             proof = ops.prove(self.model)
             gemm = [_gemm_description(d, self.device.type) for d in dtypes]
         else:
@@ -104,7 +105,7 @@ class Encoder:
                 "text_hidden_size": int(self.config.text_hidden_size), "alpha": self.alpha,
                 "processing": self.processing.to_dict(),
                 # the variant too: the avx2 and avx512 kernels round differently
-                "kernels": {"gemm": gemm, "attention": attention,
+                "kernels": {"gemm": on_gpu.get("gemm", gemm), "attention": on_gpu.get("attention", attention),
                             # the load-time proof: per op, the path and whether it is bit-identical alone,
                             # packed and reversed at several thread counts on this machine (bivit.ops.proof)
                             "proof": None if proof is None else proof.summary(),
@@ -125,7 +126,7 @@ class Encoder:
         """
         replace_weights(self.model, state_dict, source)
         self._fingerprint = None
-        if self.batch_invariant:
+        if self.batch_invariant and self.device.type == "cpu":
             ops.prepare(gemms(self.model))  # re-pack now rather than on the next request
         return self.fingerprint
 
@@ -139,7 +140,7 @@ class Encoder:
         """One forward pass over every item of `batch` (no cutting) -> one embedding per item (output dtype)."""
         with torch.inference_mode(), ops.batch_invariant(self.batch_invariant):
             outs = self.model(batch.pixel_values.to(self.device), batch.grid_thw)
-            return [o.to(self.output_dtype) for o in outs]
+            return [o.to(self.output_dtype).cpu() for o in outs]  # on the CPU, whatever the device: to files, replies
 
     def forward_each(self, batch: MediaBatch) -> list[torch.Tensor | Exception]:
         """`forward`, except that a pass that raises is run again item by item, so that one item that breaks it
@@ -314,9 +315,11 @@ def load_encoder(model: str | os.PathLike | None = None, *, device: str | torch.
     net, name, is_demo, proc = build_model(model, device=device, dtype=tower_dtype, projector_dtype=proj_dtype,
                                            seed=seed, revision=revision, processing=processing)
     net.requires_grad_(False)  # an inference engine: no autograd bookkeeping, ever
-    if batch_invariant:
+    if batch_invariant and device.type == "cpu":
         # Pack the weights and prove every op invariant on this machine now, not on the first request.
         ops.prepare(gemms(net))
         ops.prove(net)
+    elif batch_invariant:
+        gpu.require()  # the Triton kernels (bivit.gpu): fixed tiles, nothing to probe
     return Encoder(net, model_name=name, is_demo=is_demo, batch_invariant=batch_invariant, output_dtype=out_dtype,
                    max_batch_patches=budget, device=device, processing=proc, alpha=alpha)

@@ -203,7 +203,7 @@ class Encoder(nn.Module):
         self.checkpoint_blocks = False  # training: recompute each block's activations in backward
 
     def forward(self, x: torch.Tensor, grid_thw: list[tuple[int, int, int]]) -> torch.Tensor:
-        rope = rope_tables(grid_thw, self.head_dim, self.theta)
+        rope = tuple(t.to(x.device) for t in rope_tables(grid_thw, self.head_dim, self.theta))
         seqlens = [t * h * w for t, h, w in grid_thw]  # an item's frames attend jointly, to nothing else
         for block in self.blocks:
             if self.checkpoint_blocks and torch.is_grad_enabled():

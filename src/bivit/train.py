@@ -58,12 +58,13 @@ def load_model(model: str | os.PathLike | None = None, *, device: str | torch.de
     `model`, `dtype` and `projector_dtype` and the module's outputs equal the encoder's, bit for bit.
     """
     tower_dtype, proj_dtype, _ = resolve_dtypes(dtype, projector_dtype)
-    net, _, _, _ = build_model(model, device=parse_device(device), dtype=tower_dtype, projector_dtype=proj_dtype,
+    device = parse_device(device)
+    net, _, _, _ = build_model(model, device=device, dtype=tower_dtype, projector_dtype=proj_dtype,
                                seed=seed, revision=revision, cls=TrainableModel)
     net.batch_invariant = batch_invariant
     net.activation_checkpointing = activation_checkpointing
     net.requires_grad_(True)
-    if batch_invariant:
+    if batch_invariant and device.type == "cpu":  # (the GPU path's forward refuses autograd: bivit.gpu)
         ops.prepare(gemms(net))
         ops.prove(net)
     return net

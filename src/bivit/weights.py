@@ -84,6 +84,11 @@ def fingerprint(model: VisionModel, *, output_dtype: torch.dtype, batch_invarian
     h.update(json.dumps(model.config.to_dict(), sort_keys=True).encode())
     h.update(f"{model.vision_tower.dtype}|{model.mm_projector.dtype}|{output_dtype}|{batch_invariant}".encode())
     h.update(json.dumps([processing.to_dict(), alpha], sort_keys=True).encode())
+    device = next(model.parameters()).device
+    if device.type != "cpu":  # a GPU's kernels and libraries decide the bits there (bivit.gpu.facts)
+        from . import gpu
+
+        h.update(json.dumps(gpu.facts(device, batch_invariant), sort_keys=True).encode())
     for key, t in sorted(model.state_dict().items()):
         h.update(key.encode())
         h.update(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())

@@ -117,9 +117,9 @@ def renamed_option(value: Any, old_value: Any, flag: str, old_flag: str, factor:
 
 
 def open_encoder(model: Optional[Path], dtype: str, projector_dtype: Optional[str], output_dtype: Optional[str],
-                 batch_invariant: bool = True, alpha: str = "model") -> Any:
+                 batch_invariant: bool = True, alpha: str = "model", device: str = "cpu") -> Any:
     from ..encoder import load_encoder
 
     # The demo notice and any fast path that is off are said by the library's log (see cli.main), once.
     return load_encoder(model, dtype=dtype, projector_dtype=projector_dtype, output_dtype=output_dtype,
-                        batch_invariant=batch_invariant, alpha=alpha)
+                        batch_invariant=batch_invariant, alpha=alpha, device=device)

@@ -32,6 +32,8 @@ def encode(
     no_batch_invariant: bool = typer.Option(False, "--no-batch-invariant", help="Stock kernels (not invariant)."),
     alpha: str = AlphaOpt,
     ec_dir: Optional[Path] = EcDirOpt,
+    device: str = typer.Option("cpu", "--device", help="torch device (cuda: invariant mode runs bivit's Triton "
+                                                       "kernels, pip install 'bivit[gpu]')"),
 ) -> None:
     """Encode files into one embedding file: tensor "i" is input i's embedding, shape (tokens, text_hidden).
 
@@ -66,7 +68,8 @@ def encode(
         typer.echo(f"encoded 0 of {len(files)} inputs (nothing written); {len(files)} failed")
         raise typer.Exit(FAILURE)
 
-    enc = open_encoder(model, dtype, projector_dtype, output_dtype, not no_batch_invariant, alpha=alpha)
+    enc = open_encoder(model, dtype, projector_dtype, output_dtype, not no_batch_invariant, alpha=alpha,
+                       device=device)
     t0 = time.perf_counter()
     with _progress(show=len(kinds) > 1 or "video" in kinds.values()) as bar:
         def prepared():

@@ -42,6 +42,11 @@ from .norms import layer_norm, rms_norm
 from .pointwise import POINTWISE_CHUNK, gelu, temporal_mean
 from .proof import InvarianceError, Proof, prove
 from .rotary import rope
+from .. import gpu as _gpu
+
+# In invariant mode, CUDA tensors take the Triton ops of the same names instead (bivit.gpu.route).
+attention, layer_norm, linear, patch_conv, residual_linear, rms_norm, temporal_mean = map(
+    _gpu.route, (attention, layer_norm, linear, patch_conv, residual_linear, rms_norm, temporal_mean))
 
 __all__ = [
     "CANDIDATE_TILES", "POINTWISE_CHUNK", "REFERENCE_TILE", "GemmPath", "GemmPlan", "InvarianceError", "KernelFailed",
