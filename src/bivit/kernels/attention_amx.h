@@ -6,8 +6,9 @@
  * kernel (common.h: per-item units of BQ_AMX query rows, each computed start to finish by one thread, in an
  * order that depends only on the item's size):
  *
- *   s_j = (q_i . k_j) * scale * log2(e)        tdpbf16ps over the head dim in steps of 32, fp32 tiles
- *   p_j = 2^(s_j - max_j s_j)                  fp32; summed in fp32, rounded to bf16 for the second product
+ *   s_j = q_i . k_j                            tdpbf16ps over the head dim in steps of 32, fp32 tiles
+ *   p_j = 2^(c s_j - c max_j s_j)              c = scale * log2(e); fp32, summed in fp32, rounded to bf16 for
+ *                                              the second product
  *   o_i = (sum_j p_j v_j) / (sum_j p_j)        tdpbf16ps over the keys in steps of 32, rounded to bf16 once
  *
  * Layouts (bf16, zero-padded so padding contributes nothing): queries [32 rows][dq] (dq = d rounded up to 32);
@@ -48,6 +49,22 @@ static size_t amx_attn_scratch_bytes(int64_t n, int64_t d, int bf) {
     const struct amx_geom G = amx_geometry(n, d);
     return round_up(BQ_AMX * G.s_stride * 4, 64) + round_up(BQ_AMX * G.s_stride * 2, 64)
            + round_up(BQ_AMX * (size_t)G.dq * 2, 64) + round_up(BQ_AMX * (size_t)G.dtiles * 16 * 4, 64);
+}
+
+/* 2^x for x <= 0 to about 2e-7 relative (degree-6 minimax-like Taylor form of 2^f on [-0.5, 0.5]): the
+ * numerators are rounded to bf16 for the second product, so the AVX-512 kernel's degree 7 buys nothing here. */
+static inline __m512 exp2_amx(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-127.0f));
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(1.5403530393381606e-04f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-03f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-03f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-02f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-01f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-01f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
 }
 
 /* Keys and values of head h in the tile layouts (keys rotated by the RoPE tables, with rope.h's bits): data
@@ -146,12 +163,13 @@ static void amx_run_unit(const struct call *C, const struct item *it, int64_t h,
     const bf16 *kp = (const bf16 *)(it->kpack + it->kp_head * h), *vp = (const bf16 *)(it->vpack + it->vp_head * h);
     amx_enter();
     for (int64_t g = 0; g < G.npad / 16; g += 2) amx_scores(q, G.dq, kp, G.dsteps, g, s, ss);
-    /* Softmax numerators over the n real keys (zero for the padding and for rows past the unit's end). */
+    /* Softmax numerators over the n real keys (zero for the padding and for rows past the unit's end): the max
+     * of the raw scores (scale2 > 0 keeps the order), then 2^(scale2 s - scale2 max) by exp2_amx. */
     float inv[BQ_AMX];
     const __m512 scale = _mm512_set1_ps(C->scale2);
     const __mmask16 tail = (n % 16) ? (__mmask16)((1u << (n % 16)) - 1) : (__mmask16)0xFFFF;
     for (int r = 0; r < BQ_AMX; r++) {
-        float *sr = s + r * ss;
+        const float *sr = s + r * ss;
         bf16 *pr = p + r * ss;
         if (r >= rows) {
             memset(pr, 0, ss * 2);
@@ -159,21 +177,13 @@ static void amx_run_unit(const struct call *C, const struct item *it, int64_t h,
         }
         __m512 mx = _mm512_set1_ps(-INFINITY);
         int64_t j = 0;
-        for (; j + 16 <= n; j += 16) {
-            const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(sr + j), scale);
-            _mm512_storeu_ps(sr + j, v);
-            mx = _mm512_max_ps(mx, v);
-        }
-        if (j < n) {
-            const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(sr + j), scale);
-            _mm512_storeu_ps(sr + j, v);
-            mx = _mm512_mask_max_ps(mx, tail, mx, v);
-        }
-        const float mr = _mm512_reduce_max_ps(mx);
-        const __m512 m = _mm512_set1_ps(mr);
+        for (; j + 16 <= n; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sr + j));
+        if (j < n) mx = _mm512_mask_max_ps(mx, tail, mx, _mm512_loadu_ps(sr + j));
+        const float mr = _mm512_reduce_max_ps(mx) * C->scale2;
+        const __m512 m = _mm512_set1_ps(-mr);
         __m512 sum = _mm512_setzero_ps();
         for (j = 0; j < G.npad; j += 16) {
-            __m512 e = exp2_neg(_mm512_sub_ps(_mm512_loadu_ps(sr + j), m));
+            __m512 e = exp2_amx(_mm512_fmadd_ps(_mm512_loadu_ps(sr + j), scale, m));
             if (j + 16 > n) e = j < n ? _mm512_maskz_mov_ps(tail, e) : _mm512_setzero_ps();
             sum = _mm512_add_ps(sum, e);
             _mm256_storeu_si256((__m256i *)(pr + j), (__m256i)_mm512_cvtneps_pbh(e));
