@@ -65,6 +65,7 @@ enum { ACT_NONE = 0, ACT_GELU_TANH = 1, ACT_GELU_ERF = 2 };
 
 struct gemm_kernel {
     int64_t mb, nr;  /* rows per block (a multiple of the microtile's), columns per packed panel */
+    size_t task_bytes;  /* packed weights per task: what stays in a core's L2 while the task's rows stream past */
     size_t (*packed_bytes)(int64_t N, int64_t K);
     void (*pack_panel)(const char *w, int64_t w_row, int wt, int64_t N, int64_t K, int64_t p, char *out);
     size_t (*scratch_bytes)(int64_t K);
@@ -87,10 +88,11 @@ static int gemm_pack(const struct gemm_kernel *G, const void *w, int64_t w_row, 
     return 0;
 }
 
-/* Column panels per task: as many as keep a task's packed weights within about 512 KB (they stay in the core's
- * cache while its row blocks stream past), at least one. Only which thread computes what depends on this. */
+/* Column panels per task: as many as keep a task's packed weights within the kernel's task_bytes (they stay in
+ * the core's cache while its row blocks stream past), at least one. Only which thread computes what depends on
+ * this. */
 static inline int64_t panels_per_task(const struct gemm_kernel *G, int64_t K, int64_t panels) {
-    int64_t pt = (int64_t)((512 * 1024) / (G->packed_bytes(G->nr, K) ? G->packed_bytes(G->nr, K) : 1));
+    int64_t pt = (int64_t)(G->task_bytes / (G->packed_bytes(G->nr, K) ? G->packed_bytes(G->nr, K) : 1));
     if (pt < 1) pt = 1;
     return pt < panels ? pt : panels;
 }

@@ -129,7 +129,7 @@ static void f32_block(const struct gemm_call *C, int64_t i0, int64_t rows, int64
 
 static size_t no_scratch(int64_t K) { (void)K; return 64; }
 
-static const struct gemm_kernel GEMM_F32 = {MB2, NR2, f32_packed_bytes, f32_pack_panel, no_scratch, NULL, NULL,
+static const struct gemm_kernel GEMM_F32 = {MB2, NR2, 512 * 1024, f32_packed_bytes, f32_pack_panel, no_scratch, NULL, NULL,
                                             f32_block};
 
 static const struct gemm_kernel *gemm_kernel_of(int kind) { return kind == 0 ? &GEMM_F32 : NULL; }

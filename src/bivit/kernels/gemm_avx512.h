@@ -208,9 +208,9 @@ static void dp_block(const struct gemm_call *C, int64_t i0, int64_t rows, int64_
 
 static size_t no_scratch(int64_t K) { (void)K; return 64; }
 
-static const struct gemm_kernel GEMM_F32 = {MB512, NR512, f32_packed_bytes, f32_pack_panel, no_scratch, NULL, NULL,
+static const struct gemm_kernel GEMM_F32 = {MB512, NR512, 512 * 1024, f32_packed_bytes, f32_pack_panel, no_scratch, NULL, NULL,
                                             f32_block};
-static const struct gemm_kernel GEMM_DP = {MB512, NR512, dp_packed_bytes, dp_pack_panel, no_scratch, NULL, NULL,
+static const struct gemm_kernel GEMM_DP = {MB512, NR512, 512 * 1024, dp_packed_bytes, dp_pack_panel, no_scratch, NULL, NULL,
                                            dp_block};
 
 /* ---- kind 2: AMX. 32 rows x 32 columns per step of 32 k: C tiles 0-3 (2 x 2 of 16 x 16 fp32), A tiles 4-5
@@ -241,8 +241,23 @@ static void amx_pack_panel(const char *w, int64_t w_row, int wt, int64_t N, int6
                     }
 }
 
+/* Steps of 32 k per pass over a task's panels: a row chunk's A rows for one pass (32 x 256 bf16, 16 KB) stay in
+ * the core's L1 while each panel's B tiles stream past; the accumulators go to a per-panel buffer between
+ * passes (exact: fp32 stored and reloaded, the K order unchanged). */
+#define AMX_KSTEPS 8
+
+/* Packed weights per task: 1.5 MB, within the 2 MB L2 of the AMX Xeons' cores (a task of few panels at a large K
+ * reads its rows again for every panel). */
+#define AMX_TASK_BYTES (1536 * 1024)
+
+/* Panels per task at most (gemm.h's panels_per_task for this K), for the accumulators' buffer. */
+static inline int64_t amx_max_panels(int64_t K) {
+    const int64_t pt = (int64_t)(AMX_TASK_BYTES / amx_packed_bytes(AMX_N, K));
+    return pt < 1 ? 1 : pt;
+}
+
 static size_t amx_scratch_bytes(int64_t K) {
-    return (size_t)AMX_R * amx_steps(K) * 32 * 2 + AMX_R * 32 * 2 + AMX_R * AMX_N * 4;
+    return (size_t)AMX_R * amx_steps(K) * 32 * 2 + AMX_R * 32 * 2 + (size_t)amx_max_panels(K) * AMX_R * AMX_N * 4;
 }
 
 struct tile_config {
@@ -260,15 +275,24 @@ __attribute__((target("amx-tile"))) static void amx_enter(void) { _tile_loadconf
 
 __attribute__((target("amx-tile"))) static void amx_leave(void) { _tile_release(); }
 
-/* 32 rows of a (lda apart) against panel bp: `steps` steps of 32 k straight from a, then, when `tail` is not
- * NULL, one more from tail ([32 rows][32] bf16: the last K % 32 values of each row, zero-padded). */
+/* 32 rows of a (lda apart) against panel bp, steps s0..s1 of 32 k straight from a, then, when `tail` is not NULL,
+ * the last step from tail ([32 rows][32] bf16: the last K % 32 values of each row, zero-padded): accumulators
+ * from c (zero when `first`), back into c ([32][32] fp32). */
 __attribute__((target("amx-tile,amx-bf16"))) static void amx_micro(const bf16 *a, int64_t lda, const bf16 *bp,
-                                                                   int64_t steps, const bf16 *tail, float *c) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int64_t s = 0; s < steps; s++) {
+                                                                   int64_t s0, int64_t s1, const bf16 *tail,
+                                                                   int64_t tail_step, int first, float *c) {
+    if (first) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+    } else {
+        _tile_loadd(0, c, AMX_N * 4);
+        _tile_loadd(1, c + 16, AMX_N * 4);
+        _tile_loadd(2, c + 16 * AMX_N, AMX_N * 4);
+        _tile_loadd(3, c + 16 * AMX_N + 16, AMX_N * 4);
+    }
+    for (int64_t s = s0; s < s1; s++) {
         _tile_loadd(4, a + 32 * s, lda * 2);
         _tile_loadd(5, a + 16 * lda + 32 * s, lda * 2);
         _tile_loadd(6, bp + s * 1024, 64);
@@ -281,8 +305,8 @@ __attribute__((target("amx-tile,amx-bf16"))) static void amx_micro(const bf16 *a
     if (tail) {
         _tile_loadd(4, tail, 64);
         _tile_loadd(5, tail + 16 * 32, 64);
-        _tile_loadd(6, bp + steps * 1024, 64);
-        _tile_loadd(7, bp + steps * 1024 + 512, 64);
+        _tile_loadd(6, bp + tail_step * 1024, 64);
+        _tile_loadd(7, bp + tail_step * 1024 + 512, 64);
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(1, 4, 7);
         _tile_dpbf16ps(2, 5, 6);
@@ -294,12 +318,12 @@ __attribute__((target("amx-tile,amx-bf16"))) static void amx_micro(const bf16 *a
     _tile_stored(3, c + 16 * AMX_N + 16, AMX_N * 4);
 }
 
-/* Rows r0.. of a block: 32 rows straight from x (the last K % 32 of each copied, zero-padded, into `tail`), or,
- * for a chunk of fewer rows, all of them copied zero-padded into `apad`. */
+/* Rows r0.. of a block: 32 rows straight from x (the last K % 32 of each copied, zero-padded, into `tailbuf`),
+ * or, for a chunk of fewer rows, all of them copied zero-padded into `apad`. */
 static void amx_block(const struct gemm_call *C, int64_t i0, int64_t rows, int64_t p0, int64_t p1, void *scratch) {
     const int64_t steps = amx_steps(C->K), kpad = steps * 32, whole = C->K / 32, rest = C->K - whole * 32;
     bf16 *apad = (bf16 *)scratch, *tailbuf = apad + AMX_R * kpad;
-    float *c = (float *)(tailbuf + AMX_R * 32);
+    float *cbuf = (float *)(tailbuf + AMX_R * 32);
     const size_t panel = (size_t)steps * 1024;
     for (int64_t r0 = 0; r0 < rows; r0 += AMX_R) {
         const int64_t R = rows - r0 < AMX_R ? rows - r0 : AMX_R;
@@ -316,8 +340,16 @@ static void amx_block(const struct gemm_call *C, int64_t i0, int64_t rows, int64
             for (int64_t r = 0; r < AMX_R; r++) memcpy(tailbuf + r * 32, a + r * C->x_row + whole * 32, (size_t)rest * 2);
             tail = tailbuf;
         }
+        for (int64_t s0 = 0; s0 < direct || (s0 == direct && tail); s0 += AMX_KSTEPS) {
+            const int64_t s1 = s0 + AMX_KSTEPS < direct ? s0 + AMX_KSTEPS : direct;
+            const int last = s0 + AMX_KSTEPS >= direct;
+            for (int64_t p = p0; p < p1; p++)
+                amx_micro(a, lda, (const bf16 *)C->w + p * panel, s0, s1, last ? tail : NULL, direct, s0 == 0,
+                          cbuf + (p - p0) * AMX_R * AMX_N);
+            if (last) break;
+        }
         for (int64_t p = p0; p < p1; p++) {
-            amx_micro(a, lda, (const bf16 *)C->w + p * panel, direct, tail, c);
+            const float *c = cbuf + (p - p0) * AMX_R * AMX_N;
             for (int64_t r = 0; r < R; r++) {
                 const __m512 acc[2] = {_mm512_loadu_ps(c + r * AMX_N), _mm512_loadu_ps(c + r * AMX_N + 16)};
                 store_row(C, i0 + r0 + r, p * AMX_N, acc, 2);
@@ -326,7 +358,7 @@ static void amx_block(const struct gemm_call *C, int64_t i0, int64_t rows, int64
     }
 }
 
-static const struct gemm_kernel GEMM_AMX = {64, AMX_N, amx_packed_bytes, amx_pack_panel, amx_scratch_bytes,
+static const struct gemm_kernel GEMM_AMX = {64, AMX_N, AMX_TASK_BYTES, amx_packed_bytes, amx_pack_panel, amx_scratch_bytes,
                                             amx_enter, amx_leave, amx_block};
 
 /* Linux lends AMX's tile state only to a process that asks (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA);
