@@ -21,13 +21,14 @@ def blocks() -> dict[str, str]:
     return dict(found)
 
 
-def block(name: str, **values: str) -> str:
-    """Block `name` with the reader's values put in: ckpt=, ec_dir=, url= (each must be in the block)."""
+LITERALS = {"ckpt": CKPT, "ec_dir": EC_DIR, "url": URL}
+
+
+def block(name: str, **values) -> str:
+    """Block `name` with the reader's values put in where the block has them: ckpt=, ec_dir=, url=."""
     code = blocks()[name]
-    for key, literal in {"ckpt": CKPT, "ec_dir": EC_DIR, "url": URL}.items():
-        if key in values:
-            assert f'"{literal}"' in code, f"{GUIDE.name} [{name}] no longer has {literal!r}"
-            code = code.replace(f'"{literal}"', repr(None if values[key] is None else str(values[key])))
+    for key, value in values.items():
+        code = code.replace(f'"{LITERALS[key]}"', repr(None if value is None else str(value)))
     return code
 
 
@@ -41,11 +42,41 @@ def line(prefix: str, **values: str) -> str:
     return found
 
 
-def run(names, namespace: dict, **values) -> dict:
-    """Run blocks in order in `namespace` (kept between calls) and return it."""
+def run(names, namespace: dict, *, engine=None, **values) -> dict:
+    """Run blocks in order in `namespace` (kept between calls) and return it. With `engine`, the blocks'
+    `llm = LLM(...)` is answered by `engine(...)` (the same arguments) instead of starting a vLLM engine."""
+    unused = {k for k in values if all(f'"{LITERALS[k]}"' not in blocks()[n] for n in names)}
+    assert not unused, f"{GUIDE.name} {list(names)} no longer have {[LITERALS[k] for k in unused]}"
     for name in names:
-        exec(compile(block(name, **values), f"{GUIDE.name}[{name}]", "exec"), namespace)
+        code = block(name, **values)
+        if engine is not None and "LLM(" in code:
+            assert code.count("llm = LLM(") == code.count("LLM(") == 1, f"{GUIDE.name} [{name}]: one LLM(...)"
+            code = code.replace("llm = LLM(", "llm = __engine__(")
+            namespace["__engine__"] = engine
+        exec(compile(code, f"{GUIDE.name}[{name}]", "exec"), namespace)
     return namespace
+
+
+def fenced() -> list[tuple[str, str]]:
+    """The guide's fenced blocks: (info string, body), in order."""
+    out, info, body = [], None, []
+    for ln in GUIDE.read_text().splitlines():
+        if ln.startswith("```"):
+            if info is None:
+                info, body = ln[3:].strip(), []
+            else:
+                out.append((info, "\n".join(body)))
+                info = None
+        elif info is not None:
+            body.append(ln)
+    return out
+
+
+def server_options() -> set[str]:
+    """Every `--option` the guide's vLLM server commands pass."""
+    commands = [b for info, b in fenced() if not info and "vllm.entrypoints.openai.api_server" in b]
+    assert commands, f"{GUIDE.name}: no vLLM server command"
+    return {o for c in commands for o in re.findall(r"(?<![\w-])--[a-z][a-z-]*", c)}
 
 
 def write_inputs(directory: Path) -> None:

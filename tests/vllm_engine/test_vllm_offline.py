@@ -38,6 +38,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed here; run scripts/vllm
 
 import vllm_hooks  # noqa: E402
 from engine_support import ASSISTANT, USER, cpu_kind, engine_environment, engine_options  # noqa: E402
+from support import doc_code  # noqa: E402
 from support.media import make_video, random_image  # noqa: E402
 
 from bivit.engines import vllm as bv  # noqa: E402
@@ -316,3 +317,32 @@ def test_batched_requests_get_the_same_rows(llm, own, media, target, ec_dir, inp
     for n in ("square", "tall", "video"):  # every other EC item of the batch came in as its file holds it
         for rows in media[n].chunks():
             assert any(r.shape == rows.shape and torch.equal(r, rows) for r in rows_in), n
+
+
+def test_guides_offline_code_runs_as_written(llm, tiny_kimi, ec_dir, dtype, tmp_path, monkeypatch):
+    """docs/encode-once.md's offline blocks (prompt embeddings, then bivit's encoder-cache files consumed) as
+    written, on the tiny checkpoint. The guide's `LLM(...)` calls are answered by this module's engine (the
+    same model and dtype, a superset of the options) rather than by two more engines."""
+    if dtype != "bfloat16":
+        pytest.skip("the guide's examples run in bfloat16")
+    monkeypatch.chdir(tmp_path)
+    doc_code.write_inputs(tmp_path)
+
+    def engine(model, dtype, **options):
+        assert (model, dtype) == (str(tiny_kimi), "bfloat16")
+        assert set(options) <= {"enable_prompt_embeds", "ec_transfer_config"}
+        if "ec_transfer_config" in options:
+            ec = options["ec_transfer_config"]
+            assert (ec.ec_connector, ec.ec_role) == ("ECExampleConnector", "ec_consumer")
+            assert ec.ec_connector_extra_config["shared_storage_path"] == str(ec_dir)
+        return llm
+
+    ns = doc_code.run(["encode"], {}, ckpt=tiny_kimi)
+    probe(llm)
+    doc_code.run(["offline"], ns, engine=engine)
+    assert ns["out"][0].outputs[0].token_ids and probe(llm)["encoded_items"] == 0
+    doc_code.run(["ec-write", "ec-offline"], ns, engine=engine, ec_dir=ec_dir)
+    assert ns["out"][0].outputs[0].token_ids
+    seen = probe(llm)
+    assert seen["encoded_items"] == 0  # the guide's consumer request never ran the tower ...
+    assert len(seen["rows_in"]) == 1 and torch.equal(seen["rows_in"][0], ns["media"][0].embedding)  # ... bivit's rows

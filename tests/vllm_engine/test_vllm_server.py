@@ -27,6 +27,7 @@ from PIL import Image
 pytest.importorskip("vllm", reason="vLLM is not installed here; run scripts/vllm-env.sh test (its own venv)")
 
 from engine_support import engine_environment, server_options  # noqa: E402
+from support import doc_code  # noqa: E402
 from support.media import random_image  # noqa: E402
 
 from bivit.engines import vllm as bv  # noqa: E402
@@ -71,7 +72,7 @@ def server(tiny_kimi, tmp_path_factory, dtype):
             if time.monotonic() > deadline:
                 pytest.fail(f"vllm serve did not become ready; see {log.name}")
             time.sleep(2)
-        yield url, ec_dir
+        yield url, ec_dir, cmd
     finally:
         proc.terminate()
         try:
@@ -102,7 +103,7 @@ def png_url(img: Image.Image) -> str:
 
 
 def test_openai_server_takes_bivit_rows(server, tiny_kimi, encoders, dtype):
-    url, ec_dir = server
+    url, ec_dir, _ = server
     encoder = encoders(dtype)
     img = Image.fromarray(random_image(97, 203, 7), "RGB")
     (m,) = bv.encode(encoder, [img])
@@ -132,3 +133,17 @@ def test_openai_server_takes_bivit_rows(server, tiny_kimi, encoders, dtype):
     if dtype == "float32":
         assert rows["tokens"] == own["tokens"]
         assert worst <= LOGPROB_ATOL
+
+
+def test_guides_server_code_runs_as_written(server, tiny_kimi, dtype, tmp_path, monkeypatch):
+    """docs/encode-once.md's server blocks as written against this server (its address, its encoder-cache
+    folder), which was started with every option the guide's server commands pass: rows as prompt-embeds parts,
+    then bivit's files consumed: the same answer."""
+    url, ec_dir, cmd = server
+    if dtype != "bfloat16":
+        pytest.skip("the guide's examples run in bfloat16")
+    assert doc_code.server_options() <= set(cmd), doc_code.server_options() - set(cmd)
+    monkeypatch.chdir(tmp_path)
+    doc_code.write_inputs(tmp_path)
+    ns = doc_code.run(["encode", "server", "ec-write", "ec-server"], {}, ckpt=tiny_kimi, url=url, ec_dir=ec_dir)
+    assert ns["answer"] and ns["cached_answer"] == ns["answer"]
