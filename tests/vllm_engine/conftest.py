@@ -4,6 +4,7 @@ and transformers); elsewhere their modules skip with the reason. Nothing heavy i
 from __future__ import annotations
 
 import pytest
+from engine_support import DTYPES, cannot_run
 
 
 @pytest.fixture(scope="session")
@@ -28,13 +29,10 @@ def encoders(tiny_kimi):
     return get
 
 
-@pytest.fixture(scope="module", params=["bfloat16", "float32"])
+@pytest.fixture(scope="module", params=DTYPES)
 def dtype(request):
     """The dtype of the language model and of bivit's rows. One engine per dtype and module: pytest runs a
     module's tests for one dtype, tears that engine down, then starts the next."""
-    from engine_support import DTYPES, cannot_run
-
-    assert request.param in DTYPES
     reason = cannot_run(request.param)
     if reason:
         pytest.skip(reason)
