@@ -34,11 +34,13 @@ def test_encode_and_trainer_code_run_as_written(tiny_kimi, tmp_path, monkeypatch
 
     # The guide's `bivit encode ... --ec-dir` command, then its trainer code on the file that command wrote.
     cmd = doc_code.line("bivit encode cat.png", ckpt=tiny_kimi, ec_dir=tmp_path / "ec").split()
-    subprocess.run([sys.executable, "-m", "bivit", *cmd[1:]], check=True, capture_output=True)
+    done = subprocess.run([sys.executable, "-m", "bivit", *cmd[1:]], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
     for m in encoded:
         for i, rows in zip(m.ec_ids(), m.chunks()):
             with safe_open(str(tmp_path / "ec" / i / bv.EC_FILE), framework="pt") as f:
-                assert torch.equal(f.get_tensor(bv.EC_KEY), rows)  # the command's files: the same ids, the same bits
+                # the command's files: the same ids, the same bits (what the command said, if not)
+                assert torch.equal(f.get_tensor(bv.EC_KEY), rows), (m.source, done.stderr)
     doc_code.run(["trainer"], ns)
     assert all(torch.equal(a.embedding, b.embedding) for a, b in zip(ns["media"], encoded))
 
