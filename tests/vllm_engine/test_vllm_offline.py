@@ -203,7 +203,8 @@ def test_rows_match_vllms_own_vision_tower(own, media, inputs, tiny_kimi, dtype,
             assert ours.shape == theirs.shape, name  # the same token count per image / chunk
             assert ours.dtype == theirs.dtype == getattr(torch, dtype)
             (plain,) = stock.encode([inputs[name][0]])
-            report[name] = {"tokens": ours.shape[0], "max_rel": rel(ours, theirs), "bit_equal": torch.equal(ours, theirs),
+            report[name] = {"tokens": ours.shape[0], "max_rel": rel(ours, theirs),
+                            "bit_equal": torch.equal(ours, theirs),
                             "stock_kernels_max_rel": rel(plain, theirs),
                             "stock_kernels_bit_equal": torch.equal(plain, theirs)}
             if exact is not None:
