@@ -112,6 +112,20 @@ def test_target_refuses_another_encoder_width_or_dtype(media, target, enc, kimi_
     assert (t.hidden_size, t.dtype, t.fingerprint) == (512, torch.bfloat16, None)
 
 
+def test_target_for_any_encoder_the_demo_included(media):
+    """The demo model has no checkpoint folder: its Target comes from the encoder (the demo's projector writes
+    128-wide rows, float32 here); a language-model dtype other than the encoder's output is refused at once."""
+    demo = bivit.load_encoder(None, dtype="float32")
+    t = bv.Target.from_encoder(demo)
+    assert (t.hidden_size, t.dtype, t.fingerprint) == (128, torch.float32, demo.fingerprint)
+    assert bv.Target.from_encoder(demo, "fp32") == t
+    t.check(media[0])  # rows of an encoder of the same weights and dtypes pass
+    with pytest.raises(ConfigError, match="output_dtype=bfloat16"):
+        bv.Target.from_encoder(demo, "bfloat16")
+    with pytest.raises(ConfigError, match=r"demo: .*Target\.from_encoder"):
+        bv.Target.from_checkpoint("demo")
+
+
 def test_target_from_checkpoint_needs_the_language_model_width(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"text_config": {}}))
     with pytest.raises(ConfigError, match="text_config.hidden_size"):

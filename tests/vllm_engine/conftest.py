@@ -4,6 +4,7 @@ and transformers); elsewhere their modules skip with the reason. Nothing heavy i
 from __future__ import annotations
 
 import pytest
+from engine_support import DTYPES, cannot_run
 
 
 @pytest.fixture(scope="session")
@@ -14,7 +15,25 @@ def tiny_kimi(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def encoder(tiny_kimi):
+def encoders(tiny_kimi):
+    """dtype name -> bivit's encoder of the tiny checkpoint with rows in that dtype (loaded once)."""
     import bivit
 
-    return bivit.load_encoder(str(tiny_kimi), dtype="float32")
+    loaded = {}
+
+    def get(dtype: str):
+        if dtype not in loaded:
+            loaded[dtype] = bivit.load_encoder(str(tiny_kimi), dtype=dtype)
+        return loaded[dtype]
+
+    return get
+
+
+@pytest.fixture(scope="module", params=DTYPES)
+def dtype(request):
+    """The dtype of the language model and of bivit's rows. One engine per dtype and module: pytest runs a
+    module's tests for one dtype, tears that engine down, then starts the next."""
+    reason = cannot_run(request.param)
+    if reason:
+        pytest.skip(reason)
+    return request.param

