@@ -56,7 +56,7 @@ def test_encode_without_a_compiler_says_once_which_kernel_is_off_why_and_the_fix
     lines = [ln for ln in r.stderr.splitlines() if "compiled kernels" in ln]
     assert len(lines) == 1, r.stderr  # one line, said once
     line = lines[0]
-    assert line.startswith("bivit: compiled kernels off: ") and "PyTorch's attention and RoPE run instead" in line
+    assert line.startswith("bivit: compiled kernels off: ") and "attention and RoPE run instead" in line
     if CAN_RUN:  # the reason is the compiler, and the fix says what to do about it
         assert FALSE in line and "does not work" in line and "fix: install a C compiler" in line
 

@@ -91,7 +91,7 @@ class Encoder:
         compiled = None
         if kernels.Attention.supports(probe):
             compiled = ops.attention_kernel() if self.batch_invariant else kernels.attention()
-        attention = f"bivit compiled ({compiled.name})" if compiled else "PyTorch SDPA"
+        attention = f"bivit compiled ({compiled.name_for(self.dtype)})" if compiled else "PyTorch SDPA"
         on_gpu = gpu.describe(self.batch_invariant) if self.device.type == "cuda" else {}
         if self.batch_invariant and self.device.type == "cpu":
             proof = ops.prove(self.model)

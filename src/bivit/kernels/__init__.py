@@ -152,6 +152,10 @@ class Attention:
         """The path's name (what `bivit doctor`, `describe()` and the load-time proof call it)."""
         return f"{self.variant}+amx" if self.amx else self.variant
 
+    def name_for(self, dtype: torch.dtype) -> str:
+        """What computes `dtype`: AMX tiles run bf16 only."""
+        return self.name if dtype == torch.bfloat16 else self.variant
+
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                  seqlens: Sequence[int], lse: torch.Tensor | None = None,
                  rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
@@ -299,10 +303,12 @@ def library() -> Library | None:
         lib = load_library(variant)
     except (KernelUnavailable, OSError, AttributeError) as e:
         if isinstance(e, KernelUnavailable) and e.chosen:
-            notices.note("attention", "compiled kernels not used", str(e), "PyTorch's attention and RoPE run")
+            notices.note("attention", "compiled kernels not used", str(e),
+                         "PyTorch's GEMMs (at proven tiles in invariant mode), attention and RoPE run")
         else:
             notices.fallback("attention", "compiled kernels off", str(e),
-                             "PyTorch's attention and RoPE run instead, slower", getattr(e, "fix", None))
+                             "PyTorch's GEMMs (at proven tiles in invariant mode), attention and RoPE run instead, "
+                             "slower", getattr(e, "fix", None))
         return None
     log.info("bivit: compiled kernels in use (%s, %s)", lib.variant, lib.loaded.path)
     return lib

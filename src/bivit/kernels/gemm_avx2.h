@@ -115,14 +115,8 @@ static void f32_block(const struct gemm_call *C, int64_t i0, int64_t rows, int64
 #define F32_CALL(n) (C->xt == E_BF16 ? f32_micro(C, i0 + r0, n, bp, p * NR2, E_BF16)        \
                    : C->xt == E_F16 ? f32_micro(C, i0 + r0, n, bp, p * NR2, E_F16)        \
                                     : f32_micro(C, i0 + r0, n, bp, p * NR2, E_F32))
-            switch (R) {
-                case 6: F32_CALL(6); break;
-                case 5: F32_CALL(5); break;
-                case 4: F32_CALL(4); break;
-                case 3: F32_CALL(3); break;
-                case 2: F32_CALL(2); break;
-                default: F32_CALL(1); break;
-            }
+            if (R == MR2) F32_CALL(MR2);  /* as in gemm_avx512.h's MICRO_DISPATCH */
+            else F32_CALL(R);
 #undef F32_CALL
         }
 }

@@ -166,17 +166,12 @@ static inline __attribute__((always_inline)) void dp_micro(const struct gemm_cal
  * each against panels p0..p1. */
 #define MB512 64
 
+/* A full microtile with its row count a constant (the unrolled code), a short one with it at run time: the same
+ * instructions per row either way (no reassociation: -ffp-contract=off, no fast-math), one instance each, which
+ * keeps the first load's compile short. */
 #define MICRO_DISPATCH(CALL)                                  \
-    switch (R) {                                              \
-        case 8: CALL(8); break;                               \
-        case 7: CALL(7); break;                               \
-        case 6: CALL(6); break;                               \
-        case 5: CALL(5); break;                               \
-        case 4: CALL(4); break;                               \
-        case 3: CALL(3); break;                               \
-        case 2: CALL(2); break;                               \
-        default: CALL(1); break;                              \
-    }
+    if (R == MR512) CALL(MR512);                              \
+    else CALL(R);
 
 static void f32_block(const struct gemm_call *C, int64_t i0, int64_t rows, int64_t p0, int64_t p1, void *scratch) {
     (void)scratch;

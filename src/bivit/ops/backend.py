@@ -115,10 +115,10 @@ def _decide_attention():
     from .. import kernels
 
     kernel = kernels.invariant_attention()
-    if kernel is not None and kernel.amx and refused("attention", kernel.name):
-        kernel = dataclasses.replace(kernel, amx=False)  # the variant's own AVX-512 code
-    if kernel is not None and refused("attention", kernel.name):
+    if kernel is None or refused("attention", kernel.variant):
         return None
+    if kernel.amx and refused("attention", kernel.name):
+        kernel = dataclasses.replace(kernel, amx=False)  # bf16 on the variant's own AVX-512 code
     return kernel
 
 

@@ -138,9 +138,9 @@ def _gemm_path(dtype: torch.dtype) -> str:
     return kernel.describe() if kernel is not None else "PyTorch GEMM at proven tiles"
 
 
-def _attention_path() -> str:
+def _attention_path(dtype: torch.dtype) -> str:
     kernel = attention_kernel()
-    return f"bivit compiled attention ({kernel.name})" if kernel is not None else "PyTorch SDPA per item"
+    return f"bivit compiled attention ({kernel.name_for(dtype)})" if kernel is not None else "PyTorch SDPA per item"
 
 
 def _prove_gemm(weight: torch.Tensor, bias: torch.Tensor | None, gelu: str | None, g: torch.Generator,
@@ -178,15 +178,15 @@ def _prove_attention(heads: int, head_dim: int, theta: float, dtype: torch.dtype
         return list(out.split([t * h * w for t, h, w in grids]))
 
     while True:
-        path = _attention_path()
+        path = _attention_path(dtype)
         if _items_invariant(run, items, threads):
             return Check(op, path, True, tuple(threads))
         kernel = attention_kernel()
         if kernel is None:
             return Check(op, path, False, tuple(threads))
         why = f"{op}: an item's rows differ alone, packed and reversed at threads {threads}"
-        refused.append(("attention", kernel.name, why))
-        refuse("attention", kernel.name, why)
+        refused.append(("attention", kernel.name_for(dtype), why))
+        refuse("attention", kernel.name_for(dtype), why)
 
 
 def _prove_norm(module: torch.nn.Module, g: torch.Generator, threads: Sequence[int]) -> Check:
@@ -211,7 +211,8 @@ def _facts(model: torch.nn.Module) -> str:
     norms = sorted({(type(m).__name__, m.weight.shape[0], str(m.weight.dtype)) for m in model.modules()
                     if isinstance(m, (torch.nn.LayerNorm, torch.nn.RMSNorm))})
     cfg = model.config
-    paths = [_gemm_path(d) for d in sorted({w.dtype for w, _, _ in gemms(model)}, key=str)] + [_attention_path()]
+    paths = [_gemm_path(d) for d in sorted({w.dtype for w, _, _ in gemms(model)}, key=str)]
+    paths.append(_attention_path(model.vision_tower.dtype))
     return json.dumps([PROOF_FORMAT, torch.__version__, torch.version.git_version, cpu, sorted(flags),
                        torch.backends.cpu.get_cpu_capability(), env, thread_counts(), repr(shapes), repr(norms),
                        cfg.num_heads, cfg.head_dim, str(model.vision_tower.dtype), paths])
