@@ -55,12 +55,30 @@ enum { ACT_NONE = 0, ACT_GELU_TANH = 1, ACT_GELU_ERF = 2 };
 
 /* The GELUs from exp: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), tanh(u) = sign(u) (1 - e) / (1 + e) with
  * e = exp(-2|u|); and 0.5 x (1 + erf(x / sqrt(2))), erf(z) = sign(z) (1 - poly(t) exp(-z^2)), t = 1 / (1 +
- * 0.3275911 |z|) (Abramowitz & Stegun 7.1.26, |error| < 1.5e-7). A variant defines them with its vector type
- * V, by these macros, from its exp2_neg (2^x for x <= 0), so both variants compute the same formulas. */
-#define GELU_CONSTS                                                                                              \
-    const float k_sqrt2_pi = 0.7978845608028654f, k_cubic = 0.044715f, k_log2e = 1.4426950408889634f,          \
-                k_rsqrt2 = 0.7071067811865476f, k_p = 0.3275911f, k_a1 = 0.254829592f, k_a2 = -0.284496736f,    \
-                k_a3 = 1.421413741f, k_a4 = -1.453152027f, k_a5 = 1.061405429f
+ * 0.3275911 |z|) (Abramowitz & Stegun 7.1.26, |error| < 1.5e-7). The body of a variant's GELU on vector type V
+ * with intrinsics prefix P (_mm512, _mm256), from its exp2_neg (2^x for x <= 0): one formula for every variant. */
+#define GELU_BODY(V, P, x, act)                                                                                  \
+    const V half = P##_set1_ps(0.5f), one = P##_set1_ps(1.0f), sign = P##_set1_ps(-0.0f);                     \
+    V u, e, t;                                                                                                  \
+    if ((act) == ACT_GELU_TANH) {                                                                               \
+        u = P##_mul_ps(P##_set1_ps(0.7978845608028654f),                                                       \
+                       P##_fmadd_ps(P##_mul_ps(P##_set1_ps(0.044715f), x), P##_mul_ps(x, x), x));              \
+        e = exp2_neg(P##_mul_ps(P##_andnot_ps(sign, u), P##_set1_ps(-2.0f * 1.4426950408889634f)));           \
+        t = P##_div_ps(P##_sub_ps(one, e), P##_add_ps(one, e));                                                \
+    } else {                                                                                                    \
+        u = P##_mul_ps(x, P##_set1_ps(0.7071067811865476f));                                                   \
+        const V a = P##_andnot_ps(sign, u);                                                                     \
+        const V r = P##_div_ps(one, P##_fmadd_ps(P##_set1_ps(0.3275911f), a, one));                            \
+        V poly = P##_fmadd_ps(P##_set1_ps(1.061405429f), r, P##_set1_ps(-1.453152027f));                        \
+        poly = P##_fmadd_ps(poly, r, P##_set1_ps(1.421413741f));                                                \
+        poly = P##_fmadd_ps(poly, r, P##_set1_ps(-0.284496736f));                                               \
+        poly = P##_fmadd_ps(poly, r, P##_set1_ps(0.254829592f));                                                \
+        poly = P##_mul_ps(poly, r);                                                                             \
+        e = exp2_neg(P##_mul_ps(P##_mul_ps(a, a), P##_set1_ps(-1.4426950408889634f)));                          \
+        t = P##_fnmadd_ps(poly, e, one);                                                                        \
+    }                                                                                                           \
+    t = P##_or_ps(t, P##_and_ps(u, sign)); /* the sign of u */                                                 \
+    return P##_mul_ps(P##_mul_ps(half, x), P##_add_ps(one, t))
 
 
 struct gemm_kernel {
@@ -129,6 +147,41 @@ static int gemm_run(const struct gemm_kernel *G, const struct gemm_call *C, int 
     }
     return failed;
 }
+
+/* A variant's fp32 kernel block: microtiles of MR rows (f32_micro(C, i0, rows, panel, j0, element type)) against
+ * panels p0..p1 of NR columns. A full microtile gets its row count as a constant (the unrolled code), a short
+ * one at run time: the same instructions per row either way (no reassociation: -ffp-contract=off, no
+ * fast-math), one instance each, which keeps the first load's compile short. */
+#define F32_MICRO_CALL(n, E) f32_micro(C, i0 + r0, n, bp, p * (NR), E)
+#define F32_MICRO_TYPED(n)                                                                                       \
+    (C->xt == E_BF16 ? F32_MICRO_CALL(n, E_BF16) : C->xt == E_F16 ? F32_MICRO_CALL(n, E_F16)                    \
+                                                                   : F32_MICRO_CALL(n, E_F32))
+/* A variant's fp32 packing: panel p of NR columns as [K][NR] floats (weights widened exactly, zero past N). */
+#define GEMM_F32_PACK                                                                                            \
+    static size_t f32_packed_bytes(int64_t N, int64_t K) { return (size_t)ceil_div(N, (NR)) * K * (NR) * 4; }    \
+    static void f32_pack_panel(const char *w, int64_t w_row, int wt, int64_t N, int64_t K, int64_t p,            \
+                               char *out) {                                                                     \
+        float *o = (float *)out;                                                                                \
+        for (int64_t k = 0; k < K; k++)                                                                         \
+            for (int64_t c = 0; c < (NR); c++) {                                                                \
+                const int64_t j = p * (NR) + c;                                                                 \
+                o[k * (NR) + c] = j < N ? gemm_elem(w + j * w_row * esize_of(wt), k, wt) : 0.0f;                \
+            }                                                                                                   \
+    }
+
+#define GEMM_F32_BLOCK                                                                                           \
+    static void f32_block(const struct gemm_call *C, int64_t i0, int64_t rows, int64_t p0, int64_t p1,          \
+                          void *scratch) {                                                                      \
+        (void)scratch;                                                                                          \
+        const size_t panel = (size_t)C->K * (NR);                                                               \
+        for (int64_t p = p0; p < p1; p++)                                                                       \
+            for (int64_t r0 = 0; r0 < rows; r0 += (MR)) {                                                       \
+                const int R = rows - r0 < (MR) ? (int)(rows - r0) : (MR);                                       \
+                const float *bp = (const float *)C->w + p * panel;                                              \
+                if (R == (MR)) F32_MICRO_TYPED(MR);                                                             \
+                else F32_MICRO_TYPED(R);                                                                        \
+            }                                                                                                   \
+    }
 
 /* The exported entry points, for a variant that defines `gemm_kernel_of(kind)` (NULL for a kind it lacks):
  * `kind` names a kernel to Python, so one library holds several. */

@@ -12,43 +12,12 @@
 #define NR2 16
 #define MB2 60
 
-static size_t f32_packed_bytes(int64_t N, int64_t K) { return (size_t)ceil_div(N, NR2) * K * NR2 * 4; }
-
-static void f32_pack_panel(const char *w, int64_t w_row, int wt, int64_t N, int64_t K, int64_t p, char *out) {
-    float *o = (float *)out;
-    for (int64_t k = 0; k < K; k++)
-        for (int64_t c = 0; c < NR2; c++) {
-            const int64_t j = p * NR2 + c;
-            o[k * NR2 + c] = j < N ? gemm_elem(w + j * w_row * esize_of(wt), k, wt) : 0.0f;
-        }
-}
+#define NR NR2
+GEMM_F32_PACK
+#undef NR
 
 static inline __m256 gelu8(__m256 x, const int act) {
-    GELU_CONSTS;
-    const __m256 half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.0f);
-    const __m256 sign = _mm256_set1_ps(-0.0f);
-    __m256 u, a, e, t;
-    if (act == ACT_GELU_TANH) {
-        u = _mm256_mul_ps(_mm256_set1_ps(k_sqrt2_pi),
-                          _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(k_cubic), x), _mm256_mul_ps(x, x), x));
-        a = _mm256_andnot_ps(sign, u);
-        e = exp2_neg(_mm256_mul_ps(a, _mm256_set1_ps(-2.0f * k_log2e)));
-        t = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
-    } else {
-        u = _mm256_mul_ps(x, _mm256_set1_ps(k_rsqrt2));
-        a = _mm256_andnot_ps(sign, u);
-        const __m256 r = _mm256_div_ps(one, _mm256_fmadd_ps(_mm256_set1_ps(k_p), a, one));
-        __m256 poly = _mm256_set1_ps(k_a5);
-        poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(k_a4));
-        poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(k_a3));
-        poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(k_a2));
-        poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(k_a1));
-        poly = _mm256_mul_ps(poly, r);
-        e = exp2_neg(_mm256_mul_ps(_mm256_mul_ps(a, a), _mm256_set1_ps(-k_log2e)));
-        t = _mm256_fnmadd_ps(poly, e, one);
-    }
-    t = _mm256_or_ps(t, _mm256_and_ps(u, sign));  /* the sign of u */
-    return _mm256_mul_ps(_mm256_mul_ps(half, x), _mm256_add_ps(one, t));
+    GELU_BODY(__m256, _mm256, x, act);
 }
 
 /* Row i's 16 results at j0: acc + bias, rounded to the output dtype, the columns below N. */
@@ -105,21 +74,11 @@ static inline __attribute__((always_inline)) void f32_micro(const struct gemm_ca
         if (r < R) store_row16(C, i0 + r, j0, acc[r][0], acc[r][1]);
 }
 
-static void f32_block(const struct gemm_call *C, int64_t i0, int64_t rows, int64_t p0, int64_t p1, void *scratch) {
-    (void)scratch;
-    const size_t panel = (size_t)C->K * NR2;
-    for (int64_t p = p0; p < p1; p++)
-        for (int64_t r0 = 0; r0 < rows; r0 += MR2) {
-            const int R = rows - r0 < MR2 ? (int)(rows - r0) : MR2;
-            const float *bp = (const float *)C->w + p * panel;
-#define F32_CALL(n) (C->xt == E_BF16 ? f32_micro(C, i0 + r0, n, bp, p * NR2, E_BF16)        \
-                   : C->xt == E_F16 ? f32_micro(C, i0 + r0, n, bp, p * NR2, E_F16)        \
-                                    : f32_micro(C, i0 + r0, n, bp, p * NR2, E_F32))
-            if (R == MR2) F32_CALL(MR2);  /* as in gemm_avx512.h's MICRO_DISPATCH */
-            else F32_CALL(R);
-#undef F32_CALL
-        }
-}
+#define MR MR2
+#define NR NR2
+GEMM_F32_BLOCK
+#undef MR
+#undef NR
 
 static size_t no_scratch(int64_t K) { (void)K; return 64; }
 

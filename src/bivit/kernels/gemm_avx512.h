@@ -22,31 +22,7 @@ static inline uint32_t load_u32(const void *p) {
 }
 
 static inline __m512 gelu16(__m512 x, const int act) {
-    GELU_CONSTS;
-    const __m512 half = _mm512_set1_ps(0.5f), one = _mm512_set1_ps(1.0f);
-    const __m512 sign = _mm512_set1_ps(-0.0f);
-    __m512 u, a, e, t;
-    if (act == ACT_GELU_TANH) {
-        u = _mm512_mul_ps(_mm512_set1_ps(k_sqrt2_pi),
-                          _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(k_cubic), x), _mm512_mul_ps(x, x), x));
-        a = _mm512_andnot_ps(sign, u);
-        e = exp2_neg(_mm512_mul_ps(a, _mm512_set1_ps(-2.0f * k_log2e)));
-        t = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
-    } else {
-        u = _mm512_mul_ps(x, _mm512_set1_ps(k_rsqrt2));
-        a = _mm512_andnot_ps(sign, u);
-        const __m512 r = _mm512_div_ps(one, _mm512_fmadd_ps(_mm512_set1_ps(k_p), a, one));
-        __m512 poly = _mm512_set1_ps(k_a5);
-        poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(k_a4));
-        poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(k_a3));
-        poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(k_a2));
-        poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(k_a1));
-        poly = _mm512_mul_ps(poly, r);
-        e = exp2_neg(_mm512_mul_ps(_mm512_mul_ps(a, a), _mm512_set1_ps(-k_log2e)));
-        t = _mm512_fnmadd_ps(poly, e, one);
-    }
-    t = _mm512_or_ps(t, _mm512_and_ps(u, sign));  /* the sign of u */
-    return _mm512_mul_ps(_mm512_mul_ps(half, x), _mm512_add_ps(one, t));
+    GELU_BODY(__m512, _mm512, x, act);
 }
 
 /* Row i's results at columns j0.. (NV vectors of 16): acc + bias, rounded to the output dtype, the columns that
@@ -76,16 +52,9 @@ static inline __attribute__((always_inline)) void store_row(const struct gemm_ca
 
 /* ---- kind 0: fp32. Panel p: [K][48] floats. ---- */
 
-static size_t f32_packed_bytes(int64_t N, int64_t K) { return (size_t)ceil_div(N, NR512) * K * NR512 * 4; }
-
-static void f32_pack_panel(const char *w, int64_t w_row, int wt, int64_t N, int64_t K, int64_t p, char *out) {
-    float *o = (float *)out;
-    for (int64_t k = 0; k < K; k++)
-        for (int64_t c = 0; c < NR512; c++) {
-            const int64_t j = p * NR512 + c;
-            o[k * NR512 + c] = j < N ? gemm_elem(w + j * w_row * esize_of(wt), k, wt) : 0.0f;
-        }
-}
+#define NR NR512
+GEMM_F32_PACK
+#undef NR
 
 static inline __attribute__((always_inline)) void f32_micro(const struct gemm_call *C, int64_t i0, const int R,
                                                              const float *bp, int64_t j0, const int XT) {
@@ -166,27 +135,11 @@ static inline __attribute__((always_inline)) void dp_micro(const struct gemm_cal
  * each against panels p0..p1. */
 #define MB512 64
 
-/* A full microtile with its row count a constant (the unrolled code), a short one with it at run time: the same
- * instructions per row either way (no reassociation: -ffp-contract=off, no fast-math), one instance each, which
- * keeps the first load's compile short. */
-#define MICRO_DISPATCH(CALL)                                  \
-    if (R == MR512) CALL(MR512);                              \
-    else CALL(R);
-
-static void f32_block(const struct gemm_call *C, int64_t i0, int64_t rows, int64_t p0, int64_t p1, void *scratch) {
-    (void)scratch;
-    const size_t panel = (size_t)C->K * NR512;
-    for (int64_t p = p0; p < p1; p++)
-        for (int64_t r0 = 0; r0 < rows; r0 += MR512) {
-            const int R = rows - r0 < MR512 ? (int)(rows - r0) : MR512;
-            const float *bp = (const float *)C->w + p * panel;
-#define F32_CALL(n) (C->xt == E_BF16 ? f32_micro(C, i0 + r0, n, bp, p * NR512, E_BF16)        \
-                   : C->xt == E_F16 ? f32_micro(C, i0 + r0, n, bp, p * NR512, E_F16)        \
-                                    : f32_micro(C, i0 + r0, n, bp, p * NR512, E_F32))
-            MICRO_DISPATCH(F32_CALL)
-#undef F32_CALL
-        }
-}
+#define MR MR512
+#define NR NR512
+GEMM_F32_BLOCK
+#undef MR
+#undef NR
 
 static void dp_block(const struct gemm_call *C, int64_t i0, int64_t rows, int64_t p0, int64_t p1, void *scratch) {
     (void)scratch;
@@ -195,9 +148,8 @@ static void dp_block(const struct gemm_call *C, int64_t i0, int64_t rows, int64_
         for (int64_t r0 = 0; r0 < rows; r0 += MR512) {
             const int R = rows - r0 < MR512 ? (int)(rows - r0) : MR512;
             const bf16 *bp = (const bf16 *)C->w + p * panel;
-#define DP_CALL(n) dp_micro(C, i0 + r0, n, bp, p * NR512)
-            MICRO_DISPATCH(DP_CALL)
-#undef DP_CALL
+            if (R == MR512) dp_micro(C, i0 + r0, MR512, bp, p * NR512);  /* as in GEMM_F32_BLOCK */
+            else dp_micro(C, i0 + r0, R, bp, p * NR512);
         }
 }
 
@@ -270,6 +222,19 @@ __attribute__((target("amx-tile"))) static void amx_enter(void) { _tile_loadconf
 
 __attribute__((target("amx-tile"))) static void amx_leave(void) { _tile_release(); }
 
+/* One step of 32 k: rows 0-15 and 16-31 of a (lda apart) times the panel step's two 16-column halves at b. */
+__attribute__((target("amx-tile,amx-bf16"), always_inline)) static inline void amx_step(const bf16 *a, int64_t lda,
+                                                                                        const bf16 *b) {
+    _tile_loadd(4, a, lda * 2);
+    _tile_loadd(5, a + 16 * lda, lda * 2);
+    _tile_loadd(6, b, 64);
+    _tile_loadd(7, b + 512, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+}
+
 /* 32 rows of a (lda apart) against panel bp, steps s0..s1 of 32 k straight from a, then, when `tail` is not NULL,
  * the last step from tail ([32 rows][32] bf16: the last K % 32 values of each row, zero-padded): accumulators
  * from c (zero when `first`), back into c ([32][32] fp32). */
@@ -287,26 +252,8 @@ __attribute__((target("amx-tile,amx-bf16"))) static void amx_micro(const bf16 *a
         _tile_loadd(2, c + 16 * AMX_N, AMX_N * 4);
         _tile_loadd(3, c + 16 * AMX_N + 16, AMX_N * 4);
     }
-    for (int64_t s = s0; s < s1; s++) {
-        _tile_loadd(4, a + 32 * s, lda * 2);
-        _tile_loadd(5, a + 16 * lda + 32 * s, lda * 2);
-        _tile_loadd(6, bp + s * 1024, 64);
-        _tile_loadd(7, bp + s * 1024 + 512, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
-    }
-    if (tail) {
-        _tile_loadd(4, tail, 64);
-        _tile_loadd(5, tail + 16 * 32, 64);
-        _tile_loadd(6, bp + tail_step * 1024, 64);
-        _tile_loadd(7, bp + tail_step * 1024 + 512, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
-    }
+    for (int64_t s = s0; s < s1; s++) amx_step(a + 32 * s, lda, bp + s * 1024);
+    if (tail) amx_step(tail, 32, bp + tail_step * 1024);
     _tile_stored(0, c, AMX_N * 4);
     _tile_stored(1, c + 16, AMX_N * 4);
     _tile_stored(2, c + 16 * AMX_N, AMX_N * 4);
