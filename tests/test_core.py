@@ -170,7 +170,7 @@ def test_describe(enc):
     assert d["kernels"]["gemm"] == [f"bfloat16: {kernel.describe()}" if kernel else
                                     f"{bivit.ops.gemm_path(torch.bfloat16).describe()} at proven tiles (no compiled "
                                     "GEMM here)"]
-    assert d["kernels"]["attention"] in ("bivit compiled (avx512)", "bivit compiled (avx2)", "PyTorch SDPA")
+    assert d["kernels"]["attention"] == "PyTorch SDPA" or d["kernels"]["attention"].startswith("bivit compiled (")
     proof = d["kernels"]["proof"]  # the load-time proof: every op proven on this machine, nothing refused
     assert proof["checks"] and all(c["invariant"] for c in proof["checks"]) and proof["refused"] == []
     json.dumps(d)

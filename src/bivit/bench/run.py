@@ -44,9 +44,11 @@ def environment(threads: int) -> dict:
 
     model, present = kernels.cpu_info()
     lib = kernels.library()
-    attention = kernels.attention()
-    # The invariant-mode GEMM paths of the dtypes bench runs, and every faster path this machine leaves off.
-    gemm = {name: ops.gemm_path(TORCH_DTYPES[name]).describe() for name in TORCH_DTYPES}
+    attention = ops.attention_kernel()  # invariant mode's (default mode may keep PyTorch's on AMX)
+    # The invariant-mode GEMM kernels of the dtypes bench runs, and every faster path this machine leaves off.
+    gemm = {name: (k.describe() if (k := ops.gemm_kernel(TORCH_DTYPES[name])) else
+                   f"{ops.gemm_path(TORCH_DTYPES[name]).describe()} at proven tiles")
+            for name in TORCH_DTYPES}
     try:
         import transformers
         tf_version = transformers.__version__
@@ -66,7 +68,7 @@ def environment(threads: int) -> dict:
             "isa_limits": {k: v for k, v in os.environ.items() if k in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY",
                                                                      "MKL_ENABLE_INSTRUCTIONS")},
             "kernels": lib.variant if lib else None,
-            "attention": f"bivit compiled ({attention.name})" if attention else "PyTorch SDPA",
+            "attention": f"bivit compiled ({attention.name})" if attention else "PyTorch SDPA",  # invariant mode
             "gemm": gemm, "fallbacks": notices.warnings(),
             "cpu_count": os.cpu_count(), "threads": threads,
             "loadavg": os.getloadavg() if hasattr(os, "getloadavg") else None}

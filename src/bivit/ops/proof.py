@@ -78,11 +78,11 @@ class Proof:
     def summary(self) -> dict:
         """What an encoder's description carries: per op its path and verdict, and what was refused (no timing:
         the same in every process on this machine kind)."""
-        return {"checks": [asdict(c) for c in self.checks], "refused": [list(r) for r in self.refused]}
+        return {"checks": [{**asdict(c), "threads": list(c.threads)} for c in self.checks],
+                "refused": [list(r) for r in self.refused]}
 
     def to_dict(self) -> dict:
-        return {"checks": [asdict(c) for c in self.checks], "refused": [list(r) for r in self.refused],
-                "seconds": round(self.seconds, 3), "recorded": self.recorded}
+        return {**self.summary(), "seconds": round(self.seconds, 3), "recorded": self.recorded}
 
     def table(self) -> list[str]:
         width = max([len(c.op) for c in self.checks] + [2])
