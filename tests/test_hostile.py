@@ -571,3 +571,65 @@ def test_user_tmp_files_in_out_are_not_deleted(tmp_path):
     assert r.returncode == 0, r.stderr
     assert (out / ".tmp-notes.txt").read_text() == "mine"
     assert not (out / f".tmp-shard-000009.safetensors.{os.getpid()}").exists()
+
+
+# ------------------------------------------------------------------------------ cost, not declarations
+
+def scan_bomb(w: int, h: int, empty_scans: int) -> bytes:
+    """A real progressive grayscale JPEG with `empty_scans` 10-byte scans (SOS headers, no data) before its EOI:
+    libjpeg walks every block of the image once per scan, so each costs the decoder as much as a real one."""
+    buf = io.BytesIO()
+    pixels = np.random.default_rng(w * h).integers(0, 256, (h, w), dtype=np.uint8)
+    Image.fromarray(pixels, "L").save(buf, "JPEG", progressive=True, quality=50)
+    data = buf.getvalue()
+    assert data.endswith(b"\xff\xd9")
+    return data[:-2] + b"\xff\xda\x00\x08\x01\x01\x00\x01\x3f\x00" * empty_scans + b"\xff\xd9"
+
+
+def test_jpeg_scan_bomb_is_refused_before_decoding(tmp_path):
+    """60 KB of empty scans ran 84 s past a 2 s deadline in the service; 1 MB was still decoding in `bivit encode`
+    after 45 s; the dataset job had no deadline at all. The scans are counted from the marker segments before
+    anything is decoded: library, CLI, dataset job, each a one-line reason."""
+    from bivit.decode import MAX_JPEG_SCANS, jpeg_scans
+
+    bomb = scan_bomb(512, 512, 20_000)
+    assert len(jpeg_scans(scan_bomb(512, 512, 0))) < 20 and len(jpeg_scans(bomb)) == MAX_JPEG_SCANS + 1
+    with pytest.raises(MediaError, match=f"more than {MAX_JPEG_SCANS} scans"):
+        load_image(bomb)
+    assert load_image(scan_bomb(512, 512, 50)).size == (512, 512)  # a legal number of scans still decodes
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "bomb.jpg").write_bytes(bomb)
+    Image.fromarray(np.full((56, 56, 3), 7, np.uint8)).save(src / "ok.png")
+    r = run_cli("encode", src / "bomb.jpg", src / "ok.png", "--out", tmp_path / "e.safetensors")
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert f"bivit: skipped: {src / 'bomb.jpg'}: " in r.stderr and "scans" in r.stderr, r.stderr[-2000:]
+    r = run_cli("encode-dataset", src, "--out", tmp_path / "ds", "--no-progress")
+    errors = [json.loads(line) for line in (tmp_path / "ds" / "errors.jsonl").read_text().splitlines()]
+    assert [e["source"] for e in errors] == ["bomb.jpg"] and "scans" in json.dumps(errors), errors
+
+
+def test_jpeg_decoding_checks_its_deadline_between_scans(monkeypatch):
+    """The deadline was checked between 64 KB reads: ~6,500 empty scans apart. Now libjpeg is handed one scan at a
+    time. Shown without timing: a clock that ticks once per look at it; the deadline falls a few ticks after the
+    last look a plain progressive JPEG needs. That JPEG decodes; the same image with 80 more (empty) scans, under
+    the scan limit and only 800 bytes longer, reaches its deadline inside the decode."""
+    import bivit.decode as decode
+
+    class Ticks:
+        now = 0.0
+
+        def monotonic(self) -> float:
+            self.now += 1
+            return self.now
+
+    plain, longer = scan_bomb(256, 256, 0), scan_bomb(256, 256, 80)
+    ticks = Ticks()
+    monkeypatch.setattr(decode, "time", ticks)
+    load_image(plain, deadline=float("inf"))
+    looks = ticks.now
+    ticks.now = 0.0
+    assert load_image(plain, deadline=looks + 5).size == (256, 256)
+    ticks.now = 0.0
+    with pytest.raises(MediaError, match="decoding stopped at its deadline"):
+        load_image(longer, deadline=looks + 5)

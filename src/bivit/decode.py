@@ -6,9 +6,11 @@ failure a MediaError naming the input (docs/limits.md). Preprocessing the decode
 
 from __future__ import annotations
 
+import bisect
 import io
 import math
 import os
+import re
 import threading
 import time
 from contextlib import contextmanager, nullcontext
@@ -34,6 +36,10 @@ MAX_IMAGE_BYTES = 2 * 2**30
 # The formats bivit decodes (Pillow format names); anything else, EPS through Ghostscript included, is refused
 # before a plugin parses more than the magic bytes.
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "BMP", "TIFF", "GIF")  # JPEG includes MPO (multi-picture JPEG)
+# Scans of one JPEG. libjpeg walks every block of a scan's components once per scan, even an empty one (10
+# bytes): 1 MB of empty scans over a 5500x5500 image is ~18 minutes of CPU. Encoders write one scan per
+# component at most (baseline), 10 (libjpeg's progressive script) or a few more (mozjpeg's optimised scans).
+MAX_JPEG_SCANS = 100
 
 ImageInput = Union[Image.Image, np.ndarray, str, os.PathLike, bytes]
 
@@ -87,15 +93,61 @@ def _pillow_limit() -> int | None:
 
 class _Encoded(io.BytesIO):
     """An image's encoded bytes as Pillow reads them: every read first checks the deadline, so decoding formats
-    that Pillow feeds block by block (PNG, JPEG, BMP, GIF) stops within a block of it."""
+    that Pillow feeds block by block (PNG, JPEG, BMP, GIF) stops within a block of it. Once `stops` is set (the
+    offsets where a JPEG's scans start), no read crosses one: libjpeg is handed one scan at a time, so the
+    deadline is checked between scans, whatever few bytes a scan takes."""
 
     def __init__(self, data: bytes, name: str, deadline: float | None):
         super().__init__(data)
         self.name_, self.deadline = name, deadline
+        self.stops: list[int] = []
 
     def read(self, size: int | None = -1) -> bytes:
         check_deadline(self.deadline, self.name_)
+        pos = self.tell()
+        stop = bisect.bisect_right(self.stops, pos)
+        if stop < len(self.stops):
+            room = self.stops[stop] - pos
+            size = room if size is None or size < 0 else min(size, room)
         return super().read(size)
+
+
+# A marker in entropy-coded data: 0xFF not followed by a stuffed zero or a restart marker (RST0-7).
+_JPEG_MARKER = re.compile(rb"\xff[^\x00\xd0-\xd7]")
+
+
+def jpeg_scans(data: bytes) -> list[int]:
+    """The offsets of the start-of-scan markers of the first image of a JPEG (up to its EOI), walking the
+    marker segments by their lengths, so a thumbnail inside an APP segment is skipped. Stops early past
+    MAX_JPEG_SCANS + 1; a malformed layout ends the walk (the decoder then says what is wrong)."""
+    scans: list[int] = []
+    pos = 2  # after SOI
+    n = len(data)
+    while pos + 1 < n and len(scans) <= MAX_JPEG_SCANS:
+        if data[pos] != 0xFF:
+            break
+        while pos + 1 < n and data[pos + 1] == 0xFF:  # fill bytes
+            pos += 1
+        if pos + 1 >= n:
+            break
+        marker = data[pos + 1]
+        if marker == 0xD9:  # EOI
+            break
+        if marker == 0x01 or 0xD0 <= marker <= 0xD8:  # no length
+            pos += 2
+            continue
+        if pos + 4 > n:
+            break
+        end = pos + 2 + int.from_bytes(data[pos + 2:pos + 4], "big")
+        if marker != 0xDA:
+            pos = end
+            continue
+        scans.append(pos)
+        found = _JPEG_MARKER.search(data, end)
+        if found is None:
+            break
+        pos = found.start()
+    return scans
 
 
 # ---------------------------------------------------------------------------------- memory of one image
@@ -189,9 +241,16 @@ def _check_work(size: tuple[int, int], mode: str, name: str, max_bytes: int | No
 
 def _open_header(data: bytes, name: str, max_pixels: int, deadline: float | None = None) -> Image.Image:
     """Parse an image's header (no pixel decoding), in a format bivit reads, and refuse it above `max_pixels`."""
+    fp = _Encoded(data, name, deadline)
     with _pillow_guard_off():
-        img = Image.open(_Encoded(data, name, deadline), formats=IMAGE_FORMATS)
+        img = Image.open(fp, formats=IMAGE_FORMATS)
     _check_pixels(img.size, name, max_pixels)
+    if img.format in ("JPEG", "MPO"):
+        scans = jpeg_scans(data)
+        if len(scans) > MAX_JPEG_SCANS:
+            raise MediaError(f"{name}: a JPEG of more than {MAX_JPEG_SCANS} scans (every scan makes the decoder "
+                             "walk the whole image again)")
+        fp.stops = scans
     return img
 
 

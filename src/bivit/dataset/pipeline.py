@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -26,6 +27,9 @@ from ..items import ItemResult, Prepared, prepare as prepare_input
 # Videos up to this size are decoded from the very bytes that were hashed; larger ones from the path after a
 # streamed hash check (holding a multi-GB file in memory is worse than a file swapped mid-job, which is rare).
 VIDEO_BYTES_LIMIT = 512 * 2**20
+# Decoding one item stops after this long (a MediaError, recorded in errors.jsonl): no input can hold the job.
+# Far above any real input (an 8K hour of video decodes in minutes); a scan or frame bomb is stopped at it.
+ITEM_TIMEOUT_S = 900.0
 
 
 @dataclass(frozen=True)
@@ -53,9 +57,12 @@ class Work:
     stats: list[Optional[os.stat_result]] = field(default_factory=list)
 
 
-def prepare(sha: str, kind: str, path: Path, name: str, processing: Any = None, alpha: str = "model") -> Prepared:
+def prepare(sha: str, kind: str, path: Path, name: str, processing: Any = None, alpha: str = "model",
+            timeout_s: float = ITEM_TIMEOUT_S) -> Prepared:
     """Read one item, check it still has the planned `sha`, and prepare it under the model's `processing` (a
-    ProcessorConfig) and `alpha`. Never raises for a bad input: the reason is the Prepared's error."""
+    ProcessorConfig) and `alpha`, its decoding stopped after `timeout_s`. Never raises for a bad input: the
+    reason is the Prepared's error."""
+    deadline = time.monotonic() + timeout_s
     try:
         if kind == "video" and path.stat().st_size > VIDEO_BYTES_LIMIT:
             data, same = path, sha256_file(path) == sha
@@ -64,7 +71,8 @@ def prepare(sha: str, kind: str, path: Path, name: str, processing: Any = None, 
             same = hashlib.sha256(data).hexdigest() == sha
         if not same:
             raise BivitError("file changed while the job ran (its sha256 differs from the one planned)")
-        return prepare_input(data, processing=processing, alpha=alpha, name=name, kind=kind, sha256=sha)
+        return prepare_input(data, processing=processing, alpha=alpha, name=name, kind=kind, sha256=sha,
+                             deadline=deadline)
     except OSError as e:
         error: BaseException = BivitError(f"cannot read ({e.strerror or e})")
     except BivitError as e:
