@@ -126,13 +126,13 @@ def one_bit_png(size: int, seed: int = 0) -> bytes:
 
 
 @pytest.mark.parametrize("pattern,kind,flag", [
-    # ~0.3 MB of JSON asking for ~500 MB of answer: identical copies are encoded once but each is answered.
+    # ~0.15 MB of JSON asking for ~250 MB of answer: identical copies are encoded once but each is answered.
     ("copies", "response_too_large", "--max-response-mb"),
     # 48 distinct tiny PNGs, 2.4 MB of float32 patches each once decoded: refused from their headers.
     ("distinct", "too_large", "--max-request-pixels-mb"),
 ])
 def test_amplification_is_refused_before_decoding(server, pattern, kind, flag):
-    images = [one_bit_png(1792)] * 500 if pattern == "copies" else [one_bit_png(448, i) for i in range(48)]
+    images = [one_bit_png(1792)] * 250 if pattern == "copies" else [one_bit_png(448, i) for i in range(48)]
     before = rss_mb(server)
     r = httpx.post(f"{server.url}/v1/encode", json=json_items(*[(f"{i}.png", d) for i, d in enumerate(images)]),
                    timeout=30)
@@ -228,3 +228,33 @@ def test_video_decoding_work_is_bounded_before_decoding(tmp_path):
         error = r.json()["items"][0]["error"]
         assert "decoding 200 frames of 33000000 pixels" in error and "max_decoded_pixels=1000000000" in error
         normal_request_succeeds(srv)
+
+
+def test_copies_of_a_failing_item_are_counted(server):
+    """`{"items": [{"data": ""}] * 300000}` (4 MB) got a 90 MB 422 answer built on the event loop (/health blocked
+    4.9 s): copies share one hash (one item against --max-queue), failed items have no tokens (not counted by
+    --max-response-mb). Now every item counts against --max-queue (256), copies and failed ones included, and the
+    JSON parse stops there; every record counts against --max-response-mb (8 MB here)."""
+    before = rss_mb(server)
+    body = b'{"items": [' + b",".join([b'{"data": ""}'] * 300_000) + b"]}"
+    r = httpx.post(f"{server.url}/v1/encode", content=body, headers={"Content-Type": "application/json"},
+                   timeout=60)
+    assert r.status_code == 413 and r.json()["error"]["kind"] == "too_many_items", r.text[:300]
+    assert len(r.content) < 1000 and "--max-queue 256" in r.json()["error"]["message"]
+    for bad in ("!", ""):  # invalid base64 and an empty item: both failed items with a record to answer
+        r = httpx.post(f"{server.url}/v1/encode", json={"items": [{"data": bad}] * 257}, timeout=60)
+        assert r.status_code == 413 and r.json()["error"]["kind"] == "too_many_items", r.text[:300]
+    r = httpx.post(f"{server.url}/v1/encode", files=[("file", ("e.png", b"", "image/png"))] * 257, timeout=60)
+    assert r.status_code == 413 and r.json()["error"]["kind"] == "too_many_items", r.text[:300]
+    # 100 failing items named with 40 KB each: a 4 MB body, a 12 MB answer (each name in the record, its error
+    # and the message). Refused before anything is decoded.
+    name = "n" * 40_000
+    r = httpx.post(f"{server.url}/v1/encode", json={"items": [{"data": "!", "name": name}] * 100}, timeout=60)
+    assert r.status_code == 413 and r.json()["error"]["kind"] == "response_too_large", r.text[:300]
+    assert len(r.content) < 1000
+    # Within the limits, every failed item is answered with its record, and the message stays one line.
+    r = httpx.post(f"{server.url}/v1/encode", json={"items": [{"data": "!"}] * 256}, timeout=60)
+    assert r.status_code == 422 and len(r.json()["items"]) == 256, r.text[:300]
+    assert r.json()["error"]["message"].endswith("; and 253 more")
+    assert rss_mb(server) - before < 100
+    normal_request_succeeds(server, 7)

@@ -209,14 +209,29 @@ def json_depth(text: str, chunk: int = 1 << 22) -> int:
     return deepest
 
 
-def parse_json(data: Union[bytes, str], max_depth: int = MAX_JSON_DEPTH) -> Any:
+class TooManyObjects(ValueError):
+    """JSON text holding more objects than its reader allows (`parse_json`'s `max_objects`)."""
+
+
+def parse_json(data: Union[bytes, str], max_depth: int = MAX_JSON_DEPTH, max_objects: Optional[int] = None) -> Any:
     """The value of JSON text from outside bivit; ValueError if it is not JSON (or not UTF-8/16/32), nests
-    deeper than `max_depth`, or repeats a key in one object."""
+    deeper than `max_depth`, or repeats a key in one object; TooManyObjects as soon as it has made more than
+    `max_objects` objects (so 4 MB of `{}` never becomes 300,000 dicts)."""
     text = data.decode(json.detect_encoding(data), "surrogatepass") if isinstance(data, bytes) else data
     depth = json_depth(text)
     if depth > max_depth:
         raise ValueError(f"nested {depth} levels deep, more than the {max_depth} bivit reads")
-    return json.loads(text, object_pairs_hook=unique_keys)
+    hook = unique_keys
+    if max_objects is not None:
+        made = 0
+
+        def hook(pairs: list) -> dict:
+            nonlocal made
+            made += 1
+            if made > max_objects:
+                raise TooManyObjects(f"more than {max_objects} objects")
+            return unique_keys(pairs)
+    return json.loads(text, object_pairs_hook=hook)
 
 
 def read_json(path: Union[str, os.PathLike], max_bytes: int = MAX_JSON_BYTES) -> Any:

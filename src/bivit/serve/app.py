@@ -27,8 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..encoder import Encoder
-from .. import records
-from .protocol import SAFETENSORS_MEDIA_TYPE, RequestError, answer, error_body
+from .protocol import SAFETENSORS_MEDIA_TYPE, RequestError, answer, error_body, failed_answer
 from .bodies import content_type
 from .serving import Service, log
 from .settings import ServerSettings
@@ -197,13 +196,9 @@ def create_app(encoder: Encoder, settings: Optional[ServerSettings] = None) -> F
         if len(failed) == len(results):
             # Nothing to return: a client error unless the server itself broke.
             internal = any(r.error_kind == "internal" for r in failed)
-            status = 500 if internal else 422
             request.state.error = failed[0].error
-            return JSONResponse(error_body(failed[0].error_kind or "internal",
-                                            "every item failed: " + "; ".join(str(r.error) for r in failed),
-                                            format=records.FORMAT, encoder=info,
-                                            items=[r.record(i).to_json() for i, r in enumerate(results)]),
-                                status)
+            body = await asyncio.get_running_loop().run_in_executor(None, failed_answer, info, results)
+            return Response(body, 500 if internal else 422, media_type="application/json")
         # Serialising can take a while for big answers (JSON above all); keep it off the event loop.
         body = await asyncio.get_running_loop().run_in_executor(None, answer, info, results, fmt == "json")
         return Response(body, media_type="application/json" if fmt == "json" else SAFETENSORS_MEDIA_TYPE)

@@ -46,7 +46,7 @@ from .batcher import Batcher
 from .bodies import BodyReader
 from .cache import EmbeddingCache
 from .metrics import Metrics
-from .protocol import ItemResult, RequestError, UploadItem
+from .protocol import ItemResult, RequestError, UploadItem, too_many_items
 from .settings import ServerSettings
 
 log = logging.getLogger("bivit.server")
@@ -56,6 +56,9 @@ log = logging.getLogger("bivit.server")
 PATCH_BYTES = 3 * PATCH_SIZE * PATCH_SIZE * 4
 # A JSON response writes each value as text: at most ~20 bytes with its separator.
 JSON_BYTES_PER_VALUE = 20
+# An item's record in the answer beyond its name (which it holds up to three times: source, error, the 422
+# message): keys, sha256, grid, placeholders, a reason. Counted for every item, failed and cached ones too.
+RECORD_BYTES = 1024
 # An image whose decoding and preprocessing takes more memory than an RGB photo of this size does (as the model
 # preprocesses it; `bivit.decode.image_work_bytes`) is heavy: decoded in the one-thread heavy pool, so at most one
 # such image is in memory at a time and none holds a thread a small image needs. A 64 MP PNG decodes in about 2 s
@@ -217,19 +220,33 @@ class Service:
         async with self.gate.shared():
             return await self._encode_request(items, json_response), self.info
 
+    def _keys(self, items: list[UploadItem], fingerprint: str) -> list[Optional[tuple]]:
+        """Each item's cache key (None for an item that could not be extracted); on a worker thread."""
+        return [None if it.data is None else (fingerprint, it.kind, hashlib.sha256(it.data).hexdigest())
+                for it in items]
+
+    def _costs(self, items: list[UploadItem]) -> list[Optional[tuple[int, int, bool]]]:
+        """`_image_cost` of each item (None for a video); on a worker thread: parsing a header is work too."""
+        return [self._image_cost(it.data) if it.kind == "image" else None for it in items]
+
     async def _encode_request(self, items: list[UploadItem], json_response: bool) -> list[ItemResult]:
         deadline = time.monotonic() + self.settings.request_timeout_s
+        if len(items) > self.settings.max_queue:
+            raise too_many_items(len(items), self.settings.max_queue)
         token_bytes = self.encoder.config.text_hidden_size * (
             JSON_BYTES_PER_VALUE if json_response else self.encoder.output_dtype.itemsize)
         budget = _Budget(self, token_bytes)
+        # Every byte of the answer is counted, records included: a failed item has no tokens but a record.
+        budget.take(0, 0, sum(RECORD_BYTES + 3 * len(it.name.encode("utf-8", "surrogatepass")) for it in items))
         results: list[Optional[ItemResult]] = [None] * len(items)
         todo: list[tuple[int, tuple]] = []
         fp = self.fingerprint
-        for i, it in enumerate(items):
-            if it.data is None:
+        loop = asyncio.get_running_loop()
+        keys = await loop.run_in_executor(None, self._keys, items, fp)
+        for i, (it, key) in enumerate(zip(items, keys)):
+            if key is None:
                 results[i] = ItemResult(it.name, error=f"{it.name}: {it.error}", error_kind="bad_item")
                 continue
-            key = (fp, it.kind, hashlib.sha256(it.data).hexdigest())
             hit = self.cache.get(key) if self.cache.max_bytes else None
             if hit is not None:
                 self.metrics.cache_hits.inc()
@@ -255,8 +272,7 @@ class Service:
                                    f"{self.settings.max_queue}; retry later",
                                    {"Retry-After": str(self.settings.retry_after_s)})
             # Images are counted from their headers, before anything is decoded.
-            cost = {key: self._image_cost(items[i].data) if items[i].kind == "image" else None
-                    for key, i in unique.items()}
+            cost = dict(zip(unique, await loop.run_in_executor(None, self._costs, [items[i] for i in unique.values()])))
             try:
                 budget.take(sum(c[0] for c in cost.values() if c),
                             sum(c[1] * copies[key] for key, c in cost.items() if c))
@@ -328,11 +344,12 @@ class _Budget:
         self.pixels = 0
         self.response = 0
 
-    def take(self, pixels: int, tokens: int) -> None:
+    def take(self, pixels: int, tokens: int, other_bytes: int = 0) -> None:
         s = self.svc.settings
-        if self.response + tokens * self.token_bytes > s.mb(s.max_response_mb):
+        answer = tokens * self.token_bytes + other_bytes
+        if self.response + answer > s.mb(s.max_response_mb):
             raise RequestError(413, "response_too_large", f"the response would exceed --max-response-mb "
-                               f"{s.max_response_mb:g} ({self.response + tokens * self.token_bytes} bytes); "
+                               f"{s.max_response_mb:g} ({self.response + answer} bytes); "
                                "send fewer items (every copy of an item is answered)")
         if self.pixels + pixels > min(s.mb(s.max_request_pixels_mb), s.mb(s.max_queue_pixels_mb)):
             raise RequestError(413, "too_large", f"request needs more than --max-request-pixels-mb "
@@ -341,7 +358,7 @@ class _Budget:
             raise RequestError(429, "queue_full", f"server busy: --max-queue-pixels-mb {s.max_queue_pixels_mb:g} "
                                "of decoded pixels in flight; retry later", {"Retry-After": str(s.retry_after_s)})
         self.pixels += pixels
-        self.response += tokens * self.token_bytes
+        self.response += answer
         self.svc.pixels_held += pixels
         self.svc.metrics.pixel_bytes.set(self.svc.pixels_held)
 
