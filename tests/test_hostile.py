@@ -633,3 +633,52 @@ def test_jpeg_decoding_checks_its_deadline_between_scans(monkeypatch):
     ticks.now = 0.0
     with pytest.raises(MediaError, match="decoding stopped at its deadline"):
         load_image(longer, deadline=looks + 5)
+
+
+def header_lies_video(fmt: str, small: tuple[int, int], big: tuple[int, int], sampled: set[int], n: int = 30,
+                      fps: int = 10) -> bytes:
+    """A real MJPEG video whose stream header says `small` (its first frame's size) and whose frames not in
+    `sampled` are `big`: each packet encoded at its own size, all muxed into the one stream."""
+    from fractions import Fraction
+
+    import av
+
+    buf = io.BytesIO()
+    out = av.open(buf, "w", format=fmt)
+    stream = out.add_stream("mjpeg", rate=fps)
+    stream.width, stream.height, stream.pix_fmt = *small, "yuvj420p"
+    encoders = {}
+    for w, h in (small, big):
+        enc = av.CodecContext.create("mjpeg", "w")
+        enc.width, enc.height, enc.pix_fmt, enc.time_base = w, h, "yuvj420p", Fraction(1, fps)
+        enc.open()
+        encoders[w, h] = enc
+    for i in range(n):
+        w, h = small if i in sampled or i == 0 else big
+        frame = av.VideoFrame.from_ndarray(np.full((h, w, 3), 100, np.uint8), "rgb24").reformat(format="yuvj420p")
+        frame.pts, frame.time_base = i, Fraction(1, fps)
+        for packet in encoders[w, h].encode(frame):
+            packet.stream, packet.pts, packet.dts, packet.time_base = stream, i, i, Fraction(1, fps)
+            out.mux(packet)
+    out.close()
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("fmt", ["matroska", "avi"])
+def test_frames_bigger_than_the_header_are_refused_in_every_pass(fmt):
+    """An MKV/AVI whose header says 64x48 but whose unsampled frames were 16000x16000 MJPEG (21 MB) was encoded
+    with +1.5 GB of RSS: only sampled frames were checked, and --max-video-mpixels trusted the header. Shown at
+    small sizes: a 12,288-pixel frame limit, frames of 640x480 wherever sampling does not look. FFmpeg's decoder
+    now refuses such a frame before allocating it (its own message says so), and every frame decoded in every pass
+    counts its real size."""
+    from bivit.video import SAMPLE_FPS, sample_frame_indices
+
+    sampled = set(sample_frame_indices(30, 10, SAMPLE_FPS))
+    video = header_lies_video(fmt, (64, 48), (640, 480), sampled)
+    with pytest.raises(MediaError, match="a frame is larger than max_frame_pixels=12288"):
+        preprocess_video(video, max_frame_pixels=64 * 48 * 4)
+    # The work limit counts the frames' real pixels, not the header's 64x48 per frame.
+    with pytest.raises(MediaError, match="max_decoded_pixels"):
+        preprocess_video(video, max_decoded_pixels=30 * 64 * 48 * 8)
+    honest = header_lies_video(fmt, (64, 48), (64, 48), sampled)  # the control: the same video, frames as declared
+    assert len(preprocess_video(honest, max_frame_pixels=64 * 48 * 4, max_decoded_pixels=30 * 64 * 48 * 8)) == 2

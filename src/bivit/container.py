@@ -32,6 +32,12 @@ TRUNCATION_SLACK = {"frames": 2, "seconds": 0.5, "fraction": 0.02}
 VideoInput = Union[str, os.PathLike, bytes]
 
 
+def decoder_max_pixels(max_frame_pixels: int) -> int:
+    """The frame size FFmpeg's decoder refuses before allocating a frame: 4x bivit's limit plus a 128x128
+    block, so that no legal frame's coded size (each side aligned up to at most 128) reaches it."""
+    return 4 * max_frame_pixels + 128 * 128
+
+
 def _reason(e: BaseException) -> str:
     # FFmpeg errors carry the path in str(e); the strerror alone reads better after our own "name: " prefix.
     return getattr(e, "strerror", None) or str(e) or type(e).__name__
@@ -53,8 +59,8 @@ def translate_errors(name: str, doing: str) -> Iterator[None]:
 class Source:
     """An opened container and its video stream; a fresh one per decoding pass."""
 
-    def __init__(self, src: VideoInput, name: str):
-        self.name = name
+    def __init__(self, src: VideoInput, name: str, max_frame_pixels: Optional[int] = None):
+        self.name, self.max_frame_pixels = name, max_frame_pixels
         # A file object named by its descriptor: FFmpeg sees neither the path (no protocol is parsed from it)
         # nor its extension (bytes and paths are probed alike).
         try:
@@ -83,6 +89,12 @@ class Source:
                 if not streams:
                     raise MediaError(f"{name}: has no video stream")
                 self.stream = streams[0]
+                if max_frame_pixels is not None:
+                    # FFmpeg's decoder checks every frame's size against this before allocating it: a stream
+                    # whose header says 64x48 may hold 16000x16000 frames (+1.5 GB for one MJPEG frame). It
+                    # checks coded sizes (aligned up to 16-128 pixels a side), hence the margin; bivit checks
+                    # each decoded frame's own size against the exact limit.
+                    self.stream.codec_context.options = {"max_pixels": str(decoder_max_pixels(max_frame_pixels))}
                 self.format = fmt
                 self.codec = self.stream.codec_context.name
                 self.width = self.stream.codec_context.width
@@ -118,7 +130,13 @@ class Source:
 
     def frames(self) -> Iterator[av.VideoFrame]:
         with translate_errors(self.name, "decoding"):
-            yield from self.container.decode(self.stream)
+            try:
+                yield from self.container.decode(self.stream)
+            except av.error.ArgumentError as e:  # how the decoder refuses a frame above `max_pixels`
+                if self.max_frame_pixels is None:
+                    raise
+                raise MediaError(f"{self.name}: decoding failed: a frame is larger than max_frame_pixels="
+                                 f"{self.max_frame_pixels}, or the stream is corrupt ({_reason(e)})") from None
 
     def close(self) -> None:
         try:
