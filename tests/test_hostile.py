@@ -682,3 +682,52 @@ def test_frames_bigger_than_the_header_are_refused_in_every_pass(fmt):
         preprocess_video(video, max_decoded_pixels=30 * 64 * 48 * 8)
     honest = header_lies_video(fmt, (64, 48), (64, 48), sampled)  # the control: the same video, frames as declared
     assert len(preprocess_video(honest, max_frame_pixels=64 * 48 * 4, max_decoded_pixels=30 * 64 * 48 * 8)) == 2
+
+
+VIDEO_PEAK_CHILD = """
+    import ctypes, json, os, sys
+    from bivit.errors import MediaError
+    from bivit.video import preprocess_video
+
+    def status(key):
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+
+    for path in sys.argv[1:]:  # each in a fresh fork: its peak is its own
+        data = open(path, "rb").read()
+        pid = os.fork()
+        if pid == 0:
+            ctypes.CDLL(None).malloc_trim(0)
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # reset VmHWM to the current RSS
+            before = status("VmRSS:")
+            try:
+                preprocess_video(data, name=os.path.basename(path))
+                error = None
+            except MediaError as e:
+                error = str(e)
+            print(json.dumps({"name": os.path.basename(path), "peak": status("VmHWM:") - before, "error": error}))
+            os._exit(0)
+        os.waitpid(pid, 0)
+"""
+
+
+def test_a_still_image_named_as_a_video_never_reaches_ffmpeg(tmp_path):
+    """FFmpeg decoded PNG/WebP while probing, before bivit said "is a still image": a 0.95 MB 16000x16000 PNG took
+    +982 MB, a 5 KB WebP +552 MB, outside the image limits; its 38 still-image demuxers exposed EXR/PSD/DDS
+    parsers to uploads. Still images are now known by their first bytes, and no still-image demuxer is allowed.
+    Measured in a child (peak RSS): 8000x8000 images, 256 MB once decoded."""
+    paths = []
+    for name, fmt, kw in (("big.png.mp4", "PNG", {}), ("big.webp.mp4", "WEBP", {"lossless": True})):
+        Image.new("RGB", (8000, 8000), (9, 9, 9)).save(tmp_path / name, fmt, **kw)
+        paths.append(str(tmp_path / name))
+    (tmp_path / "x.exr.mp4").write_bytes(b"v/1\x01" + bytes(4000))  # an EXR header: no FFmpeg parser reads it
+    paths.append(str(tmp_path / "x.exr.mp4"))
+    r = run_python(VIDEO_PEAK_CHILD, *paths)
+    assert r.returncode == 0, r.stderr[-3000:]
+    results = {m["name"]: m for m in map(json.loads, r.stdout.splitlines())}
+    assert len(results) == 3, results
+    for name, fmt in (("big.png.mp4", "png"), ("big.webp.mp4", "webp"), ("x.exr.mp4", "exr")):
+        m = results[name]
+        assert m["error"] == f"{name}: is a still image ({fmt}), not a video; encode it as an image", m
+        assert m["peak"] < 32 * 2**20, m
