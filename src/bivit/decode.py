@@ -40,6 +40,15 @@ IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "BMP", "TIFF", "GIF")  # JPEG includes M
 # bytes): 1 MB of empty scans over a 5500x5500 image is ~18 minutes of CPU. Encoders write one scan per
 # component at most (baseline), 10 (libjpeg's progressive script) or a few more (mozjpeg's optimised scans).
 MAX_JPEG_SCANS = 100
+# Chunks of one PNG (Pillow parses every chunk before and after the pixels: 5M empty chunks in 60 MB took 11.5 s
+# and +850 MB before anything was decoded). Data arrives in IDAT chunks of 8-64 KB: 262,144 of 8 KB is 2 GiB,
+# the most bivit reads of one image; other chunks (text, colour profile, ...) number a few dozen in real files.
+MAX_PNG_CHUNKS = 2**18
+MAX_PNG_OTHER_CHUNKS = 1024
+# Values of one TIFF tag (Pillow builds a tuple of them when it opens the file: one tag of 15M values took 1.3 s
+# and +1.2 GB). The largest real ones are the strip or tile offsets and byte counts: 2^20 tiles of 16x16 is
+# 268 MP, more than MAX_IMAGE_PIXELS.
+MAX_TIFF_TAG_VALUES = 2**20
 
 ImageInput = Union[Image.Image, np.ndarray, str, os.PathLike, bytes]
 
@@ -239,8 +248,60 @@ def _check_work(size: tuple[int, int], mode: str, name: str, max_bytes: int | No
 
 # --------------------------------------------------------------------------------------------- loading
 
+def _png_chunks(data: bytes) -> tuple[int, int]:
+    """(chunks, chunks other than IDAT) of a PNG, walked by their lengths up to IEND; the walk stops past the
+    limits (MAX_PNG_CHUNKS, MAX_PNG_OTHER_CHUNKS)."""
+    pos, chunks, other = 8, 0, 0
+    while pos + 8 <= len(data) and chunks <= MAX_PNG_CHUNKS and other <= MAX_PNG_OTHER_CHUNKS:
+        kind = data[pos + 4:pos + 8]
+        chunks += 1
+        other += kind != b"IDAT"
+        if kind == b"IEND":
+            break
+        pos += 12 + int.from_bytes(data[pos:pos + 4], "big")
+    return chunks, other
+
+
+def _tiff_largest_tag(data: bytes) -> int:
+    """The most values one tag of a TIFF's first directory holds (classic TIFF and BigTIFF); 0 if the layout
+    cannot be read (Pillow then says what is wrong)."""
+    order = "little" if data[:2] == b"II" else "big"
+    big = int.from_bytes(data[2:4], order) == 43
+    if big:
+        head, entry, size = 8, 20, 8
+        ifd = int.from_bytes(data[8:16], order)
+    else:
+        head, entry, size = 2, 12, 4
+        ifd = int.from_bytes(data[4:8], order)
+    if ifd + head > len(data):
+        return 0
+    entries = int.from_bytes(data[ifd:ifd + head], order)
+    largest = 0
+    for k in range(entries):
+        at = ifd + head + k * entry
+        if at + entry > len(data):
+            break
+        largest = max(largest, int.from_bytes(data[at + 4:at + 4 + size], order))
+    return largest
+
+
+def _check_structure(data: bytes, name: str) -> None:
+    """Refuse, from the bytes alone, a file whose parsing alone would cost more than any real image's: too many
+    PNG chunks, a TIFF tag with too many values. JPEG scans are counted once the header says it is a JPEG."""
+    if data[:8] == b"\x89PNG\r\n\x1a\n":
+        chunks, other = _png_chunks(data)
+        if chunks > MAX_PNG_CHUNKS or other > MAX_PNG_OTHER_CHUNKS:
+            raise MediaError(f"{name}: a PNG of more than {MAX_PNG_CHUNKS} chunks, or more than "
+                             f"{MAX_PNG_OTHER_CHUNKS} besides its image data")
+    elif data[:4] in (b"II*\x00", b"MM\x00*", b"II+\x00", b"MM\x00+"):
+        values = _tiff_largest_tag(data)
+        if values > MAX_TIFF_TAG_VALUES:
+            raise MediaError(f"{name}: a TIFF tag of {values} values, more than the {MAX_TIFF_TAG_VALUES} bivit reads")
+
+
 def _open_header(data: bytes, name: str, max_pixels: int, deadline: float | None = None) -> Image.Image:
     """Parse an image's header (no pixel decoding), in a format bivit reads, and refuse it above `max_pixels`."""
+    _check_structure(data, name)
     fp = _Encoded(data, name, deadline)
     with _pillow_guard_off():
         img = Image.open(fp, formats=IMAGE_FORMATS)
