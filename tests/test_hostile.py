@@ -495,7 +495,7 @@ def test_a_heavy_image_never_holds_the_thread_a_small_one_needs():
     svc.start()
     busy = threading.Event()
     try:
-        blocker = svc.heavy_pool.submit(busy.wait)
+        blocker = svc.heavy_pool.submit("another request", busy.wait)
 
         async def scenario() -> None:
             heavy_task = asyncio.ensure_future(svc.encode_request([heavy]))
@@ -774,3 +774,31 @@ def test_png_chunk_and_tiff_tag_floods_are_refused_before_parsing():
     assert load_image(tiff_tag_bomb(1000)).size == (8, 8)
     with pytest.raises(MediaError, match=f"a TIFF tag of 1048577 values, more than the {MAX_TIFF_TAG_VALUES}"):
         load_image(tiff_tag_bomb(MAX_TIFF_TAG_VALUES + 1))
+
+
+def test_decode_threads_are_shared_round_robin_between_requests():
+    """Two requests of 13 legitimate 7500x7500 PNGs made a one-image request wait 61 s instead of 0.08 s: the
+    decode pool served items first come, first served. Now it takes them round-robin across requests. Shown
+    without timing: one thread, held busy while request A queues 6 calls and then request B one; B's call runs
+    second, not seventh. The control: without other owners, calls run in the order they came."""
+    from bivit.serve.pools import FairPool
+
+    pool = FairPool(1, "test")
+    busy, ran = threading.Event(), []
+    try:
+        blocker = pool.submit("first", busy.wait)
+        futures = [pool.submit("A", ran.append, f"A{i}") for i in range(6)] + [pool.submit("B", ran.append, "B0")]
+        cancelled = pool.submit("A", ran.append, "never")
+        assert cancelled.cancel()
+        busy.set()
+        for f in [blocker, *futures]:
+            f.result(60)
+        assert ran == ["A0", "B0", "A1", "A2", "A3", "A4", "A5"], ran
+        ran.clear()
+        futures = [pool.submit("A", ran.append, i) for i in range(5)]
+        for f in futures:
+            f.result(60)
+        assert ran == list(range(5))
+    finally:
+        busy.set()
+        pool.shutdown()

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import concurrent.futures
 import contextlib
 import hashlib
 import logging
@@ -46,6 +45,7 @@ from .batcher import Batcher
 from .bodies import BodyReader
 from .cache import EmbeddingCache
 from .metrics import Metrics
+from .pools import FairPool
 from .protocol import ItemResult, RequestError, UploadItem, too_many_items
 from .settings import ServerSettings
 
@@ -112,10 +112,11 @@ class Service:
         self.cache = EmbeddingCache(int(settings.cache_mb * 2**20) if encoder.batch_invariant else 0)
         self.batcher = Batcher(encoder, settings.max_batch_patches, settings.max_wait_ms / 1000.0, self.metrics)
         # Images, heavy images and videos decode in separate pools: a video or a heavy image that is slow to decode
-        # (until its request's deadline) never makes a small image wait for a thread.
-        self.pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
-        self.heavy_pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
-        self.video_pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        # (until its request's deadline) never makes a small image wait for a thread. Each pool takes its work
+        # round-robin across requests (`FairPool`): a request of many items never holds a pool from another.
+        self.pool: Optional[FairPool] = None
+        self.heavy_pool: Optional[FairPool] = None
+        self.video_pool: Optional[FairPool] = None
         self.heavy_bytes = image_work_bytes(*HEAVY_IMAGE_SIZE, "RGB", encoder.processing)
         self.inflight = 0  # items admitted and not yet answered; touched only on the event loop
         self.pixels_held = 0  # preprocessed pixel bytes of admitted requests (see _Budget); event loop only
@@ -133,11 +134,9 @@ class Service:
 
     # -- lifecycle
     def start(self) -> None:
-        self.pool = concurrent.futures.ThreadPoolExecutor(self.settings.preprocess_threads,
-                                                          thread_name_prefix="bivit-preprocess")
-        self.heavy_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="bivit-heavy")
-        self.video_pool = concurrent.futures.ThreadPoolExecutor(self.settings.preprocess_threads,
-                                                                thread_name_prefix="bivit-video")
+        self.pool = FairPool(self.settings.preprocess_threads, "bivit-preprocess")
+        self.heavy_pool = FairPool(1, "bivit-heavy")
+        self.video_pool = FairPool(self.settings.preprocess_threads, "bivit-video")
         self.batcher.start()
 
     def stop(self) -> None:
@@ -145,7 +144,7 @@ class Service:
         self.batcher.stop()
         for pool in (self.pool, self.heavy_pool, self.video_pool):
             if pool is not None:
-                pool.shutdown(wait=True)
+                pool.shutdown()
 
     # -- encoding
     def _prepare(self, item: UploadItem, sha256: str, deadline: float) -> Prepared:
@@ -165,7 +164,7 @@ class Service:
         gh, gw = image_grid(head.width, head.height, self.encoder.processing)
         return gh * gw * PATCH_BYTES, grid_tokens(gh, gw), head.work_bytes > self.heavy_bytes
 
-    def _pool_for(self, item: UploadItem, heavy: bool) -> concurrent.futures.ThreadPoolExecutor:
+    def _pool_for(self, item: UploadItem, heavy: bool) -> FairPool:
         if item.kind == "video":
             return self.video_pool
         return self.heavy_pool if heavy else self.pool
@@ -176,7 +175,7 @@ class Service:
         are reasons (the caller names each copy of the item)."""
         res = ItemResult(item.name, item.kind, key[2])
         pool = self._pool_for(item, cost is not None and cost[2])
-        prepared = await asyncio.get_running_loop().run_in_executor(pool, self._prepare, item, key[2], deadline)
+        prepared = await asyncio.wrap_future(pool.submit(budget, self._prepare, item, key[2], deadline))
         if isinstance(prepared.error, MediaError):
             res.error, res.error_kind = prepared.error.about(item.name), "media"
             return res
@@ -205,8 +204,8 @@ class Service:
         res.sizes = done.sizes  # made JSON-ready with the rest of the record (`records.record`)
         if self.settings.ec_dir is not None:
             try:
-                res.ec_ids = await asyncio.get_running_loop().run_in_executor(self.pool, self._write_encoder_cache,
-                                                                              done, key[0])
+                res.ec_ids = await asyncio.wrap_future(self.pool.submit(budget, self._write_encoder_cache, done,
+                                                                        key[0]))
             except (OSError, BivitError) as e:
                 res.embedding, res.error, res.error_kind = None, f"cannot write the encoder cache ({e})", "internal"
         return res
