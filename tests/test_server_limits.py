@@ -258,3 +258,26 @@ def test_copies_of_a_failing_item_are_counted(server):
     assert r.json()["error"]["message"].endswith("; and 253 more")
     assert rss_mb(server) - before < 100
     normal_request_succeeds(server, 7)
+
+
+def test_a_client_that_hangs_up_stops_costing(server):
+    """A client that hung up still cost all its CPU (and was logged 200). Its request is now cancelled: what is
+    queued is dropped. Shown without timing: the batching worker is held, so the item waits in its queue; the
+    client closes its socket; the item leaves the queue with no forward pass (still held), logged as 499."""
+    body = json.dumps(json_items(("gone.png", png_bytes(56, 56, 11)))).encode()
+    request = (f"POST /v1/encode HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               f"Content-Length: {len(body)}\r\nX-Request-ID: hung-up-client\r\n\r\n").encode() + body
+    with server.held():
+        with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
+            s.sendall(request)
+            server.wait_for_metric("bivit_queue_depth", lambda v: v == 1)
+        server.wait_for_metric("bivit_inflight_items", lambda v: v == 0)  # answered while no pass can run
+        tokens = server.metrics()["bivit_tokens_total"]
+    deadline = time.monotonic() + 60
+    while not (logged := [r for r in server.log_records() if r.get("id") == "hung-up-client"]):
+        assert time.monotonic() < deadline, server.log_text()[-2000:]
+        time.sleep(0.05)
+    assert logged[0]["status"] == 499, logged
+    # Its queued item was skipped: the next request's item (ahead of none) is the only one encoded since.
+    normal_request_succeeds(server, 12)
+    assert server.metrics()["bivit_tokens_total"] - tokens == 4  # 56x56: one 4x4 grid of patches, merged 2x2

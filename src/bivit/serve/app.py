@@ -123,6 +123,7 @@ def create_app(encoder: Encoder, settings: Optional[ServerSettings] = None) -> F
     async def _frame(request: Request, call_next):
         # Request id, auth, structured request log. Auth guards every route except /health.
         rid = _request_id(request.headers.get("x-request-id"))
+        request.scope[_CLIENT_RECEIVE] = request.receive
         request.state.items = 0
         request.state.failed = 0
         request.state.error = None
@@ -185,7 +186,7 @@ def create_app(encoder: Encoder, settings: Optional[ServerSettings] = None) -> F
         if not items:
             raise RequestError(400, "bad_request", "no items: send at least one 'file' part or JSON item")
         request.state.items = len(items)
-        results, info = await svc.encode_request(items, json_response=fmt == "json")
+        results, info = await _unless_disconnected(request, svc.encode_request(items, json_response=fmt == "json"))
 
         failed = [r for r in results if r.error is not None]
         request.state.failed = len(failed)
@@ -214,6 +215,40 @@ def create_app(encoder: Encoder, settings: Optional[ServerSettings] = None) -> F
         return JSONResponse(await svc.update_weights(body))
 
     return app
+
+
+# Where the request frame keeps the server's own `receive` (the endpoint's is wrapped by the middleware, and
+# cannot see a disconnect without waiting for one).
+_CLIENT_RECEIVE = "bivit.client_receive"
+
+
+async def _unless_disconnected(request: Request, work):
+    """`await work`, cancelled when the client hangs up meanwhile (the body is read: the next message the server
+    has for this request is its disconnect): its queued decodes and forward passes are dropped (a decode
+    already running stops at its item's end), and the request is logged as 499."""
+    task = asyncio.ensure_future(work)
+    receive = request.scope.get(_CLIENT_RECEIVE)
+
+    async def hung_up() -> None:
+        if receive is None:
+            await asyncio.Event().wait()
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    watch = asyncio.ensure_future(hung_up())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watch.cancel()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+        raise RequestError(499, "client_closed", "the client closed the connection before the answer")
+    return task.result()
 
 
 def run(encoder: Encoder, settings: ServerSettings, *, host: str, port: int, log_level: str) -> None:
