@@ -281,3 +281,29 @@ def test_a_client_that_hangs_up_stops_costing(server):
     # Its queued item was skipped: the next request's item (ahead of none) is the only one encoded since.
     normal_request_succeeds(server, 12)
     assert server.metrics()["bivit_tokens_total"] - tokens == 4  # 56x56: one 4x4 grid of patches, merged 2x2
+
+
+def test_bodies_in_flight_are_bounded(tmp_path):
+    """Uploads that send 63 of 64 MB and stall held +0.5 / +1.3 / +2.3 GB at 4 / 16 / 32 of them: every body was
+    its own limit, none counted what the others held. Encode bodies now count against 4 x --max-body-mb over
+    all requests as they arrive: 503 beyond. Shown with --max-body-mb 1 (4 MiB for all bodies): four uploads
+    send 1,000,000 of their 1 MiB and stall; a fifth one's bytes do not fit: 503, at once. Once the four hang
+    up, their bytes are released and a request goes through."""
+    with ServerProcess(["--max-body-mb", "1", "--body-timeout-s", "60", "--cache-mb", "0"], tmp_path) as srv:
+        def stalled(n: int) -> socket.socket:
+            s = socket.create_connection(("127.0.0.1", srv.port), timeout=60)
+            s.sendall(b"POST /v1/encode HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 1048576\r\n\r\n" + b" " * n)
+            return s
+
+        held = [stalled(1_000_000) for _ in range(4)]
+        try:
+            srv.wait_for_metric("bivit_body_bytes", lambda v: v == 4_000_000)
+            with stalled(300_000) as fifth:
+                answer = fifth.makefile("rb").readline()
+            assert answer.startswith(b"HTTP/1.1 503"), answer
+        finally:
+            for s in held:
+                s.close()
+        srv.wait_for_metric("bivit_body_bytes", lambda v: v == 0)
+        normal_request_succeeds(srv, 13)

@@ -142,6 +142,8 @@ def create_app(encoder: Encoder, settings: Optional[ServerSettings] = None) -> F
                 log.exception("unhandled error", extra={"fields": {"id": rid}})
                 svc.metrics.errors.labels("internal").inc()
                 response = JSONResponse(error_body("internal", "internal server error"), 500)
+            finally:
+                svc.bodies.release(request)
         latency = time.perf_counter() - t0
         response.headers["X-Request-ID"] = rid
         if request.url.path == "/v1/encode":

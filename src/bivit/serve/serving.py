@@ -107,7 +107,7 @@ class Service:
         self.encoder = encoder
         self.settings = settings
         self.metrics = Metrics()
-        self.bodies = BodyReader(settings)
+        self.bodies = BodyReader(settings, self.metrics)
         # Without batch invariance a cached embedding may differ from a fresh one, so no cache at all.
         self.cache = EmbeddingCache(int(settings.cache_mb * 2**20) if encoder.batch_invariant else 0)
         self.batcher = Batcher(encoder, settings.max_batch_patches, settings.max_wait_ms / 1000.0, self.metrics)
