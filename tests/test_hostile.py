@@ -802,3 +802,99 @@ def test_decode_threads_are_shared_round_robin_between_requests():
     finally:
         busy.set()
         pool.shutdown()
+
+
+# ------------------------------------------------------------------------------------ files read back
+
+@pytest.fixture(scope="module")
+def dataset_folder(tmp_path_factory):
+    """A real dataset folder of two images (demo model), written once; tests copy it before changing it."""
+    from bivit.dataset import encode_dataset
+
+    d = tmp_path_factory.mktemp("readback")
+    (d / "src").mkdir()
+    for i in range(2):
+        Image.fromarray(np.full((56, 56, 3), 40 * i, np.uint8)).save(d / "src" / f"{i}.png")
+    encode_dataset(d / "src", d / "ds", progress=False)
+    return d / "ds"
+
+
+def _edited(folder: Path, dst: Path, edit) -> Path:
+    import shutil
+
+    shutil.copytree(folder, dst)
+    rows = [json.loads(line) for line in (dst / "manifest.jsonl").read_text().splitlines()]
+    (dst / "manifest.jsonl").write_text("".join(line + "\n" for line in edit(rows)))
+    return dst
+
+
+@pytest.mark.parametrize("case", ["dotdot", "absolute", "symlink", "tokens", "dtype", "nested", "types",
+                                  "damaged"])
+def test_a_dataset_folder_read_back_is_checked(dataset_folder, tmp_path, case):
+    """`load_embeddings` on a folder whose manifest said `"shard": "../../x.safetensors"` (or an absolute path,
+    or a shard linked outside) returned that file's tensor as the embedding; tensors were not checked against
+    their records; nested JSON raised RecursionError, bad types TypeError/ValueError, a damaged shard
+    SafetensorError. Each is now bivit's FormatError, naming what is wrong."""
+    from safetensors.torch import save_file as save
+
+    import torch
+    from bivit.records import FormatError
+
+    outside = tmp_path / "x.safetensors"
+    shard = json.loads((dataset_folder / "manifest.jsonl").read_text().splitlines()[0])["shard"]
+    key = json.loads((dataset_folder / "manifest.jsonl").read_text().splitlines()[0])["key"]
+    tokens = json.loads((dataset_folder / "manifest.jsonl").read_text().splitlines()[0])["tokens"]
+    save({key: torch.zeros(tokens, 128, dtype=torch.bfloat16)}, outside)
+    dst = tmp_path / "ds"
+
+    def each(change):
+        return lambda rows: [json.dumps({**r, **change(r)}) for r in rows]
+
+    if case == "dotdot":
+        _edited(dataset_folder, dst, each(lambda r: {"shard": "../x.safetensors"}))
+    elif case == "absolute":
+        _edited(dataset_folder, dst, each(lambda r: {"shard": str(outside)}))
+    elif case == "symlink":
+        _edited(dataset_folder, dst, each(lambda r: {}))
+        (dst / shard).unlink()
+        (dst / shard).symlink_to(outside)
+    elif case == "tokens":
+        _edited(dataset_folder, dst, each(lambda r: {"tokens": r["tokens"] + 1}))
+    elif case == "dtype":
+        import shutil
+
+        shutil.copytree(dataset_folder, dst)
+        header = json.loads((dst / "dataset.json").read_text())
+        (dst / "dataset.json").write_text(json.dumps({**header, "output_dtype": "float32"}))
+    elif case == "nested":
+        _edited(dataset_folder, dst, lambda rows: ["[" * 100_000 + "]" * 100_000])
+    elif case == "types":
+        _edited(dataset_folder, dst, each(lambda r: {"tokens": "many", "grid_thw": 5}))
+    elif case == "damaged":
+        _edited(dataset_folder, dst, each(lambda r: {}))
+        (dst / shard).write_bytes(b"\xff" * 64)
+    with pytest.raises(FormatError):
+        for record in bivit.load_embeddings(dst):
+            record.embedding  # noqa: B018 - reads it
+    assert all(r.embedding is not None for r in bivit.load_embeddings(dataset_folder))  # the control
+
+
+def test_a_fifo_is_refused_not_waited_on(tmp_path):
+    """A FIFO given to `load_embeddings`, or as a dataset folder's manifest, blocked forever."""
+    fifo = tmp_path / "emb.safetensors"
+    os.mkfifo(fifo)
+    folder = tmp_path / "ds"
+    folder.mkdir()
+    (folder / "dataset.json").write_text(json.dumps({"format": "bivit-encoded-dataset", "format_version": 1}))
+    os.mkfifo(folder / "manifest.jsonl")
+    r = run_python("""
+        import sys, bivit
+        for path in sys.argv[1:]:
+            try:
+                bivit.load_embeddings(path)
+            except bivit.BivitError as e:
+                print(type(e).__name__, e)
+    """, str(fifo), str(folder), timeout=120)
+    lines = r.stdout.splitlines()
+    assert r.returncode == 0 and len(lines) == 2, r.stderr[-2000:]
+    assert all("not a regular file" in line for line in lines), lines
