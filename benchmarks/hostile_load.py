@@ -294,6 +294,11 @@ def round4() -> None:
 
         measured("stalled bodies", stalled)
         probe.stop()
+    head_of_line()
+
+
+def head_of_line() -> None:
+    """Two requests of 13 7500x7500 PNGs, then a small request 1 s later (default limits)."""
     with ServerProcess(["--cache-mb", "0"], Path(tempfile.mkdtemp())) as srv:
         results: dict[str, tuple[int, float]] = {}
 

@@ -491,7 +491,7 @@ def test_a_heavy_image_never_holds_the_thread_a_small_one_needs():
     svc = Service(bivit.load_encoder(), ServerSettings(cache_mb=0, preprocess_threads=1))
     svc.heavy_bytes = image_work_bytes(112, 112, "RGB", svc.encoder.processing)  # small limits in tests
     heavy, small = UploadItem("heavy.png", png_bytes(300, 300, 1)), UploadItem("small.png", png_bytes(56, 56, 2))
-    assert svc._image_cost(heavy.data)[2] and not svc._image_cost(small.data)[2]
+    assert svc._image_cost(heavy.data)[2] > svc.heavy_bytes >= svc._image_cost(small.data)[2]
     svc.start()
     busy = threading.Event()
     try:
@@ -774,6 +774,40 @@ def test_png_chunk_and_tiff_tag_floods_are_refused_before_parsing():
     assert load_image(tiff_tag_bomb(1000)).size == (8, 8)
     with pytest.raises(MediaError, match=f"a TIFF tag of 1048577 values, more than the {MAX_TIFF_TAG_VALUES}"):
         load_image(tiff_tag_bomb(MAX_TIFF_TAG_VALUES + 1))
+
+
+def test_a_light_image_never_waits_for_a_thread_decoding_a_large_one():
+    """Two requests of 13 7500x7500 PNGs (under the heavy threshold) held both image threads; a one-image request
+    waited for one of them. Light images (by their header) decode in a pool of their own. Shown without timing:
+    the image pool is held busy; a light request completes meanwhile (the control: the busy pool holds back an
+    image queued in it)."""
+    from bivit.serve.protocol import UploadItem
+    from bivit.serve.serving import Service
+    from bivit.serve.settings import ServerSettings
+
+    svc = Service(bivit.load_encoder(), ServerSettings(cache_mb=0, preprocess_threads=1))
+    light, mid = UploadItem("light.png", png_bytes(56, 56, 21)), UploadItem("mid.png", png_bytes(1200, 1200, 22))
+    assert svc._image_cost(light.data)[2] <= svc.light_bytes < svc._image_cost(mid.data)[2] <= svc.heavy_bytes
+    svc.start()
+    busy = threading.Event()
+    try:
+        blocker = svc.pool.submit("another request", busy.wait)
+
+        async def scenario() -> None:
+            mid_task = asyncio.ensure_future(svc.encode_request([mid]))
+            results, _ = await asyncio.wait_for(svc.encode_request([light]), 120)
+            assert results[0].embedding is not None and results[0].error is None
+            await asyncio.sleep(0)
+            assert not mid_task.done()  # still queued behind the busy image pool
+            busy.set()
+            results, _ = await asyncio.wait_for(mid_task, 120)
+            assert results[0].embedding is not None and results[0].error is None
+
+        asyncio.run(scenario())
+        blocker.result()
+    finally:
+        busy.set()
+        svc.stop()
 
 
 def test_decode_threads_are_shared_round_robin_between_requests():

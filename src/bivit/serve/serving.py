@@ -4,8 +4,9 @@
    hashes each item and looks it up in the embedding cache.
 2. Cache misses are admitted against `max_queue` (else 429 + Retry-After) and prepared in thread pools
    (`Encoder.prepare`: decoding, resizing, chunking), so that work never blocks the event loop: videos in one,
-   images in another, and images whose header says they are heavy (`HEAVY_IMAGE_SIZE`) in a third of one
-   thread, so a heavy item never makes a small one wait for a thread. Every decode stops at its request's
+   images in another, images whose header says they are heavy (`HEAVY_IMAGE_SIZE`) in a third of one thread
+   and light ones (`LIGHT_IMAGE_SIZE`) in a fourth of one thread, so a heavy item never makes a small one wait
+   for a thread; each pool takes its work round-robin across requests (`FairPool`). Every decode stops at its request's
    deadline (an item still queued then is never started).
 3. Each prepared item's chunks (one for an image) go to the Batcher, whose single worker coalesces queued
    chunks from all concurrent requests into forward passes by the packing rule.
@@ -64,6 +65,10 @@ RECORD_BYTES = 1024
 # such image is in memory at a time and none holds a thread a small image needs. A 64 MP PNG decodes in about 2 s
 # on one core; the 14000x14000 PNGs that starved small requests take 5-7 s each.
 HEAVY_IMAGE_SIZE = (8192, 8192)
+# An image that takes no more than an RGB photo of this size is light: decoded in a one-thread pool of its own
+# (in tens of milliseconds), so a small request never waits for a thread that decodes a large image (two
+# requests of 13 7500x7500 PNGs held both image threads for ~10 s at a time on 2 busy cores).
+LIGHT_IMAGE_SIZE = (1024, 1024)
 
 
 class WeightsGate:
@@ -116,8 +121,10 @@ class Service:
         # round-robin across requests (`FairPool`): a request of many items never holds a pool from another.
         self.pool: Optional[FairPool] = None
         self.heavy_pool: Optional[FairPool] = None
+        self.light_pool: Optional[FairPool] = None
         self.video_pool: Optional[FairPool] = None
         self.heavy_bytes = image_work_bytes(*HEAVY_IMAGE_SIZE, "RGB", encoder.processing)
+        self.light_bytes = image_work_bytes(*LIGHT_IMAGE_SIZE, "RGB", encoder.processing)
         self.inflight = 0  # items admitted and not yet answered; touched only on the event loop
         self.pixels_held = 0  # preprocessed pixel bytes of admitted requests (see _Budget); event loop only
         self.draining = False
@@ -136,13 +143,14 @@ class Service:
     def start(self) -> None:
         self.pool = FairPool(self.settings.preprocess_threads, "bivit-preprocess")
         self.heavy_pool = FairPool(1, "bivit-heavy")
+        self.light_pool = FairPool(1, "bivit-light")
         self.video_pool = FairPool(self.settings.preprocess_threads, "bivit-video")
         self.batcher.start()
 
     def stop(self) -> None:
         self.draining = True
         self.batcher.stop()
-        for pool in (self.pool, self.heavy_pool, self.video_pool):
+        for pool in (self.pool, self.heavy_pool, self.light_pool, self.video_pool):
             if pool is not None:
                 pool.shutdown()
 
@@ -154,27 +162,32 @@ class Service:
         return self.encoder.prepare(item.data, name=item.name, kind=item.kind, sha256=sha256, deadline=deadline,
                                     video_options=dict(max_decoded_pixels=int(self.settings.max_video_mpixels * 1e6)))
 
-    def _image_cost(self, data: bytes) -> Optional[tuple[int, int, bool]]:
-        """(preprocessed pixel bytes, tokens, heavy) of an image from its header alone, under the model's
-        preprocessing; None if the header is unreadable (decoding will then say what is wrong)."""
+    def _image_cost(self, data: bytes) -> Optional[tuple[int, int, int]]:
+        """(preprocessed pixel bytes, tokens, memory to decode and preprocess) of an image from its header alone,
+        under the model's preprocessing; None if the header is unreadable (decoding will then say what is
+        wrong)."""
         try:
             head = image_header(data, self.encoder.processing)
         except MediaError:
             return None
         gh, gw = image_grid(head.width, head.height, self.encoder.processing)
-        return gh * gw * PATCH_BYTES, grid_tokens(gh, gw), head.work_bytes > self.heavy_bytes
+        return gh * gw * PATCH_BYTES, grid_tokens(gh, gw), head.work_bytes
 
-    def _pool_for(self, item: UploadItem, heavy: bool) -> FairPool:
+    def _pool_for(self, item: UploadItem, work: Optional[int]) -> FairPool:
+        """Videos; heavy, light and other images (`work`: `_image_cost`'s, None when unknown) each their pool."""
         if item.kind == "video":
             return self.video_pool
-        return self.heavy_pool if heavy else self.pool
+        if work is None:
+            return self.pool
+        return self.heavy_pool if work > self.heavy_bytes else self.light_pool if work <= self.light_bytes \
+            else self.pool
 
     async def encode_item(self, item: UploadItem, key: tuple, deadline: float, budget: "_Budget",
-                          cost: Optional[tuple[int, int, bool]], copies: int) -> ItemResult:
+                          cost: Optional[tuple[int, int, int]], copies: int) -> ItemResult:
         """One distinct item of a request (`cost`: `_image_cost`'s, None if not known before decoding); errors
         are reasons (the caller names each copy of the item)."""
         res = ItemResult(item.name, item.kind, key[2])
-        pool = self._pool_for(item, cost is not None and cost[2])
+        pool = self._pool_for(item, None if cost is None else cost[2])
         prepared = await asyncio.wrap_future(pool.submit(budget, self._prepare, item, key[2], deadline))
         if isinstance(prepared.error, MediaError):
             res.error, res.error_kind = prepared.error.about(item.name), "media"
@@ -224,7 +237,7 @@ class Service:
         return [None if it.data is None else (fingerprint, it.kind, hashlib.sha256(it.data).hexdigest())
                 for it in items]
 
-    def _costs(self, items: list[UploadItem]) -> list[Optional[tuple[int, int, bool]]]:
+    def _costs(self, items: list[UploadItem]) -> list[Optional[tuple[int, int, int]]]:
         """`_image_cost` of each item (None for a video); on a worker thread: parsing a header is work too."""
         return [self._image_cost(it.data) if it.kind == "image" else None for it in items]
 
