@@ -73,30 +73,38 @@ def json_body(images: list[bytes]) -> dict:
     return {"items": [{"name": f"{i}.png", "data": base64.b64encode(d).decode()} for i, d in enumerate(images)]}
 
 
+def beside(url: str, big: list[list], small: list[list], delay: float = 1.0) -> str:
+    """Each request of `big` (its file parts) sent at once, each of `small` `delay` s later, all concurrently ->
+    "bigN / smallN: status in seconds" for each."""
+    results: dict[str, tuple[int, float]] = {}
+
+    def post(key: str, files: list) -> None:
+        t0 = time.monotonic()
+        r = httpx.post(f"{url}/v1/encode", files=files, timeout=300)
+        results[key] = (r.status_code, time.monotonic() - t0)
+
+    first = [threading.Thread(target=post, args=(f"big{i}", files)) for i, files in enumerate(big)]
+    for t in first:
+        t.start()
+    time.sleep(delay)
+    then = [threading.Thread(target=post, args=(f"small{i}", files)) for i, files in enumerate(small)]
+    for t in then:
+        t.start()
+    for t in first + then:
+        t.join()
+    return ", ".join(f"{k} HTTP {code} in {sec:.2f} s" for k, (code, sec) in sorted(results.items()))
+
+
+def smalls(n: int, seed: int) -> list[list]:
+    return [[("file", (f"s{i}.png", one_bit_png(56, seed + i), "image/png"))] for i in range(n)]
+
+
 def heavy_images() -> None:
     """Two heavy images, then three small requests 1 s later, under --request-timeout-s 5."""
     big = blank_png(14000, 14000, 2)  # sent in two requests (the cache is off: both are decoded)
     with ServerProcess(["--cache-mb", "0", "--request-timeout-s", "5"], Path(tempfile.mkdtemp())) as srv:
-        results: dict[str, tuple[int, float]] = {}
-
-        def post(key: str, files: list) -> None:
-            t0 = time.monotonic()
-            r = httpx.post(f"{srv.url}/v1/encode", files=files, timeout=120)
-            results[key] = (r.status_code, time.monotonic() - t0)
-
-        heavy = [threading.Thread(target=post, args=(f"heavy{i}", [("file", (f"big{i}.png", big, "image/png"))]))
-                 for i in range(2)]
-        for t in heavy:
-            t.start()
-        time.sleep(1)
-        small = [threading.Thread(target=post, args=(f"small{i}", [("file", (f"s{i}.png", one_bit_png(56, i + 1),
-                                                                              "image/png"))])) for i in range(3)]
-        for t in small:
-            t.start()
-        for t in heavy + small:
-            t.join()
-        print(f"heavy ({len(big)} B PNG of 14000x14000): " + ", ".join(
-            f"{k} HTTP {code} in {sec:.2f} s" for k, (code, sec) in sorted(results.items())))
+        big_requests = [[("file", (f"big{i}.png", big, "image/png"))] for i in range(2)]
+        print(f"heavy ({len(big)} B PNG of 14000x14000): " + beside(srv.url, big_requests, smalls(3, 1)))
 
 
 def slow_client(port: int, seconds: float, body: bool) -> None:
@@ -215,24 +223,8 @@ def round4() -> None:
 
         def bombs() -> str:
             bomb = scan_bomb(5500, 100_000)
-            results: dict[str, tuple[int, float]] = {}
-
-            def send(key: str, files: list) -> None:
-                r, sec = post(files=files)
-                results[key] = (r.status_code, sec)
-
-            threads = [threading.Thread(target=send, args=(f"bomb{i}", [("file", (f"b{i}.jpg", bomb + bytes([i]),
-                                                                                  "image/jpeg"))])) for i in range(2)]
-            for t in threads:
-                t.start()
-            time.sleep(1)
-            smalls = [threading.Thread(target=send, args=(f"small{i}", [("file", (f"s{i}.png", one_bit_png(56, i + 7),
-                                                                                   "image/png"))])) for i in range(3)]
-            for t in smalls:
-                t.start()
-            for t in threads + smalls:
-                t.join()
-            return f"{len(bomb)} B each; " + ", ".join(f"{k} {c} in {s:.2f} s" for k, (c, s) in sorted(results.items()))
+            bombs = [[("file", (f"b{i}.jpg", bomb + bytes([i]), "image/jpeg"))] for i in range(2)]
+            return f"{len(bomb)} B each; " + beside(srv.url, bombs, smalls(3, 7))
 
         measured("scan bombs", bombs)
 
@@ -243,26 +235,15 @@ def round4() -> None:
 
         measured("failing copies", copies)
 
-        def frames() -> str:
-            video = frame_bomb(8000)
-            r, sec = post(files=[("file", ("v.mkv", video, "video/x-matroska"))])
-            return f"{len(video)} B MKV: HTTP {r.status_code} in {sec:.2f} s"
+        def upload(label: str, name: str, data: bytes, ctype: str) -> None:
+            def send() -> str:
+                r, sec = post(files=[("file", (name, data, ctype))])
+                return f"{len(data)} B {name}: HTTP {r.status_code} in {sec:.2f} s"
+            measured(label, send)
 
-        measured("frame bomb", frames)
-
-        def still() -> str:
-            png = blank_png(16000, 16000, 2)
-            r, sec = post(files=[("file", ("big.mp4", png, "video/mp4"))])
-            return f"{len(png)} B PNG: HTTP {r.status_code} in {sec:.2f} s"
-
-        measured("still image as video", still)
-
-        def flood() -> str:
-            png = chunk_flood(5_000_000)
-            r, sec = post(files=[("file", ("c.png", png, "image/png"))])
-            return f"{len(png)} B PNG: HTTP {r.status_code} in {sec:.2f} s"
-
-        measured("chunk flood", flood)
+        upload("frame bomb", "v.mkv", frame_bomb(8000), "video/x-matroska")
+        upload("still image as video", "big.mp4", blank_png(16000, 16000, 2), "video/mp4")
+        upload("chunk flood", "c.png", chunk_flood(5_000_000), "image/png")
 
         def stalled() -> str:
             sockets, answers = [], []
@@ -300,24 +281,10 @@ def round4() -> None:
 def head_of_line() -> None:
     """Two requests of 13 7500x7500 PNGs, then a small request 1 s later (default limits)."""
     with ServerProcess(["--cache-mb", "0"], Path(tempfile.mkdtemp())) as srv:
-        results: dict[str, tuple[int, float]] = {}
-
-        def send(key: str, files: list) -> None:
-            t0 = time.monotonic()
-            r = httpx.post(f"{srv.url}/v1/encode", files=files, timeout=300)
-            results[key] = (r.status_code, time.monotonic() - t0)
-
         big = [[("file", (f"r{k}-{i}.png", blank_png(7500, 7500, 2) + b"\0" * (k * 13 + i), "image/png"))
                 for i in range(13)] for k in range(2)]
-        threads = [threading.Thread(target=send, args=(f"heavy{k}", big[k])) for k in range(2)]
-        for t in threads:
-            t.start()
-        time.sleep(1)
-        send("small", [("file", ("s.png", one_bit_png(56, 5), "image/png"))])
-        for t in threads:
-            t.join()
-        print("head of line (two requests of 13 7500x7500 PNGs, a small one 1 s later): " + ", ".join(
-            f"{k} {c} in {s:.2f} s" for k, (c, s) in sorted(results.items())))
+        print("head of line (two requests of 13 7500x7500 PNGs, a small one 1 s later): "
+              + beside(srv.url, big, smalls(1, 5)))
 
 
 def main() -> None:

@@ -492,19 +492,25 @@ def test_a_heavy_image_never_holds_the_thread_a_small_one_needs():
     svc.heavy_bytes = image_work_bytes(112, 112, "RGB", svc.encoder.processing)  # small limits in tests
     heavy, small = UploadItem("heavy.png", png_bytes(300, 300, 1)), UploadItem("small.png", png_bytes(56, 56, 2))
     assert svc._image_cost(heavy.data)[2] > svc.heavy_bytes >= svc._image_cost(small.data)[2]
+    busy_pool_scenario(svc, "heavy_pool", first=small, held=heavy)
+
+
+def busy_pool_scenario(svc, pool: str, first, held) -> None:
+    """`svc`'s pool `pool` is held busy by another request while `held` waits in it: `first` completes meanwhile,
+    `held` only once the pool is free (the control: a busy pool does hold back what is queued in it)."""
     svc.start()
     busy = threading.Event()
     try:
-        blocker = svc.heavy_pool.submit("another request", busy.wait)
+        blocker = getattr(svc, pool).submit("another request", busy.wait)
 
         async def scenario() -> None:
-            heavy_task = asyncio.ensure_future(svc.encode_request([heavy]))
-            results, _ = await asyncio.wait_for(svc.encode_request([small]), 120)
+            held_task = asyncio.ensure_future(svc.encode_request([held]))
+            results, _ = await asyncio.wait_for(svc.encode_request([first]), 120)
             assert results[0].embedding is not None and results[0].error is None
             await asyncio.sleep(0)
-            assert not heavy_task.done()  # still queued behind the busy heavy pool
+            assert not held_task.done()  # still queued behind the busy pool
             busy.set()
-            results, _ = await asyncio.wait_for(heavy_task, 120)
+            results, _ = await asyncio.wait_for(held_task, 120)
             assert results[0].embedding is not None and results[0].error is None
 
         asyncio.run(scenario())
@@ -788,26 +794,7 @@ def test_a_light_image_never_waits_for_a_thread_decoding_a_large_one():
     svc = Service(bivit.load_encoder(), ServerSettings(cache_mb=0, preprocess_threads=1))
     light, mid = UploadItem("light.png", png_bytes(56, 56, 21)), UploadItem("mid.png", png_bytes(1200, 1200, 22))
     assert svc._image_cost(light.data)[2] <= svc.light_bytes < svc._image_cost(mid.data)[2] <= svc.heavy_bytes
-    svc.start()
-    busy = threading.Event()
-    try:
-        blocker = svc.pool.submit("another request", busy.wait)
-
-        async def scenario() -> None:
-            mid_task = asyncio.ensure_future(svc.encode_request([mid]))
-            results, _ = await asyncio.wait_for(svc.encode_request([light]), 120)
-            assert results[0].embedding is not None and results[0].error is None
-            await asyncio.sleep(0)
-            assert not mid_task.done()  # still queued behind the busy image pool
-            busy.set()
-            results, _ = await asyncio.wait_for(mid_task, 120)
-            assert results[0].embedding is not None and results[0].error is None
-
-        asyncio.run(scenario())
-        blocker.result()
-    finally:
-        busy.set()
-        svc.stop()
+    busy_pool_scenario(svc, "pool", first=light, held=mid)
 
 
 def test_decode_threads_are_shared_round_robin_between_requests():
