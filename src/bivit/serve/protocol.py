@@ -76,6 +76,7 @@ class ItemResult:
     placeholders: list = field(default_factory=list)  # per image / chunk: {"text": prompt placeholder, "tokens"}
     sizes: list = field(default_factory=list)  # per image / chunk: (width, height) before resizing
     ec_ids: Optional[list] = None  # per image / chunk: its id in vLLM's encoder cache (`bivit serve --ec-dir`)
+    ec_media: Any = field(default=None, repr=False, compare=False)  # what those files hold: re-written on a hit
     cached: bool = False
     error: Optional[str] = None
     error_kind: Optional[str] = None

@@ -41,7 +41,7 @@ from ..engines.media import media_of
 from ..engines.vllm import write_encoder_cache
 from ..errors import BivitError, MediaError
 from ..grids import PATCH_SIZE, grid_tokens, image_grid
-from ..items import ItemResult as CoreResult, Prepared, assemble
+from ..items import Prepared, assemble
 from .batcher import Batcher
 from .bodies import BodyReader
 from .cache import EmbeddingCache
@@ -216,15 +216,18 @@ class Service:
         res.chunk_tokens, res.placeholders = done.chunk_tokens, [p.to_dict() for p in done.placeholders]
         res.sizes = done.sizes  # made JSON-ready with the rest of the record (`records.record`)
         if self.settings.ec_dir is not None:
-            try:
-                res.ec_ids = await asyncio.wrap_future(self.pool.submit(budget, self._write_encoder_cache, done,
-                                                                        key[0]))
-            except (OSError, BivitError) as e:
-                res.embedding, res.error, res.error_kind = None, f"cannot write the encoder cache ({e})", "internal"
+            res.ec_media = media_of(done, key[0])
+            await self._write_encoder_cache(res, budget)
         return res
 
-    def _write_encoder_cache(self, result: CoreResult, fingerprint: str) -> list[str]:
-        return write_encoder_cache(self.settings.ec_dir, [media_of(result, fingerprint)])[0]
+    async def _write_encoder_cache(self, res: ItemResult, owner: object) -> None:
+        """Write `res`'s rows to --ec-dir (only files missing there: so also on a cache hit, whose files may have
+        been deleted since); an item whose files cannot be written fails."""
+        try:
+            res.ec_ids = (await asyncio.wrap_future(self.pool.submit(
+                owner, write_encoder_cache, self.settings.ec_dir, [res.ec_media])))[0]
+        except (OSError, BivitError) as e:
+            res.embedding, res.error, res.error_kind = None, f"cannot write the encoder cache ({e})", "internal"
 
     async def encode_request(self, items: list[UploadItem], json_response: bool = False
                              ) -> tuple[list[ItemResult], dict]:
@@ -264,6 +267,8 @@ class Service:
                 self.metrics.cache_hits.inc()
                 budget.take(0, hit.tokens)
                 results[i] = replace(hit, name=it.name, cached=True)
+                if hit.ec_media is not None:  # its files may have been deleted since they were written
+                    await self._write_encoder_cache(results[i], budget)
             else:
                 if self.cache.max_bytes:
                     self.metrics.cache_misses.inc()
