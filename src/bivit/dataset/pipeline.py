@@ -27,9 +27,11 @@ from ..items import ItemResult, Prepared, prepare as prepare_input
 # Videos up to this size are decoded from the very bytes that were hashed; larger ones from the path after a
 # streamed hash check (holding a multi-GB file in memory is worse than a file swapped mid-job, which is rare).
 VIDEO_BYTES_LIMIT = 512 * 2**20
-# Decoding one item stops after this long (a MediaError, recorded in errors.jsonl): no input can hold the job.
-# Far above any real input (an 8K hour of video decodes in minutes); a scan or frame bomb is stopped at it.
-ITEM_TIMEOUT_S = 900.0
+# Decoding one image stops after this long (a MediaError, recorded in errors.jsonl): no image can hold the job.
+# Far above the seconds the largest image bivit admits (200 MP) takes to decode and resize. Videos have no
+# deadline here: a legal 4-hour video takes longer than any fixed bound to decode; their frame count, duration
+# and the size of every decoded frame bound them (docs/limits.md).
+IMAGE_TIMEOUT_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -58,11 +60,11 @@ class Work:
 
 
 def prepare(sha: str, kind: str, path: Path, name: str, processing: Any = None, alpha: str = "model",
-            timeout_s: float = ITEM_TIMEOUT_S) -> Prepared:
+            image_timeout_s: float = IMAGE_TIMEOUT_S) -> Prepared:
     """Read one item, check it still has the planned `sha`, and prepare it under the model's `processing` (a
-    ProcessorConfig) and `alpha`, its decoding stopped after `timeout_s`. Never raises for a bad input: the
-    reason is the Prepared's error."""
-    deadline = time.monotonic() + timeout_s
+    ProcessorConfig) and `alpha`, an image's decoding stopped after `image_timeout_s`. Never raises for a bad
+    input: the reason is the Prepared's error."""
+    deadline = time.monotonic() + image_timeout_s if kind == "image" else None
     try:
         if kind == "video" and path.stat().st_size > VIDEO_BYTES_LIMIT:
             data, same = path, sha256_file(path) == sha
