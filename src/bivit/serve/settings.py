@@ -19,7 +19,7 @@ class ServerSettings:
     Memory the service holds for requests is bounded by `max_queue_pixels_mb` (preprocessed pixels of every
     admitted request) plus what is being decoded (one item per preprocessing thread: `preprocess_threads` for
     images, as many again at most for videos) plus responses being written
-    (each at most `max_response_mb`) plus the cache (`cache_mb`).
+    (each at most `max_response_mb`) plus the cache (`cache_mb`) plus the request bodies held (`max_bodies_mb`).
     """
 
     api_key: Optional[str] = None
