@@ -17,7 +17,7 @@ with a /health probe every 0.1 s (its slowest answer is printed) and the server'
 
 * scan bombs: two 5500x5500 progressive JPEGs of ~100,000 empty scans (1 MB each), small requests beside them;
 * failing copies: `{"items": [{"data": ""}] * 300000}`;
-* frame bomb: an MKV whose header says 64x48 and whose unsampled frames are 8000x8000 MJPEG;
+* frame bomb: an MKV whose header and sampled frames say 64x48 and whose other frames are 8000x8000 MJPEG;
 * still image as video: a 16000x16000 PNG named `.mp4`;
 * chunk flood: an 8x8 PNG with 5,000,000 empty chunks (60 MB);
 * stalled bodies: 16 uploads that send 63 of 64 MB and stall;
@@ -147,7 +147,7 @@ def frame_bomb(big: int) -> bytes:
         enc.open()
         encoders[w, h] = enc
     for i in range(10):
-        w, h = (64, 48) if i in (0, 6) else (big, big)  # 10 frames at 10 fps: indices 0 and 6 are sampled
+        w, h = (64, 48) if i in (0, 9) else (big, big)  # 10 frames at 10 fps: indices 0 and 9 are sampled
         frame = av.VideoFrame.from_ndarray(np.full((h, w, 3), 100, np.uint8), "rgb24").reformat(format="yuvj420p")
         frame.pts, frame.time_base = i, Fraction(1, 10)
         for packet in encoders[w, h].encode(frame):
