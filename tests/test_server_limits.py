@@ -246,6 +246,11 @@ def test_copies_of_a_failing_item_are_counted(server):
         assert r.status_code == 413 and r.json()["error"]["kind"] == "too_many_items", r.text[:300]
     r = httpx.post(f"{server.url}/v1/encode", files=[("file", ("e.png", b"", "image/png"))] * 257, timeout=60)
     assert r.status_code == 413 and r.json()["error"]["kind"] == "too_many_items", r.text[:300]
+    # Numbers are in no item, and each is a 24-32 byte object from 2 bytes of JSON: the parse stops at a few.
+    body = b'{"items": [' + b",".join([b"0.5"] * 1_000_000) + b"]}"
+    r = httpx.post(f"{server.url}/v1/encode", content=body, headers={"Content-Type": "application/json"},
+                   timeout=60)
+    assert r.status_code == 400 and "more than 320 numbers" in r.json()["error"]["message"], r.text[:300]
     # 100 failing items named with 40 KB each: a 4 MB body, a 12 MB answer (each name in the record, its error
     # and the message). Refused before anything is decoded.
     name = "n" * 40_000

@@ -108,7 +108,8 @@ def parse_json_request(body: bytes, max_items: int) -> list[UploadItem]:
     non-alphabet character is an error.
     """
     try:
-        doc = parse_json(body, max_objects=max_items + 1)  # the items and the body's own object
+        # The items and the body's own object; numbers are in no item (a few allowed beside them).
+        doc = parse_json(body, max_objects=max_items + 1, max_numbers=max_items + 64)
     except TooManyObjects:
         raise too_many_items("more", max_items) from None
     except ValueError as e:  # UnicodeDecodeError included
