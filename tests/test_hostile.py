@@ -491,20 +491,26 @@ def test_a_heavy_image_never_holds_the_thread_a_small_one_needs():
     svc = Service(bivit.load_encoder(), ServerSettings(cache_mb=0, preprocess_threads=1))
     svc.heavy_bytes = image_work_bytes(112, 112, "RGB", svc.encoder.processing)  # small limits in tests
     heavy, small = UploadItem("heavy.png", png_bytes(300, 300, 1)), UploadItem("small.png", png_bytes(56, 56, 2))
-    assert svc._image_cost(heavy.data)[2] and not svc._image_cost(small.data)[2]
+    assert svc._image_cost(heavy.data)[2] > svc.heavy_bytes >= svc._image_cost(small.data)[2]
+    busy_pool_scenario(svc, "heavy_pool", first=small, held=heavy)
+
+
+def busy_pool_scenario(svc, pool: str, first, held) -> None:
+    """`svc`'s pool `pool` is held busy by another request while `held` waits in it: `first` completes meanwhile,
+    `held` only once the pool is free (the control: a busy pool does hold back what is queued in it)."""
     svc.start()
     busy = threading.Event()
     try:
-        blocker = svc.heavy_pool.submit(busy.wait)
+        blocker = getattr(svc, pool).submit("another request", busy.wait)
 
         async def scenario() -> None:
-            heavy_task = asyncio.ensure_future(svc.encode_request([heavy]))
-            results, _ = await asyncio.wait_for(svc.encode_request([small]), 120)
+            held_task = asyncio.ensure_future(svc.encode_request([held]))
+            results, _ = await asyncio.wait_for(svc.encode_request([first]), 120)
             assert results[0].embedding is not None and results[0].error is None
             await asyncio.sleep(0)
-            assert not heavy_task.done()  # still queued behind the busy heavy pool
+            assert not held_task.done()  # still queued behind the busy pool
             busy.set()
-            results, _ = await asyncio.wait_for(heavy_task, 120)
+            results, _ = await asyncio.wait_for(held_task, 120)
             assert results[0].embedding is not None and results[0].error is None
 
         asyncio.run(scenario())
@@ -571,3 +577,345 @@ def test_user_tmp_files_in_out_are_not_deleted(tmp_path):
     assert r.returncode == 0, r.stderr
     assert (out / ".tmp-notes.txt").read_text() == "mine"
     assert not (out / f".tmp-shard-000009.safetensors.{os.getpid()}").exists()
+
+
+# ------------------------------------------------------------------------------ cost, not declarations
+
+def scan_bomb(w: int, h: int, empty_scans: int) -> bytes:
+    """A real progressive grayscale JPEG with `empty_scans` 10-byte scans (SOS headers, no data) before its EOI:
+    libjpeg walks every block of the image once per scan, so each costs the decoder as much as a real one."""
+    buf = io.BytesIO()
+    pixels = np.random.default_rng(w * h).integers(0, 256, (h, w), dtype=np.uint8)
+    Image.fromarray(pixels, "L").save(buf, "JPEG", progressive=True, quality=50)
+    data = buf.getvalue()
+    assert data.endswith(b"\xff\xd9")
+    return data[:-2] + b"\xff\xda\x00\x08\x01\x01\x00\x01\x3f\x00" * empty_scans + b"\xff\xd9"
+
+
+def test_jpeg_scan_bomb_is_refused_before_decoding(tmp_path):
+    """60 KB of empty scans ran 84 s past a 2 s deadline in the service; 1 MB was still decoding in `bivit encode`
+    after 45 s; the dataset job had no deadline at all. The scans are counted from the marker segments before
+    anything is decoded: library, CLI, dataset job, each a one-line reason."""
+    from bivit.decode import MAX_JPEG_SCANS, jpeg_scans
+
+    bomb = scan_bomb(512, 512, 20_000)
+    assert len(jpeg_scans(scan_bomb(512, 512, 0))) < 20 and len(jpeg_scans(bomb)) == MAX_JPEG_SCANS + 1
+    with pytest.raises(MediaError, match=f"more than {MAX_JPEG_SCANS} scans"):
+        load_image(bomb)
+    assert load_image(scan_bomb(512, 512, 50)).size == (512, 512)  # a legal number of scans still decodes
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "bomb.jpg").write_bytes(bomb)
+    Image.fromarray(np.full((56, 56, 3), 7, np.uint8)).save(src / "ok.png")
+    r = run_cli("encode", src / "bomb.jpg", src / "ok.png", "--out", tmp_path / "e.safetensors")
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert f"bivit: skipped: {src / 'bomb.jpg'}: " in r.stderr and "scans" in r.stderr, r.stderr[-2000:]
+    r = run_cli("encode-dataset", src, "--out", tmp_path / "ds", "--no-progress")
+    errors = [json.loads(line) for line in (tmp_path / "ds" / "errors.jsonl").read_text().splitlines()]
+    assert [e["source"] for e in errors] == ["bomb.jpg"] and "scans" in json.dumps(errors), errors
+
+
+def test_jpeg_decoding_checks_its_deadline_between_scans(monkeypatch):
+    """The deadline was checked between 64 KB reads: ~6,500 empty scans apart. Now libjpeg is handed one scan at a
+    time. Shown without timing: a clock that ticks once per look at it; the deadline falls a few ticks after the
+    last look a plain progressive JPEG needs. That JPEG decodes; the same image with 80 more (empty) scans, under
+    the scan limit and only 800 bytes longer, reaches its deadline inside the decode."""
+    import bivit.decode as decode
+
+    class Ticks:
+        now = 0.0
+
+        def monotonic(self) -> float:
+            self.now += 1
+            return self.now
+
+    plain, longer = scan_bomb(256, 256, 0), scan_bomb(256, 256, 80)
+    ticks = Ticks()
+    monkeypatch.setattr(decode, "time", ticks)
+    load_image(plain, deadline=float("inf"))
+    looks = ticks.now
+    ticks.now = 0.0
+    assert load_image(plain, deadline=looks + 5).size == (256, 256)
+    ticks.now = 0.0
+    with pytest.raises(MediaError, match="decoding stopped at its deadline"):
+        load_image(longer, deadline=looks + 5)
+
+
+def header_lies_video(fmt: str, small: tuple[int, int], big: tuple[int, int], sampled: set[int], n: int = 30,
+                      fps: int = 10) -> bytes:
+    """A real MJPEG video whose stream header says `small` (its first frame's size) and whose frames not in
+    `sampled` are `big`: each packet encoded at its own size, all muxed into the one stream."""
+    from fractions import Fraction
+
+    import av
+
+    buf = io.BytesIO()
+    out = av.open(buf, "w", format=fmt)
+    stream = out.add_stream("mjpeg", rate=fps)
+    stream.width, stream.height, stream.pix_fmt = *small, "yuvj420p"
+    encoders = {}
+    for w, h in (small, big):
+        enc = av.CodecContext.create("mjpeg", "w")
+        enc.width, enc.height, enc.pix_fmt, enc.time_base = w, h, "yuvj420p", Fraction(1, fps)
+        enc.open()
+        encoders[w, h] = enc
+    for i in range(n):
+        w, h = small if i in sampled or i == 0 else big
+        frame = av.VideoFrame.from_ndarray(np.full((h, w, 3), 100, np.uint8), "rgb24").reformat(format="yuvj420p")
+        frame.pts, frame.time_base = i, Fraction(1, fps)
+        for packet in encoders[w, h].encode(frame):
+            packet.stream, packet.pts, packet.dts, packet.time_base = stream, i, i, Fraction(1, fps)
+            out.mux(packet)
+    out.close()
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("fmt", ["matroska", "avi"])
+def test_frames_bigger_than_the_header_are_refused_in_every_pass(fmt):
+    """An MKV/AVI whose header says 64x48 but whose unsampled frames were 16000x16000 MJPEG (21 MB) was encoded
+    with +1.5 GB of RSS: only sampled frames were checked, and --max-video-mpixels trusted the header. Shown at
+    small sizes: a 12,288-pixel frame limit, frames of 640x480 wherever sampling does not look. FFmpeg's decoder
+    now refuses such a frame before allocating it (its own message says so), and every frame decoded in every pass
+    counts its real size."""
+    from bivit.video import SAMPLE_FPS, sample_frame_indices
+
+    sampled = set(sample_frame_indices(30, 10, SAMPLE_FPS))
+    video = header_lies_video(fmt, (64, 48), (640, 480), sampled)
+    with pytest.raises(MediaError, match="a frame is larger than max_frame_pixels=12288"):
+        preprocess_video(video, max_frame_pixels=64 * 48 * 4)
+    # The work limit counts the frames' real pixels, not the header's 64x48 per frame.
+    with pytest.raises(MediaError, match="max_decoded_pixels"):
+        preprocess_video(video, max_decoded_pixels=30 * 64 * 48 * 8)
+    honest = header_lies_video(fmt, (64, 48), (64, 48), sampled)  # the control: the same video, frames as declared
+    assert len(preprocess_video(honest, max_frame_pixels=64 * 48 * 4, max_decoded_pixels=30 * 64 * 48 * 8)) == 2
+
+
+VIDEO_PEAK_CHILD = """
+    import ctypes, json, os, sys
+    from bivit.errors import MediaError
+    from bivit.video import preprocess_video
+
+    def status(key):
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+
+    for path in sys.argv[1:]:  # each in a fresh fork: its peak is its own
+        data = open(path, "rb").read()
+        pid = os.fork()
+        if pid == 0:
+            ctypes.CDLL(None).malloc_trim(0)
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # reset VmHWM to the current RSS
+            before = status("VmRSS:")
+            try:
+                preprocess_video(data, name=os.path.basename(path))
+                error = None
+            except MediaError as e:
+                error = str(e)
+            print(json.dumps({"name": os.path.basename(path), "peak": status("VmHWM:") - before, "error": error}))
+            os._exit(0)
+        os.waitpid(pid, 0)
+"""
+
+
+def test_a_still_image_named_as_a_video_never_reaches_ffmpeg(tmp_path):
+    """FFmpeg decoded PNG/WebP while probing, before bivit said "is a still image": a 0.95 MB 16000x16000 PNG took
+    +982 MB, a 5 KB WebP +552 MB, outside the image limits; its 38 still-image demuxers exposed EXR/PSD/DDS
+    parsers to uploads. Still images are now known by their first bytes, and no still-image demuxer is allowed.
+    Measured in a child (peak RSS): 8000x8000 images, 256 MB once decoded."""
+    paths = []
+    for name, fmt, kw in (("big.png.mp4", "PNG", {}), ("big.webp.mp4", "WEBP", {"lossless": True})):
+        Image.new("RGB", (8000, 8000), (9, 9, 9)).save(tmp_path / name, fmt, **kw)
+        paths.append(str(tmp_path / name))
+    (tmp_path / "x.exr.mp4").write_bytes(b"v/1\x01" + bytes(4000))  # an EXR header: no FFmpeg parser reads it
+    paths.append(str(tmp_path / "x.exr.mp4"))
+    r = run_python(VIDEO_PEAK_CHILD, *paths)
+    assert r.returncode == 0, r.stderr[-3000:]
+    results = {m["name"]: m for m in map(json.loads, r.stdout.splitlines())}
+    assert len(results) == 3, results
+    for name, fmt in (("big.png.mp4", "png"), ("big.webp.mp4", "webp"), ("x.exr.mp4", "exr")):
+        m = results[name]
+        assert m["error"] == f"{name}: is a still image ({fmt}), not a video; encode it as an image", m
+        assert m["peak"] < 32 * 2**20, m
+
+
+def _png_chunk(kind: bytes, data: bytes = b"") -> bytes:
+    import struct
+    import zlib
+
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+
+def tiff_tag_bomb(values: int) -> bytes:
+    """An 8x8 grayscale TIFF whose first directory also holds a private tag of `values` SHORTs."""
+    import struct
+
+    entries = [(256, 3, 1, 8), (257, 3, 1, 8), (258, 3, 1, 8), (259, 3, 1, 1), (262, 3, 1, 1), (273, 4, 1, 0),
+               (278, 3, 1, 8), (279, 4, 1, 64), (65000, 3, values, 0)]
+    pixels = 8 + 2 + 12 * len(entries) + 4
+    out = bytearray(b"II*\x00" + struct.pack("<IH", 8, len(entries)))
+    for tag, kind, count, value in entries:
+        value = {273: pixels, 65000: pixels + 64}.get(tag, value)
+        out += struct.pack("<HHII" if kind == 4 or count > 2 else "<HHIHH", tag, kind, count, value, *(
+            () if kind == 4 or count > 2 else (0,)))
+    return bytes(out + bytes(4 + 64) + bytes(2 * values))
+
+
+def test_png_chunk_and_tiff_tag_floods_are_refused_before_parsing():
+    """An 8x8 PNG with 5M empty chunks took 11.5 s and +850 MB to parse, a TIFF with one tag of 15M values 1.3 s
+    and +1.2 GB, both on the service's event loop. Counted from the bytes now, before Pillow parses anything."""
+    from bivit.decode import MAX_PNG_OTHER_CHUNKS, MAX_TIFF_TAG_VALUES
+
+    buf = io.BytesIO()
+    Image.new("RGB", (8, 8)).save(buf, "PNG")
+    png = buf.getvalue()
+    at = png.index(b"IDAT") - 4
+
+    def flood(n: int) -> bytes:
+        return png[:at] + _png_chunk(b"tEXt") * n + png[at:]
+
+    assert load_image(flood(100)).size == (8, 8)  # the control: chunks within the limit
+    with pytest.raises(MediaError, match=f"more than {MAX_PNG_OTHER_CHUNKS} besides its image data"):
+        load_image(flood(MAX_PNG_OTHER_CHUNKS + 1))
+    assert load_image(tiff_tag_bomb(1000)).size == (8, 8)
+    with pytest.raises(MediaError, match=f"a TIFF tag of 1048577 values, more than the {MAX_TIFF_TAG_VALUES}"):
+        load_image(tiff_tag_bomb(MAX_TIFF_TAG_VALUES + 1))
+
+
+def test_a_light_image_never_waits_for_a_thread_decoding_a_large_one():
+    """Two requests of 13 7500x7500 PNGs (under the heavy threshold) held both image threads; a one-image request
+    waited for one of them. Light images (by their header) decode in a pool of their own. Shown without timing:
+    the image pool is held busy; a light request completes meanwhile (the control: the busy pool holds back an
+    image queued in it)."""
+    from bivit.serve.protocol import UploadItem
+    from bivit.serve.serving import Service
+    from bivit.serve.settings import ServerSettings
+
+    svc = Service(bivit.load_encoder(), ServerSettings(cache_mb=0, preprocess_threads=1))
+    light, mid = UploadItem("light.png", png_bytes(56, 56, 21)), UploadItem("mid.png", png_bytes(1200, 1200, 22))
+    assert svc._image_cost(light.data)[2] <= svc.light_bytes < svc._image_cost(mid.data)[2] <= svc.heavy_bytes
+    busy_pool_scenario(svc, "pool", first=light, held=mid)
+
+
+def test_decode_threads_are_shared_round_robin_between_requests():
+    """Two requests of 13 legitimate 7500x7500 PNGs made a one-image request wait 61 s instead of 0.08 s: the
+    decode pool served items first come, first served. Now it takes them round-robin across requests. Shown
+    without timing: one thread, held busy while request A queues 6 calls and then request B one; B's call runs
+    second, not seventh. The control: without other owners, calls run in the order they came."""
+    from bivit.serve.pools import FairPool
+
+    pool = FairPool(1, "test")
+    busy, ran = threading.Event(), []
+    try:
+        blocker = pool.submit("first", busy.wait)
+        futures = [pool.submit("A", ran.append, f"A{i}") for i in range(6)] + [pool.submit("B", ran.append, "B0")]
+        cancelled = pool.submit("A", ran.append, "never")
+        assert cancelled.cancel()
+        busy.set()
+        for f in [blocker, *futures]:
+            f.result(60)
+        assert ran == ["A0", "B0", "A1", "A2", "A3", "A4", "A5"], ran
+        ran.clear()
+        futures = [pool.submit("A", ran.append, i) for i in range(5)]
+        for f in futures:
+            f.result(60)
+        assert ran == list(range(5))
+    finally:
+        busy.set()
+        pool.shutdown()
+
+
+# ------------------------------------------------------------------------------------ files read back
+
+@pytest.fixture(scope="module")
+def dataset_folder(tmp_path_factory):
+    """A real dataset folder of two images (demo model), written once; tests copy it before changing it."""
+    from bivit.dataset import encode_dataset
+
+    d = tmp_path_factory.mktemp("readback")
+    (d / "src").mkdir()
+    for i in range(2):
+        Image.fromarray(np.full((56, 56, 3), 40 * i, np.uint8)).save(d / "src" / f"{i}.png")
+    encode_dataset(d / "src", d / "ds", progress=False)
+    return d / "ds"
+
+
+def _edited(folder: Path, dst: Path, edit) -> Path:
+    import shutil
+
+    shutil.copytree(folder, dst)
+    rows = [json.loads(line) for line in (dst / "manifest.jsonl").read_text().splitlines()]
+    (dst / "manifest.jsonl").write_text("".join(line + "\n" for line in edit(rows)))
+    return dst
+
+
+@pytest.mark.parametrize("case", ["dotdot", "absolute", "symlink", "tokens", "dtype", "nested", "types",
+                                  "damaged"])
+def test_a_dataset_folder_read_back_is_checked(dataset_folder, tmp_path, case):
+    """`load_embeddings` on a folder whose manifest said `"shard": "../../x.safetensors"` (or an absolute path,
+    or a shard linked outside) returned that file's tensor as the embedding; tensors were not checked against
+    their records; nested JSON raised RecursionError, bad types TypeError/ValueError, a damaged shard
+    SafetensorError. Each is now bivit's FormatError, naming what is wrong."""
+    from safetensors.torch import save_file as save
+
+    import torch
+    from bivit.records import FormatError
+
+    outside = tmp_path / "x.safetensors"
+    shard = json.loads((dataset_folder / "manifest.jsonl").read_text().splitlines()[0])["shard"]
+    key = json.loads((dataset_folder / "manifest.jsonl").read_text().splitlines()[0])["key"]
+    tokens = json.loads((dataset_folder / "manifest.jsonl").read_text().splitlines()[0])["tokens"]
+    save({key: torch.zeros(tokens, 128, dtype=torch.bfloat16)}, outside)
+    dst = tmp_path / "ds"
+
+    def each(change):
+        return lambda rows: [json.dumps({**r, **change(r)}) for r in rows]
+
+    if case == "dotdot":
+        _edited(dataset_folder, dst, each(lambda r: {"shard": "../x.safetensors"}))
+    elif case == "absolute":
+        _edited(dataset_folder, dst, each(lambda r: {"shard": str(outside)}))
+    elif case == "symlink":
+        _edited(dataset_folder, dst, each(lambda r: {}))
+        (dst / shard).unlink()
+        (dst / shard).symlink_to(outside)
+    elif case == "tokens":
+        _edited(dataset_folder, dst, each(lambda r: {"tokens": r["tokens"] + 1}))
+    elif case == "dtype":
+        import shutil
+
+        shutil.copytree(dataset_folder, dst)
+        header = json.loads((dst / "dataset.json").read_text())
+        (dst / "dataset.json").write_text(json.dumps({**header, "output_dtype": "float32"}))
+    elif case == "nested":
+        _edited(dataset_folder, dst, lambda rows: ["[" * 100_000 + "]" * 100_000])
+    elif case == "types":
+        _edited(dataset_folder, dst, each(lambda r: {"tokens": "many", "grid_thw": 5}))
+    elif case == "damaged":
+        _edited(dataset_folder, dst, each(lambda r: {}))
+        (dst / shard).write_bytes(b"\xff" * 64)
+    with pytest.raises(FormatError):
+        for record in bivit.load_embeddings(dst):
+            record.embedding  # noqa: B018 - reads it
+    assert all(r.embedding is not None for r in bivit.load_embeddings(dataset_folder))  # the control
+
+
+def test_a_fifo_is_refused_not_waited_on(tmp_path):
+    """A FIFO given to `load_embeddings`, or as a dataset folder's manifest, blocked forever."""
+    fifo = tmp_path / "emb.safetensors"
+    os.mkfifo(fifo)
+    folder = tmp_path / "ds"
+    folder.mkdir()
+    (folder / "dataset.json").write_text(json.dumps({"format": "bivit-encoded-dataset", "format_version": 1}))
+    os.mkfifo(folder / "manifest.jsonl")
+    r = run_python("""
+        import sys, bivit
+        for path in sys.argv[1:]:
+            try:
+                bivit.load_embeddings(path)
+            except bivit.BivitError as e:
+                print(type(e).__name__, e)
+    """, str(fifo), str(folder), timeout=120)
+    lines = r.stdout.splitlines()
+    assert r.returncode == 0 and len(lines) == 2, r.stderr[-2000:]
+    assert all("not a regular file" in line for line in lines), lines

@@ -466,3 +466,18 @@ def test_server_follows_the_models_preprocessing_and_alpha(tmp_path, k3_ckpt):
         pil = Image.fromarray(rgba, "RGBA")
         with Client(srv.url, timeout=60) as c:
             assert torch.equal(c.encode([pil])[0], enc.encode([pil])[0])
+
+
+def test_a_cache_hit_writes_missing_encoder_cache_files_again(tmp_path):
+    """With --ec-dir, a cache hit handed out ids whose files had been deleted since (vLLM then finds nothing
+    under the id). A hit now writes whatever is missing; a file still there is left as it is."""
+    ec = tmp_path / "ec"
+    png = png_bytes(56, 56, 31)
+    with ServerProcess(["--ec-dir", str(ec)], tmp_path) as srv, Client(srv.url) as c:
+        first = c.encode_results([png])[0]
+        (path,) = [ec / i / "encoder_cache.safetensors" for i in first.ec_ids]
+        written = path.read_bytes()
+        path.unlink()
+        again = c.encode_results([png])[0]
+        assert again.cached and again.ec_ids == first.ec_ids
+        assert path.read_bytes() == written

@@ -126,13 +126,13 @@ def one_bit_png(size: int, seed: int = 0) -> bytes:
 
 
 @pytest.mark.parametrize("pattern,kind,flag", [
-    # ~0.3 MB of JSON asking for ~500 MB of answer: identical copies are encoded once but each is answered.
+    # ~0.15 MB of JSON asking for ~250 MB of answer: identical copies are encoded once but each is answered.
     ("copies", "response_too_large", "--max-response-mb"),
     # 48 distinct tiny PNGs, 2.4 MB of float32 patches each once decoded: refused from their headers.
     ("distinct", "too_large", "--max-request-pixels-mb"),
 ])
 def test_amplification_is_refused_before_decoding(server, pattern, kind, flag):
-    images = [one_bit_png(1792)] * 500 if pattern == "copies" else [one_bit_png(448, i) for i in range(48)]
+    images = [one_bit_png(1792)] * 250 if pattern == "copies" else [one_bit_png(448, i) for i in range(48)]
     before = rss_mb(server)
     r = httpx.post(f"{server.url}/v1/encode", json=json_items(*[(f"{i}.png", d) for i, d in enumerate(images)]),
                    timeout=30)
@@ -228,3 +228,116 @@ def test_video_decoding_work_is_bounded_before_decoding(tmp_path):
         error = r.json()["items"][0]["error"]
         assert "decoding 200 frames of 33000000 pixels" in error and "max_decoded_pixels=1000000000" in error
         normal_request_succeeds(srv)
+
+
+def test_copies_of_a_failing_item_are_counted(server):
+    """`{"items": [{"data": ""}] * 300000}` (4 MB) got a 90 MB 422 answer built on the event loop (/health blocked
+    4.9 s): copies share one hash (one item against --max-queue), failed items have no tokens (not counted by
+    --max-response-mb). Now every item counts against --max-queue (256), copies and failed ones included, and the
+    JSON parse stops there; every record counts against --max-response-mb (8 MB here)."""
+    before = rss_mb(server)
+    body = b'{"items": [' + b",".join([b'{"data": ""}'] * 300_000) + b"]}"
+    r = httpx.post(f"{server.url}/v1/encode", content=body, headers={"Content-Type": "application/json"},
+                   timeout=60)
+    assert r.status_code == 413 and r.json()["error"]["kind"] == "too_many_items", r.text[:300]
+    assert len(r.content) < 1000 and "--max-queue 256" in r.json()["error"]["message"]
+    for bad in ("!", ""):  # invalid base64 and an empty item: both failed items with a record to answer
+        r = httpx.post(f"{server.url}/v1/encode", json={"items": [{"data": bad}] * 257}, timeout=60)
+        assert r.status_code == 413 and r.json()["error"]["kind"] == "too_many_items", r.text[:300]
+    r = httpx.post(f"{server.url}/v1/encode", files=[("file", ("e.png", b"", "image/png"))] * 257, timeout=60)
+    assert r.status_code == 413 and r.json()["error"]["kind"] == "too_many_items", r.text[:300]
+    # Numbers are in no item, and each is a 24-32 byte object from 2 bytes of JSON: the parse stops at a few.
+    body = b'{"items": [' + b",".join([b"0.5"] * 1_000_000) + b"]}"
+    r = httpx.post(f"{server.url}/v1/encode", content=body, headers={"Content-Type": "application/json"},
+                   timeout=60)
+    assert r.status_code == 400 and "more than 320 numbers" in r.json()["error"]["message"], r.text[:300]
+    # 100 failing items named with 40 KB each: a 4 MB body, a 12 MB answer (each name in the record, its error
+    # and the message). Refused before anything is decoded.
+    name = "n" * 40_000
+    r = httpx.post(f"{server.url}/v1/encode", json={"items": [{"data": "!", "name": name}] * 100}, timeout=60)
+    assert r.status_code == 413 and r.json()["error"]["kind"] == "response_too_large", r.text[:300]
+    assert len(r.content) < 1000
+    # Within the limits, every failed item is answered with its record, and the message stays one line.
+    r = httpx.post(f"{server.url}/v1/encode", json={"items": [{"data": "!"}] * 256}, timeout=60)
+    assert r.status_code == 422 and len(r.json()["items"]) == 256, r.text[:300]
+    assert r.json()["error"]["message"].endswith("; and 253 more")
+    assert rss_mb(server) - before < 100
+    normal_request_succeeds(server, 7)
+
+
+def test_a_client_that_hangs_up_stops_costing(server):
+    """A client that hung up still cost all its CPU (and was logged 200). Its request is now cancelled: what is
+    queued is dropped. Shown without timing: the batching worker is held, so the item waits in its queue; the
+    client closes its socket; the item leaves the queue with no forward pass (still held), logged as 499."""
+    body = json.dumps(json_items(("gone.png", png_bytes(56, 56, 11)))).encode()
+    request = (f"POST /v1/encode HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               f"Content-Length: {len(body)}\r\nX-Request-ID: hung-up-client\r\n\r\n").encode() + body
+    with server.held():
+        with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
+            s.sendall(request)
+            server.wait_for_metric("bivit_queue_depth", lambda v: v == 1)
+        server.wait_for_metric("bivit_inflight_items", lambda v: v == 0)  # answered while no pass can run
+        tokens = server.metrics()["bivit_tokens_total"]
+    deadline = time.monotonic() + 60
+    while not (logged := [r for r in server.log_records() if r.get("id") == "hung-up-client"]):
+        assert time.monotonic() < deadline, server.log_text()[-2000:]
+        time.sleep(0.05)
+    assert logged[0]["status"] == 499, logged
+    # Its queued item was skipped: the next request's item (ahead of none) is the only one encoded since.
+    normal_request_succeeds(server, 12)
+    assert server.metrics()["bivit_tokens_total"] - tokens == 4  # 56x56: one 4x4 grid of patches, merged 2x2
+
+
+def test_bodies_in_flight_are_bounded(tmp_path):
+    """Uploads that send 63 of 64 MB and stall held +0.5 / +1.3 / +2.3 GB at 4 / 16 / 32 of them: every body was
+    its own limit, none counted what the others held. Encode bodies now count against 4 x --max-body-mb over
+    all requests as they arrive: 503 beyond. Shown with --max-body-mb 1 (4 MiB for all bodies): four uploads
+    send 1,000,000 of their 1 MiB and stall; a fifth one's bytes do not fit: 503, at once. Once the four hang
+    up, their bytes are released and a request goes through."""
+    with ServerProcess(["--max-body-mb", "1", "--body-timeout-s", "60", "--cache-mb", "0"], tmp_path) as srv:
+        def stalled(n: int) -> socket.socket:
+            s = socket.create_connection(("127.0.0.1", srv.port), timeout=60)
+            s.sendall(b"POST /v1/encode HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 1048576\r\n\r\n" + b" " * n)
+            return s
+
+        held = [stalled(1_000_000) for _ in range(4)]
+        try:
+            srv.wait_for_metric("bivit_body_bytes", lambda v: v == 4_000_000)
+            with stalled(300_000) as fifth:
+                answer = fifth.makefile("rb").readline()
+            assert answer.startswith(b"HTTP/1.1 503"), answer
+        finally:
+            for s in held:
+                s.close()
+        srv.wait_for_metric("bivit_body_bytes", lambda v: v == 0)
+        normal_request_succeeds(srv, 13)
+
+
+def test_connections_are_bounded_and_slow_ones_make_room(tmp_path):
+    """Nothing limited connections: with `ulimit -n 1024`, 1100 slow connections made asyncio log a traceback per
+    failed accept (167 MB of log in 40 s) and probes answer 8 s late. The service keeps at most half its file
+    descriptors as connections; past that the connection sending its headers longest is closed. Shown with a
+    limit of 256 descriptors (128 connections): 300 connections that send nothing, then /health."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))  # inherited by the server process
+    try:
+        srv = ServerProcess(["--header-timeout-s", "600", "--cache-mb", "0"], tmp_path)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    idle = []
+    try:
+        for _ in range(300):
+            idle.append(socket.create_connection(("127.0.0.1", srv.port), timeout=60))
+        r = httpx.get(f"{srv.url}/health", timeout=20)  # a bound on a hang: it is answered at once
+        assert r.status_code == 200, r.text
+        idle[0].settimeout(20)
+        assert idle[0].recv(1) == b""  # the oldest silent connection was closed to make room
+        assert "out of system resource" not in srv.log_text()
+        normal_request_succeeds(srv, 14)
+    finally:
+        for s in idle:
+            s.close()
+        srv.stop()

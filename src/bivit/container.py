@@ -1,6 +1,7 @@
-"""Opening a video container the way bivit allows it: only the demuxers of `VIDEO_DEMUXERS` (and the still-image
-pipes, so that a still image gets its own message), no protocol at all (FFmpeg sees a file object, never a path,
-so nothing nests another open), the stream and its frame rate read, the length the container declares for the
+"""Opening a video container the way bivit allows it: a still image refused from its first bytes before
+FFmpeg sees it (`still_image`), then only the demuxers of `VIDEO_DEMUXERS`, no protocol at all (FFmpeg sees a file object, never a path,
+so nothing nests another open), the stream and its frame rate read, frames above the size limit refused by
+the decoder before it allocates them, the length the container declares for the
 truncation check (`TRUNCATION_SLACK`), and anything PyAV raises turned into a MediaError naming the input
 (docs/limits.md). Sampling and chunking the frames is `bivit.video`'s.
 """
@@ -16,20 +17,56 @@ import av
 
 from .errors import ConfigError, MediaError
 from .fileio import open_regular
+from .kinds import _STILL_IMAGE_BRANDS as STILL_IMAGE_BRANDS  # what `media_kind` calls an image
 
 # The demuxers bivit reads videos with (FFmpeg names): the containers of `bivit.kinds.VIDEO_EXTENSIONS`.
 VIDEO_DEMUXERS = ("mov", "matroska", "avi", "gif", "apng", "mpeg", "mpegvideo", "mpegts", "asf", "flv", "ogg",
                   "mxf", "yuv4mpegpipe", "hevc", "h264", "m4v", "ivf", "dv", "nut")
-# Still-image demuxers read the given bytes only; allowed so that a still image gets its own message.
-_STILL_DEMUXERS = ("image2pipe", *sorted(f for f in av.formats_available if f.endswith("_pipe")))
-_OPEN_OPTIONS = {"format_whitelist": ",".join(VIDEO_DEMUXERS + _STILL_DEMUXERS),
+# Only these demuxers: FFmpeg's still-image demuxers (png_pipe, webp_pipe, exr_pipe, psd_pipe, ... 38 of them)
+# decode the picture while probing it (+982 MB for a 0.95 MB PNG), before bivit could say what it is; they are
+# refused right after detection, and a still image is recognised by its first bytes before FFmpeg sees it.
+_OPEN_OPTIONS = {"format_whitelist": ",".join(VIDEO_DEMUXERS),
                  "protocol_whitelist": "none"}  # no protocol has this name: nested opens are all refused
+# The first bytes of still-image formats (the images bivit reads, and what FFmpeg's image pipes would parse).
+_STILL_IMAGES = ((b"\x89PNG\r\n\x1a\n", "png"), (b"\xff\xd8\xff", "jpeg"), (b"BM", "bmp"), (b"II*\x00", "tiff"),
+                 (b"MM\x00*", "tiff"), (b"v/1\x01", "exr"), (b"8BPS", "psd"), (b"DDS ", "dds"), (b"qoif", "qoi"),
+                 (b"\x00\x00\x00\x0cjP  ", "jpeg2000"), (b"\xff\x4f\xff\x51", "jpeg2000"), (b"\xff\x0a", "jpegxl"),
+                 (b"\x00\x00\x00\x0cJXL ", "jpegxl"), (b"#?RADIANCE", "hdr"))
+# PNG chunks read looking for an APNG's animation control (acTL, before the first IDAT).
+_PNG_CHUNKS_READ = 64
 # A declared length the frames may fall short of before the video counts as truncated: a header off by a frame
 # or two (edit lists, rounding) is not damage, half a video is. Missing more than max(FRAMES frames, SECONDS s)
 # plus FRACTION of the declared length is truncation.
 TRUNCATION_SLACK = {"frames": 2, "seconds": 0.5, "fraction": 0.02}
 
 VideoInput = Union[str, os.PathLike, bytes]
+
+
+def decoder_max_pixels(max_frame_pixels: int) -> int:
+    """The frame size FFmpeg's decoder refuses before allocating a frame: 4x bivit's limit plus a 128x128
+    block, so that no legal frame's coded size (each side aligned up to at most 128) reaches it."""
+    return 4 * max_frame_pixels + 128 * 128
+
+
+def still_image(head: bytes, file: BinaryIO) -> Optional[str]:
+    """The still-image format `head` (a file's first bytes) starts like, or None; an APNG (acTL before its first
+    IDAT, within the first `_PNG_CHUNKS_READ` chunks) is a video. `file` is read from its current position."""
+    if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
+        return "webp"
+    if len(head) >= 12 and head[4:8] == b"ftyp" and head[8:12] in STILL_IMAGE_BRANDS:
+        return f"heif ({head[8:12].decode('latin-1')})"
+    fmt = next((name for magic, name in _STILL_IMAGES if head.startswith(magic)), None)
+    if fmt != "png":
+        return fmt
+    file.seek(8)
+    for _ in range(_PNG_CHUNKS_READ):
+        chunk = file.read(8)
+        if len(chunk) < 8 or chunk[4:] == b"IDAT":
+            break
+        if chunk[4:] == b"acTL":
+            return None
+        file.seek(int.from_bytes(chunk[:4], "big") + 4, io.SEEK_CUR)
+    return "png"
 
 
 def _reason(e: BaseException) -> str:
@@ -53,14 +90,23 @@ def translate_errors(name: str, doing: str) -> Iterator[None]:
 class Source:
     """An opened container and its video stream; a fresh one per decoding pass."""
 
-    def __init__(self, src: VideoInput, name: str):
-        self.name = name
+    def __init__(self, src: VideoInput, name: str, max_frame_pixels: Optional[int] = None):
+        self.name, self.max_frame_pixels = name, max_frame_pixels
         # A file object named by its descriptor: FFmpeg sees neither the path (no protocol is parsed from it)
         # nor its extension (bytes and paths are probed alike).
         try:
             self.file: BinaryIO = io.BytesIO(src) if isinstance(src, bytes) else open_regular(src)
         except OSError as e:
             raise MediaError(f"{name}: cannot read ({e.strerror or e})") from None
+        try:
+            still = still_image(self.file.read(16), self.file)
+            self.file.seek(0)
+        except BaseException:
+            self.file.close()
+            raise
+        if still is not None:
+            self.file.close()
+            raise MediaError(f"{name}: is a still image ({still}), not a video; encode it as an image")
         with translate_errors(name, "opening"):
             try:
                 self.container = av.open(self.file, mode="r", metadata_errors="ignore",
@@ -75,14 +121,18 @@ class Source:
         try:
             with translate_errors(name, "reading the stream list"):
                 fmt = self.container.format.name
-                if fmt in ("image2", "image2pipe") or fmt.endswith("_pipe"):
-                    raise MediaError(f"{name}: is a still image ({fmt}), not a video; encode it as an image")
                 # Cover art in audio files is a 'video' stream with one picture: not a video.
                 streams = [s for s in self.container.streams.video
                            if not s.disposition & av.stream.Disposition.attached_pic]
                 if not streams:
                     raise MediaError(f"{name}: has no video stream")
                 self.stream = streams[0]
+                if max_frame_pixels is not None:
+                    # FFmpeg's decoder checks every frame's size against this before allocating it: a stream
+                    # whose header says 64x48 may hold 16000x16000 frames (+1.5 GB for one MJPEG frame). It
+                    # checks coded sizes (aligned up to 16-128 pixels a side), hence the margin; bivit checks
+                    # each decoded frame's own size against the exact limit.
+                    self.stream.codec_context.options = {"max_pixels": str(decoder_max_pixels(max_frame_pixels))}
                 self.format = fmt
                 self.codec = self.stream.codec_context.name
                 self.width = self.stream.codec_context.width
@@ -118,7 +168,13 @@ class Source:
 
     def frames(self) -> Iterator[av.VideoFrame]:
         with translate_errors(self.name, "decoding"):
-            yield from self.container.decode(self.stream)
+            try:
+                yield from self.container.decode(self.stream)
+            except av.error.ArgumentError as e:  # how the decoder refuses a frame above `max_pixels`
+                if self.max_frame_pixels is None:
+                    raise
+                raise MediaError(f"{self.name}: decoding failed: a frame is larger than max_frame_pixels="
+                                 f"{self.max_frame_pixels}, or the stream is corrupt ({_reason(e)})") from None
 
     def close(self) -> None:
         try:

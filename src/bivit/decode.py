@@ -6,9 +6,11 @@ failure a MediaError naming the input (docs/limits.md). Preprocessing the decode
 
 from __future__ import annotations
 
+import bisect
 import io
 import math
 import os
+import re
 import threading
 import time
 from contextlib import contextmanager, nullcontext
@@ -34,6 +36,19 @@ MAX_IMAGE_BYTES = 2 * 2**30
 # The formats bivit decodes (Pillow format names); anything else, EPS through Ghostscript included, is refused
 # before a plugin parses more than the magic bytes.
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "BMP", "TIFF", "GIF")  # JPEG includes MPO (multi-picture JPEG)
+# Scans of one JPEG. libjpeg walks every block of a scan's components once per scan, even an empty one (10
+# bytes): 1 MB of empty scans over a 5500x5500 image is ~18 minutes of CPU. Encoders write one scan per
+# component at most (baseline), 10 (libjpeg's progressive script) or a few more (mozjpeg's optimised scans).
+MAX_JPEG_SCANS = 100
+# Chunks of one PNG (Pillow parses every chunk before and after the pixels: 5M empty chunks in 60 MB took 11.5 s
+# and +850 MB before anything was decoded). Data arrives in IDAT chunks of 8-64 KB: 262,144 of 8 KB is 2 GiB,
+# the most bivit reads of one image; other chunks (text, colour profile, ...) number a few dozen in real files.
+MAX_PNG_CHUNKS = 2**18
+MAX_PNG_OTHER_CHUNKS = 1024
+# Values of one TIFF tag (Pillow builds a tuple of them when it opens the file: one tag of 15M values took 1.3 s
+# and +1.2 GB). The largest real ones are the strip or tile offsets and byte counts: 2^20 tiles of 16x16 is
+# 268 MP, more than MAX_IMAGE_PIXELS.
+MAX_TIFF_TAG_VALUES = 2**20
 
 ImageInput = Union[Image.Image, np.ndarray, str, os.PathLike, bytes]
 
@@ -87,15 +102,61 @@ def _pillow_limit() -> int | None:
 
 class _Encoded(io.BytesIO):
     """An image's encoded bytes as Pillow reads them: every read first checks the deadline, so decoding formats
-    that Pillow feeds block by block (PNG, JPEG, BMP, GIF) stops within a block of it."""
+    that Pillow feeds block by block (PNG, JPEG, BMP, GIF) stops within a block of it. Once `stops` is set (the
+    offsets where a JPEG's scans start), no read crosses one: libjpeg is handed one scan at a time, so the
+    deadline is checked between scans, whatever few bytes a scan takes."""
 
     def __init__(self, data: bytes, name: str, deadline: float | None):
         super().__init__(data)
         self.name_, self.deadline = name, deadline
+        self.stops: list[int] = []
 
     def read(self, size: int | None = -1) -> bytes:
         check_deadline(self.deadline, self.name_)
+        pos = self.tell()
+        stop = bisect.bisect_right(self.stops, pos)
+        if stop < len(self.stops):
+            room = self.stops[stop] - pos
+            size = room if size is None or size < 0 else min(size, room)
         return super().read(size)
+
+
+# A marker in entropy-coded data: 0xFF not followed by a stuffed zero or a restart marker (RST0-7).
+_JPEG_MARKER = re.compile(rb"\xff[^\x00\xd0-\xd7]")
+
+
+def jpeg_scans(data: bytes) -> list[int]:
+    """The offsets of the start-of-scan markers of the first image of a JPEG (up to its EOI), walking the
+    marker segments by their lengths, so a thumbnail inside an APP segment is skipped. Stops early past
+    MAX_JPEG_SCANS + 1; a malformed layout ends the walk (the decoder then says what is wrong)."""
+    scans: list[int] = []
+    pos = 2  # after SOI
+    n = len(data)
+    while pos + 1 < n and len(scans) <= MAX_JPEG_SCANS:
+        if data[pos] != 0xFF:
+            break
+        while pos + 1 < n and data[pos + 1] == 0xFF:  # fill bytes
+            pos += 1
+        if pos + 1 >= n:
+            break
+        marker = data[pos + 1]
+        if marker == 0xD9:  # EOI
+            break
+        if marker == 0x01 or 0xD0 <= marker <= 0xD8:  # no length
+            pos += 2
+            continue
+        if pos + 4 > n:
+            break
+        end = pos + 2 + int.from_bytes(data[pos + 2:pos + 4], "big")
+        if marker != 0xDA:
+            pos = end
+            continue
+        scans.append(pos)
+        found = _JPEG_MARKER.search(data, end)
+        if found is None:
+            break
+        pos = found.start()
+    return scans
 
 
 # ---------------------------------------------------------------------------------- memory of one image
@@ -187,11 +248,70 @@ def _check_work(size: tuple[int, int], mode: str, name: str, max_bytes: int | No
 
 # --------------------------------------------------------------------------------------------- loading
 
+def _png_chunks(data: bytes) -> tuple[int, int]:
+    """(chunks, chunks other than IDAT) of a PNG, walked by their lengths up to IEND; the walk stops past the
+    limits (MAX_PNG_CHUNKS, MAX_PNG_OTHER_CHUNKS)."""
+    pos, chunks, other = 8, 0, 0
+    while pos + 8 <= len(data) and chunks <= MAX_PNG_CHUNKS and other <= MAX_PNG_OTHER_CHUNKS:
+        kind = data[pos + 4:pos + 8]
+        chunks += 1
+        other += kind != b"IDAT"
+        if kind == b"IEND":
+            break
+        pos += 12 + int.from_bytes(data[pos:pos + 4], "big")
+    return chunks, other
+
+
+def _tiff_largest_tag(data: bytes) -> int:
+    """The most values one tag of a TIFF's first directory holds (classic TIFF and BigTIFF); 0 if the layout
+    cannot be read (Pillow then says what is wrong)."""
+    order = "little" if data[:2] == b"II" else "big"
+    big = int.from_bytes(data[2:4], order) == 43
+    if big:
+        head, entry, size = 8, 20, 8
+        ifd = int.from_bytes(data[8:16], order)
+    else:
+        head, entry, size = 2, 12, 4
+        ifd = int.from_bytes(data[4:8], order)
+    if ifd + head > len(data):
+        return 0
+    entries = int.from_bytes(data[ifd:ifd + head], order)
+    largest = 0
+    for k in range(entries):
+        at = ifd + head + k * entry
+        if at + entry > len(data):
+            break
+        largest = max(largest, int.from_bytes(data[at + 4:at + 4 + size], order))
+    return largest
+
+
+def _check_structure(data: bytes, name: str) -> None:
+    """Refuse, from the bytes alone, a file whose parsing alone would cost more than any real image's: too many
+    PNG chunks, a TIFF tag with too many values. JPEG scans are counted once the header says it is a JPEG."""
+    if data[:8] == b"\x89PNG\r\n\x1a\n":
+        chunks, other = _png_chunks(data)
+        if chunks > MAX_PNG_CHUNKS or other > MAX_PNG_OTHER_CHUNKS:
+            raise MediaError(f"{name}: a PNG of more than {MAX_PNG_CHUNKS} chunks, or more than "
+                             f"{MAX_PNG_OTHER_CHUNKS} besides its image data")
+    elif data[:4] in (b"II*\x00", b"MM\x00*", b"II+\x00", b"MM\x00+"):
+        values = _tiff_largest_tag(data)
+        if values > MAX_TIFF_TAG_VALUES:
+            raise MediaError(f"{name}: a TIFF tag of {values} values, more than the {MAX_TIFF_TAG_VALUES} bivit reads")
+
+
 def _open_header(data: bytes, name: str, max_pixels: int, deadline: float | None = None) -> Image.Image:
     """Parse an image's header (no pixel decoding), in a format bivit reads, and refuse it above `max_pixels`."""
+    _check_structure(data, name)
+    fp = _Encoded(data, name, deadline)
     with _pillow_guard_off():
-        img = Image.open(_Encoded(data, name, deadline), formats=IMAGE_FORMATS)
+        img = Image.open(fp, formats=IMAGE_FORMATS)
     _check_pixels(img.size, name, max_pixels)
+    if img.format in ("JPEG", "MPO"):
+        scans = jpeg_scans(data)
+        if len(scans) > MAX_JPEG_SCANS:
+            raise MediaError(f"{name}: a JPEG of more than {MAX_JPEG_SCANS} scans (every scan makes the decoder "
+                             "walk the whole image again)")
+        fp.stops = scans
     return img
 
 

@@ -209,14 +209,37 @@ def json_depth(text: str, chunk: int = 1 << 22) -> int:
     return deepest
 
 
-def parse_json(data: Union[bytes, str], max_depth: int = MAX_JSON_DEPTH) -> Any:
+class TooManyObjects(ValueError):
+    """JSON text holding more objects than its reader allows (`parse_json`'s `max_objects`)."""
+
+
+def parse_json(data: Union[bytes, str], max_depth: int = MAX_JSON_DEPTH, max_objects: Optional[int] = None,
+               max_numbers: Optional[int] = None) -> Any:
     """The value of JSON text from outside bivit; ValueError if it is not JSON (or not UTF-8/16/32), nests
-    deeper than `max_depth`, or repeats a key in one object."""
+    deeper than `max_depth`, repeats a key in one object, or holds more than `max_numbers` numbers (each a
+    Python object of 24-32 bytes from 2 bytes of text); TooManyObjects as soon as it has made more than
+    `max_objects` objects (so 4 MB of `{}` never becomes 300,000 dicts)."""
     text = data.decode(json.detect_encoding(data), "surrogatepass") if isinstance(data, bytes) else data
     depth = json_depth(text)
     if depth > max_depth:
         raise ValueError(f"nested {depth} levels deep, more than the {max_depth} bivit reads")
-    return json.loads(text, object_pairs_hook=unique_keys)
+    made = {"objects": 0, "numbers": 0}
+
+    def count(what: str, limit: Optional[int], error: type) -> None:
+        made[what] += 1
+        if limit is not None and made[what] > limit:
+            raise error(f"more than {limit} {what}")
+
+    def hook(pairs: list) -> dict:
+        count("objects", max_objects, TooManyObjects)
+        return unique_keys(pairs)
+
+    def number(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+        def counted(text: str) -> Any:
+            count("numbers", max_numbers, ValueError)
+            return parse(text)
+        return counted
+    return json.loads(text, object_pairs_hook=hook, parse_int=number(int), parse_float=number(float))
 
 
 def read_json(path: Union[str, os.PathLike], max_bytes: int = MAX_JSON_BYTES) -> Any:

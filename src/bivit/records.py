@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional, Sequence
 
 from .errors import BivitError
+from .fileio import open_regular, parse_json
 
 if TYPE_CHECKING:
     import torch
@@ -103,9 +104,13 @@ class Record:
 
     @property
     def embedding(self) -> Optional["torch.Tensor"]:
-        """`[tokens, text_hidden]` in the encoder's output dtype (None for an item that failed)."""
+        """`[tokens, text_hidden]` in the encoder's output dtype (None for an item that failed); FormatError when
+        the stored tensor does not match its record (rows, dtype)."""
         if self._embedding is None and self.tensor is not None and self._load is not None:
-            self._embedding = self._load(self.tensor)
+            embedding = self._load(self.tensor)
+            check_embedding(embedding, self.tokens or sum(self.chunk_tokens), self.dtype,
+                            f"tensor {self.tensor!r} of {self.source!r}")
+            self._embedding = embedding
         return self._embedding
 
     @property
@@ -142,12 +147,24 @@ class Record:
                   load: Optional[Callable[[str], "torch.Tensor"]] = None) -> "Record":
         if not isinstance(obj, Mapping) or not isinstance(obj.get("source"), str):
             raise FormatError(f"not a bivit record (no 'source'): {str(obj)[:200]}")
-        grid = [list(g) for g in obj.get("grid_thw") or []]
+        try:
+            return Record._from_json(obj, encoder, load)
+        except (TypeError, ValueError, AttributeError) as e:  # a value of the wrong type, from a file
+            raise FormatError(f"not a bivit record ({type(e).__name__}: {e}): {str(obj)[:200]}") from None
+
+    @staticmethod
+    def _from_json(obj: Mapping[str, Any], encoder: Optional[dict],
+                   load: Optional[Callable[[str], "torch.Tensor"]]) -> "Record":
+        for key, types in (("tensor", (str, type(None))), ("tokens", (int, type(None))),
+                           ("sha256", (str, type(None))), ("kind", (str, type(None)))):
+            if not isinstance(obj.get(key), types) or isinstance(obj.get(key), bool):
+                raise TypeError(f"{key!r} is a {type(obj.get(key)).__name__}")
+        grid = [[int(n) for n in g] for g in obj.get("grid_thw") or []]
         chunk_tokens = obj.get("chunk_tokens")
         if chunk_tokens is None:  # records of older files: the tower's rule, h/2 * w/2 per chunk
             chunk_tokens = [(h // 2) * (w // 2) for _, h, w in grid]
         return Record(source=obj["source"], kind=obj.get("kind") or "image", sha256=obj.get("sha256"),
-                      tokens=int(obj.get("tokens") or 0), grid_thw=grid, chunk_tokens=list(chunk_tokens),
+                      tokens=int(obj.get("tokens") or 0), grid_thw=grid, chunk_tokens=[int(n) for n in chunk_tokens],
                       sizes=chunk_sizes(obj.get("sizes"), len(grid)),  # older files: not recorded
                       timestamps=obj.get("timestamps"), placeholders=list(obj.get("placeholders") or []),
                       error=obj.get("error"), tensor=obj.get("tensor"),
@@ -292,6 +309,17 @@ class Embeddings(Sequence[Record]):
         return f"Embeddings({where}{len(self)} items, format {self.format}, model {self.encoder.get('model')!r})"
 
 
+def check_embedding(embedding: Any, tokens: int, dtype: Optional[str], name: str) -> None:
+    """FormatError unless `embedding` is what its record says: a 2-D tensor of `tokens` rows, in `dtype` (a
+    torch dtype's name, when the file states one)."""
+    shape = tuple(getattr(embedding, "shape", ()))
+    if len(shape) != 2 or shape[0] != tokens:
+        raise FormatError(f"{name}: a tensor of shape {list(shape)}, its record says {tokens} rows")
+    stored = str(embedding.dtype).removeprefix("torch.")
+    if dtype is not None and stored != dtype:
+        raise FormatError(f"{name}: a {stored} tensor, its file says {dtype}")
+
+
 def load_embeddings(path: str | os.PathLike) -> Embeddings:
     """Open any embedding file bivit writes (see the module doc): a `bivit encode` file, a saved service answer, a
     dataset shard, or a whole dataset folder -> Embeddings, the items in input (or manifest) order, each a Record
@@ -303,7 +331,7 @@ def load_embeddings(path: str | os.PathLike) -> Embeddings:
 
         return open_dataset(p).embeddings()
     try:
-        with open(p, "rb") as f:
+        with open_regular(p) as f:  # a FIFO or device is refused without blocking
             head = f.read(8)
             if len(head) < 8:
                 raise FormatError(f"{p}: not a safetensors file ({len(head)} bytes)")
@@ -331,11 +359,11 @@ def load_embeddings(path: str | os.PathLike) -> Embeddings:
     handle: dict[str, Any] = {}
 
     def load(key: str) -> "torch.Tensor":
-        if "f" not in handle:
-            from safetensors import safe_open
-
-            handle["f"] = safe_open(str(p), framework="pt")
         try:
+            if "f" not in handle:
+                from safetensors import safe_open
+
+                handle["f"] = safe_open(str(p), framework="pt")
             return handle["f"].get_tensor(key)
         except Exception as e:  # noqa: BLE001 - a missing key or a damaged file, named
             raise FormatError(f"{p}: no readable tensor {key!r} ({e})") from None
@@ -357,7 +385,10 @@ def from_bytes(body: bytes, name: str = "response") -> Embeddings:
         if not tensors:
             from safetensors.torch import load as st_load
 
-            tensors.update(st_load(body))
+            try:
+                tensors.update(st_load(body))
+            except Exception as e:  # noqa: BLE001 - SafetensorError and whatever a damaged file raises
+                raise FormatError(f"{name}: not a readable safetensors file ({e})") from None
         if key not in tensors:
             raise FormatError(f"{name}: no tensor {key!r}")
         return tensors[key]
@@ -370,8 +401,8 @@ def from_bytes(body: bytes, name: str = "response") -> Embeddings:
 
 def _header_metadata(header: bytes, name: str) -> dict:
     try:
-        meta = json.loads(header).get("__metadata__") or {}
-    except (ValueError, UnicodeDecodeError, AttributeError):
+        meta = parse_json(header).get("__metadata__") or {}
+    except (ValueError, AttributeError):  # UnicodeDecodeError, too deep, a repeated key included
         raise FormatError(f"{name}: not a safetensors file (unreadable header)") from None
     if not isinstance(meta, dict):
         raise FormatError(f"{name}: not a bivit embedding file (metadata is not an object)")
@@ -380,7 +411,7 @@ def _header_metadata(header: bytes, name: str) -> dict:
 
 def _json(meta: dict, key: str, name: str, fmt: str) -> Any:
     try:
-        return json.loads(meta[key])
+        return parse_json(meta[key])
     except KeyError:
         raise FormatError(f"{name}: a {fmt} file without its {key!r} metadata") from None
     except (TypeError, ValueError) as e:

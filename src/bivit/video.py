@@ -172,7 +172,8 @@ def _describe(src: VideoInput) -> str:
 class _Limits:
     deadline: Optional[float] = None  # time.monotonic() after which decoding stops (a caller gave up waiting)
     max_decoded_pixels: Optional[int] = None  # frames decoded x frame pixels (every frame is decoded)
-    frame_pixels = 0
+    frame_pixels = 0  # as the stream header says (refusing a clear case before decoding)
+    decoded_pixels = 0  # pixels of the frames this pass has decoded (`check_frame`)
 
     def __init__(self, name: str, max_frames: Optional[int], max_duration_s: Optional[float],
                  max_frame_pixels: Optional[int], sample_fps: float):
@@ -186,6 +187,22 @@ class _Limits:
         if self.max_frame_pixels is not None and width * height > self.max_frame_pixels:
             raise MediaError(f"{self.name}: frame size {width}x{height} = {width * height} pixels exceeds "
                              f"max_frame_pixels={self.max_frame_pixels}")
+
+    def open(self, src: VideoInput) -> Source:
+        """A fresh decoding pass: FFmpeg's decoder refuses a frame above max_frame_pixels before allocating it,
+        and the pixels this pass decodes are counted from zero (`check_frame`)."""
+        self.decoded_pixels = 0
+        return Source(src, self.name, self.max_frame_pixels)
+
+    def check_frame(self, frame: av.VideoFrame) -> None:
+        """Every decoded frame, sampled or not, in every pass: its own size (a header of 64x48 says nothing about
+        the frames), and the pixels decoded so far in this pass against max_decoded_pixels; then the deadline."""
+        self.check_size(frame.width, frame.height)
+        self.decoded_pixels += frame.width * frame.height
+        if self.max_decoded_pixels is not None and self.decoded_pixels > self.max_decoded_pixels:
+            raise MediaError(f"{self.name}: decoding its frames takes more than max_decoded_pixels="
+                             f"{self.max_decoded_pixels} pixels")
+        self.check_time()
 
     def check_length(self, num_frames: int, fps: float, at_least: bool = False) -> None:
         """Raise if a video of `num_frames` frames (or more, when still counting) breaks a limit."""
@@ -214,11 +231,11 @@ def _count_frames(source: Source, limits: _Limits) -> int:
     try:
         for frame in frames:
             count += 1
+            limits.check_frame(frame)
             if frame.pts is not None and frame.time_base is not None:
                 first = frame.pts * frame.time_base if first is None else first
                 last = frame.pts * frame.time_base
             limits.check_length(count, source.fps, at_least=True)
-            limits.check_time()
     finally:
         frames.close()
     if source.declared_s is not None and count:
@@ -228,7 +245,7 @@ def _count_frames(source: Source, limits: _Limits) -> int:
 
 
 def _probe(src: VideoInput, name: str, limits: _Limits) -> VideoInfo:
-    with Source(src, name) as source:
+    with limits.open(src) as source:
         limits.check_size(source.width, source.height)
         limits.frame_pixels = source.width * source.height
         if source.reported_frames > 0:
@@ -257,16 +274,15 @@ class _ShortStream(Exception):
 
 def _decode_selected(src: VideoInput, name: str, indices: Sequence[int], limits: _Limits) -> Iterator[Image.Image]:
     """Yield the frames at `indices` (sorted, repeats allowed) as RGB images, decoding sequentially."""
-    with Source(src, name) as source:
+    with limits.open(src) as source:
         frames = source.frames()
         try:
             pos, decoded = 0, 0
             for i, frame in enumerate(frames):
                 decoded = i + 1
-                limits.check_time()
+                limits.check_frame(frame)
                 if indices[pos] != i:
                     continue
-                limits.check_size(frame.width, frame.height)
                 with translate_errors(name, f"converting frame {i} to RGB"):
                     image = Image.fromarray(frame.to_ndarray(format="rgb24"), "RGB")
                 while pos < len(indices) and indices[pos] == i:

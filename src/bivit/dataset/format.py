@@ -30,6 +30,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..errors import BivitError
+from ..fileio import parse_json, read_regular
+from ..records import FormatError
 
 # Defaults of a dataset job (`encode_dataset`, `bivit encode-dataset`), here so the CLI reads them cheaply.
 DEFAULT_BATCH_PATCHES = 16384  # patches per forward pass: a memory bound; results do not depend on it
@@ -77,8 +79,25 @@ class Record:
 
     @staticmethod
     def from_json(obj: dict) -> "Record":
+        """A manifest line, checked: its shard a file name of this folder (`shard-N.safetensors`: no `..`, no
+        path, so nothing outside the folder is ever read as an embedding), each key of the type it is written
+        with; FormatError otherwise."""
+        if not isinstance(obj, dict):
+            raise FormatError(f"a manifest line that is not an object: {str(obj)[:200]}")
         names = {f.name for f in dataclasses.fields(Record)}
-        return Record(**{k: v for k, v in obj.items() if k in names})
+        try:
+            rec = Record(**{k: v for k, v in obj.items() if k in names})
+        except TypeError as e:  # a required key missing
+            raise FormatError(f"not a manifest record ({e}): {str(obj)[:200]}") from None
+        if not isinstance(rec.shard, str) or not SHARD_RE.fullmatch(rec.shard):
+            raise FormatError(f"a manifest record names {str(rec.shard)[:200]!r} as its shard, not a shard file of "
+                              "its folder (shard-N.safetensors)")
+        for key, types in (("source", str), ("sha256", str), ("key", str), ("tokens", int), ("kind", str),
+                           ("grid_thw", list), ("seq", int)):
+            value = getattr(rec, key)
+            if not isinstance(value, types) or isinstance(value, bool):
+                raise FormatError(f"a manifest record whose {key!r} is a {type(value).__name__}: {str(obj)[:200]}")
+        return rec
 
 
 @dataclass(frozen=True)
@@ -95,6 +114,8 @@ class ErrorRecord:
 
     @staticmethod
     def from_json(obj: dict) -> "ErrorRecord":
+        if not isinstance(obj, dict) or not isinstance(obj.get("seq", 0), int):
+            raise FormatError(f"not an error record: {str(obj)[:200]}")
         return ErrorRecord(str(obj.get("source")), str(obj.get("error", "")), obj.get("sha256"), int(obj.get("seq", 0)))
 
 
@@ -108,18 +129,20 @@ def encoder_of(header: dict) -> dict:
 def read_jsonl(path: Path) -> tuple[list[dict], int]:
     """Complete lines of a JSONL file and the byte length they cover (a trailing partial line is left out)."""
     try:
-        data = path.read_bytes()
+        data = read_regular(path)  # a FIFO or device is refused without blocking
     except FileNotFoundError:
         return [], 0
+    except OSError as e:
+        raise FormatError(f"{path}: cannot read ({e.strerror or e})") from None
     end = data.rfind(b"\n") + 1  # 0 when no complete line
     out = []
     for lineno, line in enumerate(data[:end].split(b"\n")[:-1], 1):
         if not line.strip():
             continue
         try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError as e:
-            raise BivitError(f"{path}:{lineno}: corrupt line ({e.msg})") from None
+            out.append(parse_json(line))
+        except ValueError as e:  # not JSON, nested too deep, a repeated key
+            raise FormatError(f"{path}:{lineno}: corrupt line ({getattr(e, 'msg', e)})") from None
     return out, end
 
 
@@ -129,9 +152,9 @@ def read_header(directory: Path) -> Optional[dict]:
     if not path.exists():
         return None
     try:
-        header = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise BivitError(f"{path}: unreadable dataset header ({e})") from None
+        header = parse_json(read_regular(path))
+    except (OSError, ValueError) as e:
+        raise FormatError(f"{path}: unreadable dataset header ({getattr(e, 'strerror', None) or e})") from None
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         raise BivitError(f"{path}: not a bivit encoded dataset")
     return header

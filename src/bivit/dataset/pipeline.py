@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -26,6 +27,11 @@ from ..items import ItemResult, Prepared, prepare as prepare_input
 # Videos up to this size are decoded from the very bytes that were hashed; larger ones from the path after a
 # streamed hash check (holding a multi-GB file in memory is worse than a file swapped mid-job, which is rare).
 VIDEO_BYTES_LIMIT = 512 * 2**20
+# Decoding one image stops after this long (a MediaError, recorded in errors.jsonl): no image can hold the job.
+# Far above the seconds the largest image bivit admits (200 MP) takes to decode and resize. Videos have no
+# deadline here: a legal 4-hour video takes longer than any fixed bound to decode; their frame count, duration
+# and the size of every decoded frame bound them (docs/limits.md).
+IMAGE_TIMEOUT_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -53,9 +59,12 @@ class Work:
     stats: list[Optional[os.stat_result]] = field(default_factory=list)
 
 
-def prepare(sha: str, kind: str, path: Path, name: str, processing: Any = None, alpha: str = "model") -> Prepared:
+def prepare(sha: str, kind: str, path: Path, name: str, processing: Any = None, alpha: str = "model",
+            image_timeout_s: float = IMAGE_TIMEOUT_S) -> Prepared:
     """Read one item, check it still has the planned `sha`, and prepare it under the model's `processing` (a
-    ProcessorConfig) and `alpha`. Never raises for a bad input: the reason is the Prepared's error."""
+    ProcessorConfig) and `alpha`, an image's decoding stopped after `image_timeout_s`. Never raises for a bad
+    input: the reason is the Prepared's error."""
+    deadline = time.monotonic() + image_timeout_s if kind == "image" else None
     try:
         if kind == "video" and path.stat().st_size > VIDEO_BYTES_LIMIT:
             data, same = path, sha256_file(path) == sha
@@ -64,7 +73,8 @@ def prepare(sha: str, kind: str, path: Path, name: str, processing: Any = None, 
             same = hashlib.sha256(data).hexdigest() == sha
         if not same:
             raise BivitError("file changed while the job ran (its sha256 differs from the one planned)")
-        return prepare_input(data, processing=processing, alpha=alpha, name=name, kind=kind, sha256=sha)
+        return prepare_input(data, processing=processing, alpha=alpha, name=name, kind=kind, sha256=sha,
+                             deadline=deadline)
     except OSError as e:
         error: BaseException = BivitError(f"cannot read ({e.strerror or e})")
     except BivitError as e:

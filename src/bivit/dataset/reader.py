@@ -7,6 +7,7 @@ Cheap to import (torch and safetensors load on the first tensor read), so `impor
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
@@ -81,20 +82,34 @@ class EncodedDataset:
         return list(self._by_hash.get(sha256.lower(), []))
 
     def tensor(self, item: "str | Record") -> "torch.Tensor":
+        """The stored embedding of a record: read from its shard, a regular file inside this folder (a link out
+        of it is refused), and checked against the record (rows, dtype); FormatError otherwise."""
+        from ..records import FormatError, check_embedding
+
         rec = item if isinstance(item, Record) else self[item]
+        path = self.path / rec.shard  # a plain file name: checked when the manifest was read
         handle = self._handles.get(rec.shard)
         if handle is None:
             from safetensors import safe_open
 
-            path = self.path / rec.shard
-            if not path.is_file():
+            if not path.exists():
                 raise BivitError(f"{path}: shard missing (needed for {rec.source!r})")
-            handle = safe_open(str(path), framework="pt")
+            if os.path.dirname(os.path.realpath(path)) != os.path.realpath(self.path):
+                raise FormatError(f"{path}: a link to a file outside the dataset folder")
+            if not stat.S_ISREG(path.stat().st_mode):
+                raise FormatError(f"{path}: not a regular file")
+            try:
+                handle = safe_open(str(path), framework="pt")
+            except Exception as e:  # noqa: BLE001 - SafetensorError and whatever a damaged file raises
+                raise FormatError(f"{path}: not a readable safetensors file ({e})") from None
             self._handles[rec.shard] = handle
         try:
-            return handle.get_tensor(rec.key)
+            tensor = handle.get_tensor(rec.key)
         except Exception as e:
-            raise BivitError(f"{self.path / rec.shard}: no tensor {rec.key!r} for {rec.source!r} ({e})") from None
+            raise FormatError(f"{path}: no tensor {rec.key!r} for {rec.source!r} ({e})") from None
+        check_embedding(tensor, rec.tokens, self.header.get("output_dtype"), f"{path}: tensor {rec.key!r} of "
+                        f"{rec.source!r}")
+        return tensor
 
     def numpy(self, item: "str | Record") -> "np.ndarray":
         import torch

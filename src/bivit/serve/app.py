@@ -10,11 +10,13 @@ an app with uvicorn (what `bivit serve` calls).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import hmac
 import json
 import logging
 import re
+import resource
 import sys
 import time
 import traceback
@@ -27,8 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..encoder import Encoder
-from .. import records
-from .protocol import SAFETENSORS_MEDIA_TYPE, RequestError, answer, error_body
+from .protocol import SAFETENSORS_MEDIA_TYPE, RequestError, answer, error_body, failed_answer
 from .bodies import content_type
 from .serving import Service, log
 from .settings import ServerSettings
@@ -124,6 +125,7 @@ def create_app(encoder: Encoder, settings: Optional[ServerSettings] = None) -> F
     async def _frame(request: Request, call_next):
         # Request id, auth, structured request log. Auth guards every route except /health.
         rid = _request_id(request.headers.get("x-request-id"))
+        request.scope[_CLIENT_RECEIVE] = request.receive
         request.state.items = 0
         request.state.failed = 0
         request.state.error = None
@@ -142,6 +144,8 @@ def create_app(encoder: Encoder, settings: Optional[ServerSettings] = None) -> F
                 log.exception("unhandled error", extra={"fields": {"id": rid}})
                 svc.metrics.errors.labels("internal").inc()
                 response = JSONResponse(error_body("internal", "internal server error"), 500)
+            finally:
+                svc.bodies.release(request)
         latency = time.perf_counter() - t0
         response.headers["X-Request-ID"] = rid
         if request.url.path == "/v1/encode":
@@ -186,7 +190,7 @@ def create_app(encoder: Encoder, settings: Optional[ServerSettings] = None) -> F
         if not items:
             raise RequestError(400, "bad_request", "no items: send at least one 'file' part or JSON item")
         request.state.items = len(items)
-        results, info = await svc.encode_request(items, json_response=fmt == "json")
+        results, info = await _unless_disconnected(request, svc.encode_request(items, json_response=fmt == "json"))
 
         failed = [r for r in results if r.error is not None]
         request.state.failed = len(failed)
@@ -197,13 +201,9 @@ def create_app(encoder: Encoder, settings: Optional[ServerSettings] = None) -> F
         if len(failed) == len(results):
             # Nothing to return: a client error unless the server itself broke.
             internal = any(r.error_kind == "internal" for r in failed)
-            status = 500 if internal else 422
             request.state.error = failed[0].error
-            return JSONResponse(error_body(failed[0].error_kind or "internal",
-                                            "every item failed: " + "; ".join(str(r.error) for r in failed),
-                                            format=records.FORMAT, encoder=info,
-                                            items=[r.record(i).to_json() for i, r in enumerate(results)]),
-                                status)
+            body = await asyncio.get_running_loop().run_in_executor(None, failed_answer, info, results)
+            return Response(body, 500 if internal else 422, media_type="application/json")
         # Serialising can take a while for big answers (JSON above all); keep it off the event loop.
         body = await asyncio.get_running_loop().run_in_executor(None, answer, info, results, fmt == "json")
         return Response(body, media_type="application/json" if fmt == "json" else SAFETENSORS_MEDIA_TYPE)
@@ -221,6 +221,40 @@ def create_app(encoder: Encoder, settings: Optional[ServerSettings] = None) -> F
     return app
 
 
+# Where the request frame keeps the server's own `receive` (the endpoint's is wrapped by the middleware, and
+# cannot see a disconnect without waiting for one).
+_CLIENT_RECEIVE = "bivit.client_receive"
+
+
+async def _unless_disconnected(request: Request, work):
+    """`await work`, cancelled when the client hangs up meanwhile (the body is read: the next message the server
+    has for this request is its disconnect): its queued decodes and forward passes are dropped (a decode
+    already running stops at its item's end), and the request is logged as 499."""
+    task = asyncio.ensure_future(work)
+    receive = request.scope.get(_CLIENT_RECEIVE)
+
+    async def hung_up() -> None:
+        if receive is None:
+            await asyncio.Event().wait()
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    watch = asyncio.ensure_future(hung_up())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watch.cancel()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+        raise RequestError(499, "client_closed", "the client closed the connection before the answer")
+    return task.result()
+
+
 def run(encoder: Encoder, settings: ServerSettings, *, host: str, port: int, log_level: str) -> None:
     """Serve until SIGTERM/SIGINT; accepted requests get their answers first (bounded graceful shutdown)."""
     import uvicorn
@@ -228,25 +262,55 @@ def run(encoder: Encoder, settings: ServerSettings, *, host: str, port: int, log
     if host not in ("127.0.0.1", "localhost", "::1") and not settings.api_key:
         log.warning("serving on a non-loopback interface without --api-key", extra={"fields": {"host": host}})
     config = uvicorn.Config(create_app(encoder, settings), host=host, port=port, log_config=None,
-                            access_log=False, log_level=log_level.lower(), http=_header_timeout(settings.header_timeout_s),
+                            access_log=False, log_level=log_level.lower(),
+                            http=_header_timeout(settings.header_timeout_s, max_connections()),
                             timeout_graceful_shutdown=int(settings.request_timeout_s + settings.body_timeout_s) + 10)
     uvicorn.Server(config).run()
 
 
-def _header_timeout(seconds: float) -> type:
-    """uvicorn's h11 protocol, closing a connection whose request headers take longer than `seconds`.
+def max_connections() -> int:
+    """Open connections the service keeps: half of its file descriptors (RLIMIT_NOFILE), the rest left for
+    files, pipes and threads. Past it asyncio's accept() fails with EMFILE: a traceback logged per attempt
+    (167 MB of log in 40 s with 1100 slow connections at `ulimit -n 1024`) and probes 8 s late."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return max(16, soft // 2) if soft != resource.RLIM_INFINITY else 65536
+
+
+# The answer to a connection over the limit when no connection is still sending its headers.
+_BUSY = json.dumps(error_body("busy", "server busy: too many open connections; retry later")).encode()
+_BUSY_RESPONSE = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
+                  b"Connection: close\r\nContent-Length: " + str(len(_BUSY)).encode() + b"\r\n\r\n" + _BUSY)
+
+
+def _header_timeout(seconds: float, limit: int) -> type:
+    """uvicorn's h11 protocol, closing a connection whose request headers take longer than `seconds`, and
+    keeping at most `limit` connections open.
 
     uvicorn times out idle kept-alive connections but not a request whose headers trickle in (one byte a
     second holds a connection and a buffer forever). The timer starts with the connection or with the first
-    bytes of the next request on a kept-alive one, and stops when the headers are complete.
+    bytes of the next request on a kept-alive one, and stops when the headers are complete. A connection past
+    `limit` closes the connection that has been sending its headers longest (a slow client makes room for a
+    new one, a probe included); if none is, the new one is answered 503 and closed.
     """
     from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    waiting: "collections.OrderedDict[H11Protocol, None]" = collections.OrderedDict()  # headers not complete
 
     class HeaderTimeoutProtocol(H11Protocol):
         _header_timer: Optional[asyncio.TimerHandle] = None
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
+            if len(self.connections) > limit:
+                if not waiting:
+                    transport.write(_BUSY_RESPONSE)
+                    transport.close()
+                    return
+                oldest = next(iter(waiting))
+                log.info("connection closed: the oldest still sending its headers, to keep at most "
+                         f"{limit} connections", extra={"fields": {"client": oldest.client}})
+                oldest._disarm()
+                oldest.transport.close()
             self._arm()
 
         def data_received(self, data: bytes) -> None:
@@ -263,14 +327,17 @@ def _header_timeout(seconds: float) -> type:
         def _arm(self) -> None:
             if self._header_timer is None:
                 self._header_timer = self.loop.call_later(seconds, self._expire)
+                waiting[self] = None
 
         def _disarm(self) -> None:
             if self._header_timer is not None:
                 self._header_timer.cancel()
                 self._header_timer = None
+            waiting.pop(self, None)
 
         def _expire(self) -> None:
             self._header_timer = None
+            waiting.pop(self, None)
             log.info("connection closed: request headers not received within --header-timeout-s",
                      extra={"fields": {"client": self.client, "header_timeout_s": seconds}})
             self.transport.close()

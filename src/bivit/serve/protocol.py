@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import base64
 import binascii
+import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
 from .. import records
 from ..errors import BivitError
-from ..fileio import parse_json
+from ..fileio import TooManyObjects, parse_json
 from ..kinds import media_kind
 
 if TYPE_CHECKING:
@@ -75,6 +76,7 @@ class ItemResult:
     placeholders: list = field(default_factory=list)  # per image / chunk: {"text": prompt placeholder, "tokens"}
     sizes: list = field(default_factory=list)  # per image / chunk: (width, height) before resizing
     ec_ids: Optional[list] = None  # per image / chunk: its id in vLLM's encoder cache (`bivit serve --ec-dir`)
+    ec_media: Any = field(default=None, repr=False, compare=False)  # what those files hold: re-written on a hit
     cached: bool = False
     error: Optional[str] = None
     error_kind: Optional[str] = None
@@ -92,19 +94,30 @@ class ItemResult:
                               **({} if self.ec_ids is None else {"ec_ids": self.ec_ids}))
 
 
-def parse_json_request(body: bytes) -> list[UploadItem]:
-    """The items of a JSON request body; RequestError (400) when the body is not the documented shape.
+def too_many_items(n: object, max_items: int) -> RequestError:
+    return RequestError(413, "too_many_items", f"request has {n} items, more than --max-queue {max_items} "
+                        "(every copy and every failed item counted); split it")
+
+
+def parse_json_request(body: bytes, max_items: int) -> list[UploadItem]:
+    """The items of a JSON request body; RequestError (400) when the body is not the documented shape, 413 when
+    it holds more than `max_items` items (the parse stops there: nothing is built for the rest).
 
     A key repeated in one object is refused (which one counts differs between parsers), and so is nesting
     deeper than `bivit.fileio.MAX_JSON_DEPTH`; base64 may be split into lines (MIME's 76 columns), any other
     non-alphabet character is an error.
     """
     try:
-        doc = parse_json(body)
+        # The items and the body's own object; numbers are in no item (a few allowed beside them).
+        doc = parse_json(body, max_objects=max_items + 1, max_numbers=max_items + 64)
+    except TooManyObjects:
+        raise too_many_items("more", max_items) from None
     except ValueError as e:  # UnicodeDecodeError included
         raise RequestError(400, "bad_request", f"invalid JSON body: {e}") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("items"), list):
         raise RequestError(400, "bad_request", 'JSON body must be {"items": [{"data": "<base64>", "name": ...}]}')
+    if len(doc["items"]) > max_items:
+        raise too_many_items(len(doc["items"]), max_items)
     items = []
     for i, entry in enumerate(doc["items"]):
         if not isinstance(entry, dict) or not isinstance(entry.get("data"), str):
@@ -133,3 +146,12 @@ def answer(info: dict, results: list[ItemResult], as_json: bool = False) -> byte
     embeddings = [r.embedding for r in results]
     return records.to_json(info, recs, embeddings) if as_json else records.to_bytes(info, recs, embeddings)
 
+
+
+def failed_answer(info: dict, results: list[ItemResult]) -> bytes:
+    """The JSON answer when every item failed: the first reasons in the message, every record in `items`."""
+    failed = [r for r in results if r.error is not None]
+    shown = "; ".join(str(r.error) for r in failed[:3]) + (f"; and {len(failed) - 3} more" if len(failed) > 3 else "")
+    body = error_body(failed[0].error_kind or "internal", "every item failed: " + shown, format=records.FORMAT,
+                      encoder=info, items=[r.record(i).to_json() for i, r in enumerate(results)])
+    return json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()

@@ -4,8 +4,9 @@
    hashes each item and looks it up in the embedding cache.
 2. Cache misses are admitted against `max_queue` (else 429 + Retry-After) and prepared in thread pools
    (`Encoder.prepare`: decoding, resizing, chunking), so that work never blocks the event loop: videos in one,
-   images in another, and images whose header says they are heavy (`HEAVY_IMAGE_SIZE`) in a third of one
-   thread, so a heavy item never makes a small one wait for a thread. Every decode stops at its request's
+   images in another, images whose header says they are heavy (`HEAVY_IMAGE_SIZE`) in a third of one thread
+   and light ones (`LIGHT_IMAGE_SIZE`) in a fourth of one thread, so a heavy item never makes a small one wait
+   for a thread; each pool takes its work round-robin across requests (`FairPool`). Every decode stops at its request's
    deadline (an item still queued then is never started).
 3. Each prepared item's chunks (one for an image) go to the Batcher, whose single worker coalesces queued
    chunks from all concurrent requests into forward passes by the packing rule.
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import concurrent.futures
 import contextlib
 import hashlib
 import logging
@@ -41,12 +41,13 @@ from ..engines.media import media_of
 from ..engines.vllm import write_encoder_cache
 from ..errors import BivitError, MediaError
 from ..grids import PATCH_SIZE, grid_tokens, image_grid
-from ..items import ItemResult as CoreResult, Prepared, assemble
+from ..items import Prepared, assemble
 from .batcher import Batcher
 from .bodies import BodyReader
 from .cache import EmbeddingCache
 from .metrics import Metrics
-from .protocol import ItemResult, RequestError, UploadItem
+from .pools import FairPool
+from .protocol import ItemResult, RequestError, UploadItem, too_many_items
 from .settings import ServerSettings
 
 log = logging.getLogger("bivit.server")
@@ -56,11 +57,18 @@ log = logging.getLogger("bivit.server")
 PATCH_BYTES = 3 * PATCH_SIZE * PATCH_SIZE * 4
 # A JSON response writes each value as text: at most ~20 bytes with its separator.
 JSON_BYTES_PER_VALUE = 20
+# An item's record in the answer beyond its name (which it holds up to three times: source, error, the 422
+# message): keys, sha256, grid, placeholders, a reason. Counted for every item, failed and cached ones too.
+RECORD_BYTES = 1024
 # An image whose decoding and preprocessing takes more memory than an RGB photo of this size does (as the model
 # preprocesses it; `bivit.decode.image_work_bytes`) is heavy: decoded in the one-thread heavy pool, so at most one
 # such image is in memory at a time and none holds a thread a small image needs. A 64 MP PNG decodes in about 2 s
 # on one core; the 14000x14000 PNGs that starved small requests take 5-7 s each.
 HEAVY_IMAGE_SIZE = (8192, 8192)
+# An image that takes no more than an RGB photo of this size is light: decoded in a one-thread pool of its own
+# (in tens of milliseconds), so a small request never waits for a thread that decodes a large image (two
+# requests of 13 7500x7500 PNGs held both image threads for ~10 s at a time on 2 busy cores).
+LIGHT_IMAGE_SIZE = (1024, 1024)
 
 
 class WeightsGate:
@@ -104,16 +112,19 @@ class Service:
         self.encoder = encoder
         self.settings = settings
         self.metrics = Metrics()
-        self.bodies = BodyReader(settings)
+        self.bodies = BodyReader(settings, self.metrics)
         # Without batch invariance a cached embedding may differ from a fresh one, so no cache at all.
         self.cache = EmbeddingCache(int(settings.cache_mb * 2**20) if encoder.batch_invariant else 0)
         self.batcher = Batcher(encoder, settings.max_batch_patches, settings.max_wait_ms / 1000.0, self.metrics)
         # Images, heavy images and videos decode in separate pools: a video or a heavy image that is slow to decode
-        # (until its request's deadline) never makes a small image wait for a thread.
-        self.pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
-        self.heavy_pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
-        self.video_pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        # (until its request's deadline) never makes a small image wait for a thread. Each pool takes its work
+        # round-robin across requests (`FairPool`): a request of many items never holds a pool from another.
+        self.pool: Optional[FairPool] = None
+        self.heavy_pool: Optional[FairPool] = None
+        self.light_pool: Optional[FairPool] = None
+        self.video_pool: Optional[FairPool] = None
         self.heavy_bytes = image_work_bytes(*HEAVY_IMAGE_SIZE, "RGB", encoder.processing)
+        self.light_bytes = image_work_bytes(*LIGHT_IMAGE_SIZE, "RGB", encoder.processing)
         self.inflight = 0  # items admitted and not yet answered; touched only on the event loop
         self.pixels_held = 0  # preprocessed pixel bytes of admitted requests (see _Budget); event loop only
         self.draining = False
@@ -130,19 +141,18 @@ class Service:
 
     # -- lifecycle
     def start(self) -> None:
-        self.pool = concurrent.futures.ThreadPoolExecutor(self.settings.preprocess_threads,
-                                                          thread_name_prefix="bivit-preprocess")
-        self.heavy_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="bivit-heavy")
-        self.video_pool = concurrent.futures.ThreadPoolExecutor(self.settings.preprocess_threads,
-                                                                thread_name_prefix="bivit-video")
+        self.pool = FairPool(self.settings.preprocess_threads, "bivit-preprocess")
+        self.heavy_pool = FairPool(1, "bivit-heavy")
+        self.light_pool = FairPool(1, "bivit-light")
+        self.video_pool = FairPool(self.settings.preprocess_threads, "bivit-video")
         self.batcher.start()
 
     def stop(self) -> None:
         self.draining = True
         self.batcher.stop()
-        for pool in (self.pool, self.heavy_pool, self.video_pool):
+        for pool in (self.pool, self.heavy_pool, self.light_pool, self.video_pool):
             if pool is not None:
-                pool.shutdown(wait=True)
+                pool.shutdown()
 
     # -- encoding
     def _prepare(self, item: UploadItem, sha256: str, deadline: float) -> Prepared:
@@ -152,28 +162,33 @@ class Service:
         return self.encoder.prepare(item.data, name=item.name, kind=item.kind, sha256=sha256, deadline=deadline,
                                     video_options=dict(max_decoded_pixels=int(self.settings.max_video_mpixels * 1e6)))
 
-    def _image_cost(self, data: bytes) -> Optional[tuple[int, int, bool]]:
-        """(preprocessed pixel bytes, tokens, heavy) of an image from its header alone, under the model's
-        preprocessing; None if the header is unreadable (decoding will then say what is wrong)."""
+    def _image_cost(self, data: bytes) -> Optional[tuple[int, int, int]]:
+        """(preprocessed pixel bytes, tokens, memory to decode and preprocess) of an image from its header alone,
+        under the model's preprocessing; None if the header is unreadable (decoding will then say what is
+        wrong)."""
         try:
             head = image_header(data, self.encoder.processing)
         except MediaError:
             return None
         gh, gw = image_grid(head.width, head.height, self.encoder.processing)
-        return gh * gw * PATCH_BYTES, grid_tokens(gh, gw), head.work_bytes > self.heavy_bytes
+        return gh * gw * PATCH_BYTES, grid_tokens(gh, gw), head.work_bytes
 
-    def _pool_for(self, item: UploadItem, heavy: bool) -> concurrent.futures.ThreadPoolExecutor:
+    def _pool_for(self, item: UploadItem, work: Optional[int]) -> FairPool:
+        """Videos; heavy, light and other images (`work`: `_image_cost`'s, None when unknown) each their pool."""
         if item.kind == "video":
             return self.video_pool
-        return self.heavy_pool if heavy else self.pool
+        if work is None:
+            return self.pool
+        return self.heavy_pool if work > self.heavy_bytes else self.light_pool if work <= self.light_bytes \
+            else self.pool
 
     async def encode_item(self, item: UploadItem, key: tuple, deadline: float, budget: "_Budget",
-                          cost: Optional[tuple[int, int, bool]], copies: int) -> ItemResult:
+                          cost: Optional[tuple[int, int, int]], copies: int) -> ItemResult:
         """One distinct item of a request (`cost`: `_image_cost`'s, None if not known before decoding); errors
         are reasons (the caller names each copy of the item)."""
         res = ItemResult(item.name, item.kind, key[2])
-        pool = self._pool_for(item, cost is not None and cost[2])
-        prepared = await asyncio.get_running_loop().run_in_executor(pool, self._prepare, item, key[2], deadline)
+        pool = self._pool_for(item, None if cost is None else cost[2])
+        prepared = await asyncio.wrap_future(pool.submit(budget, self._prepare, item, key[2], deadline))
         if isinstance(prepared.error, MediaError):
             res.error, res.error_kind = prepared.error.about(item.name), "media"
             return res
@@ -201,15 +216,18 @@ class Service:
         res.chunk_tokens, res.placeholders = done.chunk_tokens, [p.to_dict() for p in done.placeholders]
         res.sizes = done.sizes  # made JSON-ready with the rest of the record (`records.record`)
         if self.settings.ec_dir is not None:
-            try:
-                res.ec_ids = await asyncio.get_running_loop().run_in_executor(self.pool, self._write_encoder_cache,
-                                                                              done, key[0])
-            except (OSError, BivitError) as e:
-                res.embedding, res.error, res.error_kind = None, f"cannot write the encoder cache ({e})", "internal"
+            res.ec_media = media_of(done, key[0])
+            await self._write_encoder_cache(res, budget)
         return res
 
-    def _write_encoder_cache(self, result: CoreResult, fingerprint: str) -> list[str]:
-        return write_encoder_cache(self.settings.ec_dir, [media_of(result, fingerprint)])[0]
+    async def _write_encoder_cache(self, res: ItemResult, owner: object) -> None:
+        """Write `res`'s rows to --ec-dir (only files missing there: so also on a cache hit, whose files may have
+        been deleted since); an item whose files cannot be written fails."""
+        try:
+            res.ec_ids = (await asyncio.wrap_future(self.pool.submit(
+                owner, write_encoder_cache, self.settings.ec_dir, [res.ec_media])))[0]
+        except (OSError, BivitError) as e:
+            res.embedding, res.error, res.error_kind = None, f"cannot write the encoder cache ({e})", "internal"
 
     async def encode_request(self, items: list[UploadItem], json_response: bool = False
                              ) -> tuple[list[ItemResult], dict]:
@@ -217,24 +235,40 @@ class Service:
         async with self.gate.shared():
             return await self._encode_request(items, json_response), self.info
 
+    def _keys(self, items: list[UploadItem], fingerprint: str) -> list[Optional[tuple]]:
+        """Each item's cache key (None for an item that could not be extracted); on a worker thread."""
+        return [None if it.data is None else (fingerprint, it.kind, hashlib.sha256(it.data).hexdigest())
+                for it in items]
+
+    def _costs(self, items: list[UploadItem]) -> list[Optional[tuple[int, int, int]]]:
+        """`_image_cost` of each item (None for a video); on a worker thread: parsing a header is work too."""
+        return [self._image_cost(it.data) if it.kind == "image" else None for it in items]
+
     async def _encode_request(self, items: list[UploadItem], json_response: bool) -> list[ItemResult]:
         deadline = time.monotonic() + self.settings.request_timeout_s
+        if len(items) > self.settings.max_queue:
+            raise too_many_items(len(items), self.settings.max_queue)
         token_bytes = self.encoder.config.text_hidden_size * (
             JSON_BYTES_PER_VALUE if json_response else self.encoder.output_dtype.itemsize)
         budget = _Budget(self, token_bytes)
+        # Every byte of the answer is counted, records included: a failed item has no tokens but a record.
+        budget.take(0, 0, sum(RECORD_BYTES + 3 * len(it.name.encode("utf-8", "surrogatepass")) for it in items))
         results: list[Optional[ItemResult]] = [None] * len(items)
         todo: list[tuple[int, tuple]] = []
         fp = self.fingerprint
-        for i, it in enumerate(items):
-            if it.data is None:
+        loop = asyncio.get_running_loop()
+        keys = await loop.run_in_executor(None, self._keys, items, fp)
+        for i, (it, key) in enumerate(zip(items, keys)):
+            if key is None:
                 results[i] = ItemResult(it.name, error=f"{it.name}: {it.error}", error_kind="bad_item")
                 continue
-            key = (fp, it.kind, hashlib.sha256(it.data).hexdigest())
             hit = self.cache.get(key) if self.cache.max_bytes else None
             if hit is not None:
                 self.metrics.cache_hits.inc()
                 budget.take(0, hit.tokens)
                 results[i] = replace(hit, name=it.name, cached=True)
+                if hit.ec_media is not None:  # its files may have been deleted since they were written
+                    await self._write_encoder_cache(results[i], budget)
             else:
                 if self.cache.max_bytes:
                     self.metrics.cache_misses.inc()
@@ -255,8 +289,7 @@ class Service:
                                    f"{self.settings.max_queue}; retry later",
                                    {"Retry-After": str(self.settings.retry_after_s)})
             # Images are counted from their headers, before anything is decoded.
-            cost = {key: self._image_cost(items[i].data) if items[i].kind == "image" else None
-                    for key, i in unique.items()}
+            cost = dict(zip(unique, await loop.run_in_executor(None, self._costs, [items[i] for i in unique.values()])))
             try:
                 budget.take(sum(c[0] for c in cost.values() if c),
                             sum(c[1] * copies[key] for key, c in cost.items() if c))
@@ -328,11 +361,12 @@ class _Budget:
         self.pixels = 0
         self.response = 0
 
-    def take(self, pixels: int, tokens: int) -> None:
+    def take(self, pixels: int, tokens: int, other_bytes: int = 0) -> None:
         s = self.svc.settings
-        if self.response + tokens * self.token_bytes > s.mb(s.max_response_mb):
+        answer = tokens * self.token_bytes + other_bytes
+        if self.response + answer > s.mb(s.max_response_mb):
             raise RequestError(413, "response_too_large", f"the response would exceed --max-response-mb "
-                               f"{s.max_response_mb:g} ({self.response + tokens * self.token_bytes} bytes); "
+                               f"{s.max_response_mb:g} ({self.response + answer} bytes); "
                                "send fewer items (every copy of an item is answered)")
         if self.pixels + pixels > min(s.mb(s.max_request_pixels_mb), s.mb(s.max_queue_pixels_mb)):
             raise RequestError(413, "too_large", f"request needs more than --max-request-pixels-mb "
@@ -341,7 +375,7 @@ class _Budget:
             raise RequestError(429, "queue_full", f"server busy: --max-queue-pixels-mb {s.max_queue_pixels_mb:g} "
                                "of decoded pixels in flight; retry later", {"Retry-After": str(s.retry_after_s)})
         self.pixels += pixels
-        self.response += tokens * self.token_bytes
+        self.response += answer
         self.svc.pixels_held += pixels
         self.svc.metrics.pixel_bytes.set(self.svc.pixels_held)
 

@@ -19,7 +19,7 @@ class ServerSettings:
     Memory the service holds for requests is bounded by `max_queue_pixels_mb` (preprocessed pixels of every
     admitted request) plus what is being decoded (one item per preprocessing thread: `preprocess_threads` for
     images, as many again at most for videos) plus responses being written
-    (each at most `max_response_mb`) plus the cache (`cache_mb`).
+    (each at most `max_response_mb`) plus the cache (`cache_mb`) plus the request bodies held (`max_bodies_mb`).
     """
 
     api_key: Optional[str] = None
@@ -27,6 +27,7 @@ class ServerSettings:
     max_wait_ms: float = 5.0  # how long the worker waits for more items once one is queued
     max_queue: int = 256  # items admitted and not yet answered, over all requests
     max_body_mb: float = 64.0
+    max_bodies_mb: Optional[float] = None  # /v1/encode bodies held at once, all requests (None: 4 x max_body_mb)
     request_timeout_s: float = 120.0  # from the end of the body to the answer; decoding stops at it too
     header_timeout_s: float = 10.0  # to receive a request's headers (a connection that is slower is closed)
     body_timeout_s: float = 60.0  # to receive a request's body (408 after)
@@ -51,7 +52,9 @@ class ServerSettings:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} {value!r}: expected a whole number >= 1")
-        for name in ("max_body_mb", "request_timeout_s", "header_timeout_s", "body_timeout_s",
+        if self.max_bodies_mb is None:
+            self.max_bodies_mb = 4 * self.max_body_mb if isinstance(self.max_body_mb, (int, float)) else None
+        for name in ("max_body_mb", "max_bodies_mb", "request_timeout_s", "header_timeout_s", "body_timeout_s",
                      "max_request_pixels_mb", "max_queue_pixels_mb", "max_response_mb", "max_video_mpixels",
                      "max_wait_ms", "cache_mb", "max_weights_mb"):
             value = getattr(self, name)
