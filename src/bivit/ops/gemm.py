@@ -113,7 +113,13 @@ def residual_linear(residual: torch.Tensor, x: torch.Tensor, layers: Sequence[La
     """`residual + L_k(... L_1(x))` for a chain of linear layers `(weight, bias, gelu)` (a block's output
     projection: one; its MLP: two), written into `residual` unless autograd records (then a new tensor).
     Traced as one "residual_linear"."""
-    if is_batch_invariant() and not torch.is_grad_enabled() and gemm_kernel(x.dtype, x.device.type) is None:
+    if is_batch_invariant() and not torch.is_grad_enabled():
+        if gemm_kernel(x.dtype, x.device.type) is not None:
+            y = x.reshape(-1, x.shape[-1]).contiguous()
+            for weight, bias, gelu in layers:
+                y = _gemm(y, weight, bias, weight, gelu=gelu)
+            residual.view(-1, residual.shape[-1]).add_(y)
+            return emit("residual_linear", residual)
         # PyTorch's GEMMs at proven tiles: the chain runs tile by tile into the residual (bivit.ops.tiles)
         steps = tiles.chain(layers)
         if steps is not None:
