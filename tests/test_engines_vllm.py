@@ -331,3 +331,47 @@ def test_an_unwritable_ec_dir_is_one_line_before_any_work(files, tmp_path):
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert [ln for ln in r.stderr.splitlines() if ln.startswith("bivit: error: --ec-dir")], r.stderr
     assert not (tmp_path / "o.safetensors").exists()
+
+
+def test_encoder_cache_writes_replace_what_is_not_theirs(media, tmp_path):
+    """An id already holding a readable file of the right rows is left as it is; anything else there is replaced,
+    never reported written as it was and never written through: an empty (planted) file, a foreign tensor, a
+    link at the file, a link at the id folder pointing outside the cache."""
+    import os
+
+    ec, outside = tmp_path / "ec", tmp_path / "outside"
+    outside.mkdir()
+    (i, *_) = media[0].ec_ids()
+    bv.write_encoder_cache(ec, media[:1])
+    path = ec / i / bv.EC_FILE
+    kept = path.stat().st_mtime_ns
+    bv.write_encoder_cache(ec, media[:1])
+    assert path.stat().st_mtime_ns == kept  # the right rows: left as they are
+    rows = media[0].chunks()[0]
+    planted = {"empty": lambda: path.write_bytes(b""),
+               "foreign": lambda: save_file({bv.EC_KEY: torch.zeros(3, 3)}, str(path)),
+               "file link": lambda: (path.unlink(), os.symlink(outside / "x.safetensors", path)),
+               "folder link": lambda: (__import__("shutil").rmtree(ec / i), os.symlink(outside, ec / i))}
+    for name, plant in planted.items():
+        plant()
+        bv.write_encoder_cache(ec, media[:1])
+        assert not (ec / i).is_symlink() and not path.is_symlink(), name
+        assert torch.equal(load_file(str(path))[bv.EC_KEY], rows), name
+        assert list(outside.iterdir()) == [], name
+
+
+def test_encode_writes_out_before_the_encoder_cache(enc, files, tmp_path):
+    """A failing `--ec-dir` (here: an id's folder taken by a file) fails `bivit encode` in one line, after --out
+    was written with every embedding: nothing encoded is lost."""
+    image = files / "a.png"
+    (i,) = bv.encode(enc, [image])[0].ec_ids()
+    ec, out = tmp_path / "ec", tmp_path / "out.safetensors"
+    ec.mkdir()
+    (ec / i).write_text("in the way")
+    done = subprocess.run([sys.executable, "-m", "bivit", "encode", str(image), "--out", str(out), "--ec-dir",
+                           str(ec), "--dtype", "float32"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1
+    errors = [line for line in done.stderr.splitlines() if line.startswith("bivit: error:")]
+    assert len(errors) == 1 and "--ec-dir" in errors[0] and str(out) in errors[0], done.stderr
+    (r,) = bivit.load_embeddings(out)
+    assert torch.equal(r.embedding, enc.encode([image])[0]) and r.ec_ids == [i]

@@ -11,7 +11,7 @@ import typer
 
 from ..errors import BivitError
 from .common import (EC_PROBE, FAILURE, AlphaOpt, DeprecatedOpt, DtypeOpt, EcDirOpt, ModelOpt, OutDtypeOpt,
-                     ProjDtypeOpt, check_options, command, open_encoder, renamed_option, writable)
+                     ProjDtypeOpt, check_options, command, fail, open_encoder, renamed_option, writable)
 
 # Patches per forward pass unless --max-batch-patches says otherwise (no effect on results in invariant mode).
 DEFAULT_BATCH_PATCHES = 4096
@@ -88,7 +88,7 @@ def encode(
             if r.error is not None:
                 bar.write(f"bivit: skipped: {r.error}", file=sys.stderr)
 
-    records, embeddings = [], []
+    records, embeddings, cached = [], [], []
     for i, (path, r) in enumerate(zip(files, results)):
         if isinstance(r, BaseException):  # refused before the model loaded
             records.append(rec.record(str(path), kind=media_kind(path) or "image", sha256=None, grid_thw=[],
@@ -96,13 +96,19 @@ def encode(
             embeddings.append(None)
             continue
         extra = {}
-        if ec_dir is not None and r.error is None:
-            extra["ec_ids"] = write_encoder_cache(ec_dir, [media_of(r, enc.fingerprint)])[0]
+        if ec_dir is not None and r.error is None:  # ids now (they name the content); the files after --out
+            cached.append(media_of(r, enc.fingerprint))
+            extra["ec_ids"] = cached[-1].ec_ids()
         records.append(rec.of_result(r, tensor=str(i), **extra))
         embeddings.append(r.embedding)
     done = [r for r in records if r.ok]
     if done:
         rec.save(out, enc.describe(), records, embeddings)
+    if cached:  # after --out: a full --ec-dir fails the command (one line) but loses no embedding
+        try:
+            write_encoder_cache(ec_dir, cached)
+        except OSError as e:
+            fail(f"--ec-dir {ec_dir}: {e.strerror or e} ({out} is written, with every embedding)", FAILURE)
     failed = len(records) - len(done)
     where = f" -> {out}" if done else " (nothing written)"
     typer.echo(f"encoded {len(done)} of {len(files)} inputs, {sum(r.tokens for r in done)} tokens in "
