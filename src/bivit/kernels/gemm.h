@@ -148,14 +148,6 @@ static int gemm_run(const struct gemm_kernel *G, const struct gemm_call *C, int 
     return failed;
 }
 
-/* A variant's fp32 kernel block: microtiles of MR rows (f32_micro(C, i0, rows, panel, j0, element type)) against
- * panels p0..p1 of NR columns. A full microtile gets its row count as a constant (the unrolled code), a short
- * one at run time: the same instructions per row either way (no reassociation: -ffp-contract=off, no
- * fast-math), one instance each, which keeps the first load's compile short. */
-#define F32_MICRO_CALL(n, E) f32_micro(C, i0 + r0, n, bp, p * (NR), E)
-#define F32_MICRO_TYPED(n)                                                                                       \
-    (C->xt == E_BF16 ? F32_MICRO_CALL(n, E_BF16) : C->xt == E_F16 ? F32_MICRO_CALL(n, E_F16)                    \
-                                                                   : F32_MICRO_CALL(n, E_F32))
 /* A variant's fp32 packing: panel p of NR columns as [K][NR] floats (weights widened exactly, zero past N). */
 #define GEMM_F32_PACK                                                                                            \
     static size_t f32_packed_bytes(int64_t N, int64_t K) { return (size_t)ceil_div(N, (NR)) * K * (NR) * 4; }    \
@@ -169,17 +161,34 @@ static int gemm_run(const struct gemm_kernel *G, const struct gemm_call *C, int 
             }                                                                                                   \
     }
 
+/* A variant's fp32 kernel block: microtiles of MR rows (f32_micro(C, rows, row stride, i0, R, panel, j0), rows as
+ * floats) against panels p0..p1 of NR columns. 16-bit rows are widened into the thread's scratch once per block
+ * (exact: the microtiles see the same values), so the inner loop broadcasts floats. A full microtile gets its
+ * row count as a constant (the unrolled code), a short one at run time: the same instructions per row either
+ * way (no reassociation: -ffp-contract=off, no fast-math), one instance each, which keeps the first load's
+ * compile short. */
 #define GEMM_F32_BLOCK                                                                                           \
+    static size_t f32_scratch(int64_t K) { return (size_t)(MB) * K * 4 + 64; }                                  \
     static void f32_block(const struct gemm_call *C, int64_t i0, int64_t rows, int64_t p0, int64_t p1,          \
                           void *scratch) {                                                                      \
-        (void)scratch;                                                                                          \
+        const float *x = (const float *)C->x + i0 * C->x_row;                                                   \
+        int64_t xs = C->x_row;                                                                                  \
+        if (C->xt != E_F32) {                                                                                   \
+            float *wide = scratch;                                                                              \
+            const size_t es = esize_of(C->xt);                                                                  \
+            for (int64_t r = 0; r < rows; r++)                                                                  \
+                for (int64_t k = 0; k < C->K; k++)                                                              \
+                    wide[r * C->K + k] = gemm_elem(C->x + (i0 + r) * C->x_row * es, k, C->xt);                  \
+            x = wide;                                                                                           \
+            xs = C->K;                                                                                          \
+        }                                                                                                       \
         const size_t panel = (size_t)C->K * (NR);                                                               \
         for (int64_t p = p0; p < p1; p++)                                                                       \
             for (int64_t r0 = 0; r0 < rows; r0 += (MR)) {                                                       \
                 const int R = rows - r0 < (MR) ? (int)(rows - r0) : (MR);                                       \
                 const float *bp = (const float *)C->w + p * panel;                                              \
-                if (R == (MR)) F32_MICRO_TYPED(MR);                                                             \
-                else F32_MICRO_TYPED(R);                                                                        \
+                if (R == (MR)) f32_micro(C, x + r0 * xs, xs, i0 + r0, (MR), bp, p * (NR));                      \
+                else f32_micro(C, x + r0 * xs, xs, i0 + r0, R, bp, p * (NR));                                   \
             }                                                                                                   \
     }
 

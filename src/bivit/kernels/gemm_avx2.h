@@ -52,19 +52,17 @@ static inline __attribute__((always_inline)) void store_row16(const struct gemm_
     }
 }
 
-static inline __attribute__((always_inline)) void f32_micro(const struct gemm_call *C, int64_t i0, const int R,
-                                                             const float *bp, int64_t j0, const int XT) {
+static inline __attribute__((always_inline)) void f32_micro(const struct gemm_call *C, const float *x0, int64_t xs,
+                                                             int64_t i0, const int R, const float *bp, int64_t j0) {
     __m256 acc[MR2][2];
 #pragma GCC unroll 6
     for (int r = 0; r < MR2; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    const char *x0 = C->x + i0 * C->x_row * esize_of(XT);
-    const size_t xs = (size_t)C->x_row * esize_of(XT);
     for (int64_t k = 0; k < C->K; k++) {
         const __m256 b0 = _mm256_loadu_ps(bp + k * NR2), b1 = _mm256_loadu_ps(bp + k * NR2 + 8);
 #pragma GCC unroll 6
         for (int r = 0; r < MR2; r++) {
             if (r >= R) break;
-            const __m256 a = _mm256_set1_ps(gemm_elem(x0 + r * xs, k, XT));
+            const __m256 a = _mm256_set1_ps(x0[r * xs + k]);
             acc[r][0] = _mm256_fmadd_ps(a, b0, acc[r][0]);
             acc[r][1] = _mm256_fmadd_ps(a, b1, acc[r][1]);
         }
@@ -76,13 +74,14 @@ static inline __attribute__((always_inline)) void f32_micro(const struct gemm_ca
 
 #define MR MR2
 #define NR NR2
+#define MB MB2
 GEMM_F32_BLOCK
+#undef MB
 #undef MR
 #undef NR
 
-static size_t no_scratch(int64_t K) { (void)K; return 64; }
 
-static const struct gemm_kernel GEMM_F32 = {MB2, NR2, 512 * 1024, f32_packed_bytes, f32_pack_panel, no_scratch, NULL, NULL,
+static const struct gemm_kernel GEMM_F32 = {MB2, NR2, 512 * 1024, f32_packed_bytes, f32_pack_panel, f32_scratch, NULL, NULL,
                                             f32_block};
 
 static const struct gemm_kernel *gemm_kernel_of(int kind) { return kind == 0 ? &GEMM_F32 : NULL; }

@@ -56,22 +56,20 @@ static inline __attribute__((always_inline)) void store_row(const struct gemm_ca
 GEMM_F32_PACK
 #undef NR
 
-static inline __attribute__((always_inline)) void f32_micro(const struct gemm_call *C, int64_t i0, const int R,
-                                                             const float *bp, int64_t j0, const int XT) {
+static inline __attribute__((always_inline)) void f32_micro(const struct gemm_call *C, const float *x0, int64_t xs,
+                                                             int64_t i0, const int R, const float *bp, int64_t j0) {
     __m512 acc[MR512][3];
 #pragma GCC unroll 8
     for (int r = 0; r < MR512; r++)
 #pragma GCC unroll 3
         for (int c = 0; c < 3; c++) acc[r][c] = _mm512_setzero_ps();
-    const char *x0 = C->x + i0 * C->x_row * esize_of(XT);
-    const size_t xs = (size_t)C->x_row * esize_of(XT);
     for (int64_t k = 0; k < C->K; k++) {
         const float *b = bp + k * NR512;
         const __m512 b0 = _mm512_loadu_ps(b), b1 = _mm512_loadu_ps(b + 16), b2 = _mm512_loadu_ps(b + 32);
 #pragma GCC unroll 8
         for (int r = 0; r < MR512; r++) {
             if (r >= R) break;
-            const __m512 a = _mm512_set1_ps(gemm_elem(x0 + r * xs, k, XT));
+            const __m512 a = _mm512_set1_ps(x0[r * xs + k]);
             acc[r][0] = _mm512_fmadd_ps(a, b0, acc[r][0]);
             acc[r][1] = _mm512_fmadd_ps(a, b1, acc[r][1]);
             acc[r][2] = _mm512_fmadd_ps(a, b2, acc[r][2]);
@@ -137,7 +135,9 @@ static inline __attribute__((always_inline)) void dp_micro(const struct gemm_cal
 
 #define MR MR512
 #define NR NR512
+#define MB MB512
 GEMM_F32_BLOCK
+#undef MB
 #undef MR
 #undef NR
 
@@ -153,9 +153,10 @@ static void dp_block(const struct gemm_call *C, int64_t i0, int64_t rows, int64_
         }
 }
 
+
 static size_t no_scratch(int64_t K) { (void)K; return 64; }
 
-static const struct gemm_kernel GEMM_F32 = {MB512, NR512, 512 * 1024, f32_packed_bytes, f32_pack_panel, no_scratch, NULL, NULL,
+static const struct gemm_kernel GEMM_F32 = {MB512, NR512, 512 * 1024, f32_packed_bytes, f32_pack_panel, f32_scratch, NULL, NULL,
                                             f32_block};
 static const struct gemm_kernel GEMM_DP = {MB512, NR512, 512 * 1024, dp_packed_bytes, dp_pack_panel, no_scratch, NULL, NULL,
                                            dp_block};

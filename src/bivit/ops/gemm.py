@@ -56,6 +56,10 @@ def _gemm(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, key
     if kernel is None:
         return tiles.tiled(x2, weight, bias, key, transposed, gelu)
     x2 = x2 if x2.dtype == weight.dtype and x2.stride(-1) == 1 else x2.to(weight.dtype).contiguous()
+    if kernel.name == "fp32" and x2.dtype != torch.float32:
+        # Widened here in one vectorised pass (exact, so the same bits as the kernel widening them itself, which
+        # it does per task: again for every group of columns).
+        x2 = x2.float()
     packed, bias32 = _prepared(kernel, weight, bias, key, transposed)
     return kernel(x2, packed, weight.shape[0], bias32, x2.new_empty(x2.shape[0], weight.shape[0]), gelu=gelu)
 
