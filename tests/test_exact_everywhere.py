@@ -227,3 +227,29 @@ def test_doctor_prove_prints_the_table(tmp_path):
     ops_seen = {row.split()[0] for row in table}
     assert {"gemm", "attention", "layer_norm"} <= ops_seen
     assert all(" yes " in row for row in table)
+
+
+@pytest.mark.parametrize("name", ["amx", "avx512_bf16", "fp32"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_every_kernel_keeps_the_dtype_contract(monkeypatch, name, dtype):
+    """`ops.linear` (with and without GELU, forward and backward) returns the weights' dtype whichever GEMM kernel
+    this CPU runs computes it: a kernel that widens bf16 to fp32 must not hand fp32 on (the vLLM 41638 class of
+    crash: a bf16 LayerNorm fed fp32)."""
+    from bivit.ops import backend
+
+    kernel = next((k for k in kernels.gemm_kernels() if k.name == name), None)
+    if kernel is None or not kernel.takes(dtype):
+        pytest.skip(f"this CPU does not run the {name} GEMM kernel for {dtype}")
+    monkeypatch.setattr(backend, "_decide_gemm_kernel", lambda *a: kernel)
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(40, 70, generator=g) / 8).to(dtype).requires_grad_()
+    b = torch.randn(40, generator=g).to(dtype).requires_grad_()
+    x = torch.randn(33, 70, generator=g).to(dtype).requires_grad_()
+    with ops.batch_invariant():
+        for gelu in (None, "tanh"):
+            with torch.inference_mode():
+                assert ops.linear(x.detach(), w.detach(), b.detach(), gelu=gelu).dtype == dtype
+            y = ops.linear(x, w, b, gelu=gelu)
+            assert y.dtype == dtype
+            gx, gw, gb = torch.autograd.grad(y.float().sum(), (x, w, b))
+            assert (gx.dtype, gw.dtype, gb.dtype) == (dtype,) * 3

@@ -4,9 +4,10 @@ where it is the faster one on this CPU, else in PyTorch's fused attention.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -38,7 +39,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: Sequen
              and kernels.Attention.supports_rope(q, *rope))
     if rope is not None and not fused:
         q, k = rotate(q, *rope), rotate(k, *rope)
-    if kernel is None:
+    if kernel is None and is_batch_invariant():
+        with one_thread():  # PyTorch's attention: see one_thread
+            out = _sdpa(q, k, v, seqlens)
+    elif kernel is None:
         out = _sdpa(q, k, v, seqlens)
     elif needs_grad(q, k, v):
         out = _CompiledAttention.apply(q, k, v, list(seqlens), kernel)
@@ -47,6 +51,20 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: Sequen
         with torch.profiler.record_function("bivit::attention"):  # else invisible to torch.profiler
             kernel(q, k, v, out, seqlens, rope=rope if fused else None)
     return emit("attention", out.view(q.shape[0], -1))
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """PyTorch's flash attention (forward and backward) splits an item's heads over threads and runs each head's
+    GEMMs inside that parallel region, or, at one thread, outside any: another GEMM code path, other bits (seen:
+    an item's pixel gradient changed between 1 and 2 threads with torch restricted to AVX2). Run at one thread
+    it takes the same path whatever the process's thread count."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _spans(seqlens: Sequence[int]) -> list[tuple[int, int]]:
@@ -86,19 +104,25 @@ class _CompiledAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         q, k, v, out, lse = ctx.saved_tensors
-        heads = q.shape[1]
         grads = [torch.zeros_like(t) for t in (q, k, v)]
-        flash_backward = flash_attention_backward()
-        for s, e in _spans(ctx.seqlens):
-            item = _heads_first(grad[s:e], q[s:e], k[s:e], v[s:e], out[s:e])
-            item_lse = lse[s * heads:e * heads].view(1, heads, e - s)
-            if flash_backward is None:
-                parts = _sdpa_grads(*item)
-            else:
-                parts = flash_backward(*item, item_lse, 0.0, False, scale=1 / math.sqrt(q.shape[2]))
-            for g, part in zip(grads, parts):
-                g[s:e] = part[0].transpose(0, 1)
+        with one_thread():
+            _item_grads(grad, q, k, v, out, lse, ctx.seqlens, grads)
         return *grads, None, None
+
+
+def _item_grads(grad, q, k, v, out, lse, seqlens, grads) -> None:
+    """Each item's q/k/v gradients into `grads`, from PyTorch's flash backward (or, where this build lacks it, the
+    gradient of PyTorch's own attention, recomputed)."""
+    heads, flash_backward = q.shape[1], flash_attention_backward()
+    for s, e in _spans(seqlens):
+        item = _heads_first(grad[s:e], q[s:e], k[s:e], v[s:e], out[s:e])
+        item_lse = lse[s * heads:e * heads].view(1, heads, e - s)
+        if flash_backward is None:
+            parts = _sdpa_grads(*item)
+        else:
+            parts = flash_backward(*item, item_lse, 0.0, False, scale=1 / math.sqrt(q.shape[2]))
+        for g, part in zip(grads, parts):
+            g[s:e] = part[0].transpose(0, 1)
 
 
 def _sdpa_grads(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

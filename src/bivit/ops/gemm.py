@@ -61,7 +61,8 @@ def _gemm(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, key
         # it does per task: again for every group of columns).
         x2 = x2.float()
     packed, bias32 = _prepared(kernel, weight, bias, key, transposed)
-    return kernel(x2, packed, weight.shape[0], bias32, x2.new_empty(x2.shape[0], weight.shape[0]), gelu=gelu)
+    out = torch.empty(x2.shape[0], weight.shape[0], dtype=weight.dtype)  # the weights' dtype, as F.linear returns
+    return kernel(x2, packed, weight.shape[0], bias32, out, gelu=gelu)
 
 
 class _InvariantLinear(torch.autograd.Function):
@@ -85,11 +86,26 @@ class _InvariantLinear(torch.autograd.Function):
         gx = gw = gb = None
         if ctx.needs_input_grad[0]:
             gx = _gemm(grad, weight.detach().t(), None, key, transposed=True)
+        # Weight and bias gradients sum over the batch's rows (by definition they depend on the batch), in bivit's
+        # GEMM too: the rows in order, in one thread per element, whatever the thread count (a library GEMM
+        # split those rows over threads: the patch conv's weight gradient changed between 1 and 2 threads).
         if ctx.needs_input_grad[1]:
-            gw = grad.t().mm(x2)  # sums over the batch; one GEMM of a fixed shape, whatever the threads
+            gw = _row_sums(grad, x2)
         if bias is not None and ctx.needs_input_grad[2]:
-            gb = grad.sum(0, dtype=torch.float32).to(grad.dtype)  # per column, rows added in order
+            gb = _row_sums(grad, grad.new_ones(grad.shape[0], 1), torch.float32).view(-1).to(grad.dtype)
         return gx, gw, gb, None, None
+
+
+def _row_sums(grad: torch.Tensor, x2: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`grad.t() @ x2` (`[out, rows] @ [rows, in]`): per element the rows summed in order by one thread, in bivit's
+    GEMM (x2's rows packed as its weights, per call); PyTorch's `mm` where no compiled GEMM takes the dtype."""
+    kernel = gemm_kernel(grad.dtype, grad.device.type)
+    if kernel is None or x2.dtype != grad.dtype:
+        return grad.t().mm(x2).to(out_dtype or grad.dtype)
+    a = grad.t().contiguous()
+    a = a.float() if kernel.name == "fp32" and a.dtype != torch.float32 else a
+    packed = kernel.pack(x2.t().contiguous())
+    return kernel(a, packed, x2.shape[1], None, a.new_empty(a.shape[0], x2.shape[1], dtype=out_dtype or grad.dtype))
 
 
 def _invariant_linear(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
