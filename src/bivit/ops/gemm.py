@@ -49,6 +49,12 @@ def _prepared(kernel, weight: torch.Tensor, bias: torch.Tensor | None, key: torc
     return packed, bias32
 
 
+def _widened(kernel, x2: torch.Tensor) -> torch.Tensor:
+    """The rows as the fp32 kernel multiplies them: 16-bit rows widened here in one vectorised pass (exact, so the
+    same bits as the kernel widening them itself, which it does per task: again for every group of columns)."""
+    return x2.float() if kernel.name == "fp32" and x2.dtype != torch.float32 else x2
+
+
 def _gemm(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, key: torch.Tensor,
           transposed: bool = False, gelu: str | None = None) -> torch.Tensor:
     """`x2 @ weight.t() + bias` (then GELU if `gelu`), invariant: each row's bits depend on that row alone."""
@@ -56,10 +62,7 @@ def _gemm(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, key
     if kernel is None:
         return tiles.tiled(x2, weight, bias, key, transposed, gelu)
     x2 = x2 if x2.dtype == weight.dtype and x2.stride(-1) == 1 else x2.to(weight.dtype).contiguous()
-    if kernel.name == "fp32" and x2.dtype != torch.float32:
-        # Widened here in one vectorised pass (exact, so the same bits as the kernel widening them itself, which
-        # it does per task: again for every group of columns).
-        x2 = x2.float()
+    x2 = _widened(kernel, x2)
     packed, bias32 = _prepared(kernel, weight, bias, key, transposed)
     out = torch.empty(x2.shape[0], weight.shape[0], dtype=weight.dtype)  # the weights' dtype, as F.linear returns
     return kernel(x2, packed, weight.shape[0], bias32, out, gelu=gelu)
@@ -102,8 +105,7 @@ def _row_sums(grad: torch.Tensor, x2: torch.Tensor, out_dtype: torch.dtype | Non
     kernel = gemm_kernel(grad.dtype, grad.device.type)
     if kernel is None or x2.dtype != grad.dtype:
         return grad.t().mm(x2).to(out_dtype or grad.dtype)
-    a = grad.t().contiguous()
-    a = a.float() if kernel.name == "fp32" and a.dtype != torch.float32 else a
+    a = _widened(kernel, grad.t().contiguous())
     packed = kernel.pack(x2.t().contiguous())
     return kernel(a, packed, x2.shape[1], None, a.new_empty(a.shape[0], x2.shape[1], dtype=out_dtype or grad.dtype))
 
