@@ -16,7 +16,6 @@ import warnings
 from pathlib import Path
 
 import av
-import numpy as np
 import pytest
 import torch
 from PIL import Image

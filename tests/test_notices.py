@@ -10,7 +10,6 @@ import shutil
 import subprocess
 import sys
 
-import pytest
 import torch
 from PIL import Image
 

@@ -56,7 +56,6 @@ Decisions this module makes (the reference does not say):
 
 from __future__ import annotations
 
-import io
 import math
 import os
 from datetime import datetime, timezone

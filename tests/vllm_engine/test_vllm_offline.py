@@ -27,7 +27,6 @@ What is proven, in both dtypes unless said:
 from __future__ import annotations
 
 import json
-import os
 
 import numpy as np
 import pytest
