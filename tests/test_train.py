@@ -290,7 +290,8 @@ def test_checkpoint_recomputes_in_the_forward_mode():
 def test_private_kernels_missing_or_raising_fall_back_and_stay_invariant(monkeypatch, paths):
     """Where no compiled GEMM runs, a build whose oneDNN packed GEMM raises and that lacks GELU with `out=`: the
     paths chosen for the process avoid them from the start (decided on a tiny tensor, not by a failure mid-run),
-    and stay invariant."""
+    and stay invariant — or, on a CPU where stock GEMMs at proven tiles are not thread-invariant, the load-time
+    proof refuses invariant mode (InvarianceError) instead of serving bits that change with the threads."""
     import functools
 
     from bivit.ops import backend, pointwise, proof, tiles
@@ -308,18 +309,26 @@ def test_private_kernels_missing_or_raising_fall_back_and_stay_invariant(monkeyp
     monkeypatch.setattr(torch._C._nn, "gelu", None)  # missing
     with pytest.raises(RuntimeError):
         torch.ops.mkldnn._linear_pointwise()
-    enc = bivit.load_encoder(paths["kimi"], dtype="bfloat16")
-    trainer = bivit.load_model(paths["kimi"], dtype="bfloat16")
+    try:
+        enc = bivit.load_encoder(paths["kimi"], dtype="bfloat16")
+    except ops.InvarianceError as e:
+        # Stock bf16 GEMMs at proven tiles are not thread-invariant on every CPU (on an AMX Xeon they are not):
+        # the load-time proof must then refuse the encoder rather than serve bits that change with the threads.
+        assert "via PyTorch" in str(e) and "at proven tiles" in str(e)
+        enc = None
     path = ops.gemm_path(torch.bfloat16)
     assert not path.packed and not path.fused_gelu and pointwise.gelu_out() is None
+    x = torch.randn(70000)
+    with ops.batch_invariant():
+        assert torch.equal(ops.gelu(x[:1000], "tanh"), ops.gelu(x, "tanh")[:1000])
+    if enc is None:
+        return
+    trainer = bivit.load_model(paths["kimi"], dtype="bfloat16")
     items = _control_items()[:8] + [_item(4, 1)]
     alone = [enc.encode_batch(it)[0] for it in items]
     assert all(torch.equal(a, b) for a, b in zip(enc.encode_batch(MediaBatch.concat(items)), alone))
     outs, _, _, _ = train_step(trainer, items[::-1])
     assert all(torch.equal(a, b) for a, b in zip(outs, alone[::-1]))
-    x = torch.randn(70000)
-    with ops.batch_invariant():
-        assert torch.equal(ops.gelu(x[:1000], "tanh"), ops.gelu(x, "tanh")[:1000])
 
 
 # ------------------------------------------------------------------------------ data parallel

@@ -40,7 +40,7 @@ from .. import kernels
 from ..dtypes import dtype_name
 from ..errors import BivitError
 from .attend import attention
-from .backend import _refused, attention_kernel, gemm_kernel, refuse
+from .backend import _refused, attention_kernel, gemm_kernel, gemm_path, refuse
 from .gemm import linear
 from .mode import batch_invariant
 from .norms import layer_norm, rms_norm
@@ -135,7 +135,9 @@ def _split_rows(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[list], 
 
 def _gemm_path(dtype: torch.dtype) -> str:
     kernel = gemm_kernel(dtype)
-    return kernel.describe() if kernel is not None else "PyTorch GEMM at proven tiles"
+    if kernel is not None:
+        return kernel.describe()
+    return f"PyTorch GEMM at proven tiles ({gemm_path(dtype).describe()})"  # which oneDNN path: part of the key
 
 
 def _attention_path(dtype: torch.dtype) -> str:
