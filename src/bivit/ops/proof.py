@@ -40,7 +40,7 @@ from .. import kernels
 from ..dtypes import dtype_name
 from ..errors import BivitError
 from .attend import attention
-from .backend import _refused, attention_kernel, gemm_kernel, gemm_path, refuse
+from .backend import attention_kernel, gemm_kernel, gemm_path, refuse
 from .gemm import linear
 from .mode import batch_invariant
 from .norms import layer_norm, rms_norm
@@ -297,8 +297,3 @@ def _valid(record) -> bool:
 
 def _outcome(record: dict) -> list:
     return [[(c["op"], c["path"], c["invariant"]) for c in record["checks"]], sorted(map(tuple, record["refused"]))]
-
-
-def refusals() -> list[tuple[str, str, str]]:
-    """Every path refused in this process, as (op, path, why)."""
-    return [(op, path, why) for (op, path), why in _refused.items()]
