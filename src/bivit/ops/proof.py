@@ -15,11 +15,11 @@ attention at the model's heads and head dim (item lengths on both sides of the c
 split, with the rotary tables), and every norm. A path that fails is refused for this machine
 (`backend.refuse`: said once on stderr, listed in `bivit doctor`, `Encoder.describe()` and /v1/info) and the op is
 proven again on the next path (GEMM: the next compiled kernel, then PyTorch's GEMMs at proven tiles; attention:
-PyTorch's). An op with no path left raises InvarianceError: invariant mode would break its promise here.
+the variant's AVX-512 code instead of AMX tiles, then PyTorch's). An op with no path left raises InvarianceError: invariant mode would break its promise here.
 
 The outcome is recorded in the kernel cache (checked like a compiled library) under the facts that decide it:
-CPU model and flags, PyTorch build, the variables that steer its kernels, the thread count, the dtypes and the
-shapes. A later load applies the recorded outcome without running it again. Two processes that prove the same key
+CPU model and flags, PyTorch build, the variables that steer its kernels, the thread count, the dtypes, the
+shapes and the paths chosen. A later load applies the recorded outcome without running it again. Two processes that prove the same key
 at once must agree: a proof whose answer differs between processes is itself a failure (InvarianceError).
 """
 
