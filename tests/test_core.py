@@ -12,7 +12,6 @@ import hashlib
 import json
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import av
@@ -24,7 +23,7 @@ from safetensors import safe_open
 import bivit
 from bivit.items import ItemResult, Prepared, VideoFrames, pixels_sha256
 from bivit.media import MediaBatch
-from bivit.packing import pack, renamed
+from bivit.packing import pack
 from bivit.video import preprocess_video, sample_frame_indices
 from support.controls import row_count_dependent_gemms
 from support.media import make_video, random_image
@@ -137,8 +136,9 @@ def test_stream_cuts_passes_by_the_rule_and_streams(enc, monkeypatch):
             pulled.append(img)
             yield enc.prepare(img)
 
+    monkeypatch.setattr(enc, "max_batch_patches", 20)
     results = []
-    for r in enc.encode_stream(prepared(), 20):
+    for r in enc.encode_stream(prepared()):
         first_at.append(len(pulled))
         results.append(r)
     counts = [4, 16, 64, 16, 4]
@@ -146,6 +146,23 @@ def test_stream_cuts_passes_by_the_rule_and_streams(enc, monkeypatch):
     # Results come out in order as soon as their pass ran: the first two before the last inputs were prepared.
     assert first_at == [3, 3, 4, 5, 5]
     assert all(torch.equal(r.embedding, _alone(enc, img)) for r, img in zip(results, images))
+
+
+def test_encode_prepares_inputs_as_passes_fill(enc, monkeypatch):
+    """`encode` of many inputs holds about one pass of pixels: an input is prepared only when the pass being
+    filled has room for it (memory does not grow with the number of inputs)."""
+    images = _images([56] * 12)  # 16 patches each: budget 32 -> passes of two
+    prepare, forward = enc.prepare, enc.forward
+    prepared, at_pass = [], []
+    monkeypatch.setattr(enc, "max_batch_patches", 32)
+    monkeypatch.setattr(enc, "prepare", lambda src, **kw: prepared.append(src) or prepare(src, **kw))
+    monkeypatch.setattr(enc, "forward", lambda batch: at_pass.append(len(prepared)) or forward(batch))
+    out = enc.encode(images)
+    # Each pass runs once the next input (which did not fit) is prepared: never more than one input ahead.
+    assert at_pass == [3, 5, 7, 9, 11, 12]
+    assert all(torch.equal(e, _alone(enc, img)) for e, img in zip(out, images))
+    with pytest.raises(bivit.MediaError):  # raise_errors: the first bad input raises as soon as it is read
+        enc.encode([images[0], b"not an image"])
 
 
 def test_a_failing_pass_fails_only_its_item(enc):
@@ -175,26 +192,20 @@ def test_describe(enc):
     json.dumps(d)
 
 
-def test_deprecated_budget_spellings_convert_with_a_warning(enc):
-    with pytest.warns(DeprecationWarning, match="'max_batch_tokens' is deprecated, use 'max_batch_patches'"):
-        old = bivit.load_encoder(max_batch_tokens=64)
-    assert old.max_batch_patches == 64
-    batch = enc.preprocess(_images([28, 56]))
-    with pytest.warns(DeprecationWarning, match="max_batch_patches"):
-        outs = enc.encode_batch(batch, max_batch_tokens=4)
-    assert all(torch.equal(a, b) for a, b in zip(outs, enc.encode_batch(batch)))
+def test_one_budget_one_name_one_default(enc):
+    """The patch budget has one name and one default, the library's included (no unbounded pass), and the old
+    spellings are gone rather than converted."""
+    from bivit.packing import MAX_BATCH_PATCHES
     from bivit.serve.settings import ServerSettings
 
-    with pytest.warns(DeprecationWarning, match="max_batch_patches"):
-        assert ServerSettings(max_batch_tokens=7).max_batch_patches == 7
-    # The dataset job's batch_tokens counted tokens: 4 patches per token.
-    with pytest.warns(DeprecationWarning, match=r"'batch_tokens' is deprecated, use 'batch_patches' \(3 -> 12"):
-        assert renamed(None, 3, name="batch_patches", old_name="batch_tokens", factor=4) == 12
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert renamed(5, None, name="batch_patches", old_name="batch_tokens", factor=4) == 5
-    with pytest.raises(bivit.ConfigError, match="both given"):
-        renamed(5, 3, name="batch_patches", old_name="batch_tokens")
+    assert enc.max_batch_patches == MAX_BATCH_PATCHES == 16384
+    with pytest.raises(bivit.ConfigError, match="max_batch_tokens"):
+        bivit.load_encoder(max_batch_tokens=64)
+    with pytest.raises(TypeError):
+        ServerSettings(max_batch_patches=7)  # the service cuts passes by its encoder's budget
+    batch = enc.preprocess(_images([28, 56]))
+    with pytest.raises(TypeError):
+        enc.encode_batch(batch, max_batch_tokens=4)
 
 
 def _cli(*args):
@@ -202,12 +213,10 @@ def _cli(*args):
                           timeout=300)
 
 
-def test_cli_old_spellings_say_so_in_one_line(media, tmp_path):
+def test_cli_budget_option_and_the_file_it_writes(media, tmp_path):
     out = tmp_path / "e.safetensors"
-    r = _cli("encode", media["png"], "--out", out, "--max-batch-tokens", "64")
+    r = _cli("encode", media["png"], "--out", out, "--max-batch-patches", "64")
     assert r.returncode == 0, r.stderr
-    notes = [line for line in r.stderr.splitlines() if "deprecated" in line]
-    assert notes == ["bivit: --max-batch-tokens is deprecated, use --max-batch-patches"]
     with safe_open(str(out), "pt") as f:
         meta = json.loads(f.metadata()["encoder"])
         items = json.loads(f.metadata()["items"])
@@ -222,15 +231,13 @@ def test_cli_old_spellings_say_so_in_one_line(media, tmp_path):
     src = tmp_path / "src"
     src.mkdir()
     (src / "a.png").write_bytes(media["png"].read_bytes())
-    r = _cli("encode-dataset", src, "--out", tmp_path / "ds", "--batch-tokens", "5", "--no-progress")
+    r = _cli("encode-dataset", src, "--out", tmp_path / "ds", "--max-batch-patches", "20", "--no-progress")
     assert r.returncode == 0, r.stderr
-    assert [line for line in r.stderr.splitlines() if "deprecated" in line] == [
-        "bivit: --batch-tokens is deprecated, use --batch-patches (--batch-tokens 5 = --batch-patches 20 patches, "
-        "4 per token of an image)"]
     header = json.loads((tmp_path / "ds" / "dataset.json").read_text())
     assert header["fingerprint"] == d["fingerprint"] and kernels(header) == kernels(d)
-    r = _cli("encode", media["png"], "--out", out, "--max-batch-tokens", "64", "--max-batch-patches", "64")
-    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "give only --max-batch-patches" in r.stderr
-    for flag in ("--max-batch-patches", "--max-batch-tokens"):
-        r = _cli("encode", media["png"], "--out", out, flag, "0")
-        assert r.returncode == 2 and r.stderr == f"bivit: error: {flag} 0: expected a whole number >= 1\n"
+    for cmd, arg, dest in (("encode", media["png"], out), ("encode-dataset", src, tmp_path / "ds2")):
+        r = _cli(cmd, arg, "--out", dest, "--max-batch-patches", "0")
+        assert r.returncode == 2 and r.stderr == "bivit: error: --max-batch-patches 0: expected a whole number >= 1\n"
+    for old in ("--max-batch-tokens", "--batch-tokens", "--batch-patches"):  # the old spellings are gone
+        r = _cli("encode", media["png"], "--out", out, old, "64")
+        assert r.returncode == 2 and "No such option" in r.stderr

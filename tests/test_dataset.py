@@ -239,8 +239,8 @@ def test_float32_output_reads_as_float32(media, tmp_path, reference):
 
 
 def test_batch_patches_and_shard_size_do_not_change_results(media, reference, tmp_path):
-    # batch_patches=1: every image and video chunk in its own pass; tiny shards: one shard per item.
-    s = encode_dataset(media, tmp_path / "out", batch_patches=1, shard_mb=1e-6, progress=False)
+    # max_batch_patches=1: every image and video chunk in its own pass; tiny shards: one shard per item.
+    s = encode_dataset(media, tmp_path / "out", max_batch_patches=1, shard_mb=1e-6, progress=False)
     assert s.encoded == len(GOOD) - 2
     assert len(shards_in(tmp_path / "out")) == len(GOOD) - 2
     assert_same_tensors(reference, tmp_path / "out")
@@ -248,7 +248,7 @@ def test_batch_patches_and_shard_size_do_not_change_results(media, reference, tm
 
 @pytest.mark.parametrize("workers,batch_patches", [(1, 16384), (3, 28)])
 def test_ray_engine_matches_local(media, reference, tmp_path, ray_local, workers, batch_patches):
-    s = encode_dataset(media, tmp_path / "out", engine="ray", workers=workers, batch_patches=batch_patches,
+    s = encode_dataset(media, tmp_path / "out", engine="ray", workers=workers, max_batch_patches=batch_patches,
                        progress=False)
     assert (s.encoded, s.deduplicated, s.failed) == (len(GOOD) - 2, 2, 3)
     assert_same_tensors(reference, tmp_path / "out")
@@ -272,11 +272,11 @@ def test_encoder_stage_with_empty_batch_keeps_schema_and_dtype(media, encoder):
     from bivit.dataset.ray_engine import ENCODED_SCHEMA, PREPARED_SCHEMA, EncodeActor, decode_encoded, prepare_rows
 
     actor = EncodeActor(None, {"dtype": "bfloat16", "projector_dtype": None, "output_dtype": None},
-                        encoder.fingerprint, threads=torch.get_num_threads(), batch_patches=256)
+                        encoder.fingerprint, threads=torch.get_num_threads())
     empty = actor(prepare_rows(pa.table({"sha256": [], "kind": [], "path": [], "name": []},
                                         schema=pa.schema([(n, pa.string()) for n in ("sha256", "kind", "path", "name")]))))
     assert empty.num_rows == 0 and empty.schema == ENCODED_SCHEMA
-    assert encode_prepared(encoder, [], 256) == []
+    assert encode_prepared(encoder, []) == []
     path = media / "img1.png"
     rows = prepare_rows(pa.table({"sha256": [sha256_file(path)], "kind": ["image"], "path": [str(path)],
                                   "name": ["img1.png"]}))

@@ -105,8 +105,8 @@ def test_bad_dtype_option_is_a_config_error():
         bivit.load_encoder(projector_dtype="int8")
     with pytest.raises(bivit.ConfigError, match="max_batch_patches"):
         bivit.load_encoder(max_batch_patches=0)
-    with pytest.raises(bivit.ConfigError, match="max_batch_tokens"):  # the deprecated spelling, named as given
-        bivit.load_encoder(max_batch_tokens=0)
+    with pytest.raises(bivit.ConfigError, match="max_batch_tokens"):  # an old spelling: an unknown option
+        bivit.load_encoder(max_batch_tokens=64)
     with pytest.raises(bivit.ConfigError, match="nonsense"):
         bivit.load_encoder(nonsense=1)
 
@@ -117,13 +117,12 @@ def test_unavailable_device_is_a_config_error_naming_it():
         bivit.load_encoder(device="cuda:99")
 
 
-def test_per_call_batch_budget_leaves_the_encoder_alone():
+def test_the_budget_bounds_passes_never_results():
     enc = bivit.load_encoder(max_batch_patches=64)
+    one = bivit.load_encoder(max_batch_patches=1)  # every item in a pass of its own
     batch = enc.preprocess([random_image(56, 56, 1), random_image(112, 84, 2)])
-    assert all(torch.equal(a, b) for a, b in zip(enc.encode_batch(batch, 1), enc.encode_batch(batch)))
-    assert enc.max_batch_patches == 64
-    with pytest.raises(bivit.ConfigError, match="max_batch_patches"):
-        enc.encode_batch(batch, 0)
+    assert enc.max_batch_patches == 64 and one.max_batch_patches == 1
+    assert all(torch.equal(a, b) for a, b in zip(one.encode_batch(batch), enc.encode_batch(batch)))
 
 
 def test_demo_preset_is_the_real_architecture_small():

@@ -362,7 +362,7 @@ def test_encoder_cache_writes_replace_what_is_not_theirs(media, tmp_path):
 
 def test_encode_writes_out_before_the_encoder_cache(enc, files, tmp_path):
     """A failing `--ec-dir` (here: an id's folder taken by a file) fails `bivit encode` in one line, after --out
-    was written with every embedding: nothing encoded is lost."""
+    was written with every embedding: nothing encoded is lost, and the record says why it has no ids."""
     image = files / "a.png"
     (i,) = bv.encode(enc, [image])[0].ec_ids()
     ec, out = tmp_path / "ec", tmp_path / "out.safetensors"
@@ -374,4 +374,5 @@ def test_encode_writes_out_before_the_encoder_cache(enc, files, tmp_path):
     errors = [line for line in done.stderr.splitlines() if line.startswith("bivit: error:")]
     assert len(errors) == 1 and "--ec-dir" in errors[0] and str(out) in errors[0], done.stderr
     (r,) = bivit.load_embeddings(out)
-    assert torch.equal(r.embedding, enc.encode([image])[0]) and r.ec_ids == [i]
+    assert torch.equal(r.embedding, enc.encode([image])[0]) and "cannot write the encoder cache" in r.ec_error
+    assert "ec_ids" not in r.extra

@@ -253,3 +253,30 @@ def test_every_kernel_keeps_the_dtype_contract(monkeypatch, name, dtype):
             assert y.dtype == dtype
             gx, gw, gb = torch.autograd.grad(y.float().sum(), (x, w, b))
             assert (gx.dtype, gw.dtype, gb.dtype) == (dtype,) * 3
+
+
+def test_rope_tables_are_each_angles_float64_value_rounded_once():
+    """RoPE's cos/sin tables came from PyTorch's float32 cos/sin, which (built with MKL) call MKL's vector math:
+    on an AMX Xeon about one process in twenty got other last bits for one grid's table, so other embeddings
+    for the same image (four first runs of one `bivit encode`, two answers). Each value is now the float64
+    cos/sin of its float32 angle rounded once: a function of the angle alone, whatever the process, the grid
+    or where the value sits. Checked against torch's float64 cos/sin of the same angles (formed as the
+    reference forms them); the control shows float32 cos/sin, what bivit used, is not that function here."""
+    from bivit.ops.rotary import _rope_cos_sin
+
+    h, w, head_dim, theta = 64, 48, 72, 10000.0
+    freqs = 1.0 / theta ** (torch.arange(0, head_dim // 4, dtype=torch.float32) * 4 / head_dim)
+    rows = torch.arange(h, dtype=torch.float32).repeat_interleave(w)
+    cols = torch.arange(w, dtype=torch.float32).repeat(h)
+    angles = torch.stack([torch.outer(cols, freqs), torch.outer(rows, freqs)], dim=-1).flatten(1)
+
+    def layout(c: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return c.repeat_interleave(2, dim=-1), torch.stack([-s, s], dim=-1).flatten(1)
+
+    cos, sin = _rope_cos_sin(h, w, head_dim, theta)
+    want = layout(angles.double().cos().float(), angles.double().sin().float())
+    assert torch.equal(cos, want[0]) and torch.equal(sin, want[1])
+    small = _rope_cos_sin(h // 2, w, head_dim, theta)  # the same positions in another grid: the same values
+    assert torch.equal(small[0], cos[: h // 2 * w]) and torch.equal(small[1], sin[: h // 2 * w])
+    float32 = layout(angles.cos(), angles.sin())  # control
+    assert not (torch.equal(float32[0], want[0]) and torch.equal(float32[1], want[1]))

@@ -200,7 +200,7 @@ def test_rope_kernel_computes_pytorchs_bits(library, rows, heads, d, dtype):
     """The compiled RoPE against PyTorch's elementwise form on the model's strided q/k view, at 1-3 threads:
     the same bits, so which one runs never changes an embedding. Control: the exact sum rounded once (instead
     of each product and the sum) gives other bits, so the comparison can fail."""
-    from bivit.model import rope_tables
+    from bivit.ops.rotary import rope_tables
     from bivit.ops.rotary import rope_reference
 
     side = int(math.isqrt(rows))

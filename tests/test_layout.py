@@ -1,7 +1,8 @@
 """The package's shape: no import cycle between its modules, no module over 500 lines, no class over 250.
 
-Read from the sources (module-level imports only: an import inside a function is lazy by design). The
-control shows the cycle finder finds a cycle when there is one.
+Read from the sources, imports inside functions included (a lazy import is still a dependency: it only hides
+the loop from the interpreter); TYPE_CHECKING blocks excluded (annotations only). The control shows the cycle
+finder finds a cycle when there is one.
 """
 
 from __future__ import annotations
@@ -20,22 +21,31 @@ def _module_name(path: Path) -> str:
 
 
 def _imports(path: Path) -> set[str]:
-    """bivit modules `path` imports at module level (TYPE_CHECKING blocks excluded)."""
+    """bivit modules `path` imports, anywhere in it (TYPE_CHECKING blocks excluded); `from bivit.x import y`
+    counts `bivit.x.y` too when that is a module."""
     name = _module_name(path)
     package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    tree = ast.parse(path.read_text())
+    skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+            for n in ast.walk(node)}
     out = set()
-    for node in ast.parse(path.read_text()).body:
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+    for s in ast.walk(tree):
+        if id(s) in skip:
             continue
-        for s in ast.walk(node) if isinstance(node, (ast.If, ast.Try)) else [node]:
-            if isinstance(s, ast.ImportFrom) and s.level:
+        if isinstance(s, ast.ImportFrom):
+            if s.level:
                 base = ".".join(package.split(".")[: len(package.split(".")) - s.level + 1])
-                out |= {f"{base}.{a.name}" for a in s.names} if s.module is None else {f"{base}.{s.module}"}
-            elif isinstance(s, ast.ImportFrom) and (s.module or "").startswith("bivit"):
-                out.add(s.module)
-            elif isinstance(s, ast.Import):
-                out |= {a.name for a in s.names if a.name.startswith("bivit")}
-    return out
+                module = f"{base}.{s.module}" if s.module else base
+            elif (s.module or "").startswith("bivit"):
+                module = s.module
+            else:
+                continue
+            out |= {module} | {f"{module}.{a.name}" for a in s.names}
+        elif isinstance(s, ast.Import):
+            out |= {a.name for a in s.names if a.name.startswith("bivit")}
+    # A module's own packages run before it whatever it imports (`from . import x` names its package only to
+    # reach a sibling): not dependencies.
+    return out - {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)}
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -64,6 +74,14 @@ def test_no_import_cycle_and_the_finder_finds_one():
     assert len(graph) > 40 and "bivit.items" in graph["bivit.encoder"]
     assert _cycles(graph) == []
     assert _cycles({**graph, "bivit.media": graph["bivit.media"] | {"bivit.encoder"}})  # control
+
+
+def test_engines_are_a_leaf():
+    """`bivit.engines` (what engines and trainers consume) is used by the front ends and imports none of them."""
+    graph = {_module_name(p): _imports(p) for p in ROOT.rglob("*.py")}
+    front_ends = ("bivit.cli", "bivit.serve", "bivit.dataset")
+    engines = {m: deps for m, deps in graph.items() if m.startswith("bivit.engines")}
+    assert engines and not {d for deps in engines.values() for d in deps if d.startswith(front_ends)}
 
 
 def test_module_and_class_sizes():

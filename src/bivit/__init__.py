@@ -19,7 +19,7 @@ from .errors import BivitError, CheckpointError, ConfigError, MediaError
 _LAZY = {
     "Client": ".client",
     "open_dataset": ".dataset.reader",
-    "load_embeddings": ".records",
+    "load_embeddings": ".embeddings",
     "EmbeddingRecord": ".records",
     "Encoder": ".encoder",
     "ItemResult": ".items",

@@ -118,11 +118,10 @@ def prove(model: str | None, dtype: str, projector_dtype: str | None) -> dict:
 
     from . import ops
     from .encoder import load_encoder
-    from .model import gemms
 
     encoder = load_encoder(model, dtype=dtype, projector_dtype=projector_dtype, batch_invariant=False)
     start = time.perf_counter()
-    ops.prepare(gemms(encoder.model))
+    ops.prepare(ops.gemms(encoder.model))
     packed = time.perf_counter() - start
     proof = ops.prove(encoder.model, fresh=True)
     return {"model": encoder.model_name, "dtype": dtype, **proof.to_dict(), "pack_seconds": round(packed, 3),

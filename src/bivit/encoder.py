@@ -23,8 +23,8 @@ from .errors import ConfigError
 from .items import ItemResult, Prepared, assemble, prepare
 from .grids import image_token_count
 from .media import MediaBatch, Placeholder, preprocess_images
-from .model import VisionModel, gemms
-from .packing import check_budget, check_pixels, pack, renamed, starts_new_pass
+from .model import VisionModel
+from .packing import check_budget, check_pixels, starts_new_pass
 from .preprocess_config import ProcessorConfig, check_alpha, default_processing, resolve_processing
 from .video import preprocess_video, video_chunks
 from .weights import DEMO_NOTICE, DEMO_SEED, build_model, fingerprint, parse_device, replace_weights
@@ -44,8 +44,7 @@ class Encoder:
 
     def __init__(self, model: VisionModel, *, model_name: str, is_demo: bool, batch_invariant: bool,
                  output_dtype: torch.dtype, device: torch.device, max_batch_patches: int | None = None,
-                 processing: ProcessorConfig | None = None, alpha: str = "model",
-                 max_batch_tokens: int | None = None) -> None:
+                 processing: ProcessorConfig | None = None, alpha: str = "model") -> None:
         self.model = model.eval()
         self.config: ModelConfig = model.config
         self.processing: ProcessorConfig = (default_processing(model.config) if processing is None
@@ -55,7 +54,7 @@ class Encoder:
         self.is_demo = is_demo
         self.batch_invariant = batch_invariant
         self.output_dtype = output_dtype
-        self.max_batch_patches = check_budget(_patch_budget(max_batch_patches, max_batch_tokens))
+        self.max_batch_patches: int = check_budget(max_batch_patches)  # patches per forward pass (bivit.packing)
         self.device = device
         self._fingerprint: str | None = None
 
@@ -67,11 +66,6 @@ class Encoder:
     @property
     def projector_dtype(self) -> torch.dtype:
         return self.model.mm_projector.dtype
-
-    @property
-    def max_batch_tokens(self) -> int | None:
-        """Deprecated name of `max_batch_patches` (it always counted patches)."""
-        return renamed(None, self.max_batch_patches, name="max_batch_patches", old_name="max_batch_tokens")
 
     @property
     def fingerprint(self) -> str:
@@ -127,7 +121,7 @@ class Encoder:
         replace_weights(self.model, state_dict, source)
         self._fingerprint = None
         if self.batch_invariant and self.device.type == "cpu":
-            ops.prepare(gemms(self.model))  # re-pack now rather than on the next request
+            ops.prepare(ops.gemms(self.model))  # re-pack now rather than on the next request
         return self.fingerprint
 
     # ------------------------------------------------------------------------------------------ stages
@@ -152,13 +146,15 @@ class Encoder:
                 return [e]
         return [out for i in range(len(batch)) for out in self.forward_each(batch.item(i))]
 
-    def encode_stream(self, prepared: Iterable[Prepared], max_batch_patches: int | None = None, *,
+    def encode_stream(self, prepared: Iterable[Prepared], *,
                       on_pass: Callable[[int], Any] | None = None) -> Iterator[ItemResult]:
         """Prepared inputs (any iterable: consumed as passes fill) -> one ItemResult each, in order, as soon as all
-        its chunks are through. Chunks of consecutive inputs share forward passes cut by the packing rule under
-        `max_batch_patches` (default: the encoder's); at most one pass of pixels is held beyond the inputs.
-        `on_pass(chunks)` is called after each forward pass (a progress bar)."""
-        budget = check_budget(max_batch_patches) or self.max_batch_patches
+        its chunks are through: the one way inputs are cut into forward passes. Chunks of consecutive inputs
+        share passes cut by the packing rule under `max_batch_patches`; at most one pass of pixels is held beyond
+        the inputs the iterable has produced and not yet handed back. A pass that raises is run again item by
+        item (`forward_each`): one bad item fails only itself. `on_pass(chunks)` is called after each forward
+        pass (a progress bar)."""
+        budget = self.max_batch_patches
         waiting: collections.deque[tuple[Prepared, list]] = collections.deque()
         chunks: list[tuple[list, int, MediaBatch]] = []  # the pass being filled: (outputs slot, index, chunk)
         used = 0
@@ -193,20 +189,22 @@ class Encoder:
         run()
         yield from done()
 
-    def encode_items(self, inputs: Sequence[Any], *, max_batch_patches: int | None = None, alpha: str | None = None,
+    def encode_items(self, inputs: Sequence[Any], *, alpha: str | None = None,
                      raise_errors: bool = False) -> list[ItemResult]:
         """Any mix of inputs (paths, bytes, PIL images, arrays, `bivit.items.VideoFrames`) -> one ItemResult per
         input, in order: embedding, per-chunk grid, timestamps and placeholders, content hash, or the error.
 
-        All inputs share the forward passes; in invariant mode each result is the same bits as encoding that
-        input alone. `raise_errors`: raise the first input's error instead (before any forward pass when it
-        is a bad input).
+        Inputs are prepared one by one as passes fill (memory holds about one pass of pixels, whatever the
+        number of inputs) and share the forward passes; in invariant mode each result is the same bits as
+        encoding that input alone. `raise_errors`: raise the first input's error instead (a bad input's as soon
+        as it is read).
         """
-        prepared = []
-        for src in _as_list(inputs):
-            p = self.prepare(src, alpha=alpha)
-            prepared.append(p.checked() if raise_errors else p)
-        results = list(self.encode_stream(prepared, max_batch_patches))
+        def prepared() -> Iterator[Prepared]:
+            for src in _as_list(inputs):
+                p = self.prepare(src, alpha=alpha)
+                yield p.checked() if raise_errors else p
+
+        results = list(self.encode_stream(prepared()))
         if raise_errors:
             for r in results:
                 if r.error is not None:
@@ -251,26 +249,23 @@ class Encoder:
         """Tokens this model produces for a `width` x `height` image, without loading it."""
         return image_token_count(width, height, model=self.processing)
 
-    def encode_batch(self, batch: MediaBatch, max_batch_patches: int | None = None, *,
-                     max_batch_tokens: int | None = None) -> list[torch.Tensor]:
+    def encode_batch(self, batch: MediaBatch) -> list[torch.Tensor]:
         """A packed MediaBatch -> one embedding per item (`encode_pixels`)."""
-        budget = _patch_budget(max_batch_patches, max_batch_tokens)
-        return self.encode_pixels(batch.pixel_values, batch.grid_thw, budget)
+        return self.encode_pixels(batch.pixel_values, batch.grid_thw)
 
-    def encode_pixels(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor, max_batch_patches: int | None = None,
-                      *, max_batch_tokens: int | None = None) -> list[torch.Tensor]:
-        """Packed patches `[L, 3, p, p]` + `grid_thw` `[n, 3]` -> one embedding per item (output dtype), in passes
-        of at most `max_batch_patches` patches for this call only (default: the encoder's)."""
-        budget = _patch_budget(max_batch_patches, max_batch_tokens)
+    def encode_pixels(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]:
+        """Packed patches `[L, 3, p, p]` + `grid_thw` `[n, 3]` -> one embedding per item (output dtype), through
+        `encode_stream` like any input; the first item whose pass fails raises."""
         grid_thw = torch.as_tensor(grid_thw, dtype=torch.int64).reshape(-1, 3)
         check_pixels(self.config, pixel_values, grid_thw)
         batch = MediaBatch(pixel_values, grid_thw)
-        counts = batch.patch_counts
-        out: list[torch.Tensor] = []
-        for items in pack(counts, check_budget(budget) or self.max_batch_patches):
-            start = sum(counts[:items.start])
-            out += self.forward(MediaBatch(pixel_values[start:start + sum(counts[items.start:items.stop])],
-                                           grid_thw[items.start:items.stop]))
+        items = [Prepared(f"item {i}", "image", grid_thw=[grid_thw[i].tolist()], batch=batch.item(i))
+                 for i in range(len(batch))]
+        out = []
+        for r in self.encode_stream(items):
+            if r.error is not None:
+                raise r.error
+            out.append(r.embedding)
         return out
 
 
@@ -280,27 +275,21 @@ def _as_list(inputs: Any) -> list:
     return list(inputs)
 
 
-def _patch_budget(max_batch_patches: int | None, max_batch_tokens: int | None) -> int | None:
-    """`max_batch_patches`, or the value given under its deprecated name `max_batch_tokens` (it always counted
-    patches), warned at the caller of the public method that took it."""
-    return renamed(max_batch_patches, max_batch_tokens, name="max_batch_patches", old_name="max_batch_tokens",
-                   stacklevel=4)
-
-
 def load_encoder(model: str | os.PathLike | None = None, *, device: str | torch.device = "cpu",
                  dtype: str | torch.dtype = "bfloat16", batch_invariant: bool = True,
                  projector_dtype: str | torch.dtype | None = None, output_dtype: str | torch.dtype | None = None,
                  max_batch_patches: int | None = None, seed: int = DEMO_SEED, alpha: str = "model",
                  processing: ProcessorConfig | str | dict | None = None, revision: str | None = None,
-                 max_batch_tokens: int | None = None, **options: Any) -> Encoder:
+                 **options: Any) -> Encoder:
     """Load an encoder.
 
     model: None (or "demo") for the built-in demo model, a checkpoint directory (Moonshot weights, either
     config layout), or a Hugging Face repo id ("moonshotai/Kimi-K2.6", "org/name@rev" or `revision=`), of which
     only the config files and the vision shards are fetched (or found in the local cache; HF_HUB_OFFLINE=1
     works). dtype: tower compute dtype; projector_dtype: defaults to dtype; output_dtype: defaults to
-    projector_dtype (`bivit.dtypes`). max_batch_patches: at most this many patches per forward pass (an item
-    larger than that runs alone; `max_batch_tokens` is its deprecated name). batch_invariant: bit-identical
+    projector_dtype (`bivit.dtypes`). max_batch_patches: at most this many patches per forward pass (default
+    `bivit.packing.MAX_BATCH_PATCHES`; an item larger than that runs alone; a memory bound, never a change of
+    results in invariant mode). batch_invariant: bit-identical
     results per item whatever the batching (default on). alpha: transparency, "model" (what the model's
     processor does), "drop" or "white" (vLLM's loader). processing: overrides the preprocessing (a
     ProcessorConfig, a preset name or a `media_proc_cfg` dict); by default the checkpoint's
@@ -310,14 +299,14 @@ def load_encoder(model: str | os.PathLike | None = None, *, device: str | torch.
         raise ConfigError(f"unknown option(s) {', '.join(map(repr, sorted(options)))}")
     check_alpha(alpha)
     tower_dtype, proj_dtype, out_dtype = resolve_dtypes(dtype, projector_dtype, output_dtype)
-    budget = check_budget(_patch_budget(max_batch_patches, max_batch_tokens))
+    budget = check_budget(max_batch_patches)
     device = parse_device(device)
     net, name, is_demo, proc = build_model(model, device=device, dtype=tower_dtype, projector_dtype=proj_dtype,
                                            seed=seed, revision=revision, processing=processing)
     net.requires_grad_(False)  # an inference engine: no autograd bookkeeping, ever
     if batch_invariant and device.type == "cpu":
         # Pack the weights and prove every op invariant on this machine now, not on the first request.
-        ops.prepare(gemms(net))
+        ops.prepare(ops.gemms(net))
         ops.prove(net)
     elif batch_invariant:
         gpu.require()  # the Triton kernels (bivit.gpu): fixed tiles, nothing to probe

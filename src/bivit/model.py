@@ -58,31 +58,6 @@ def grids(grid_thw: torch.Tensor) -> list[tuple[int, int, int]]:
 
 # ------------------------------------------------------------------------------------------ position terms
 
-@lru_cache(maxsize=256)
-@torch.inference_mode(False)  # cached tables are shared with autograd forwards, which must be able to save them
-def _rope_cos_sin(h: int, w: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The 2-D RoPE of an h x w grid as fp32 `[h*w, head_dim]` tables in the interleaved layout of `ops.rope`:
-    cos = (c0, c0, c1, c1, ...), sin = (-s0, s0, -s1, s1, ...); complex slot 2i turns with the column, 2i+1
-    with the row.
-
-    Computed per grid, never over a packed batch: vectorised cos/sin may round the last elements of a tensor
-    (computed by scalar code) differently, and which elements those are would depend on the batch.
-    """
-    freqs = 1.0 / theta ** (torch.arange(0, head_dim // 4, dtype=torch.float32) * 4 / head_dim)
-    rows = torch.arange(h, dtype=torch.float32).repeat_interleave(w)
-    cols = torch.arange(w, dtype=torch.float32).repeat(h)
-    angles = torch.stack([torch.outer(cols, freqs), torch.outer(rows, freqs)], dim=-1).flatten(1)  # [hw, dim/2]
-    cos, sin = angles.cos(), angles.sin()
-    return cos.repeat_interleave(2, dim=-1), torch.stack([-sin, sin], dim=-1).flatten(1)
-
-
-def rope_tables(grid_thw: list[tuple[int, int, int]], head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin `[L, head_dim]` for packed items; every frame of a chunk shares its spatial table."""
-    tables = [_rope_cos_sin(h, w, head_dim, theta) for _, h, w in grid_thw]
-    return (torch.cat([c.repeat(t, 1) for (c, _), (t, _, _) in zip(tables, grid_thw)]),
-            torch.cat([s.repeat(t, 1) for (_, s), (t, _, _) in zip(tables, grid_thw)]))
-
-
 @lru_cache(maxsize=16)
 def temporal_embedding(frames: int, dim: int) -> torch.Tensor:
     """Frame f of a multi-frame chunk gets [sin(f*w_k), cos(f*w_k)], w_k = 10000^(-k/(dim/2)); fp32 `[frames, dim]`.
@@ -203,7 +178,7 @@ class Encoder(nn.Module):
         self.checkpoint_blocks = False  # training: recompute each block's activations in backward
 
     def forward(self, x: torch.Tensor, grid_thw: list[tuple[int, int, int]]) -> torch.Tensor:
-        rope = tuple(t.to(x.device) for t in rope_tables(grid_thw, self.head_dim, self.theta))
+        rope = tuple(t.to(x.device) for t in ops.rope_tables(grid_thw, self.head_dim, self.theta))
         seqlens = [t * h * w for t, h, w in grid_thw]  # an item's frames attend jointly, to nothing else
         for block in self.blocks:
             if self.checkpoint_blocks and torch.is_grad_enabled():
@@ -304,9 +279,3 @@ def flops_per_item(cfg: ModelConfig, t: int, h: int, w: int) -> int:
     tokens = (h // 2) * (w // 2)
     proj = 2 * tokens * (4 * d) * (4 * d) + 2 * tokens * (4 * d) * cfg.text_hidden_size
     return cfg.num_layers * per_layer + 2 * n * d * 3 * cfg.patch_size ** 2 + proj
-
-
-def gemms(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor | None, str | None]]:
-    """(weight, bias, GELU after it) of every GEMM of the model (Linear layers and the patch conv)."""
-    return [(m.weight, m.bias, getattr(m, "gelu", None)) for m in model.modules()
-            if isinstance(m, (Linear, nn.Conv2d))]

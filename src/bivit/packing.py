@@ -7,19 +7,16 @@ batching worker, `Encoder.encode_stream`); `check_pixels` validates a packed pas
 invariant mode the cut never changes an item's bits, it only bounds memory; in default mode it does (which is
 what invariant mode is for).
 
-The budget counts patches (`max_batch_patches`, `--max-batch-patches`, `--batch-patches`): a pass's memory and
-time grow with its patches, since every tower layer runs on them. Tokens would not bound it: an image has 4
-patches per token, a video chunk of t frames 4t (its frames are averaged into one set of tokens).
-
-Old spellings still work, with a deprecation message: `max_batch_tokens` (encoder, service) always counted
-patches and converts 1:1; the dataset job's `batch_tokens` counted tokens and converts at 4 patches per token,
-exactly what it allowed for images (a pass of video chunks is now bounded by its patches too).
+The budget is one number with one name, `max_batch_patches` (`--max-batch-patches` on every command), one
+default, `MAX_BATCH_PATCHES`, checked once where it enters (`check_budget`: `load_encoder`, a command's options)
+and held by the encoder from then on. It counts patches: a pass's memory and time grow with its patches, since
+every tower layer runs on them. Tokens would not bound it: an image has 4 patches per token, a video chunk of t
+frames 4t (its frames are averaged into one set of tokens).
 """
 
 from __future__ import annotations
 
-import warnings
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from .errors import ConfigError, MediaError
 
@@ -28,38 +25,28 @@ if TYPE_CHECKING:
 
     from .config import ModelConfig
 
-# Patches per token of an image (the 2x2 merger): how a token budget of the dataset job converts.
-PATCHES_PER_TOKEN = 4
+# Patches per forward pass unless the caller says otherwise: every front end and the library. About 40 MB of
+# float32 pixels, and a full-size tower's activations for them fit a few GB.
+MAX_BATCH_PATCHES = 16384
 
 
-def check_budget(value: Any, option: str = "max_batch_patches") -> Optional[int]:
-    """`value` if it is None or a positive integer, else ConfigError naming `option`."""
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise ConfigError(f"option {option!r} = {value!r}: expected a positive integer")
+def check_budget(value: Any, option: str = "max_batch_patches") -> int:
+    """The budget: `MAX_BATCH_PATCHES` for None, `value` if it is a positive integer, else ConfigError naming
+    `option` (how the caller spelled it: a keyword or a command's flag)."""
+    if value is None:
+        return MAX_BATCH_PATCHES
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{option} {value!r}: expected a whole number >= 1")
     return value
 
 
-def renamed(value: Any, old_value: Any, *, name: str, old_name: str, factor: int = 1,
-            stacklevel: int = 3) -> Any:
-    """`value`, or a value given under a deprecated name (`old_value`, times `factor`) with a DeprecationWarning
-    that says how it converted. Both given: ConfigError."""
-    if old_value is None:
-        return value
-    if value is not None:
-        raise ConfigError(f"options {name!r} and {old_name!r} (its deprecated name) both given; give {name!r}")
-    check_budget(old_value, old_name)
-    how = f" ({old_value} -> {old_value * factor}, {factor} patches per token)" if factor != 1 else ""
-    warnings.warn(f"{old_name!r} is deprecated, use {name!r}{how}", DeprecationWarning, stacklevel=stacklevel)
-    return old_value * factor
-
-
-def starts_new_pass(items: int, patches: int, item_patches: int, budget: Optional[int]) -> bool:
+def starts_new_pass(items: int, patches: int, item_patches: int, budget: int) -> bool:
     """Whether an item of `item_patches` patches starts a new pass after a pass of `items` items and `patches`
-    patches, under `budget` (None: no budget, one pass)."""
-    return budget is not None and items > 0 and patches + item_patches > budget
+    patches, under `budget`."""
+    return items > 0 and patches + item_patches > budget
 
 
-def pack(patch_counts: Sequence[int], budget: Optional[int]) -> list[range]:
+def pack(patch_counts: Sequence[int], budget: int) -> list[range]:
     """Consecutive items (by their patch counts) cut into passes by the rule: one range of item indices each."""
     passes, first, used = [], 0, 0
     for i, n in enumerate(patch_counts):

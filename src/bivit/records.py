@@ -1,4 +1,5 @@
-"""The one embedding file format, `FORMAT` ("bivit.embeddings/1"), and its one reader, `load_embeddings`.
+"""The one embedding file format, `FORMAT` ("bivit.embeddings/1"): its records, writing and reading a file
+(`bivit.embeddings.load_embeddings` is the public reader, which also opens dataset folders).
 
 What `bivit encode` writes, what the service answers to `POST /v1/encode?format=safetensors` and every shard of a
 dataset folder are safetensors files with the same three header metadata keys:
@@ -203,13 +204,16 @@ def error_text(error: BaseException, source: str) -> str:
 
 def of_result(result: Any, tensor: Optional[str] = None, **extra: Any) -> Record:
     """The record of a core result (`bivit.items.ItemResult`: source, kind, sha256, grid_thw, chunk_tokens,
-    timestamps, placeholders, error), its embedding stored under `tensor`; `extra`: the writer's own keys."""
+    timestamps, placeholders, error) with its embedding (in memory; in a file under `tensor`); `extra`: the
+    writer's own keys."""
     if result.error is not None:
         return record(result.source, kind=result.kind, sha256=result.sha256, grid_thw=[], chunk_tokens=[],
                       timestamps=None, placeholders=[], error=error_text(result.error, result.source), **extra)
-    return record(result.source, kind=result.kind, sha256=result.sha256, grid_thw=result.grid_thw,
-                  chunk_tokens=result.chunk_tokens, timestamps=result.timestamps, placeholders=result.placeholders,
-                  sizes=result.sizes, tensor=tensor, **extra)
+    out = record(result.source, kind=result.kind, sha256=result.sha256, grid_thw=result.grid_thw,
+                 chunk_tokens=result.chunk_tokens, timestamps=result.timestamps, placeholders=result.placeholders,
+                 sizes=result.sizes, tensor=tensor, **extra)
+    out._embedding = result.embedding
+    return out
 
 
 def metadata(encoder: Mapping[str, Any], records: Sequence[Record]) -> dict[str, str]:
@@ -320,16 +324,10 @@ def check_embedding(embedding: Any, tokens: int, dtype: Optional[str], name: str
         raise FormatError(f"{name}: a {stored} tensor, its file says {dtype}")
 
 
-def load_embeddings(path: str | os.PathLike) -> Embeddings:
-    """Open any embedding file bivit writes (see the module doc): a `bivit encode` file, a saved service answer, a
-    dataset shard, or a whole dataset folder -> Embeddings, the items in input (or manifest) order, each a Record
-    with `.embedding` (read on first use) and its metadata. FormatError for a file that is not one, or of a
-    format version this bivit does not read (the message names it)."""
+def file_metadata(path: str | os.PathLike) -> dict:
+    """The safetensors header metadata of an embedding file on disk (its tensors unread); BivitError naming the
+    file when it cannot be read, FormatError when it is not a safetensors file."""
     p = Path(path)
-    if p.is_dir():
-        from .dataset.reader import open_dataset
-
-        return open_dataset(p).embeddings()
     try:
         with open_regular(p) as f:  # a FIFO or device is refused without blocking
             head = f.read(8)
@@ -345,17 +343,15 @@ def load_embeddings(path: str | os.PathLike) -> Embeddings:
         raise BivitError(f"{p}: is a directory") from None
     except OSError as e:
         raise BivitError(f"{p}: cannot read ({e.strerror or e})") from None
-    meta = _header_metadata(header, str(p))
-    from .dataset import format as dataset_format  # light
+    return _header_metadata(header, str(p))
 
-    if meta.get("format") == dataset_format.FORMAT:  # a shard of an older dataset folder: its records are there
-        if not (p.parent / dataset_format.HEADER).is_file():
-            raise FormatError(f"{p}: a dataset shard written by an older bivit, whose records are in its folder's "
-                              f"{dataset_format.MANIFEST}; open it inside that folder (no {dataset_format.HEADER} "
-                              f"next to it)")
-        from .dataset.reader import open_dataset
 
-        return open_dataset(p.parent).embeddings(shard=p.name)
+def read_file(path: str | os.PathLike, meta: Optional[dict] = None) -> Embeddings:
+    """One embedding file on disk (`meta`: its `file_metadata`, when read already) -> Embeddings, tensors read
+    on first use. FormatError for a file that is not one, or of a format version this bivit does not read.
+    `bivit.embeddings.load_embeddings` opens dataset folders and their shards too."""
+    p = Path(path)
+    meta = file_metadata(p) if meta is None else meta
     handle: dict[str, Any] = {}
 
     def load(key: str) -> "torch.Tensor":

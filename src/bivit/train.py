@@ -15,7 +15,7 @@ import torch
 
 from . import ops
 from .dtypes import resolve_dtypes
-from .model import VisionModel, gemms
+from .model import VisionModel
 from .packing import check_pixels
 from .weights import DEMO_SEED, build_model, parse_device
 
@@ -65,6 +65,6 @@ def load_model(model: str | os.PathLike | None = None, *, device: str | torch.de
     net.activation_checkpointing = activation_checkpointing
     net.requires_grad_(True)
     if batch_invariant and device.type == "cpu":  # (the GPU path's forward refuses autograd: bivit.gpu)
-        ops.prepare(gemms(net))
+        ops.prepare(ops.gemms(net))
         ops.prove(net)
     return net

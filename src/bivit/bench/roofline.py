@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ModelConfig
-from ..model import VisionModel, flops_per_item, gemms
+from ..model import VisionModel, flops_per_item
+from ..ops import gemms
 from .workload import Case
 
 PEAK_ROWS = 2048

@@ -30,6 +30,9 @@ AlphaOpt = typer.Option("model", "--alpha", help="Transparency: model (what the 
 DtypeOpt = typer.Option(DEFAULT_DTYPE, "--dtype", help=f"Tower compute dtype: {DTYPE_CHOICES}.")
 ProjDtypeOpt = typer.Option(None, "--projector-dtype", help="Projector dtype (default: --dtype).")
 OutDtypeOpt = typer.Option(None, "--output-dtype", help="Output dtype (default: projector dtype).")
+MaxBatchPatchesOpt = typer.Option(None, "--max-batch-patches", show_default=False,
+                                  help="At most this many patches per forward pass (default 16384): bounds memory, "
+                                       "never changes an embedding.")
 EcDirOpt = typer.Option(None, "--ec-dir", help="Also write each image's / video chunk's rows to this folder in vLLM's "
                         "encoder-cache layout (ECExampleConnector's shared_storage_path; docs/encode-once.md).")
 EC_PROBE = ".bivit-ec-probe"  # the name --ec-dir's writability is checked with
@@ -78,12 +81,16 @@ def writable(path: Path, inputs: Any = (), option: str = "--out") -> None:
 
 
 def check_options(model: Any = None, dtype: Optional[str] = None, projector_dtype: Optional[str] = None,
-                  output_dtype: Optional[str] = None, alpha: str = "model") -> None:
+                  output_dtype: Optional[str] = None, alpha: str = "model", max_batch_patches: Optional[int] = None
+                  ) -> None:
     """The encoder options a command was given, checked before its inputs are read and before the model loads
     (ConfigError, one line, exit 2)."""
     from ..dtypes import canonical_name
     from ..hub import check_model
+    from ..packing import check_budget
     from ..preprocess_config import check_alpha
+
+    check_budget(max_batch_patches, "--max-batch-patches")
 
     for flag, value in (("--dtype", dtype), ("--projector-dtype", projector_dtype), ("--output-dtype", output_dtype)):
         canonical_name(value, flag)
@@ -95,31 +102,12 @@ def check_options(model: Any = None, dtype: Optional[str] = None, projector_dtyp
         load_config(Path(model))
 
 
-def DeprecatedOpt(flag: str) -> Any:
-    """A hidden option under an old spelling (see `renamed_option`)."""
-    return typer.Option(None, flag, hidden=True)
-
-
-def renamed_option(value: Any, old_value: Any, flag: str, old_flag: str, factor: int = 1,
-                   why: str = "") -> Any:
-    """`value`, or the value given under a deprecated spelling (times `factor`), said in one line on stderr; either
-    must be a whole number >= 1 (or not given: None)."""
-    for v, f in ((value, flag), (old_value, old_flag)):
-        if v is not None and v < 1:
-            fail(f"{f} {v!r}: expected a whole number >= 1")
-    if old_value is None:
-        return value
-    if value is not None:
-        fail(f"{old_flag} is the deprecated spelling of {flag}; give only {flag}")
-    how = f" ({old_flag} {old_value} = {flag} {old_value * factor}{why})" if factor != 1 else ""
-    typer.echo(f"bivit: {old_flag} is deprecated, use {flag}{how}", err=True)
-    return old_value * factor
-
-
 def open_encoder(model: Optional[Path], dtype: str, projector_dtype: Optional[str], output_dtype: Optional[str],
-                 batch_invariant: bool = True, alpha: str = "model", device: str = "cpu") -> Any:
+                 batch_invariant: bool = True, alpha: str = "model", device: str = "cpu",
+                 max_batch_patches: Optional[int] = None) -> Any:
     from ..encoder import load_encoder
 
     # The demo notice and any fast path that is off are said by the library's log (see cli.main), once.
     return load_encoder(model, dtype=dtype, projector_dtype=projector_dtype, output_dtype=output_dtype,
-                        batch_invariant=batch_invariant, alpha=alpha, device=device)
+                        batch_invariant=batch_invariant, alpha=alpha, device=device,
+                        max_batch_patches=max_batch_patches)

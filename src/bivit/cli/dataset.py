@@ -8,9 +8,8 @@ from typing import Optional
 import typer
 
 from ..dataset import format as dataset_format  # light: file names and defaults
-from ..packing import PATCHES_PER_TOKEN  # light
-from .common import (EC_PROBE, FAILURE, AlphaOpt, DeprecatedOpt, DtypeOpt, EcDirOpt, OutDtypeOpt, ProjDtypeOpt,
-                     check_options, command, renamed_option, writable)
+from .common import (EC_PROBE, FAILURE, AlphaOpt, DtypeOpt, EcDirOpt, MaxBatchPatchesOpt, OutDtypeOpt,
+                     ProjDtypeOpt, check_options, command, writable)
 
 
 @command("encode-dataset")
@@ -30,10 +29,7 @@ def encode_dataset(
                                                          "default: start a local Ray."),
     workers: int = typer.Option(1, help="Ray engine: encoder actors (each loads the model once)."),
     cpus_per_worker: int = typer.Option(1, help="Ray engine: CPUs (torch threads) per encoder actor."),
-    batch_patches: Optional[int] = typer.Option(
-        None, "--batch-patches", help=f"Patches per forward pass (memory bound; results do not depend on it) "
-                                      f"(default {dataset_format.DEFAULT_BATCH_PATCHES})."),
-    batch_tokens: Optional[int] = DeprecatedOpt("--batch-tokens"),
+    max_batch_patches: Optional[int] = MaxBatchPatchesOpt,
     shard_mb: float = typer.Option(dataset_format.DEFAULT_SHARD_MB, help="Target size of one safetensors shard, MiB."),
     progress: bool = typer.Option(True, help="Show a progress bar."),
     allow_failures: bool = typer.Option(False, "--allow-failures",
@@ -48,10 +44,7 @@ def encode_dataset(
     to vLLM's encoder cache (ids: `bivit.engines.vllm.load_media(OUT)`).
     """
     # A missing Ray extra, bad --engine/--workers values: encode_dataset says so before any work.
-    check_options(model, dtype, projector_dtype, output_dtype, alpha)
-    # --batch-tokens counted tokens: 4 patches each is what it allowed an image (a video chunk of t frames has 4t).
-    batch_patches = renamed_option(batch_patches, batch_tokens, "--batch-patches", "--batch-tokens",
-                                   PATCHES_PER_TOKEN, " patches, 4 per token of an image")
+    check_options(model, dtype, projector_dtype, output_dtype, alpha, max_batch_patches)
     writable(out / dataset_format.HEADER, option="--out")  # before the model loads
     if ec_dir is not None:
         writable(ec_dir / EC_PROBE, option="--ec-dir")
@@ -60,18 +53,18 @@ def encode_dataset(
     try:
         summary = run(src, out, model=model, dtype=dtype, projector_dtype=projector_dtype, output_dtype=output_dtype,
                       engine=engine, ray_address=ray_address, workers=workers, cpus_per_worker=cpus_per_worker,
-                      batch_patches=batch_patches, shard_mb=shard_mb, progress=progress, alpha=alpha)
+                      max_batch_patches=max_batch_patches, ec_dir=ec_dir, shard_mb=shard_mb, progress=progress,
+                      alpha=alpha)
     except KeyboardInterrupt:
         typer.echo(f"interrupted; everything encoded so far is in {out}, run the same command to resume", err=True)
         raise typer.Exit(130) from None
     typer.echo(summary.line())
     if ec_dir is not None:
-        from ..engines.media import iter_media
-        from ..engines.vllm import write_encoder_cache
-
-        # Every record of the folder (a resumed run's earlier ones too); ids already there are left as they are.
-        written = sum(len(ids) for ids in (write_encoder_cache(ec_dir, [m])[0] for m in iter_media(out)))
-        typer.echo(f"encoder cache: {written} items in {ec_dir} (ids: bivit.engines.vllm.load_media(OUT))")
+        typer.echo(f"encoder cache: {summary.ec_written} items in {ec_dir} (ids: bivit.engines.vllm.load_media(OUT))")
+    if summary.ec_failed:
+        typer.echo(f"bivit: error: --ec-dir {ec_dir}: {len(summary.ec_failed)} of the inputs not written there, "
+                   f"{summary.ec_failed[0]} ({out} holds every embedding)", err=True)
+        raise typer.Exit(FAILURE)
     if summary.failed:
         typer.echo(f"{summary.failed} inputs failed; see {Path(out) / dataset_format.ERRORS}", err=True)
         if not allow_failures:

@@ -10,12 +10,8 @@ from typing import Any, List, Optional
 import typer
 
 from ..errors import BivitError
-from .common import (EC_PROBE, FAILURE, AlphaOpt, DeprecatedOpt, DtypeOpt, EcDirOpt, ModelOpt, OutDtypeOpt,
-                     ProjDtypeOpt, check_options, command, fail, open_encoder, renamed_option, writable)
-
-# Patches per forward pass unless --max-batch-patches says otherwise (no effect on results in invariant mode).
-DEFAULT_BATCH_PATCHES = 4096
-
+from .common import (EC_PROBE, FAILURE, AlphaOpt, DtypeOpt, EcDirOpt, MaxBatchPatchesOpt, ModelOpt, OutDtypeOpt,
+                     ProjDtypeOpt, check_options, command, fail, open_encoder, writable)
 
 @command()
 def encode(
@@ -25,10 +21,7 @@ def encode(
     dtype: str = DtypeOpt,
     projector_dtype: Optional[str] = ProjDtypeOpt,
     output_dtype: Optional[str] = OutDtypeOpt,
-    max_batch_patches: Optional[int] = typer.Option(
-        None, "--max-batch-patches", help=f"At most this many patches per forward pass (default "
-                                          f"{DEFAULT_BATCH_PATCHES})."),
-    max_batch_tokens: Optional[int] = DeprecatedOpt("--max-batch-tokens"),
+    max_batch_patches: Optional[int] = MaxBatchPatchesOpt,
     no_batch_invariant: bool = typer.Option(False, "--no-batch-invariant", help="Stock kernels (not invariant)."),
     alpha: str = AlphaOpt,
     ec_dir: Optional[Path] = EcDirOpt,
@@ -44,15 +37,12 @@ def encode(
     error. With --ec-dir, each image's / chunk's rows also go to vLLM's encoder cache and their ids into the
     record ("ec_ids"). Bad files are reported and skipped; exit status 1 if any failed.
     """
-    check_options(model, dtype, projector_dtype, output_dtype, alpha)  # options, output, inputs: all before
-    budget = renamed_option(max_batch_patches, max_batch_tokens, "--max-batch-patches", "--max-batch-tokens")
-    budget = DEFAULT_BATCH_PATCHES if budget is None else budget
-    writable(out, files)  # anything is loaded or encoded
+    check_options(model, dtype, projector_dtype, output_dtype, alpha, max_batch_patches)  # options, output,
+    writable(out, files)  # inputs: all before anything is loaded or encoded
     if ec_dir is not None:
         writable(ec_dir / EC_PROBE, option="--ec-dir")
     from .. import records as rec
-    from ..engines.media import media_of
-    from ..engines.vllm import write_encoder_cache
+    from ..encoder_cache import EncoderCacheError, Sink
     from ..items import check_input
     from ..kinds import media_kind
 
@@ -69,7 +59,7 @@ def encode(
         raise typer.Exit(FAILURE)
 
     enc = open_encoder(model, dtype, projector_dtype, output_dtype, not no_batch_invariant, alpha=alpha,
-                       device=device)
+                       device=device, max_batch_patches=max_batch_patches)
     t0 = time.perf_counter()
     with _progress(show=len(kinds) > 1 or "video" in kinds.values()) as bar:
         def prepared():
@@ -83,39 +73,41 @@ def encode(
 
         # Files share forward passes (prepared one by one as passes fill, so memory holds about one pass); in
         # invariant mode each result is the bits of encoding it alone.
-        for i, r in zip(kinds, enc.encode_stream(prepared(), budget, on_pass=bar.update)):
-            results[i] = r
+        ec, ec_failed = (None if ec_dir is None else Sink(ec_dir, enc.fingerprint)), []
+        for i, r in zip(kinds, enc.encode_stream(prepared(), on_pass=bar.update)):
+            extra = {}
+            if r.error is None and ec is not None:  # as each result arrives, as every front end does
+                try:
+                    extra["ec_ids"] = ec.put(r)
+                except EncoderCacheError as e:  # the embedding is kept: said once --out is written
+                    extra["ec_error"] = str(e)
+                    ec_failed.append(e)
+            results[i] = (r, extra)
             if r.error is not None:
                 bar.write(f"bivit: skipped: {r.error}", file=sys.stderr)
 
-    records, embeddings, cached = [], [], []
+    records, embeddings = [], []
     for i, (path, r) in enumerate(zip(files, results)):
         if isinstance(r, BaseException):  # refused before the model loaded
             records.append(rec.record(str(path), kind=media_kind(path) or "image", sha256=None, grid_thw=[],
                                       chunk_tokens=[], timestamps=None, placeholders=[], error=str(r)))
             embeddings.append(None)
             continue
-        extra = {}
-        if ec_dir is not None and r.error is None:  # ids now (they name the content); the files after --out
-            cached.append(media_of(r, enc.fingerprint))
-            extra["ec_ids"] = cached[-1].ec_ids()
+        r, extra = r
         records.append(rec.of_result(r, tensor=str(i), **extra))
         embeddings.append(r.embedding)
     done = [r for r in records if r.ok]
     if done:
         rec.save(out, enc.describe(), records, embeddings)
-    if cached:  # after --out: a full --ec-dir fails the command (one line) but loses no embedding
-        try:
-            write_encoder_cache(ec_dir, cached)
-        except OSError as e:
-            fail(f"--ec-dir {ec_dir}: {e.strerror or e} ({out} is written, with every embedding)", FAILURE)
     failed = len(records) - len(done)
     where = f" -> {out}" if done else " (nothing written)"
     typer.echo(f"encoded {len(done)} of {len(files)} inputs, {sum(r.tokens for r in done)} tokens in "
                f"{time.perf_counter() - t0:.2f} s{where}" + (f"; {failed} failed" if failed else ""))
+    if ec_failed:
+        fail(f"--ec-dir {ec_dir}: {len(ec_failed)} of the inputs not written there, {ec_failed[0]} ({out} is "
+             "written, with every embedding)", FAILURE)
     if ec_dir is not None:
-        typer.echo(f"encoder cache: {sum(len(r.ec_ids) for r in done)} items in {ec_dir} (ids: \"ec_ids\" of "
-                   "each record in the file)")
+        typer.echo(f"encoder cache: {ec.written} items in {ec_dir} (ids: \"ec_ids\" of each record in the file)")
     if failed:
         raise typer.Exit(FAILURE)
 

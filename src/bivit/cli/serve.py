@@ -8,8 +8,8 @@ from typing import Optional
 import typer
 
 from ..serve.settings import ServerSettings as Limits  # light: no web framework
-from .common import (EC_PROBE, AlphaOpt, DeprecatedOpt, DtypeOpt, EcDirOpt, check_options, command, fail, need_extra,
-                     renamed_option, writable)
+from .common import (EC_PROBE, AlphaOpt, DtypeOpt, EcDirOpt, MaxBatchPatchesOpt, check_options, command, fail,
+                     need_extra, writable)
 
 
 @command()
@@ -26,9 +26,7 @@ def serve(
     api_key: Optional[str] = typer.Option(None, envvar="BIVIT_API_KEY",
                                           help="Require 'Authorization: Bearer KEY' (all but /health)"),
     # Defaults are ServerSettings' own (one home for each limit).
-    max_batch_patches: Optional[int] = typer.Option(
-        None, "--max-batch-patches", help=f"Patches per forward pass (default {Limits.max_batch_patches})"),
-    max_batch_tokens: Optional[int] = DeprecatedOpt("--max-batch-tokens"),
+    max_batch_patches: Optional[int] = MaxBatchPatchesOpt,
     max_wait_ms: float = typer.Option(Limits.max_wait_ms, help="Max wait for more items before a forward pass"),
     max_queue: int = typer.Option(Limits.max_queue, help="Items in flight before 429"),
     max_body_mb: float = typer.Option(Limits.max_body_mb, help="Request body limit (413 above)"),
@@ -61,12 +59,10 @@ def serve(
     With --ec-dir every encoded item's rows also go to vLLM's encoder cache; its ids are each item's "ec_ids"."""
     for module in ("fastapi", "uvicorn", "prometheus_client", "multipart"):
         need_extra("serve", module, "serve")
-    check_options(model, dtype, alpha=alpha)
+    check_options(model, dtype, alpha=alpha, max_batch_patches=max_batch_patches)
     if log_level.lower() not in ("debug", "info", "warning", "error"):
         fail(f"--log-level must be debug, info, warning or error, got {log_level!r}")
-    budget = renamed_option(max_batch_patches, max_batch_tokens, "--max-batch-patches", "--max-batch-tokens")
-    budget = Limits.max_batch_patches if budget is None else budget
-    settings = Limits(api_key=api_key or None, max_batch_patches=budget, max_wait_ms=max_wait_ms,
+    settings = Limits(api_key=api_key or None, max_wait_ms=max_wait_ms,
                       max_queue=max_queue, max_body_mb=max_body_mb, request_timeout_s=request_timeout_s,
                       header_timeout_s=header_timeout_s, body_timeout_s=body_timeout_s,
                       max_request_pixels_mb=max_request_pixels_mb, max_queue_pixels_mb=max_queue_pixels_mb,
@@ -80,6 +76,6 @@ def serve(
     from ..serve.app import configure_logging, run
 
     configure_logging(log_level)  # the service logs JSON lines, its demo warning included
-    # The batching worker cuts passes by --max-batch-patches; the encoder needs no budget of its own.
-    encoder = load_encoder(model, device=device, dtype=dtype, batch_invariant=batch_invariant, alpha=alpha)
+    encoder = load_encoder(model, device=device, dtype=dtype, batch_invariant=batch_invariant, alpha=alpha,
+                           max_batch_patches=max_batch_patches)
     run(encoder, settings, host=host, port=port, log_level=log_level)

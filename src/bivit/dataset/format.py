@@ -33,8 +33,8 @@ from ..errors import BivitError
 from ..fileio import parse_json, read_regular
 from ..records import FormatError
 
-# Defaults of a dataset job (`encode_dataset`, `bivit encode-dataset`), here so the CLI reads them cheaply.
-DEFAULT_BATCH_PATCHES = 16384  # patches per forward pass: a memory bound; results do not depend on it
+# The default shard size of a dataset job (`encode_dataset`, `bivit encode-dataset`), here so the CLI reads it
+# cheaply.
 DEFAULT_SHARD_MB = 256  # target size of one safetensors shard
 
 FORMAT = "bivit-encoded-dataset"

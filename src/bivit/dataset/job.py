@@ -8,6 +8,7 @@ an encode. Interrupted (Ctrl-C, a lost Ray worker), the run commits what is alre
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 import os
 import sys
@@ -18,9 +19,9 @@ from typing import Any, Optional
 
 from ..dtypes import canonical_name
 from ..errors import BivitError
+from ..encoder_cache import EncoderCacheError, Sink
 from ..items import ItemResult
-from ..packing import PATCHES_PER_TOKEN, renamed
-from .format import DEFAULT_BATCH_PATCHES, DEFAULT_SHARD_MB
+from .format import DEFAULT_SHARD_MB
 from .local import run_local
 from .pipeline import reason
 from .sources import list_sources, plan
@@ -34,6 +35,8 @@ class Summary:
     deduplicated: int = 0  # sources whose bytes were already stored or listed twice
     failed: int = 0  # sources recorded in errors.jsonl by this run
     tokens: int = 0  # tokens written by this run
+    ec_written: int = 0  # images / video chunks written to (or found complete in) --ec-dir
+    ec_failed: list = dataclasses.field(default_factory=list)  # inputs encoded but not written there: why
     seconds: float = 0.0
     engine: str = "local"
     workers: int = 1
@@ -49,13 +52,15 @@ class Summary:
 def encode_dataset(src: str | os.PathLike, out: str | os.PathLike, *, model: Optional[str] = None,
                    dtype: str = "bfloat16", projector_dtype: Optional[str] = None,
                    output_dtype: Optional[str] = None, engine: str = "local", ray_address: Optional[str] = None,
-                   workers: int = 1, cpus_per_worker: int = 1, batch_patches: Optional[int] = None,
+                   workers: int = 1, cpus_per_worker: int = 1, max_batch_patches: Optional[int] = None,
                    shard_mb: float = DEFAULT_SHARD_MB, flush_seconds: float = DEFAULT_FLUSH_SECONDS,
-                   progress: bool = True, alpha: str = "model", batch_tokens: Optional[int] = None) -> Summary:
+                   progress: bool = True, alpha: str = "model",
+                   ec_dir: Optional[str | os.PathLike] = None) -> Summary:
     """Encode every image/video named by `src` into `out` (see `bivit.dataset`). Returns the summary.
 
-    `batch_patches`: patches per forward pass (default `DEFAULT_BATCH_PATCHES`; a memory bound, results do not
-    depend on it). `batch_tokens` is its deprecated spelling in tokens, converted at 4 patches per token.
+    `max_batch_patches`: patches per forward pass (`bivit.packing`: a memory bound, results do not depend on
+    it). `ec_dir`: also write each input this run encodes to vLLM's encoder cache there
+    (`bivit.encoder_cache`); an input whose files cannot be written fails like any other.
     """
     t0 = time.monotonic()
     if engine not in ("local", "ray"):
@@ -64,16 +69,12 @@ def encode_dataset(src: str | os.PathLike, out: str | os.PathLike, *, model: Opt
         raise BivitError("--engine ray needs Ray Data: pip install 'bivit[ray]'")
     if workers < 1 or cpus_per_worker < 1:
         raise BivitError("--workers and --cpus-per-worker must be at least 1")
-    batch_patches = renamed(batch_patches, batch_tokens, name="batch_patches", old_name="batch_tokens",
-                            factor=PATCHES_PER_TOKEN)
-    batch_patches = DEFAULT_BATCH_PATCHES if batch_patches is None else batch_patches
-    if batch_patches < 1:
-        raise BivitError("--batch-patches must be at least 1")
     if shard_mb <= 0:
         raise BivitError("--shard-mb must be positive")
     opts = dict(dtype=canonical_name(dtype, "--dtype"),
                 projector_dtype=canonical_name(projector_dtype, "--projector-dtype"),
-                output_dtype=canonical_name(output_dtype, "--output-dtype"), alpha=alpha)
+                output_dtype=canonical_name(output_dtype, "--output-dtype"), alpha=alpha,
+                max_batch_patches=max_batch_patches)
     out = Path(out)
     sources = list_sources(src, exclude=out)
 
@@ -88,11 +89,17 @@ def encode_dataset(src: str | os.PathLike, out: str | os.PathLike, *, model: Opt
         summary.skipped, summary.deduplicated, summary.failed = p.skipped, p.deduplicated, p.failed
         bar = _progress(len(p.work), progress)
         works = {w.sha256: w for w in p.work}
+        ec = None if ec_dir is None else Sink(ec_dir, writer.header["fingerprint"])
 
         def sink(r: ItemResult) -> None:
             w = works.pop(r.sha256, None)
             if w is None:  # a result delivered twice (a retried Ray task): already handled
                 return
+            if r.error is None and ec is not None:
+                try:
+                    ec.put(r)
+                except EncoderCacheError as e:  # the embedding is kept (committed below); the run says so
+                    summary.ec_failed.append(f"{r.source}: {e}")
             if r.error is not None:
                 writer.add_error(w.sources, reason(r), r.sha256)
                 summary.failed += len(w.sources)
@@ -105,7 +112,7 @@ def encode_dataset(src: str | os.PathLike, out: str | os.PathLike, *, model: Opt
 
         try:
             if engine == "local":
-                run_local(encoder, p.work, batch_patches, sink)
+                run_local(encoder, p.work, sink)
             else:
                 processing = encoder.processing  # the preprocessing tasks follow the driver's model
                 del encoder  # workers load their own; free the driver's copy
@@ -117,7 +124,7 @@ def encode_dataset(src: str | os.PathLike, out: str | os.PathLike, *, model: Opt
 
                 run_ray(p.work, sink, model=model, opts=opts, fingerprint=writer.header["fingerprint"],
                         address=ray_address, workers=workers, cpus_per_worker=cpus_per_worker,
-                        batch_patches=batch_patches, processing=processing)
+                        processing=processing)
         except BaseException:
             # Interrupted (Ctrl-C, a Ray worker lost): keep what is already encoded, so a re-run resumes after it.
             with contextlib.suppress(Exception):
@@ -128,6 +135,7 @@ def encode_dataset(src: str | os.PathLike, out: str | os.PathLike, *, model: Opt
         writer.commit()
         writer.compact_errors(folders_failing={s.source for s in sources if s.error is not None})
         summary.tokens = writer.tokens_written
+        summary.ec_written = 0 if ec is None else ec.written
     summary.seconds = time.monotonic() - t0
     return summary
 

@@ -11,12 +11,12 @@ from ..items import ItemResult, Prepared
 from .pipeline import Work, prepare
 
 
-def run_local(encoder: Any, work: Sequence[Work], batch_patches: int, sink: Callable[[ItemResult], None]) -> None:
+def run_local(encoder: Any, work: Sequence[Work], sink: Callable[[ItemResult], None]) -> None:
     """In-process: one thread prepares ahead (about two passes of pixels) while this one encodes (PIL and torch
     both release the GIL); results go to `sink` in order."""
     prepared = (prepare(w.sha256, w.kind, w.path, w.sources[0].source, encoder.processing, encoder.alpha)
                 for w in work)
-    for result in encoder.encode_stream(_prefetch(prepared, 2 * batch_patches), batch_patches):
+    for result in encoder.encode_stream(_prefetch(prepared, 2 * encoder.max_batch_patches)):
         sink(result)
 
 

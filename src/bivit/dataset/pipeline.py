@@ -84,10 +84,10 @@ def prepare(sha: str, kind: str, path: Path, name: str, processing: Any = None, 
     return Prepared(name, kind, sha, error=error)
 
 
-def encode_prepared(encoder: Any, items: Sequence[Prepared], batch_patches: int) -> list[ItemResult]:
-    """Encode prepared items (any number, zero included) in passes of at most `batch_patches` patches; failures
-    are per item."""
-    return list(encoder.encode_stream(items, batch_patches))
+def encode_prepared(encoder: Any, items: Sequence[Prepared]) -> list[ItemResult]:
+    """Encode prepared items (any number, zero included) in passes of the encoder's `max_batch_patches`;
+    failures are per item."""
+    return list(encoder.encode_stream(items))
 
 
 def reason(result: ItemResult) -> str:

@@ -116,7 +116,7 @@ def _unpack_prepared(row: dict) -> Prepared:
 class EncodeActor:
     """Ray actor: loads the encoder once, then encodes whatever batch it is given (zero rows included)."""
 
-    def __init__(self, model: Optional[str], opts: dict, fingerprint: str, threads: int, batch_patches: int):
+    def __init__(self, model: Optional[str], opts: dict, fingerprint: str, threads: int):
         # The driver loaded the same model first and said its notices (demo model, a fast path off) once; each
         # actor saying them again would only repeat them, prefixed by Ray, on the driver's terminal.
         logging.getLogger("bivit").setLevel(logging.ERROR)
@@ -129,11 +129,10 @@ class EncodeActor:
             # Another node with other weights (or another torch/bivit build that loads them differently).
             raise BivitError(f"worker on {os.uname().nodename} loaded model {model or 'demo'} with fingerprint "
                              f"{self.encoder.fingerprint[:16]}, the driver has {fingerprint[:16]}")
-        self.batch_patches = batch_patches
 
     def __call__(self, table: pa.Table) -> pa.Table:
         items = [_unpack_prepared(r) for r in table.to_pylist()]
-        return encoded_table(encode_prepared(self.encoder, items, self.batch_patches))
+        return encoded_table(encode_prepared(self.encoder, items))
 
 
 def encoded_table(results: Sequence[ItemResult]) -> pa.Table:
@@ -191,7 +190,7 @@ def _ray_session(address: Optional[str], cpus_needed: int) -> Iterator[Any]:
 
 
 def run_ray(work: Sequence[Work], sink: Callable[[ItemResult], None], *, model: Optional[str], opts: dict,
-            fingerprint: str, address: Optional[str], workers: int, cpus_per_worker: int, batch_patches: int,
+            fingerprint: str, address: Optional[str], workers: int, cpus_per_worker: int,
             processing: Any = None) -> None:
     """Encode `work` on a Ray actor pool and hand every result to `sink` (called in this thread only)."""
     if not work:
@@ -219,7 +218,7 @@ def run_ray(work: Sequence[Work], sink: Callable[[ItemResult], None], *, model: 
                 ds = ds.map_batches(
                     EncodeActor,
                     fn_constructor_kwargs=dict(model=model, opts=opts, fingerprint=fingerprint,
-                                               threads=cpus_per_worker, batch_patches=batch_patches),
+                                               threads=cpus_per_worker),
                     compute=ray.data.ActorPoolStrategy(size=workers),
                     batch_format="pyarrow", batch_size=ROWS_PER_ACTOR_BATCH, num_cpus=cpus_per_worker,
                     **({} if address else _NO_RESTARTS),

@@ -9,22 +9,17 @@ encoder-cache key (`bivit.engines.vllm`).
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence, Union
 
+from ..encoder_cache import EC_ID_SCHEME, ec_id  # noqa: F401  (re-exported: engines name ids)
 from ..errors import BivitError
 from ..items import ItemResult, content_sha256  # noqa: F401  (content_sha256: re-exported, the one content hash)
 from ..media import Placeholder
 
 if TYPE_CHECKING:
     import torch
-
-# Changes whenever the id derivation does, so ids of one derivation never name another's rows.
-EC_ID_SCHEME = "bivit-ec/1"
-
 
 @dataclass(frozen=True)
 class Media:
@@ -75,18 +70,6 @@ class Media:
         return [ec_id(self.fingerprint, self.sha256, self.kind, i) for i in range(len(self.placeholders))]
 
 
-def ec_id(fingerprint: str, sha256: str, kind: str, chunk: int) -> str:
-    """The id under which one image's (or one video chunk's) rows are stored for vLLM's encoder cache.
-
-    A hash of the id scheme, the encoder fingerprint (config, weights, dtypes, invariant mode, preprocessing
-    and alpha handling), the input's content hash, its kind and the chunk index: the same input encoded by the
-    same encoder always gets the same id, and any change that could change the rows changes the id. The
-    result is a file-name-safe string vLLM uses as the item's `mm_hash`.
-    """
-    key = json.dumps([EC_ID_SCHEME, fingerprint, sha256, kind, int(chunk)], separators=(",", ":"))
-    return "bivit-" + hashlib.sha256(key.encode()).hexdigest()
-
-
 def media_of(result: ItemResult, fingerprint: str) -> Media:
     """An encoded input (`bivit.items.ItemResult`: `Encoder.encode_items`, `bivit encode`, the service) as Media,
     under the fingerprint of the encoder that computed it."""
@@ -115,7 +98,7 @@ def load_media(path: Union[str, os.PathLike]) -> list[Media]:
 
 
 def iter_media(path: Union[str, os.PathLike]) -> Iterator[Media]:
-    from ..records import load_embeddings
+    from ..embeddings import load_embeddings
 
     with load_embeddings(path) as embeddings:
         for r in embeddings:

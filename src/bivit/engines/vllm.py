@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
+from ..encoder_cache import EC_FILE, EC_KEY, SAFETENSORS_DTYPES, write_rows
 from ..errors import BivitError, ConfigError
 from ..media import MEDIA_PAD
 from .media import EC_ID_SCHEME, Media, content_sha256, ec_id, encode, iter_media, load_media
@@ -43,9 +44,6 @@ __all__ = ["EC_FILE", "EC_ID_SCHEME", "EC_KEY", "MODALITY", "Media", "Target", "
            "iter_media", "load_media", "media_pad_id", "placeholder_text", "render", "serialize_rows", "stand_ins",
            "write_encoder_cache"]
 
-# Encoder-cache connector layout (vLLM's ECExampleConnector): DIR/<id>/EC_FILE holding one tensor EC_KEY.
-EC_FILE = "encoder_cache.safetensors"
-EC_KEY = "ec_cache"
 # vLLM's modality for Kimi-K2.5 images and video chunks.
 MODALITY = "vision_chunk"
 
@@ -301,56 +299,19 @@ def write_encoder_cache(directory: Union[str, os.PathLike], media: Sequence[Medi
     request's `multi_modal_uuids`; `ec_prompt` builds it).
 
     `DIR/<id>/encoder_cache.safetensors` holds one contiguous CPU tensor `"ec_cache"`, the rows (vLLM loads it
-    as the item's encoder output). Files are written atomically (a reader sees no file or a whole one); an id
-    already present with a readable file of these rows' shape and dtype is left as it is, so concurrent
-    producers of the same items are safe (the id pins the encoder and the content, and each writer's file is
-    complete). Anything else at an id is replaced, never written through: an empty, truncated or foreign file, a
-    symbolic link (file or id folder). With `target`, rows the language model must not be fed are refused
-    before anything is written.
+    as the item's encoder output); written as `bivit.encoder_cache.write_rows` writes (atomic, complete files
+    kept, anything else replaced). With `target`, rows the language model must not be fed are refused before
+    anything is written.
     """
-    from safetensors.torch import save
-
-    from ..fileio import write_atomic
-
     media = list(media)
     if target is not None:
         media = _checked(media, target)
-    root = Path(directory)
     out = []
     for m in media:
         ids = m.ec_ids()
-        for i, rows in zip(ids, m.chunks()):
-            folder = root / i
-            if folder.is_symlink():  # an id folder linking elsewhere: never write through it
-                folder.unlink()
-            path = folder / EC_FILE
-            if _holds(path, rows):
-                continue
-            folder.mkdir(parents=True, exist_ok=True)
-            # Serialised first: write_atomic then owns every write error (an OSError naming the file); its rename
-            # replaces a link or a broken file at the path, never what a link points to.
-            write_atomic(path, save({EC_KEY: rows.detach().cpu().contiguous().clone()}))
+        write_rows(directory, ids, m.chunks())
         out.append(ids)
     return out
-
-
-def _holds(path: Path, rows: "torch.Tensor") -> bool:
-    """Whether `path` is a regular file (not a link) holding an encoder-cache tensor of `rows`' shape and dtype."""
-    from safetensors import safe_open
-
-    from ..dtypes import dtype_name
-
-    if path.is_symlink() or not path.is_file():
-        return False
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            sl = f.get_slice(EC_KEY)
-            return list(sl.get_shape()) == list(rows.shape) and sl.get_dtype() == _SAFETENSORS_DTYPES.get(dtype_name(rows.dtype))
-    except Exception:  # noqa: BLE001 - a truncated or foreign file is replaced
-        return False
-
-
-_SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}  # by bivit's dtype names
 
 
 def check_encoder_cache(directory: Union[str, os.PathLike], media: Sequence[Media], target: Target) -> None:
@@ -372,7 +333,7 @@ def check_encoder_cache(directory: Union[str, os.PathLike], media: Sequence[Medi
                     shape, dtype = list(sl.get_shape()), sl.get_dtype()
             except Exception as e:  # a truncated or foreign file
                 raise BivitError(f"{path}: not a readable encoder-cache file ({e})") from None
-            short = _SAFETENSORS_DTYPES[dtype_name(target.dtype)]
+            short = SAFETENSORS_DTYPES[dtype_name(target.dtype)]
             if shape != [p.tokens, target.hidden_size] or dtype != short:
                 raise BivitError(f"{path}: holds {dtype} {shape}, expected {short} {[p.tokens, target.hidden_size]}")
 

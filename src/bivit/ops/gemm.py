@@ -163,6 +163,13 @@ def patch_conv(pixels: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     return emit("patch_conv", out)
 
 
+def gemms(module: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor | None, str | None]]:
+    """(weight, bias, GELU after it) of every GEMM of `module`: its Linear layers and kernel-sized convs (the
+    patch embedding), as `prepare`, the proof and the roofline need them."""
+    return [(m.weight, m.bias, getattr(m, "gelu", None)) for m in module.modules()
+            if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))]
+
+
 def prepare(gemms: Sequence[tuple]) -> None:
     """Pack the weights of the GEMMs `(weight, bias[, gelu])` of a model now (at load, or after a weight update)
     rather than at their first use; where no compiled GEMM runs, prove their tile plans now (`tiles`)."""

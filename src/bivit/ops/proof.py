@@ -41,9 +41,10 @@ from ..dtypes import dtype_name
 from ..errors import BivitError
 from .attend import attention
 from .backend import attention_kernel, gemm_kernel, gemm_path, refuse
-from .gemm import linear
+from .gemm import gemms, linear
 from .mode import batch_invariant
 from .norms import layer_norm, rms_norm
+from .rotary import rope_tables
 
 log = logging.getLogger("bivit")
 
@@ -165,8 +166,6 @@ def _prove_gemm(weight: torch.Tensor, bias: torch.Tensor | None, gelu: str | Non
 
 def _prove_attention(heads: int, head_dim: int, theta: float, dtype: torch.dtype, g: torch.Generator,
                      threads: Sequence[int], refused: list) -> Check:
-    from ..model import rope_tables
-
     op = f"attention {heads}x{head_dim} {dtype_name(dtype)}"
     items = []
     for h, w in ATTENTION_GRIDS:
@@ -204,8 +203,6 @@ def _prove_norm(module: torch.nn.Module, g: torch.Generator, threads: Sequence[i
 
 def _facts(model: torch.nn.Module) -> str:
     """What decides the proof's outcome: the machine, the build, its steering variables, threads, shapes."""
-    from ..model import gemms
-
     cpu, flags = kernels.cpu_info()
     env = sorted((k, v) for k, v in os.environ.items()
                  if k.startswith(("ONEDNN_", "DNNL_", "MKL_", "ATEN_", "OMP_", "KMP_", "GOMP_", "BIVIT_ATTENTION")))
@@ -221,8 +218,6 @@ def _facts(model: torch.nn.Module) -> str:
 
 
 def _run(model: torch.nn.Module) -> Proof:
-    from ..model import gemms
-
     start = time.perf_counter()
     g = torch.Generator().manual_seed(0)
     threads = thread_counts()

@@ -15,6 +15,7 @@ import contextlib
 import hmac
 import json
 import logging
+import os
 import re
 import resource
 import sys
@@ -90,7 +91,7 @@ def create_app(encoder: Encoder, settings: Optional[ServerSettings] = None) -> F
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         svc.start()
-        log.info("ready", extra={"fields": {**_names(svc.info), "max_batch_patches": settings.max_batch_patches,
+        log.info("ready", extra={"fields": {**_names(svc.info), "max_batch_patches": svc.encoder.max_batch_patches,
                                             "max_queue": settings.max_queue,
                                             "cache_mb": settings.cache_mb if svc.cache.max_bytes else 0}})
         try:
@@ -261,19 +262,35 @@ def run(encoder: Encoder, settings: ServerSettings, *, host: str, port: int, log
 
     if host not in ("127.0.0.1", "localhost", "::1") and not settings.api_key:
         log.warning("serving on a non-loopback interface without --api-key", extra={"fields": {"host": host}})
+    limit = max_connections()
     config = uvicorn.Config(create_app(encoder, settings), host=host, port=port, log_config=None,
-                            access_log=False, log_level=log_level.lower(),
-                            http=_header_timeout(settings.header_timeout_s, max_connections()),
+                            access_log=False, log_level=log_level.lower(), backlog=accept_burst(limit),
+                            http=_header_timeout(settings.header_timeout_s, limit),
                             timeout_graceful_shutdown=int(settings.request_timeout_s + settings.body_timeout_s) + 10)
     uvicorn.Server(config).run()
 
 
 def max_connections() -> int:
-    """Open connections the service keeps: half of its file descriptors (RLIMIT_NOFILE), the rest left for
-    files, pipes and threads. Past it asyncio's accept() fails with EMFILE: a traceback logged per attempt
-    (167 MB of log in 40 s with 1100 slow connections at `ulimit -n 1024`) and probes 8 s late."""
+    """Open connections the service keeps: half of the file descriptors it has left (RLIMIT_NOFILE less those
+    open now: the model's files, pipes, threads), the rest left for what requests open. Past it asyncio's
+    accept() fails with EMFILE: a traceback logged per attempt (167 MB of log in 40 s with 1100 slow
+    connections at `ulimit -n 1024`) and probes 8 s late."""
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    return max(16, soft // 2) if soft != resource.RLIM_INFINITY else 65536
+    if soft == resource.RLIM_INFINITY:
+        return 65536
+    try:
+        open_now = len(os.listdir("/proc/self/fd"))
+    except OSError:  # no /proc: count nothing as open
+        open_now = 0
+    return max(16, (soft - open_now) // 2)
+
+
+def accept_burst(limit: int) -> int:
+    """The listen backlog, which is also how many connections asyncio accepts in one go before any of them is
+    seen by the protocol (its accept loop runs `backlog` times per wake-up). uvicorn's 2048 let a burst of
+    connections take every descriptor before the oldest silent one could be closed to make room; an eighth of
+    the connection limit keeps a burst within the half of the descriptors left free."""
+    return max(8, min(2048, limit // 8))
 
 
 # The answer to a connection over the limit when no connection is still sending its headers.

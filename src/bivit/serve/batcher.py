@@ -42,14 +42,14 @@ class Batcher:
     """One worker thread that owns the Encoder and coalesces queued items into forward passes.
 
     A batch closes when the next queued item starts a new pass by the packing rule (it would push the batch past
-    `max_patches`), or `max_wait_s` after its oldest item was queued, whichever comes first. Items are taken in
+    the encoder's `max_batch_patches`), or `max_wait_s` after its oldest item was queued, whichever comes first. Items are taken in
     arrival order. An item larger than the budget runs alone. A pass that raises is run again item by item
     (`Encoder.forward_each`), so that one bad item fails only itself.
     """
 
-    def __init__(self, encoder: Any, max_patches: int, max_wait_s: float, metrics: Metrics):
+    def __init__(self, encoder: Any, max_wait_s: float, metrics: Metrics):
         self._encoder = encoder
-        self._max_patches = max(1, int(max_patches))
+        self._max_patches = encoder.max_batch_patches  # checked when the encoder was loaded
         self._max_wait = max(0.0, float(max_wait_s))
         self._metrics = metrics
         self._queue: collections.deque[_Job] = collections.deque()

@@ -6,7 +6,7 @@ import collections
 import threading
 from typing import Optional
 
-from .protocol import ItemResult
+from ..items import ItemResult
 
 
 class EmbeddingCache:

@@ -4,7 +4,7 @@ Request: multipart `file` parts, or JSON `{"items": [{"data": "<base64>", "name"
 Response: an embedding file (`bivit.records`, format bivit.embeddings/1: `format`, `encoder`, `items` in its
 header metadata, tensor "i" for input i that has an embedding), the same file `bivit encode` writes and
 `bivit.load_embeddings` reads; or the same as JSON with each item's `embedding` as nested float lists
-(`?format=json`). A record carries the service's own `cached` and `error_kind`. An error is
+(`?format=json`). A record carries the service's own `cached` and `error_kind` (and `ec_ids` with --ec-dir). An error is
 `{"error": {"kind", "message"}, ...}`.
 
 Imports neither torch nor PyAV: `bivit.client` stays light; torch loads when a body is (de)serialised.
@@ -15,16 +15,13 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from dataclasses import dataclass
+from typing import Any, Optional
 
 from .. import records
 from ..errors import BivitError
 from ..fileio import TooManyObjects, parse_json
 from ..kinds import media_kind
-
-if TYPE_CHECKING:
-    import torch
 
 SAFETENSORS_MEDIA_TYPE = "application/vnd.bivit.safetensors"
 
@@ -61,37 +58,8 @@ class UploadItem:
         return "image"
 
 
-@dataclass
-class ItemResult:
-    """One item of a request on its way through the service: its embedding (None if it failed) and its metadata
-    (`record` gives what the answer holds)."""
-
-    name: str
-    kind: str = "image"
-    sha256: str = ""
-    embedding: Optional["torch.Tensor"] = None
-    grid_thw: list = field(default_factory=list)
-    chunk_tokens: list = field(default_factory=list)
-    timestamps: Optional[list] = None
-    placeholders: list = field(default_factory=list)  # per image / chunk: {"text": prompt placeholder, "tokens"}
-    sizes: list = field(default_factory=list)  # per image / chunk: (width, height) before resizing
-    ec_ids: Optional[list] = None  # per image / chunk: its id in vLLM's encoder cache (`bivit serve --ec-dir`)
-    ec_media: Any = field(default=None, repr=False, compare=False)  # what those files hold: re-written on a hit
-    cached: bool = False
-    error: Optional[str] = None
-    error_kind: Optional[str] = None
-
-    @property
-    def tokens(self) -> int:
-        return 0 if self.embedding is None else int(self.embedding.shape[0])
-
-    def record(self, i: int) -> records.Record:
-        """The answer's record of input `i` (its tensor is "i")."""
-        return records.record(self.name, kind=self.kind, sha256=self.sha256 or None, grid_thw=self.grid_thw,
-                              chunk_tokens=self.chunk_tokens, timestamps=self.timestamps,
-                              placeholders=self.placeholders, sizes=self.sizes, tensor=str(i),
-                              error=self.error, cached=self.cached, error_kind=self.error_kind,
-                              **({} if self.ec_ids is None else {"ec_ids": self.ec_ids}))
+class BadItem(BivitError):
+    """An item that could not even be extracted from the request (bad base64): error kind "bad_item"."""
 
 
 def too_many_items(n: object, max_items: int) -> RequestError:
@@ -139,19 +107,17 @@ def error_body(kind: str, message: str, **extra: Any) -> dict:
     return {"error": {"kind": kind, "message": message}, **extra}
 
 
-def answer(info: dict, results: list[ItemResult], as_json: bool = False) -> bytes:
-    """The answer to a request: an embedding file of its results (or the same as JSON), `info` being the
+def answer(info: dict, recs: list[records.Record], as_json: bool = False) -> bytes:
+    """The answer to a request: an embedding file of its records (or the same as JSON), `info` being the
     encoder's description (`Encoder.describe()`) at the weights that computed them."""
-    recs = [r.record(i) for i, r in enumerate(results)]
-    embeddings = [r.embedding for r in results]
+    embeddings = [r.embedding for r in recs]
     return records.to_json(info, recs, embeddings) if as_json else records.to_bytes(info, recs, embeddings)
 
 
-
-def failed_answer(info: dict, results: list[ItemResult]) -> bytes:
+def failed_answer(info: dict, recs: list[records.Record]) -> bytes:
     """The JSON answer when every item failed: the first reasons in the message, every record in `items`."""
-    failed = [r for r in results if r.error is not None]
+    failed = [r for r in recs if r.error is not None]
     shown = "; ".join(str(r.error) for r in failed[:3]) + (f"; and {len(failed) - 3} more" if len(failed) > 3 else "")
     body = error_body(failed[0].error_kind or "internal", "every item failed: " + shown, format=records.FORMAT,
-                      encoder=info, items=[r.record(i).to_json() for i, r in enumerate(results)])
+                      encoder=info, items=[r.to_json() for r in recs])
     return json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()

@@ -37,17 +37,17 @@ from typing import Optional
 
 from ..decode import image_header, image_work_bytes
 from ..encoder import Encoder
-from ..engines.media import media_of
-from ..engines.vllm import write_encoder_cache
+from .. import records
+from ..encoder_cache import EncoderCacheError, Sink
 from ..errors import BivitError, MediaError
 from ..grids import PATCH_SIZE, grid_tokens, image_grid
-from ..items import Prepared, assemble
+from ..items import ItemResult, Prepared, assemble
 from .batcher import Batcher
 from .bodies import BodyReader
 from .cache import EmbeddingCache
 from .metrics import Metrics
 from .pools import FairPool
-from .protocol import ItemResult, RequestError, UploadItem, too_many_items
+from .protocol import BadItem, RequestError, UploadItem, too_many_items
 from .settings import ServerSettings
 
 log = logging.getLogger("bivit.server")
@@ -115,7 +115,7 @@ class Service:
         self.bodies = BodyReader(settings, self.metrics)
         # Without batch invariance a cached embedding may differ from a fresh one, so no cache at all.
         self.cache = EmbeddingCache(int(settings.cache_mb * 2**20) if encoder.batch_invariant else 0)
-        self.batcher = Batcher(encoder, settings.max_batch_patches, settings.max_wait_ms / 1000.0, self.metrics)
+        self.batcher = Batcher(encoder, settings.max_wait_ms / 1000.0, self.metrics)
         # Images, heavy images and videos decode in separate pools: a video or a heavy image that is slow to decode
         # (until its request's deadline) never makes a small image wait for a thread. Each pool takes its work
         # round-robin across requests (`FairPool`): a request of many items never holds a pool from another.
@@ -131,6 +131,7 @@ class Service:
         # What computes the answers (Encoder.describe(): every answer's `encoder`, /v1/info). It hashes every
         # weight (the fingerprint): done once here, never on the event loop during a request.
         self.info = encoder.describe()
+        self.ec = None if settings.ec_dir is None else Sink(settings.ec_dir, self.fingerprint)
         self.gate = WeightsGate()
         self.updating = asyncio.Lock()  # one weight update at a time
 
@@ -184,17 +185,12 @@ class Service:
 
     async def encode_item(self, item: UploadItem, key: tuple, deadline: float, budget: "_Budget",
                           cost: Optional[tuple[int, int, int]], copies: int) -> ItemResult:
-        """One distinct item of a request (`cost`: `_image_cost`'s, None if not known before decoding); errors
-        are reasons (the caller names each copy of the item)."""
-        res = ItemResult(item.name, item.kind, key[2])
+        """One distinct item of a request (`cost`: `_image_cost`'s, None if not known before decoding) -> the
+        core's result (its error: why it failed, `error_kind` says which kind)."""
         pool = self._pool_for(item, None if cost is None else cost[2])
         prepared = await asyncio.wrap_future(pool.submit(budget, self._prepare, item, key[2], deadline))
-        if isinstance(prepared.error, MediaError):
-            res.error, res.error_kind = prepared.error.about(item.name), "media"
-            return res
         if prepared.error is not None:
-            res.error, res.error_kind = str(prepared.error), "invalid"
-            return res
+            return assemble(prepared)
         if cost is None:  # a video (or an image whose header said nothing): counted once decoded
             budget.take(prepared.batch.pixel_values.nbytes, prepared.tokens * copies)
         futures = [asyncio.wrap_future(self.batcher.submit(chunk)) for chunk in prepared.chunks()]
@@ -205,33 +201,28 @@ class Service:
                 f.cancel()
             raise
         except BivitError as e:
-            res.error, res.error_kind = str(e), "invalid"
-            return res
+            outs = [e]
         except Exception as e:  # noqa: BLE001 - a failing forward pass fails this item only
             log.error("encode failed", exc_info=e, extra={"fields": {"item": item.name}})
-            res.error, res.error_kind = f"encoding failed ({type(e).__name__}: {e})", "internal"
-            return res
-        done = assemble(prepared, outs)
-        res.embedding, res.grid_thw, res.timestamps = done.embedding, done.grid_thw, done.timestamps
-        res.chunk_tokens, res.placeholders = done.chunk_tokens, [p.to_dict() for p in done.placeholders]
-        res.sizes = done.sizes  # made JSON-ready with the rest of the record (`records.record`)
-        if self.settings.ec_dir is not None:
-            res.ec_media = media_of(done, key[0])
-            await self._write_encoder_cache(res, budget)
-        return res
+            outs = [EncodeFailed(f"encoding failed ({type(e).__name__}: {e})")]
+        return assemble(prepared, outs)
 
-    async def _write_encoder_cache(self, res: ItemResult, owner: object) -> None:
-        """Write `res`'s rows to --ec-dir (only files missing there: so also on a cache hit, whose files may have
-        been deleted since); an item whose files cannot be written fails."""
+    async def _with_encoder_cache(self, result: ItemResult, owner: object) -> tuple[ItemResult, dict]:
+        """`result` and its record's own keys: with --ec-dir its rows written there (only files missing: so
+        also on a cache hit, whose files may have been deleted since) and their ids, or `ec_error` (the item
+        keeps its embedding)."""
+        if self.ec is None or result.error is not None:
+            return result, {}
         try:
-            res.ec_ids = (await asyncio.wrap_future(self.pool.submit(
-                owner, write_encoder_cache, self.settings.ec_dir, [res.ec_media])))[0]
-        except (OSError, BivitError) as e:
-            res.embedding, res.error, res.error_kind = None, f"cannot write the encoder cache ({e})", "internal"
+            return result, {"ec_ids": await asyncio.wrap_future(self.pool.submit(owner, self.ec.put, result))}
+        except EncoderCacheError as e:
+            log.error("encoder cache not written", extra={"fields": {"item": result.source, "reason": str(e)}})
+            return result, {"ec_error": str(e)}
 
     async def encode_request(self, items: list[UploadItem], json_response: bool = False
-                             ) -> tuple[list[ItemResult], dict]:
-        """-> (one result per item, the encoder's description with the fingerprint of the weights used)."""
+                             ) -> tuple[list[records.Record], dict]:
+        """-> (one record per item, its embedding in memory; the encoder's description with the fingerprint of
+        the weights used)."""
         async with self.gate.shared():
             return await self._encode_request(items, json_response), self.info
 
@@ -244,7 +235,7 @@ class Service:
         """`_image_cost` of each item (None for a video); on a worker thread: parsing a header is work too."""
         return [self._image_cost(it.data) if it.kind == "image" else None for it in items]
 
-    async def _encode_request(self, items: list[UploadItem], json_response: bool) -> list[ItemResult]:
+    async def _encode_request(self, items: list[UploadItem], json_response: bool) -> list[records.Record]:
         deadline = time.monotonic() + self.settings.request_timeout_s
         if len(items) > self.settings.max_queue:
             raise too_many_items(len(items), self.settings.max_queue)
@@ -253,22 +244,21 @@ class Service:
         budget = _Budget(self, token_bytes)
         # Every byte of the answer is counted, records included: a failed item has no tokens but a record.
         budget.take(0, 0, sum(RECORD_BYTES + 3 * len(it.name.encode("utf-8", "surrogatepass")) for it in items))
-        results: list[Optional[ItemResult]] = [None] * len(items)
+        results: list[Optional[tuple[ItemResult, dict]]] = [None] * len(items)
         todo: list[tuple[int, tuple]] = []
         fp = self.fingerprint
         loop = asyncio.get_running_loop()
         keys = await loop.run_in_executor(None, self._keys, items, fp)
         for i, (it, key) in enumerate(zip(items, keys)):
             if key is None:
-                results[i] = ItemResult(it.name, error=f"{it.name}: {it.error}", error_kind="bad_item")
+                results[i] = ItemResult(it.name, it.kind, error=BadItem(it.error)), {}
                 continue
             hit = self.cache.get(key) if self.cache.max_bytes else None
             if hit is not None:
                 self.metrics.cache_hits.inc()
                 budget.take(0, hit.tokens)
-                results[i] = replace(hit, name=it.name, cached=True)
-                if hit.ec_media is not None:  # its files may have been deleted since they were written
-                    await self._write_encoder_cache(results[i], budget)
+                result, extra = await self._with_encoder_cache(hit, budget)
+                results[i] = result, {**extra, "cached": True}
             else:
                 if self.cache.max_bytes:
                     self.metrics.cache_misses.inc()
@@ -299,6 +289,7 @@ class Service:
                          for key, i in unique.items()]
                 try:
                     fresh = await asyncio.wait_for(asyncio.gather(*tasks), self.settings.request_timeout_s)
+                    fresh = [await self._with_encoder_cache(r, budget) for r in fresh]
                 except asyncio.TimeoutError:
                     raise RequestError(504, "timeout", f"request not answered within --request-timeout-s "
                                        f"{self.settings.request_timeout_s:g}") from None
@@ -310,14 +301,13 @@ class Service:
             finally:
                 budget.release()
             by_key = dict(zip(unique, fresh))
-            for key, r in by_key.items():
-                if r.embedding is not None and self.cache.max_bytes:
+            for key, (r, _) in by_key.items():
+                if r.error is None and self.cache.max_bytes:
                     self.cache.put(key, r)
             for i, key in todo:
-                r = by_key[key]
-                results[i] = replace(r, name=items[i].name, error=f"{items[i].name}: {r.error}" if r.error else None)
+                results[i] = by_key[key]
             self.metrics.cache_bytes.set(self.cache.nbytes)
-        return results  # type: ignore[return-value]
+        return [_record(i, it.name, *r) for i, (it, r) in enumerate(zip(items, results))]  # type: ignore[misc]
 
     # -- weight sync
     async def update_weights(self, body: bytes) -> dict:
@@ -383,3 +373,31 @@ class _Budget:
         self.svc.pixels_held -= self.pixels
         self.pixels = 0
         self.svc.metrics.pixel_bytes.set(self.svc.pixels_held)
+
+
+class EncodeFailed(Exception):
+    """A forward pass that raised something other than a BivitError: the server's fault (error kind "internal")."""
+
+
+def error_kind(error: BaseException) -> str:
+    """The `error_kind` an answer gives a failed item: "bad_item" (could not be extracted), "media" (cannot be
+    read or decoded), "invalid" (a limit or a bad input the model refuses), "internal" (the server's fault)."""
+    if isinstance(error, BadItem):
+        return "bad_item"
+    if isinstance(error, MediaError):
+        return "media"
+    if isinstance(error, EncodeFailed) or not isinstance(error, BivitError):
+        return "internal"
+    return "invalid"
+
+
+def _record(i: int, name: str, result: ItemResult, extra: dict) -> records.Record:
+    """Input `i`'s record in the answer (its tensor "i"), its embedding in memory, under its upload's `name`
+    (copies of one item and cache hits share a result computed under another name); a failed item's reason
+    names it."""
+    if result.error is None:
+        return records.of_result(replace(result, source=name), tensor=str(i), cached=extra.get("cached", False),
+                                 error_kind=None, **{k: v for k, v in extra.items() if k != "cached"})
+    return records.record(name, kind=result.kind, sha256=result.sha256, grid_thw=[], chunk_tokens=[],
+                          timestamps=None, placeholders=[], cached=False, error_kind=error_kind(result.error),
+                          error=f"{name}: {records.error_text(result.error, result.source)}")

@@ -9,12 +9,12 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ..errors import ConfigError
-from ..packing import renamed
 
 
 @dataclass
 class ServerSettings:
-    """Operational limits of the service (the `bivit serve` options); every one is checked here.
+    """Operational limits of the service (the `bivit serve` options); every one is checked here. Forward passes
+    are cut by the encoder's own `max_batch_patches` (`bivit.packing`), as in every front end.
 
     Memory the service holds for requests is bounded by `max_queue_pixels_mb` (preprocessed pixels of every
     admitted request) plus what is being decoded (one item per preprocessing thread: `preprocess_threads` for
@@ -23,7 +23,6 @@ class ServerSettings:
     """
 
     api_key: Optional[str] = None
-    max_batch_patches: int = 16384  # patches per forward pass (`bivit.packing`); an item larger runs alone
     max_wait_ms: float = 5.0  # how long the worker waits for more items once one is queued
     max_queue: int = 256  # items admitted and not yet answered, over all requests
     max_body_mb: float = 64.0
@@ -41,14 +40,9 @@ class ServerSettings:
     max_weights_mb: float = 8192.0  # body limit of POST /v1/weights (a full K2.6 vision part in fp32: ~1.9 GB)
     allow_weight_updates_without_key: bool = False  # POST /v1/weights is refused while api_key is unset
     ec_dir: Optional[str] = None  # also write each item's rows to vLLM's encoder cache here (item meta "ec_ids")
-    max_batch_tokens: Optional[int] = field(default=None, repr=False)  # deprecated name of max_batch_patches
 
     def __post_init__(self) -> None:
-        if self.max_batch_tokens is not None:  # it always counted patches
-            self.max_batch_patches = renamed(None, self.max_batch_tokens, name="max_batch_patches",
-                                             old_name="max_batch_tokens", stacklevel=4)
-            self.max_batch_tokens = None
-        for name in ("max_batch_patches", "max_queue", "preprocess_threads", "retry_after_s"):
+        for name in ("max_queue", "preprocess_threads", "retry_after_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} {value!r}: expected a whole number >= 1")

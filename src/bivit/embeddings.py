@@ -1,0 +1,30 @@
+"""`load_embeddings`: the one reader of everything bivit writes, a single embedding file (`bivit.records`) or a
+dataset folder and its shards (`bivit.dataset`). It sits above both, so neither imports the other."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from . import records
+from .dataset import format as dataset_format
+from .dataset.reader import open_dataset
+from .records import Embeddings, FormatError
+
+
+def load_embeddings(path: str | os.PathLike) -> Embeddings:
+    """Open any embedding file bivit writes (`bivit.records`): a `bivit encode` file, a saved service answer, a
+    dataset shard, or a whole dataset folder -> Embeddings, the items in input (or manifest) order, each a Record
+    with `.embedding` (read on first use) and its metadata. FormatError for a file that is not one, or of a
+    format version this bivit does not read (the message names it)."""
+    p = Path(path)
+    if p.is_dir():
+        return open_dataset(p).embeddings()
+    meta = records.file_metadata(p)
+    if meta.get("format") == dataset_format.FORMAT:  # a shard of an older dataset folder: its records are there
+        if not (p.parent / dataset_format.HEADER).is_file():
+            raise FormatError(f"{p}: a dataset shard written by an older bivit, whose records are in its folder's "
+                              f"{dataset_format.MANIFEST}; open it inside that folder (no {dataset_format.HEADER} "
+                              f"next to it)")
+        return open_dataset(p.parent).embeddings(shard=p.name)
+    return records.read_file(p, meta)

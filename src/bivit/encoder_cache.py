@@ -1,0 +1,113 @@
+"""vLLM's encoder cache on disk, as bivit writes it: each image's (each video chunk's) rows under an id that pins
+the encoder and the content, for vLLM's ECExampleConnector (`shared_storage_path`).
+
+    DIR/<id>/encoder_cache.safetensors    one contiguous CPU tensor "ec_cache": the rows vLLM loads as the
+                                          item's encoder output
+
+`Sink` is the one writer the front ends use for `--ec-dir` (`bivit encode`, `bivit encode-dataset`, the
+service): each encoded input's files are written as its result arrives. An input whose files cannot be written
+(`EncoderCacheError`) keeps its embedding everywhere (nothing encoded is lost): its record carries `ec_error`
+instead of `ec_ids`, and the command fails in one line once its output is written (the service answers the
+item with `ec_error`). `bivit.engines.vllm` reads and checks the same layout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Sequence, Union
+
+from .errors import BivitError
+
+if TYPE_CHECKING:
+    import torch
+
+# Changes whenever the id derivation does, so ids of one derivation never name another's rows.
+EC_ID_SCHEME = "bivit-ec/1"
+EC_FILE = "encoder_cache.safetensors"
+EC_KEY = "ec_cache"
+# Safetensors' short dtype names, by bivit's dtype names.
+SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+
+
+class EncoderCacheError(BivitError):
+    """An input's encoder-cache files could not be written (a full disk, a read-only folder, a file in the way)."""
+
+
+def ec_id(fingerprint: str, sha256: str, kind: str, chunk: int) -> str:
+    """The id under which one image's (or one video chunk's) rows are stored for vLLM's encoder cache.
+
+    A hash of the id scheme, the encoder fingerprint (config, weights, dtypes, invariant mode, preprocessing
+    and alpha handling), the input's content hash, its kind and the chunk index: the same input encoded by the
+    same encoder always gets the same id, and any change that could change the rows changes the id. The
+    result is a file-name-safe string vLLM uses as the item's `mm_hash`.
+    """
+    key = json.dumps([EC_ID_SCHEME, fingerprint, sha256, kind, int(chunk)], separators=(",", ":"))
+    return "bivit-" + hashlib.sha256(key.encode()).hexdigest()
+
+
+def write_rows(directory: Union[str, os.PathLike], ids: Sequence[str], chunks: Sequence["torch.Tensor"]) -> None:
+    """Write each chunk's rows under its id. Atomic per file (a reader sees no file or a whole one); an id already
+    holding a readable file of these rows' shape and dtype is left as it is, so concurrent producers of the same
+    items are safe (the id pins the encoder and the content, and each writer's file is complete). Anything else
+    at an id is replaced, never written through: an empty, truncated or foreign file, a symbolic link (file or
+    id folder). OSError naming the file when one cannot be written."""
+    from safetensors.torch import save
+
+    from .fileio import write_atomic
+
+    root = Path(directory)
+    for i, rows in zip(ids, chunks):
+        folder = root / i
+        if folder.is_symlink():  # an id folder linking elsewhere: never write through it
+            folder.unlink()
+        path = folder / EC_FILE
+        if _holds(path, rows):
+            continue
+        folder.mkdir(parents=True, exist_ok=True)
+        # Serialised first: write_atomic then owns every write error (an OSError naming the file); its rename
+        # replaces a link or a broken file at the path, never what a link points to.
+        write_atomic(path, save({EC_KEY: rows.detach().cpu().contiguous().clone()}))
+
+
+def _holds(path: Path, rows: "torch.Tensor") -> bool:
+    """Whether `path` is a regular file (not a link) holding an encoder-cache tensor of `rows`' shape and dtype."""
+    from safetensors import safe_open
+
+    from .dtypes import dtype_name
+
+    if path.is_symlink() or not path.is_file():
+        return False
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            sl = f.get_slice(EC_KEY)
+            return (list(sl.get_shape()) == list(rows.shape)
+                    and sl.get_dtype() == SAFETENSORS_DTYPES.get(dtype_name(rows.dtype)))
+    except Exception:  # noqa: BLE001 - a truncated or foreign file is replaced
+        return False
+
+
+class Sink:
+    """`--ec-dir`: the encoded inputs of one encoder (`fingerprint`), written to `directory` one by one."""
+
+    def __init__(self, directory: Union[str, os.PathLike], fingerprint: str) -> None:
+        self.directory, self.fingerprint = Path(directory), fingerprint
+        self.written = 0  # ids written or found complete
+
+    def ids(self, result: Any) -> list[str]:
+        """The ids of an encoded input's images / chunks (`bivit.items.ItemResult`)."""
+        return [ec_id(self.fingerprint, result.sha256, result.kind, i) for i in range(len(result.grid_thw))]
+
+    def put(self, result: Any) -> list[str]:
+        """Write an encoded input's rows (`bivit.items.ItemResult` without error) -> its ids;
+        EncoderCacheError naming the folder and the reason when a file cannot be written."""
+        ids = self.ids(result)
+        try:
+            write_rows(self.directory, ids, result.chunks)
+        except OSError as e:
+            raise EncoderCacheError(f"cannot write the encoder cache in {self.directory} "
+                                    f"({e.strerror or e})") from None
+        self.written += len(ids)
+        return ids
