@@ -83,3 +83,15 @@ def test_engines_are_a_leaf():
     users = sorted(m for m, deps in graph.items() if not m.startswith("bivit.engines")
                    and any(d.startswith("bivit.engines") for d in deps))
     assert any(m.startswith("bivit.engines") for m in graph) and users == []
+
+
+def test_module_and_class_sizes():
+    long_modules, long_classes = [], []
+    for path in ROOT.rglob("*.py"):
+        text = path.read_text()
+        if text.count("\n") > MAX_MODULE_LINES:
+            long_modules.append(str(path.relative_to(ROOT)))
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES:
+                long_classes.append(f"{path.relative_to(ROOT)}:{node.name}")
+    assert long_modules == [] and long_classes == []
