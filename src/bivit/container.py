@@ -87,7 +87,7 @@ def translate_errors(name: str, doing: str) -> Iterator[None]:
         raise MediaError(f"{name}: {doing} failed: not enough memory") from None
 
 
-class Source:
+class Container:
     """An opened container and its video stream; a fresh one per decoding pass."""
 
     def __init__(self, src: VideoInput, name: str, max_frame_pixels: Optional[int] = None):
@@ -183,7 +183,7 @@ class Source:
             pass
         self.file.close()
 
-    def __enter__(self) -> "Source":
+    def __enter__(self) -> "Container":
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -192,7 +192,7 @@ class Source:
 
 def check_container(path: VideoInput, name: str) -> None:
     """Open a video's container and read its stream list (a video stream with a frame rate); no frame decoded."""
-    with Source(path, name):
+    with Container(path, name):
         pass
 
 

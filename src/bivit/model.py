@@ -169,7 +169,7 @@ class Block(nn.Module):
         return self.mlp(self.norm1(x), residual=x)
 
 
-class Encoder(nn.Module):
+class BlockStack(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.head_dim, self.theta = cfg.head_dim, cfg.rope_theta
@@ -192,7 +192,7 @@ class VisionTower(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.patch_embed = PatchEmbed(cfg)
-        self.encoder = Encoder(cfg)
+        self.encoder = BlockStack(cfg)
 
     @property
     def dtype(self) -> torch.dtype:

@@ -69,7 +69,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from .container import (TRUNCATION_SLACK, VIDEO_DEMUXERS, Source, VideoInput, check_complete,  # noqa: F401
+from .container import (TRUNCATION_SLACK, VIDEO_DEMUXERS, Container, VideoInput, check_complete,  # noqa: F401
                         translate_errors)  # the limits' names re-exported where callers found them
 from .decode import check_deadline, load_image
 from .errors import ConfigError, MediaError
@@ -187,11 +187,11 @@ class _Limits:
             raise MediaError(f"{self.name}: frame size {width}x{height} = {width * height} pixels exceeds "
                              f"max_frame_pixels={self.max_frame_pixels}")
 
-    def open(self, src: VideoInput) -> Source:
+    def open(self, src: VideoInput) -> Container:
         """A fresh decoding pass: FFmpeg's decoder refuses a frame above max_frame_pixels before allocating it,
         and the pixels this pass decodes are counted from zero (`check_frame`)."""
         self.decoded_pixels = 0
-        return Source(src, self.name, self.max_frame_pixels)
+        return Container(src, self.name, self.max_frame_pixels)
 
     def check_frame(self, frame: av.VideoFrame) -> None:
         """Every decoded frame, sampled or not, in every pass: its own size (a header of 64x48 says nothing about
@@ -221,7 +221,7 @@ class _Limits:
                              f"{work} pixels, more than max_decoded_pixels={self.max_decoded_pixels}")
 
 
-def _count_frames(source: Source, limits: _Limits) -> int:
+def _count_frames(source: Container, limits: _Limits) -> int:
     """Decode the whole stream once, counting frames; stop as soon as the count breaks a limit. A declared
     length the frames fall clearly short of is truncation."""
     count = 0

@@ -17,7 +17,7 @@ fingerprint the rollout expects) and the prompt against the rows (one `<|media_p
 each placeholder's row count), and refuses a mismatch with a bivit error naming it. The rows are never cast:
 the bits that go in are the bits bivit produced, so a trainer reading the same files (`load_media`,
 `VllmPrompt.spans`, `VllmPrompt.scatter`) sees what the rollout engine saw. The records themselves (`Media`,
-`encode`, `load_media`, the ids) live in `bivit.engines.media` and are re-exported here.
+`encode`, `load_media`, the ids) live in `bivit.engines.rows` and are re-exported here.
 
 No vLLM import here: prompts are plain dicts and tensors that vLLM accepts.
 """
@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 from ..encoder_cache import EC_FILE, EC_KEY, SAFETENSORS_DTYPES, write_rows
 from ..errors import BivitError, ConfigError
 from ..media import MEDIA_PAD
-from .media import EC_ID_SCHEME, Media, content_sha256, ec_id, encode, iter_media, load_media
+from .rows import EC_ID_SCHEME, Media, content_sha256, ec_id, encode, iter_media, load_media
 
 if TYPE_CHECKING:
     import torch

@@ -44,7 +44,7 @@ from ..grids import PATCH_SIZE, grid_tokens, image_grid
 from ..items import ItemResult, Prepared, assemble
 from .batcher import Batcher
 from .bodies import BodyReader
-from .cache import EmbeddingCache
+from .embedding_cache import EmbeddingCache
 from .metrics import Metrics
 from .pools import FairPool
 from .protocol import BadItem, RequestError, UploadItem, too_many_items
