@@ -222,6 +222,25 @@ def test_help_fits_80_columns_without_type_noise(command):
         assert "--dtype" in r.stdout and "float16" in r.stdout.split("--dtype", 1)[1].split("--", 1)[0]
 
 
+def test_version_is_the_installed_package_version():
+    import importlib.metadata
+
+    r = run("--version")
+    assert r.returncode == 0 and r.stdout == f"bivit {importlib.metadata.version('bivit')}\n", r.stdout + r.stderr
+
+
+def test_help_lists_every_command_with_a_whole_sentence():
+    """Click cuts a command's summary to fit the line and marks the cut with "..."; every summary must be a whole
+    sentence that fits an 80-column terminal."""
+    r = run("--help", env={**os.environ, "COLUMNS": "80"})
+    assert r.returncode == 0, r.stderr
+    listed = r.stdout.split("Commands:\n", 1)[1].splitlines()
+    summaries = {ln.split()[0]: ln.split(None, 1)[1] for ln in listed if ln.strip()}
+    assert set(summaries) == {"encode", "verify", "serve", "encode-dataset", "bench", "doctor"}, r.stdout
+    for name, summary in summaries.items():
+        assert summary.endswith(".") and not summary.endswith("..."), (name, summary)
+
+
 def run_without(module, *args):
     """The CLI in a process where `module` cannot be imported, as on a machine without its extra."""
     code = (f"import sys; sys.modules[{module!r}] = None; sys.argv[0] = 'bivit'; "

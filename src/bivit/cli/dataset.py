@@ -41,9 +41,9 @@ def encode_dataset(
     alpha: str = AlphaOpt,
     ec_dir: Optional[Path] = EcDirOpt,
 ) -> None:
-    """Encode every image and video under SRC into sharded safetensors in --out (resumable, crash-safe).
+    """Encode a folder or manifest into a dataset folder.
 
-    Inputs that cannot be encoded are listed in OUT/errors.jsonl (and `open_dataset(OUT).errors`) until they
+    Every image and video under SRC goes into sharded safetensors in --out (resumable, crash-safe). Inputs that cannot be encoded are listed in OUT/errors.jsonl (and `open_dataset(OUT).errors`) until they
     are encoded; the exit status is then 1 unless --allow-failures. With --ec-dir, every record's rows also go
     to vLLM's encoder cache (ids: `bivit.engines.vllm.load_media(OUT)`).
     """

@@ -35,9 +35,9 @@ def encode(
     device: str = typer.Option("cpu", "--device", help="torch device (cuda: invariant mode runs bivit's Triton "
                                                        "kernels, pip install 'bivit[gpu]')"),
 ) -> None:
-    """Encode files into one embedding file: tensor "i" is input i's embedding, shape (tokens, text_hidden).
+    """Encode files into one embedding file.
 
-    The file (format bivit.embeddings/1, read back with bivit.load_embeddings) records the encoder (model,
+    Tensor "i" is input i's embedding, shape (tokens, text_hidden). The file (format bivit.embeddings/1, read back with bivit.load_embeddings) records the encoder (model,
     fingerprint, dtypes, preprocessing, kernels) and one record per input, in order: source, kind, sha256,
     tokens, grid_thw, tokens and original size per chunk, video chunk timestamps, the prompt placeholders (per
     image or chunk the text the model's processor writes and the rows that replace its <|media_pad|>), or the
