@@ -79,11 +79,56 @@ def test_encode_writes_one_tensor_per_input_with_metadata(files, tmp_path):
     assert items.encoder["alpha"] == "model" and items.encoder["processing"]["processor"] == "kimi_k25"
 
 
-def test_encode_of_a_long_video_shows_progress(files, tmp_path):
+def run_on_a_terminal(*args):
+    """The CLI with its stderr on a pseudo-terminal, as in an interactive shell -> (exit status, stderr)."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))  # a new pty is 0 columns wide
+    proc = subprocess.Popen([sys.executable, "-m", "bivit.cli", *map(str, args)], stdout=subprocess.DEVNULL,
+                            stderr=follower)
+    os.close(follower)
+    out = b""
+    while True:
+        try:
+            data = os.read(leader, 65536)
+        except OSError:  # EIO: every writer of the terminal has closed it
+            break
+        if not data:
+            break
+        out += data
+    os.close(leader)
+    return proc.wait(timeout=300), out.decode(errors="replace")
+
+
+def test_encode_of_a_long_video_shows_progress_on_a_terminal(files, tmp_path):
     """One video: the bar counts its chunks (3 here, one forward pass each under a small patch budget)."""
+    code, stderr = run_on_a_terminal("encode", files["video"], "--out", tmp_path / "e.safetensors",
+                                     "--max-batch-patches", "64")
+    assert code == 0, stderr
+    assert "encoding: 100%" in stderr and "3/3" in stderr and "chunk" in stderr, stderr
+
+
+def test_no_progress_bar_when_stderr_is_not_a_terminal_and_counts_in_words(files, tmp_path):
+    """Captured stderr (a log, a pipe) gets no bar: each redraw would be one more line. Counts of one are
+    singular."""
     r = run("encode", files["video"], "--out", tmp_path / "e.safetensors", "--max-batch-patches", "64")
     assert r.returncode == 0, r.stderr
-    assert "encoding: 100%" in r.stderr and "3/3" in r.stderr and "chunk" in r.stderr, r.stderr
+    assert "\r" not in r.stderr and "chunk" not in r.stderr and "%|" not in r.stderr, r.stderr
+    assert re.match(r"encoded 1 of 1 input, \d+ tokens in ", r.stdout), r.stdout
+    r = run("encode", files["corrupt"], "--out", tmp_path / "x.safetensors")
+    assert r.stdout == "encoded 0 of 1 input (nothing written); 1 failed\n", r.stdout
+    src = tmp_path / "in"
+    src.mkdir()
+    (src / "a.png").write_bytes(files["good"][0].read_bytes())
+    (src / "b.png").write_bytes(files["corrupt"].read_bytes())
+    r = run("encode-dataset", src, "--out", tmp_path / "ds")  # --progress is the default
+    assert r.returncode == 1 and "\r" not in r.stderr and "%|" not in r.stderr, r.stderr
+    assert "encoded 1, skipped 0, deduplicated 0, failed 1; " in r.stdout, r.stdout
+    assert f"1 input failed; see {tmp_path / 'ds' / 'errors.jsonl'}" in r.stderr
 
 
 def test_encode_alpha_option(tmp_path):
@@ -183,7 +228,7 @@ def test_verify_by_default_shows_default_mode_differing_and_bisects_an_item_that
     inv, default = r.stdout.split("default mode")
     assert "invariant mode (float32): BIT-STABLE" in inv and "NOT bit-stable" in default
     needle = re.search(r"bisect \((.+?) alone vs first of \d+\): first difference at", default).group(1)
-    listed = {m.group(1).strip(): m.group(2) for m in re.finditer(r"^  (synthetic \S+)\s+\d+ tokens  (\S+)", default, re.M)}
+    listed = {m.group(1).strip(): m.group(2) for m in re.finditer(r"^  (synthetic \S+)\s+\d+ tokens?\s+(\S+)", default, re.M)}
     assert listed[needle] == "DIFFERS", default
     # Invariant mode is bisected on the same item, and no op differs there.
     assert f"bisect ({needle} alone vs first of" in inv and "no op differs" in inv

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 
 from ..dataset import format as dataset_format  # light: file names and defaults
 from ..packing import PATCHES_PER_TOKEN  # light
 from .common import (EC_PROBE, FAILURE, AlphaOpt, DeprecatedOpt, DtypeOpt, EcDirOpt, OutDtypeOpt, ProjDtypeOpt,
-                     check_options, command, renamed_option, writable)
+                     check_options, command, plural, progress_shown, renamed_option, writable)
 
 
 @command("encode-dataset")
@@ -35,7 +35,7 @@ def encode_dataset(
                                       f"(default {dataset_format.DEFAULT_BATCH_PATCHES})."),
     batch_tokens: Optional[int] = DeprecatedOpt("--batch-tokens"),
     shard_mb: float = typer.Option(dataset_format.DEFAULT_SHARD_MB, help="Target size of one safetensors shard, MiB."),
-    progress: bool = typer.Option(True, help="Show a progress bar."),
+    progress: bool = typer.Option(True, help="Show a progress bar (when stderr is a terminal)."),
     allow_failures: bool = typer.Option(False, "--allow-failures",
                                         help="Exit 0 even when some inputs could not be encoded."),
     alpha: str = AlphaOpt,
@@ -43,10 +43,10 @@ def encode_dataset(
 ) -> None:
     """Encode a folder or manifest into a dataset folder.
 
-    Every image and video under SRC goes into sharded safetensors in --out (resumable, crash-safe). Inputs that cannot be encoded are listed in OUT/errors.jsonl (and `open_dataset(OUT).errors`) until they
-    are encoded; the exit status is then 1 unless --allow-failures. With --ec-dir, every record's rows also go
-    to vLLM's encoder cache (ids: `bivit.engines.vllm.load_media(OUT)`).
-    """
+    Every image and video under SRC goes into sharded safetensors in --out (resumable, crash-safe). Inputs that
+    cannot be encoded are listed in OUT/errors.jsonl (and `open_dataset(OUT).errors`) until they are encoded; the
+    exit status is then 1 unless --allow-failures. With --ec-dir, every record's rows also go to vLLM's encoder
+    cache (ids: `bivit.engines.vllm.load_media(OUT)`)."""
     # A missing Ray extra, bad --engine/--workers values: encode_dataset says so before any work.
     check_options(model, dtype, projector_dtype, output_dtype, alpha)
     # --batch-tokens counted tokens: 4 patches each is what it allowed an image (a video chunk of t frames has 4t).
@@ -60,11 +60,12 @@ def encode_dataset(
     try:
         summary = run(src, out, model=model, dtype=dtype, projector_dtype=projector_dtype, output_dtype=output_dtype,
                       engine=engine, ray_address=ray_address, workers=workers, cpus_per_worker=cpus_per_worker,
-                      batch_patches=batch_patches, shard_mb=shard_mb, progress=progress, alpha=alpha)
+                      batch_patches=batch_patches, shard_mb=shard_mb, progress=progress and progress_shown(),
+                      alpha=alpha)
     except KeyboardInterrupt:
         typer.echo(f"interrupted; everything encoded so far is in {out}, run the same command to resume", err=True)
         raise typer.Exit(130) from None
-    typer.echo(summary.line())
+    typer.echo(_summary_line(summary))
     if ec_dir is not None:
         from ..engines.media import iter_media
         from ..engines.vllm import write_encoder_cache
@@ -73,6 +74,13 @@ def encode_dataset(
         written = sum(len(ids) for ids in (write_encoder_cache(ec_dir, [m])[0] for m in iter_media(out)))
         typer.echo(f"encoder cache: {written} items in {ec_dir} (ids: bivit.engines.vllm.load_media(OUT))")
     if summary.failed:
-        typer.echo(f"{summary.failed} inputs failed; see {Path(out) / dataset_format.ERRORS}", err=True)
+        typer.echo(f"{plural(summary.failed, 'input')} failed; see {Path(out) / dataset_format.ERRORS}", err=True)
         if not allow_failures:
             raise typer.Exit(FAILURE)
+
+
+def _summary_line(s: Any) -> str:
+    rate = s.encoded / s.seconds if s.seconds > 0 else 0.0
+    return (f"encoded {s.encoded}, skipped {s.skipped}, deduplicated {s.deduplicated}, failed {s.failed}; "
+            f"{plural(s.tokens, 'token')} in {s.seconds:.1f} s ({rate:.2f} items/s, engine {s.engine}"
+            + (f", {plural(s.workers, 'worker')})" if s.engine == "ray" else ")"))

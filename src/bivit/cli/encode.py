@@ -11,7 +11,8 @@ import typer
 
 from ..errors import BivitError
 from .common import (EC_PROBE, FAILURE, AlphaOpt, DeprecatedOpt, DtypeOpt, EcDirOpt, ModelOpt, OutDtypeOpt,
-                     ProjDtypeOpt, check_options, command, fail, open_encoder, renamed_option, writable)
+                     ProjDtypeOpt, check_options, command, fail, open_encoder, plural, progress_shown, renamed_option,
+                     writable)
 
 # Patches per forward pass unless --max-batch-patches says otherwise (no effect on results in invariant mode).
 DEFAULT_BATCH_PATCHES = 4096
@@ -37,13 +38,13 @@ def encode(
 ) -> None:
     """Encode files into one embedding file.
 
-    Tensor "i" is input i's embedding, shape (tokens, text_hidden). The file (format bivit.embeddings/1, read back with bivit.load_embeddings) records the encoder (model,
-    fingerprint, dtypes, preprocessing, kernels) and one record per input, in order: source, kind, sha256,
-    tokens, grid_thw, tokens and original size per chunk, video chunk timestamps, the prompt placeholders (per
-    image or chunk the text the model's processor writes and the rows that replace its <|media_pad|>), or the
-    error. With --ec-dir, each image's / chunk's rows also go to vLLM's encoder cache and their ids into the
-    record ("ec_ids"). Bad files are reported and skipped; exit status 1 if any failed.
-    """
+    Tensor "i" is input i's embedding, shape (tokens, text_hidden). The file (format bivit.embeddings/1, read back
+    with bivit.load_embeddings) records the encoder (model, fingerprint, dtypes, preprocessing, kernels) and one
+    record per input, in order: source, kind, sha256, tokens, grid_thw, tokens and original size per chunk, video
+    chunk timestamps, the prompt placeholders (per image or chunk the text the model's processor writes and the rows
+    that replace its <|media_pad|>), or the error. With --ec-dir, each image's / chunk's rows also go to vLLM's
+    encoder cache and their ids into the record ("ec_ids"). Bad files are reported and skipped; exit status 1 if any
+    failed."""
     check_options(model, dtype, projector_dtype, output_dtype, alpha)  # options, output, inputs: all before
     budget = renamed_option(max_batch_patches, max_batch_tokens, "--max-batch-patches", "--max-batch-tokens")
     budget = DEFAULT_BATCH_PATCHES if budget is None else budget
@@ -65,13 +66,13 @@ def encode(
             results[i] = e
             typer.echo(f"bivit: skipped: {e}", err=True)
     if not kinds:
-        typer.echo(f"encoded 0 of {len(files)} inputs (nothing written); {len(files)} failed")
+        typer.echo(f"encoded 0 of {plural(len(files), 'input')} (nothing written); {len(files)} failed")
         raise typer.Exit(FAILURE)
 
     enc = open_encoder(model, dtype, projector_dtype, output_dtype, not no_batch_invariant, alpha=alpha,
                        device=device)
     t0 = time.perf_counter()
-    with _progress(show=len(kinds) > 1 or "video" in kinds.values()) as bar:
+    with _progress(show=(len(kinds) > 1 or "video" in kinds.values()) and progress_shown()) as bar:
         def prepared():
             for i, kind in kinds.items():
                 if kind == "video":  # decoding a long video takes a while of its own
@@ -111,8 +112,9 @@ def encode(
             fail(f"--ec-dir {ec_dir}: {e.strerror or e} ({out} is written, with every embedding)", FAILURE)
     failed = len(records) - len(done)
     where = f" -> {out}" if done else " (nothing written)"
-    typer.echo(f"encoded {len(done)} of {len(files)} inputs, {sum(r.tokens for r in done)} tokens in "
-               f"{time.perf_counter() - t0:.2f} s{where}" + (f"; {failed} failed" if failed else ""))
+    tokens = plural(sum(r.tokens for r in done), "token")
+    typer.echo(f"encoded {len(done)} of {plural(len(files), 'input')}, {tokens} in {time.perf_counter() - t0:.2f} s"
+               f"{where}" + (f"; {failed} failed" if failed else ""))
     if ec_dir is not None:
         typer.echo(f"encoder cache: {sum(len(r.ec_ids) for r in done)} items in {ec_dir} (ids: \"ec_ids\" of "
                    "each record in the file)")

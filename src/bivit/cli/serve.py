@@ -57,7 +57,8 @@ def serve(
 ) -> None:
     """Serve the encoder over HTTP (the serve extra).
 
-    Endpoints: POST /v1/encode, /v1/weights, GET /health, /ready, /v1/info, /metrics. With --ec-dir every encoded item's rows also go to vLLM's encoder cache; its ids are each item's "ec_ids"."""
+    Endpoints: POST /v1/encode, /v1/weights, GET /health, /ready, /v1/info, /metrics. With --ec-dir every encoded
+    item's rows also go to vLLM's encoder cache; its ids are each item's "ec_ids"."""
     for module in ("fastapi", "uvicorn", "prometheus_client", "multipart"):
         need_extra("serve", module, "serve")
     check_options(model, dtype, alpha=alpha)

@@ -9,7 +9,7 @@ from typing import List, Optional
 import typer
 
 from .common import (DTYPE_CHOICES, FAILURE, ModelOpt, ProjDtypeOpt, check_options, command, need_extra,
-                     open_encoder, writable)
+                     open_encoder, plural, writable)
 
 # Why float32: stock float32 GEMMs (MKL/oneDNN, AVX2 or AVX-512; float32 never runs on AMX tiles, so AMX Xeons
 # behave like AVX-512 CPUs here) compute a single row (a 1-token item alone: M = 1) with another kernel and
@@ -61,7 +61,7 @@ def verify(
         reports.append(v.check(enc, batch, plan))
     for enc, rep in zip(encoders, reports):
         typer.echo(f"{rep.mode} mode ({dtype_name(enc.dtype)}): "
-                   f"{'BIT-STABLE' if rep.stable else 'NOT bit-stable'} over {len(plan)} layouts")
+                   f"{'BIT-STABLE' if rep.stable else 'NOT bit-stable'} over {plural(len(plan), 'layout')}")
         for line in v.format_report(rep):
             typer.echo(line)
         if bisect and len(batch) > 1:

@@ -38,13 +38,6 @@ class Summary:
     engine: str = "local"
     workers: int = 1
 
-    def line(self) -> str:
-        rate = self.encoded / self.seconds if self.seconds > 0 else 0.0
-        return (f"encoded {self.encoded}, skipped {self.skipped}, deduplicated {self.deduplicated}, "
-                f"failed {self.failed}; {self.tokens} tokens in {self.seconds:.1f} s "
-                f"({rate:.2f} items/s, engine {self.engine}"
-                + (f", {self.workers} workers)" if self.engine == "ray" else ")"))
-
 
 def encode_dataset(src: str | os.PathLike, out: str | os.PathLike, *, model: Optional[str] = None,
                    dtype: str = "bfloat16", projector_dtype: Optional[str] = None,
