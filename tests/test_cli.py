@@ -267,6 +267,21 @@ def test_help_fits_80_columns_without_type_noise(command):
         assert "--dtype" in r.stdout and "float16" in r.stdout.split("--dtype", 1)[1].split("--", 1)[0]
 
 
+def test_the_first_load_on_a_machine_says_it_compiles_the_kernels_once(files, tmp_path):
+    from bivit.kernels.cache import CACHE_ENV, find_compiler
+
+    if find_compiler()[0] is None:
+        pytest.skip("no C compiler here: nothing is compiled")
+    env = {**os.environ, CACHE_ENV: str(tmp_path / "kernels")}
+    lines = []
+    for _ in range(2):
+        r = run("encode", files["good"][0], "--out", tmp_path / "e.safetensors", env=env)
+        assert r.returncode == 0, r.stderr
+        lines.append([ln for ln in r.stderr.splitlines() if "compiling" in ln])
+    assert len(lines[0]) == 1 and lines[0][0].startswith("bivit: compiling the CPU kernels for this machine (")
+    assert lines[0][0].endswith(f"once; cached in {tmp_path / 'kernels'})") and lines[1] == []  # cached
+
+
 def test_version_is_the_installed_package_version():
     import importlib.metadata
 
