@@ -353,6 +353,12 @@ def test_output_problems_are_found_before_encoding(files, tmp_path):
     assert "a directory" in one_error_line(run("verify", "--plot", tmp_path))
 
 
+def test_encode_dataset_of_a_missing_source_creates_no_output_folder(tmp_path):
+    r = run("encode-dataset", tmp_path / "missing_dir", "--out", tmp_path / "x")
+    assert f"{tmp_path / 'missing_dir'}: no such file or directory" in one_error_line(r)
+    assert not (tmp_path / "x").exists() and "DEMO" not in r.stderr
+
+
 def test_replacing_an_output_keeps_its_permissions(files, tmp_path):
     out = tmp_path / "e.safetensors"
     r = run("encode", files["good"][0], "--out", out, preexec_fn=lambda: os.umask(0o022))

@@ -52,6 +52,9 @@ def encode_dataset(
     # --batch-tokens counted tokens: 4 patches each is what it allowed an image (a video chunk of t frames has 4t).
     batch_patches = renamed_option(batch_patches, batch_tokens, "--batch-patches", "--batch-tokens",
                                    PATCHES_PER_TOKEN, " patches, 4 per token of an image")
+    from ..dataset.sources import check_source
+
+    check_source(src)  # before --out is created: a mistyped SRC leaves no empty folder behind
     writable(out / dataset_format.HEADER, option="--out")  # before the model loads
     if ec_dir is not None:
         writable(ec_dir / EC_PROBE, option="--ec-dir")
