@@ -321,6 +321,37 @@ def test_missing_extra_is_one_line(module, args, extra):
     assert f"bivit[{extra}]" in r.stderr
 
 
+def test_encoding_commands_take_the_same_encoder_options(files, tmp_path):
+    """--model, --dtype, --projector-dtype, --output-dtype and --device: one spelling and one help text in every
+    command that encodes."""
+    def options(command):  # option -> its type and help text, unwrapped
+        text = run(command, "--help").stdout.split("Options:\n", 1)[1]
+        return {m.group(1): " ".join(m.group(2).split()) for m in re.finditer(r"^  (--\S+(?: <\w+>)?)(.*?)(?=^  -|\Z)",
+                                                                             text, re.M | re.S)}
+    helps = {c: options(c) for c in ("encode", "serve", "encode-dataset", "verify")}
+    for flag in ("--model <str>", "--projector-dtype <str>", "--output-dtype <str>", "--device <str>"):
+        assert len({h.get(flag) for h in helps.values()}) == 1 and helps["encode"].get(flag), (flag, helps)
+    assert len({helps[c]["--dtype <str>"] for c in ("encode", "serve", "encode-dataset")}) == 1  # verify: float32
+    out = tmp_path / "e.safetensors"
+    r = run("encode", files["good"][0], "--out", out, "--device", "cpu", "--output-dtype", "float32")
+    assert r.returncode == 0, r.stderr
+    assert bivit.load_embeddings(out)[0].embedding.dtype == torch.float32
+    r = run("encode", files["good"][0], "--out", tmp_path / "n.safetensors", "--device", "nonsense")
+    assert "'nonsense' is not available here" in one_error_line(r) and "DEMO" not in r.stderr
+    assert not (tmp_path / "n.safetensors").exists()
+
+
+def test_encode_dataset_output_dtype(files, tmp_path):
+    src = tmp_path / "in"
+    src.mkdir()
+    (src / "a.png").write_bytes(files["good"][1].read_bytes())
+    r = run("encode-dataset", src, "--out", tmp_path / "ds", "--output-dtype", "float32", "--device", "cpu")
+    assert r.returncode == 0, r.stderr
+    (item,) = bivit.load_embeddings(tmp_path / "ds")
+    assert item.dtype == "float32" and item.embedding.dtype == torch.float32
+    assert torch.equal(item.embedding, bivit.load_encoder(output_dtype="float32").encode([src / "a.png"])[0])
+
+
 def test_unavailable_device_is_one_line():
     r = run("serve", "--device", "cuda:99", "--port", "8123")
     assert r.returncode == 2 and "Traceback" not in r.stderr

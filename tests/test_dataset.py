@@ -214,6 +214,13 @@ def test_load_embeddings_of_a_folder_shows_its_failed_inputs(reference, media):
     assert items.get("text.png").sha256 == sha256_file(media / "text.png")
 
 
+def test_ray_engine_refuses_another_device_before_any_work(media, tmp_path):
+    pytest.importorskip("ray")
+    with pytest.raises(BivitError, match="--device cuda: the Ray engine's workers encode on CPU; use --engine local"):
+        encode_dataset(media, tmp_path / "out", engine="ray", device="cuda", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
 def test_header(reference, encoder):
     h = json.loads((reference / HEADER).read_text())
     assert h["fingerprint"] == encoder.fingerprint and h["model_name"] == "demo" and h["is_demo"]

@@ -115,9 +115,9 @@ def writable(path: Path, inputs: Any = (), option: str = "--out") -> None:
 
 
 def check_options(model: Any = None, dtype: Optional[str] = None, projector_dtype: Optional[str] = None,
-                  output_dtype: Optional[str] = None, alpha: str = "model") -> None:
-    """The encoder options a command was given, checked before its inputs are read and before the model loads
-    (ConfigError, one line, exit 2)."""
+                  output_dtype: Optional[str] = None, alpha: str = "model", device: Optional[str] = None) -> None:
+    """The encoder options a command was given, checked before its inputs are read, before any output is
+    created and before the model loads (ConfigError, one line, exit 2)."""
     from ..dtypes import canonical_name
     from ..hub import check_model
     from ..preprocess_config import check_alpha
@@ -125,6 +125,10 @@ def check_options(model: Any = None, dtype: Optional[str] = None, projector_dtyp
     for flag, value in (("--dtype", dtype), ("--projector-dtype", projector_dtype), ("--output-dtype", output_dtype)):
         canonical_name(value, flag)
     check_alpha(alpha, "--alpha")
+    if device is not None:
+        from ..weights import parse_device
+
+        parse_device(device)
     check_model(model)
     if model is not None and str(model) != "demo" and Path(model).is_dir():
         from ..config import load_config  # a checkpoint's config.json is read now, before the inputs
@@ -153,7 +157,7 @@ def renamed_option(value: Any, old_value: Any, flag: str, old_flag: str, factor:
     return old_value * factor
 
 
-def open_encoder(model: Optional[Path], dtype: str, projector_dtype: Optional[str], output_dtype: Optional[str],
+def open_encoder(model: Optional[str], dtype: str, projector_dtype: Optional[str], output_dtype: Optional[str],
                  batch_invariant: bool = True, alpha: str = "model", device: str = "cpu") -> Any:
     from ..encoder import load_encoder
 

@@ -9,8 +9,8 @@ import typer
 
 from ..dataset import format as dataset_format  # light: file names and defaults
 from ..packing import PATCHES_PER_TOKEN  # light
-from .common import (EC_PROBE, FAILURE, AlphaOpt, DeprecatedOpt, DtypeOpt, EcDirOpt, OutDtypeOpt, ProjDtypeOpt,
-                     check_options, command, plural, progress_shown, renamed_option, writable)
+from .common import (EC_PROBE, FAILURE, AlphaOpt, DeprecatedOpt, DeviceOpt, DtypeOpt, EcDirOpt, ModelOpt, OutDtypeOpt,
+                     ProjDtypeOpt, check_options, command, plural, progress_shown, renamed_option, writable)
 
 
 @command("encode-dataset")
@@ -20,11 +20,11 @@ def encode_dataset(
                                     "or JSONL with a 'path' field)."),
     out: Path = typer.Option(..., "--out", "-o", show_default=False,
                              help="Output folder (created; re-running resumes it)."),
-    model: Optional[str] = typer.Option(None, help="Checkpoint folder or hub repo id; default: the tiny built-in "
-                                                   "demo model."),
+    model: Optional[str] = ModelOpt,
     dtype: str = DtypeOpt,
     projector_dtype: Optional[str] = ProjDtypeOpt,
     output_dtype: Optional[str] = OutDtypeOpt,
+    device: str = DeviceOpt,
     engine: str = typer.Option("local", help="local (in-process) or ray (Ray Data actor pool)."),
     ray_address: Optional[str] = typer.Option(None, help="Ray cluster to join (e.g. auto or ray://host:10001); "
                                                          "default: start a local Ray."),
@@ -48,7 +48,7 @@ def encode_dataset(
     exit status is then 1 unless --allow-failures. With --ec-dir, every record's rows also go to vLLM's encoder
     cache (ids: `bivit.engines.vllm.load_media(OUT)`)."""
     # A missing Ray extra, bad --engine/--workers values: encode_dataset says so before any work.
-    check_options(model, dtype, projector_dtype, output_dtype, alpha)
+    check_options(model, dtype, projector_dtype, output_dtype, alpha, device)
     # --batch-tokens counted tokens: 4 patches each is what it allowed an image (a video chunk of t frames has 4t).
     batch_patches = renamed_option(batch_patches, batch_tokens, "--batch-patches", "--batch-tokens",
                                    PATCHES_PER_TOKEN, " patches, 4 per token of an image")
@@ -62,9 +62,9 @@ def encode_dataset(
 
     try:
         summary = run(src, out, model=model, dtype=dtype, projector_dtype=projector_dtype, output_dtype=output_dtype,
-                      engine=engine, ray_address=ray_address, workers=workers, cpus_per_worker=cpus_per_worker,
-                      batch_patches=batch_patches, shard_mb=shard_mb, progress=progress and progress_shown(),
-                      alpha=alpha)
+                      device=device, engine=engine, ray_address=ray_address, workers=workers,
+                      cpus_per_worker=cpus_per_worker, batch_patches=batch_patches, shard_mb=shard_mb,
+                      progress=progress and progress_shown(), alpha=alpha)
     except KeyboardInterrupt:
         typer.echo(f"interrupted; everything encoded so far is in {out}, run the same command to resume", err=True)
         raise typer.Exit(130) from None

@@ -10,7 +10,7 @@ from typing import Any, List, Optional
 import typer
 
 from ..errors import BivitError
-from .common import (EC_PROBE, FAILURE, AlphaOpt, DeprecatedOpt, DtypeOpt, EcDirOpt, ModelOpt, OutDtypeOpt,
+from .common import (EC_PROBE, FAILURE, AlphaOpt, DeprecatedOpt, DeviceOpt, DtypeOpt, EcDirOpt, ModelOpt, OutDtypeOpt,
                      ProjDtypeOpt, check_options, command, fail, open_encoder, plural, progress_shown, renamed_option,
                      writable)
 
@@ -22,7 +22,7 @@ DEFAULT_BATCH_PATCHES = 4096
 def encode(
     files: List[Path] = typer.Argument(..., metavar="FILE", help="Images and/or videos."),
     out: Path = typer.Option(Path("embeddings.safetensors"), "--out", "-o", help="Output safetensors file."),
-    model: Optional[Path] = ModelOpt,
+    model: Optional[str] = ModelOpt,
     dtype: str = DtypeOpt,
     projector_dtype: Optional[str] = ProjDtypeOpt,
     output_dtype: Optional[str] = OutDtypeOpt,
@@ -33,8 +33,7 @@ def encode(
     no_batch_invariant: bool = typer.Option(False, "--no-batch-invariant", help="Stock kernels (not invariant)."),
     alpha: str = AlphaOpt,
     ec_dir: Optional[Path] = EcDirOpt,
-    device: str = typer.Option("cpu", "--device", help="torch device (cuda: invariant mode runs bivit's Triton "
-                                                       "kernels, pip install 'bivit[gpu]')"),
+    device: str = DeviceOpt,
 ) -> None:
     """Encode files into one embedding file.
 
@@ -45,7 +44,7 @@ def encode(
     that replace its <|media_pad|>), or the error. With --ec-dir, each image's / chunk's rows also go to vLLM's
     encoder cache and their ids into the record ("ec_ids"). Bad files are reported and skipped; exit status 1 if any
     failed."""
-    check_options(model, dtype, projector_dtype, output_dtype, alpha)  # options, output, inputs: all before
+    check_options(model, dtype, projector_dtype, output_dtype, alpha, device)  # options, output, inputs: all before
     budget = renamed_option(max_batch_patches, max_batch_tokens, "--max-batch-patches", "--max-batch-tokens")
     budget = DEFAULT_BATCH_PATCHES if budget is None else budget
     writable(out, files)  # anything is loaded or encoded

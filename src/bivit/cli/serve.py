@@ -8,18 +8,19 @@ from typing import Optional
 import typer
 
 from ..serve.settings import ServerSettings as Limits  # light: no web framework
-from .common import (EC_PROBE, AlphaOpt, DeprecatedOpt, DtypeOpt, EcDirOpt, check_options, command, fail, need_extra,
-                     renamed_option, writable)
+from .common import (EC_PROBE, AlphaOpt, DeprecatedOpt, DeviceOpt, DtypeOpt, EcDirOpt, ModelOpt, OutDtypeOpt,
+                     ProjDtypeOpt, check_options, command, fail, need_extra, open_encoder, renamed_option, writable)
 
 
 @command()
 def serve(
-    model: Optional[str] = typer.Option(None, "--model", help="Checkpoint directory or hub repo id (default: demo "
-                                        "model)"),
+    model: Optional[str] = ModelOpt,
     host: str = typer.Option("127.0.0.1", help="Interface to bind; loopback by default"),
     port: int = typer.Option(8000, help="TCP port"),
     dtype: str = DtypeOpt,
-    device: str = typer.Option("cpu", help="torch device"),
+    projector_dtype: Optional[str] = ProjDtypeOpt,
+    output_dtype: Optional[str] = OutDtypeOpt,
+    device: str = DeviceOpt,
     batch_invariant: bool = typer.Option(True, "--batch-invariant/--no-batch-invariant",
                                          help="Bit-identical answers however requests are batched (the cache is "
                                               "off without it)"),
@@ -61,7 +62,7 @@ def serve(
     item's rows also go to vLLM's encoder cache; its ids are each item's "ec_ids"."""
     for module in ("fastapi", "uvicorn", "prometheus_client", "multipart"):
         need_extra("serve", module, "serve")
-    check_options(model, dtype, alpha=alpha)
+    check_options(model, dtype, projector_dtype, output_dtype, alpha, device)
     if log_level.lower() not in ("debug", "info", "warning", "error"):
         fail(f"--log-level must be debug, info, warning or error, got {log_level!r}")
     budget = renamed_option(max_batch_patches, max_batch_tokens, "--max-batch-patches", "--max-batch-tokens")
@@ -76,10 +77,9 @@ def serve(
                       ec_dir=None if ec_dir is None else str(ec_dir))
     if ec_dir is not None:
         writable(ec_dir / EC_PROBE, option="--ec-dir")
-    from ..encoder import load_encoder
     from ..serve.app import configure_logging, run
 
     configure_logging(log_level)  # the service logs JSON lines, its demo warning included
     # The batching worker cuts passes by --max-batch-patches; the encoder needs no budget of its own.
-    encoder = load_encoder(model, device=device, dtype=dtype, batch_invariant=batch_invariant, alpha=alpha)
+    encoder = open_encoder(model, dtype, projector_dtype, output_dtype, batch_invariant, alpha=alpha, device=device)
     run(encoder, settings, host=host, port=port, log_level=log_level)

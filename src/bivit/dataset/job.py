@@ -41,20 +41,24 @@ class Summary:
 
 def encode_dataset(src: str | os.PathLike, out: str | os.PathLike, *, model: Optional[str] = None,
                    dtype: str = "bfloat16", projector_dtype: Optional[str] = None,
-                   output_dtype: Optional[str] = None, engine: str = "local", ray_address: Optional[str] = None,
-                   workers: int = 1, cpus_per_worker: int = 1, batch_patches: Optional[int] = None,
+                   output_dtype: Optional[str] = None, device: str = "cpu", engine: str = "local",
+                   ray_address: Optional[str] = None, workers: int = 1, cpus_per_worker: int = 1,
+                   batch_patches: Optional[int] = None,
                    shard_mb: float = DEFAULT_SHARD_MB, flush_seconds: float = DEFAULT_FLUSH_SECONDS,
                    progress: bool = True, alpha: str = "model", batch_tokens: Optional[int] = None) -> Summary:
     """Encode every image/video named by `src` into `out` (see `bivit.dataset`). Returns the summary.
 
     `batch_patches`: patches per forward pass (default `DEFAULT_BATCH_PATCHES`; a memory bound, results do not
     depend on it). `batch_tokens` is its deprecated spelling in tokens, converted at 4 patches per token.
+    `device`: where the local engine's model runs (the Ray engine's workers encode on CPU).
     """
     t0 = time.monotonic()
     if engine not in ("local", "ray"):
         raise BivitError(f"--engine {engine!r}: expected 'local' or 'ray'")
     if engine == "ray" and importlib.util.find_spec("ray") is None:  # say so before any work is done
         raise BivitError("--engine ray needs Ray Data: pip install 'bivit[ray]'")
+    if engine == "ray" and str(device) != "cpu":
+        raise BivitError(f"--device {device}: the Ray engine's workers encode on CPU; use --engine local")
     if workers < 1 or cpus_per_worker < 1:
         raise BivitError("--workers and --cpus-per-worker must be at least 1")
     batch_patches = renamed(batch_patches, batch_tokens, name="batch_patches", old_name="batch_tokens",
@@ -74,7 +78,7 @@ def encode_dataset(src: str | os.PathLike, out: str | os.PathLike, *, model: Opt
 
     # The driver always loads the model: its fingerprint goes into (or is checked against) the header, and each
     # Ray worker checks that it loaded the same thing.
-    encoder = load_encoder(model, batch_invariant=True, **opts)
+    encoder = load_encoder(model, batch_invariant=True, device=device, **opts)
     summary = Summary(engine=engine, workers=workers)
     with DatasetWriter(out, header_for(encoder, model), shard_mb=shard_mb, flush_seconds=flush_seconds) as writer:
         p = plan(sources, writer)
