@@ -397,7 +397,7 @@ def test_replacing_an_output_keeps_its_permissions(files, tmp_path):
     out.chmod(0o640)
     r = run("encode", files["good"][1], "--out", out)
     assert r.returncode == 0 and out.stat().st_mode & 0o777 == 0o640
-    with safe_open(str(out), "pt") as f:
+    with safe_open(str(out), "pt"):
         assert bivit.load_embeddings(out)[0].source == str(files["good"][1])
     assert [p.name for p in tmp_path.iterdir()] == ["e.safetensors"]  # no temp file left behind
 
