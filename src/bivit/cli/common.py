@@ -50,9 +50,9 @@ EcDirOpt = typer.Option(None, "--ec-dir", help="Also write each image's / video 
 EC_PROBE = ".bivit-ec-probe"  # the name --ec-dir's writability is checked with
 
 
-def plural(n: int, noun: str, many: Optional[str] = None) -> str:
+def plural(n: int, noun: str) -> str:
     """`n` and `noun`, singular for 1 ("1 input", "2 inputs")."""
-    return f"{n} {noun if n == 1 else many or noun + 's'}"
+    return f"{n} {noun if n == 1 else noun + 's'}"
 
 
 def progress_shown() -> bool:

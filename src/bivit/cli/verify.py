@@ -44,12 +44,12 @@ def verify(
     from .. import verify as v
     from ..dtypes import dtype_name
 
+    check_options(model, dtype, projector_dtype, output_dtype, device=device)  # before --plot's folder is made
     if plot is not None:
         need_extra("verify --plot", "matplotlib", "plot")
         writable(plot, files or (), "--plot")
     from ..items import check_input
 
-    check_options(model, dtype, projector_dtype, output_dtype, device=device)
     for f in files or ():
         check_input(f)  # every input exists and is an image or video, before the models load
     encoders = [open_encoder(model, dtype, projector_dtype, output_dtype, inv, device=device) for inv in (True, False)]
