@@ -384,10 +384,14 @@ def test_output_problems_are_found_before_encoding(files, tmp_path):
     assert "a directory" in one_error_line(run("verify", "--plot", tmp_path))
 
 
-def test_encode_dataset_of_a_missing_source_creates_no_output_folder(tmp_path):
+def test_encode_dataset_of_a_missing_source_or_a_bad_option_creates_no_output_folder(files, tmp_path):
     r = run("encode-dataset", tmp_path / "missing_dir", "--out", tmp_path / "x")
     assert f"{tmp_path / 'missing_dir'}: no such file or directory" in one_error_line(r)
     assert not (tmp_path / "x").exists() and "DEMO" not in r.stderr
+    for option, says in ((["--engine", "bogus"], "expected 'local' or 'ray'"),
+                         (["--workers", "0"], "must be at least 1"), (["--shard-mb", "0"], "must be positive")):
+        r = run("encode-dataset", files["good"][0], "--out", tmp_path / "x", *option)
+        assert says in one_error_line(r) and not (tmp_path / "x").exists(), option
 
 
 def test_replacing_an_output_keeps_its_permissions(files, tmp_path):

@@ -47,14 +47,16 @@ def encode_dataset(
     cannot be encoded are listed in OUT/errors.jsonl (and `open_dataset(OUT).errors`) until they are encoded; the
     exit status is then 1 unless --allow-failures. With --ec-dir, every record's rows also go to vLLM's encoder
     cache (ids: `bivit.engines.vllm.load_media(OUT)`)."""
-    # A missing Ray extra, bad --engine/--workers values: encode_dataset says so before any work.
     check_options(model, dtype, projector_dtype, output_dtype, alpha, device)
     # --batch-tokens counted tokens: 4 patches each is what it allowed an image (a video chunk of t frames has 4t).
     batch_patches = renamed_option(batch_patches, batch_tokens, "--batch-patches", "--batch-tokens",
                                    PATCHES_PER_TOKEN, " patches, 4 per token of an image")
+    from ..dataset.job import check_job
     from ..dataset.sources import check_source
 
-    check_source(src)  # before --out is created: a mistyped SRC leaves no empty folder behind
+    # Before --out is created: a mistyped SRC or option leaves no empty folder behind.
+    check_job(engine, device, workers, cpus_per_worker, shard_mb)  # a missing Ray extra too
+    check_source(src)
     writable(out / dataset_format.HEADER, option="--out")  # before the model loads
     if ec_dir is not None:
         writable(ec_dir / EC_PROBE, option="--ec-dir")

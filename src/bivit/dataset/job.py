@@ -39,6 +39,22 @@ class Summary:
     workers: int = 1
 
 
+def check_job(engine: str = "local", device: str = "cpu", workers: int = 1, cpus_per_worker: int = 1,
+              shard_mb: float = DEFAULT_SHARD_MB) -> None:
+    """BivitError, before any work is done, for options a job cannot run with (the CLI asks before it creates
+    the output folder)."""
+    if engine not in ("local", "ray"):
+        raise BivitError(f"--engine {engine!r}: expected 'local' or 'ray'")
+    if engine == "ray" and importlib.util.find_spec("ray") is None:
+        raise BivitError("--engine ray needs Ray Data: pip install 'bivit[ray]'")
+    if engine == "ray" and str(device) != "cpu":
+        raise BivitError(f"--device {device}: the Ray engine's workers encode on CPU; use --engine local")
+    if workers < 1 or cpus_per_worker < 1:
+        raise BivitError("--workers and --cpus-per-worker must be at least 1")
+    if shard_mb <= 0:
+        raise BivitError("--shard-mb must be positive")
+
+
 def encode_dataset(src: str | os.PathLike, out: str | os.PathLike, *, model: Optional[str] = None,
                    dtype: str = "bfloat16", projector_dtype: Optional[str] = None,
                    output_dtype: Optional[str] = None, device: str = "cpu", engine: str = "local",
@@ -53,21 +69,12 @@ def encode_dataset(src: str | os.PathLike, out: str | os.PathLike, *, model: Opt
     `device`: where the local engine's model runs (the Ray engine's workers encode on CPU).
     """
     t0 = time.monotonic()
-    if engine not in ("local", "ray"):
-        raise BivitError(f"--engine {engine!r}: expected 'local' or 'ray'")
-    if engine == "ray" and importlib.util.find_spec("ray") is None:  # say so before any work is done
-        raise BivitError("--engine ray needs Ray Data: pip install 'bivit[ray]'")
-    if engine == "ray" and str(device) != "cpu":
-        raise BivitError(f"--device {device}: the Ray engine's workers encode on CPU; use --engine local")
-    if workers < 1 or cpus_per_worker < 1:
-        raise BivitError("--workers and --cpus-per-worker must be at least 1")
+    check_job(engine, device, workers, cpus_per_worker, shard_mb)
     batch_patches = renamed(batch_patches, batch_tokens, name="batch_patches", old_name="batch_tokens",
                             factor=PATCHES_PER_TOKEN)
     batch_patches = DEFAULT_BATCH_PATCHES if batch_patches is None else batch_patches
     if batch_patches < 1:
         raise BivitError("--batch-patches must be at least 1")
-    if shard_mb <= 0:
-        raise BivitError("--shard-mb must be positive")
     opts = dict(dtype=canonical_name(dtype, "--dtype"),
                 projector_dtype=canonical_name(projector_dtype, "--projector-dtype"),
                 output_dtype=canonical_name(output_dtype, "--output-dtype"), alpha=alpha)
