@@ -79,11 +79,56 @@ def test_encode_writes_one_tensor_per_input_with_metadata(files, tmp_path):
     assert items.encoder["alpha"] == "model" and items.encoder["processing"]["processor"] == "kimi_k25"
 
 
-def test_encode_of_a_long_video_shows_progress(files, tmp_path):
+def run_on_a_terminal(*args):
+    """The CLI with its stderr on a pseudo-terminal, as in an interactive shell -> (exit status, stderr)."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))  # a new pty is 0 columns wide
+    proc = subprocess.Popen([sys.executable, "-m", "bivit.cli", *map(str, args)], stdout=subprocess.DEVNULL,
+                            stderr=follower)
+    os.close(follower)
+    out = b""
+    while True:
+        try:
+            data = os.read(leader, 65536)
+        except OSError:  # EIO: every writer of the terminal has closed it
+            break
+        if not data:
+            break
+        out += data
+    os.close(leader)
+    return proc.wait(timeout=300), out.decode(errors="replace")
+
+
+def test_encode_of_a_long_video_shows_progress_on_a_terminal(files, tmp_path):
     """One video: the bar counts its chunks (3 here, one forward pass each under a small patch budget)."""
+    code, stderr = run_on_a_terminal("encode", files["video"], "--out", tmp_path / "e.safetensors",
+                                     "--max-batch-patches", "64")
+    assert code == 0, stderr
+    assert "encoding: 100%" in stderr and "3/3" in stderr and "chunk" in stderr, stderr
+
+
+def test_no_progress_bar_when_stderr_is_not_a_terminal_and_counts_in_words(files, tmp_path):
+    """Captured stderr (a log, a pipe) gets no bar: each redraw would be one more line. Counts of one are
+    singular."""
     r = run("encode", files["video"], "--out", tmp_path / "e.safetensors", "--max-batch-patches", "64")
     assert r.returncode == 0, r.stderr
-    assert "encoding: 100%" in r.stderr and "3/3" in r.stderr and "chunk" in r.stderr, r.stderr
+    assert "\r" not in r.stderr and "chunk" not in r.stderr and "%|" not in r.stderr, r.stderr
+    assert re.match(r"encoded 1 of 1 input, \d+ tokens in ", r.stdout), r.stdout
+    r = run("encode", files["corrupt"], "--out", tmp_path / "x.safetensors")
+    assert r.stdout == "encoded 0 of 1 input (nothing written); 1 failed\n", r.stdout
+    src = tmp_path / "in"
+    src.mkdir()
+    (src / "a.png").write_bytes(files["good"][0].read_bytes())
+    (src / "b.png").write_bytes(files["corrupt"].read_bytes())
+    r = run("encode-dataset", src, "--out", tmp_path / "ds")  # --progress is the default
+    assert r.returncode == 1 and "\r" not in r.stderr and "%|" not in r.stderr, r.stderr
+    assert "encoded 1, skipped 0, deduplicated 0, failed 1; " in r.stdout, r.stdout
+    assert f"1 input failed; see {tmp_path / 'ds' / 'errors.jsonl'}" in r.stderr
 
 
 def test_encode_alpha_option(tmp_path):
@@ -183,7 +228,7 @@ def test_verify_by_default_shows_default_mode_differing_and_bisects_an_item_that
     inv, default = r.stdout.split("default mode")
     assert "invariant mode (float32): BIT-STABLE" in inv and "NOT bit-stable" in default
     needle = re.search(r"bisect \((.+?) alone vs first of \d+\): first difference at", default).group(1)
-    listed = {m.group(1).strip(): m.group(2) for m in re.finditer(r"^  (synthetic \S+)\s+\d+ tokens  (\S+)", default, re.M)}
+    listed = {m.group(1).strip(): m.group(2) for m in re.finditer(r"^  (synthetic \S+)\s+\d+ tokens?\s+(\S+)", default, re.M)}
     assert listed[needle] == "DIFFERS", default
     # Invariant mode is bisected on the same item, and no op differs there.
     assert f"bisect ({needle} alone vs first of" in inv and "no op differs" in inv
@@ -222,6 +267,40 @@ def test_help_fits_80_columns_without_type_noise(command):
         assert "--dtype" in r.stdout and "float16" in r.stdout.split("--dtype", 1)[1].split("--", 1)[0]
 
 
+def test_the_first_load_on_a_machine_says_it_compiles_the_kernels_once(files, tmp_path):
+    from bivit.kernels.cache import CACHE_ENV, find_compiler
+
+    if find_compiler()[0] is None:
+        pytest.skip("no C compiler here: nothing is compiled")
+    env = {**os.environ, CACHE_ENV: str(tmp_path / "kernels")}
+    lines = []
+    for _ in range(2):
+        r = run("encode", files["good"][0], "--out", tmp_path / "e.safetensors", env=env)
+        assert r.returncode == 0, r.stderr
+        lines.append([ln for ln in r.stderr.splitlines() if "compiling" in ln])
+    assert len(lines[0]) == 1 and lines[0][0].startswith("bivit: compiling the CPU kernels for this machine (")
+    assert lines[0][0].endswith(f"once; cached in {tmp_path / 'kernels'})") and lines[1] == []  # cached
+
+
+def test_version_is_the_installed_package_version():
+    import importlib.metadata
+
+    r = run("--version")
+    assert r.returncode == 0 and r.stdout == f"bivit {importlib.metadata.version('bivit')}\n", r.stdout + r.stderr
+
+
+def test_help_lists_every_command_with_a_whole_sentence():
+    """Click cuts a command's summary to fit the line and marks the cut with "..."; every summary must be a whole
+    sentence that fits an 80-column terminal."""
+    r = run("--help", env={**os.environ, "COLUMNS": "80"})
+    assert r.returncode == 0, r.stderr
+    listed = r.stdout.split("Commands:\n", 1)[1].splitlines()
+    summaries = {ln.split()[0]: ln.split(None, 1)[1] for ln in listed if ln.strip()}
+    assert set(summaries) == {"encode", "verify", "serve", "encode-dataset", "bench", "doctor"}, r.stdout
+    for name, summary in summaries.items():
+        assert summary.endswith(".") and not summary.endswith("..."), (name, summary)
+
+
 def run_without(module, *args):
     """The CLI in a process where `module` cannot be imported, as on a machine without its extra."""
     code = (f"import sys; sys.modules[{module!r}] = None; sys.argv[0] = 'bivit'; "
@@ -240,6 +319,37 @@ def test_missing_extra_is_one_line(module, args, extra):
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.startswith("bivit: error: ") and r.stderr.strip().count("\n") == 0
     assert f"bivit[{extra}]" in r.stderr
+
+
+def test_encoding_commands_take_the_same_encoder_options(files, tmp_path):
+    """--model, --dtype, --projector-dtype, --output-dtype and --device: one spelling and one help text in every
+    command that encodes."""
+    def options(command):  # option -> its type and help text, unwrapped
+        text = run(command, "--help").stdout.split("Options:\n", 1)[1]
+        return {m.group(1): " ".join(m.group(2).split()) for m in re.finditer(r"^  (--\S+(?: <\w+>)?)(.*?)(?=^  -|\Z)",
+                                                                             text, re.M | re.S)}
+    helps = {c: options(c) for c in ("encode", "serve", "encode-dataset", "verify")}
+    for flag in ("--model <str>", "--projector-dtype <str>", "--output-dtype <str>", "--device <str>"):
+        assert len({h.get(flag) for h in helps.values()}) == 1 and helps["encode"].get(flag), (flag, helps)
+    assert len({helps[c]["--dtype <str>"] for c in ("encode", "serve", "encode-dataset")}) == 1  # verify: float32
+    out = tmp_path / "e.safetensors"
+    r = run("encode", files["good"][0], "--out", out, "--device", "cpu", "--output-dtype", "float32")
+    assert r.returncode == 0, r.stderr
+    assert bivit.load_embeddings(out)[0].embedding.dtype == torch.float32
+    r = run("encode", files["good"][0], "--out", tmp_path / "n.safetensors", "--device", "nonsense")
+    assert "'nonsense' is not available here" in one_error_line(r) and "DEMO" not in r.stderr
+    assert not (tmp_path / "n.safetensors").exists()
+
+
+def test_encode_dataset_output_dtype(files, tmp_path):
+    src = tmp_path / "in"
+    src.mkdir()
+    (src / "a.png").write_bytes(files["good"][1].read_bytes())
+    r = run("encode-dataset", src, "--out", tmp_path / "ds", "--output-dtype", "float32", "--device", "cpu")
+    assert r.returncode == 0, r.stderr
+    (item,) = bivit.load_embeddings(tmp_path / "ds")
+    assert item.dtype == "float32" and item.embedding.dtype == torch.float32
+    assert torch.equal(item.embedding, bivit.load_encoder(output_dtype="float32").encode([src / "a.png"])[0])
 
 
 def test_unavailable_device_is_one_line():
@@ -274,6 +384,16 @@ def test_output_problems_are_found_before_encoding(files, tmp_path):
     assert "a directory" in one_error_line(run("verify", "--plot", tmp_path))
 
 
+def test_encode_dataset_of_a_missing_source_or_a_bad_option_creates_no_output_folder(files, tmp_path):
+    r = run("encode-dataset", tmp_path / "missing_dir", "--out", tmp_path / "x")
+    assert f"{tmp_path / 'missing_dir'}: no such file or directory" in one_error_line(r)
+    assert not (tmp_path / "x").exists() and "DEMO" not in r.stderr
+    for option, says in ((["--engine", "bogus"], "expected 'local' or 'ray'"),
+                         (["--workers", "0"], "must be at least 1"), (["--shard-mb", "0"], "must be positive")):
+        r = run("encode-dataset", files["good"][0], "--out", tmp_path / "x", *option)
+        assert says in one_error_line(r) and not (tmp_path / "x").exists(), option
+
+
 def test_replacing_an_output_keeps_its_permissions(files, tmp_path):
     out = tmp_path / "e.safetensors"
     r = run("encode", files["good"][0], "--out", out, preexec_fn=lambda: os.umask(0o022))
@@ -281,7 +401,7 @@ def test_replacing_an_output_keeps_its_permissions(files, tmp_path):
     out.chmod(0o640)
     r = run("encode", files["good"][1], "--out", out)
     assert r.returncode == 0 and out.stat().st_mode & 0o777 == 0o640
-    with safe_open(str(out), "pt") as f:
+    with safe_open(str(out), "pt"):
         assert bivit.load_embeddings(out)[0].source == str(files["good"][1])
     assert [p.name for p in tmp_path.iterdir()] == ["e.safetensors"]  # no temp file left behind
 

@@ -198,6 +198,29 @@ def test_errors_are_recorded_not_fatal(reference):
     assert {e.source for e in open_dataset(reference).errors} == set(BAD)
 
 
+def test_load_embeddings_of_a_folder_shows_its_failed_inputs(reference, media):
+    """As in a `bivit encode` file, a failed input is a record with its error and no embedding: after the encoded
+    inputs, in the order they failed."""
+    items = bivit.load_embeddings(reference)
+    ok = [r for r in items if r.ok]
+    assert [r.source for r in ok] == open_dataset(reference).sources and len(items) == len(ok) + len(BAD)
+    failed = items[len(ok):]
+    assert sorted(r.source for r in failed) == sorted(BAD)
+    for r in failed:
+        assert not r.ok and r.embedding is None and r.chunks == [] and r.tensor is None and r.tokens == 0
+        assert BAD[r.source] in r.error and not r.error.startswith(r.source) and r.kind == "image"
+        assert items.get(r.source) is r and r.fingerprint == items.fingerprint
+    assert [r.seq for r in failed] == sorted(r.seq for r in failed)
+    assert items.get("text.png").sha256 == sha256_file(media / "text.png")
+
+
+def test_ray_engine_refuses_another_device_before_any_work(media, tmp_path):
+    pytest.importorskip("ray")
+    with pytest.raises(BivitError, match="--device cuda: the Ray engine's workers encode on CPU; use --engine local"):
+        encode_dataset(media, tmp_path / "out", engine="ray", device="cuda", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
 def test_header(reference, encoder):
     h = json.loads((reference / HEADER).read_text())
     assert h["fingerprint"] == encoder.fingerprint and h["model_name"] == "demo" and h["is_demo"]

@@ -177,6 +177,19 @@ def test_info_is_the_encoders_description(server, enc32):
     assert meta == r.json()  # every answer names its encoder as /v1/info does
 
 
+def test_serve_takes_the_projector_and_output_dtype(tmp_path):
+    """The same encoder options as `bivit encode`: /v1/info reports them and the answers are in the output dtype."""
+    enc = bivit.load_encoder(dtype="bfloat16", projector_dtype="float32", output_dtype="float16")
+    img = png_bytes(56, 28, seed=41)
+    with ServerProcess(["--projector-dtype", "float32", "--output-dtype", "float16", "--device", "cpu"],
+                       tmp_path) as srv:
+        info = httpx.get(f"{srv.url}/v1/info", timeout=10).json()
+        assert (info["dtype"], info["projector_dtype"], info["output_dtype"]) == ("bfloat16", "float32", "float16")
+        assert info["fingerprint"] == enc.fingerprint
+        meta, [res] = parse_response(_post_files(srv, [("a.png", img)]).content)
+    assert res.embedding.dtype == torch.float16 and torch.equal(res.embedding, enc.encode([img])[0])
+
+
 def test_json_response_round_trips_exactly(server, enc32):
     imgs = [png_bytes(28, 28, seed=2), png_bytes(97, 61, seed=3)]
     r = _post_files(server, [("a.png", imgs[0]), ("b.png", imgs[1])], params={"format": "json"})

@@ -216,5 +216,7 @@ def plot(reports: list[Report], path: str) -> None:
 def format_report(rep: Report) -> Iterator[str]:
     for it in rep.items:
         verdict = "bit-identical" if it.bit_equal else f"DIFFERS max |diff| = {it.max_diff:.3g}"
-        yield f"  {it.source:<40} {it.tokens:>5} tokens  {verdict}  ({it.layouts} layouts)"
+        tokens = "token " if it.tokens == 1 else "tokens"  # padded: the verdicts stay in one column
+        layouts = "layout" if it.layouts == 1 else "layouts"
+        yield f"  {it.source:<40} {it.tokens:>5} {tokens}  {verdict}  ({it.layouts} {layouts})"
 

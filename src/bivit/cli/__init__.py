@@ -45,4 +45,6 @@ def main() -> None:
     for handler in logging.getLogger().handlers:
         handler.addFilter(_Once())
     logging.getLogger("bivit").setLevel(logging.WARNING)
+    # The one INFO line shown: the first load on a machine compiles the kernels, seconds with no output otherwise.
+    logging.getLogger("bivit.kernels.build").setLevel(logging.INFO)
     app()

@@ -27,8 +27,9 @@ def bench(
     cases: Optional[List[str]] = typer.Option(None, "--case", help="Only the cases whose name contains this "
                                                                    "(repeatable; default: all four)."),
 ) -> None:
-    """Throughput of bivit (invariant and default mode) vs the transformers port, each case beside its roofline.
+    """Measure bivit's throughput on this CPU.
 
+    Compares bivit (invariant and default mode) with the transformers port, each case beside its roofline.
     Seeded random weights at full size (no download); a fixed mix of a 448x448 image, an 896x672 image, 32
     images of 112x112 in one call and a 4-frame video chunk; repeats interleaved across implementations, each
     implementation in its own process. Per case: GEMM / attention / other FLOPs, this machine's GEMM and attention

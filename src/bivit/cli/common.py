@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import sys
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -23,8 +24,22 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 
 USAGE, FAILURE = 2, 1
 
+
+def _print_version(asked: bool) -> None:
+    if asked:
+        typer.echo(f"bivit {version()}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(_version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
+                                           help="Print bivit's version and exit.")) -> None:
+    pass
+
 ModelOpt = typer.Option(None, "--model", help="Checkpoint directory (Moonshot weights) or hub repo id "
                         "(org/name[@revision]; only config and vision shards are fetched). Default: the demo model.")
+DeviceOpt = typer.Option("cpu", "--device", help="torch device: cpu, or cuda[:N] (invariant mode runs bivit's "
+                         "Triton kernels there: pip install 'bivit[gpu]').")
 AlphaOpt = typer.Option("model", "--alpha", help="Transparency: model (what the model's processor does), drop, "
                         "or white (vLLM's loader: RGBA onto white).")
 DtypeOpt = typer.Option(DEFAULT_DTYPE, "--dtype", help=f"Tower compute dtype: {DTYPE_CHOICES}.")
@@ -36,6 +51,28 @@ MaxBatchPatchesOpt = typer.Option(None, "--max-batch-patches", show_default=Fals
 EcDirOpt = typer.Option(None, "--ec-dir", help="Also write each image's / video chunk's rows to this folder in vLLM's "
                         "encoder-cache layout (ECExampleConnector's shared_storage_path; docs/encode-once.md).")
 EC_PROBE = ".bivit-ec-probe"  # the name --ec-dir's writability is checked with
+
+
+def plural(n: int, noun: str) -> str:
+    """`n` and `noun`, singular for 1 ("1 input", "2 inputs")."""
+    return f"{n} {noun if n == 1 else noun + 's'}"
+
+
+def progress_shown() -> bool:
+    """Whether progress bars go to stderr: only a terminal redraws a bar in place; in a log file or a pipe each
+    redraw would be one more line."""
+    return sys.stderr.isatty()
+
+
+def version() -> str:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("bivit")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        from .. import __version__
+
+        return __version__
 
 
 def fail(message: str, code: int = USAGE) -> None:
@@ -81,10 +118,10 @@ def writable(path: Path, inputs: Any = (), option: str = "--out") -> None:
 
 
 def check_options(model: Any = None, dtype: Optional[str] = None, projector_dtype: Optional[str] = None,
-                  output_dtype: Optional[str] = None, alpha: str = "model", max_batch_patches: Optional[int] = None
-                  ) -> None:
-    """The encoder options a command was given, checked before its inputs are read and before the model loads
-    (ConfigError, one line, exit 2)."""
+                  output_dtype: Optional[str] = None, alpha: str = "model", device: Optional[str] = None,
+                  max_batch_patches: Optional[int] = None) -> None:
+    """The encoder options a command was given, checked before its inputs are read, before any output is
+    created and before the model loads (ConfigError, one line, exit 2)."""
     from ..dtypes import canonical_name
     from ..hub import check_model
     from ..packing import check_budget
@@ -95,6 +132,10 @@ def check_options(model: Any = None, dtype: Optional[str] = None, projector_dtyp
     for flag, value in (("--dtype", dtype), ("--projector-dtype", projector_dtype), ("--output-dtype", output_dtype)):
         canonical_name(value, flag)
     check_alpha(alpha, "--alpha")
+    if device is not None:
+        from ..weights import parse_device
+
+        parse_device(device)
     check_model(model)
     if model is not None and str(model) != "demo" and Path(model).is_dir():
         from ..config import load_config  # a checkpoint's config.json is read now, before the inputs
@@ -102,7 +143,7 @@ def check_options(model: Any = None, dtype: Optional[str] = None, projector_dtyp
         load_config(Path(model))
 
 
-def open_encoder(model: Optional[Path], dtype: str, projector_dtype: Optional[str], output_dtype: Optional[str],
+def open_encoder(model: Optional[str], dtype: str, projector_dtype: Optional[str], output_dtype: Optional[str],
                  batch_invariant: bool = True, alpha: str = "model", device: str = "cpu",
                  max_batch_patches: Optional[int] = None) -> Any:
     from ..encoder import load_encoder

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 
 from ..dataset import format as dataset_format  # light: file names and defaults
-from .common import (EC_PROBE, FAILURE, AlphaOpt, DtypeOpt, EcDirOpt, MaxBatchPatchesOpt, OutDtypeOpt,
-                     ProjDtypeOpt, check_options, command, writable)
+from .common import (EC_PROBE, FAILURE, AlphaOpt, DeviceOpt, DtypeOpt, EcDirOpt, MaxBatchPatchesOpt, ModelOpt,
+                     OutDtypeOpt, ProjDtypeOpt, check_options, command, plural, progress_shown, writable)
 
 
 @command("encode-dataset")
@@ -19,11 +19,11 @@ def encode_dataset(
                                     "or JSONL with a 'path' field)."),
     out: Path = typer.Option(..., "--out", "-o", show_default=False,
                              help="Output folder (created; re-running resumes it)."),
-    model: Optional[str] = typer.Option(None, help="Checkpoint folder or hub repo id; default: the tiny built-in "
-                                                   "demo model."),
+    model: Optional[str] = ModelOpt,
     dtype: str = DtypeOpt,
     projector_dtype: Optional[str] = ProjDtypeOpt,
     output_dtype: Optional[str] = OutDtypeOpt,
+    device: str = DeviceOpt,
     engine: str = typer.Option("local", help="local (in-process) or ray (Ray Data actor pool)."),
     ray_address: Optional[str] = typer.Option(None, help="Ray cluster to join (e.g. auto or ray://host:10001); "
                                                          "default: start a local Ray."),
@@ -31,20 +31,25 @@ def encode_dataset(
     cpus_per_worker: int = typer.Option(1, help="Ray engine: CPUs (torch threads) per encoder actor."),
     max_batch_patches: Optional[int] = MaxBatchPatchesOpt,
     shard_mb: float = typer.Option(dataset_format.DEFAULT_SHARD_MB, help="Target size of one safetensors shard, MiB."),
-    progress: bool = typer.Option(True, help="Show a progress bar."),
+    progress: bool = typer.Option(True, help="Show a progress bar (when stderr is a terminal)."),
     allow_failures: bool = typer.Option(False, "--allow-failures",
                                         help="Exit 0 even when some inputs could not be encoded."),
     alpha: str = AlphaOpt,
     ec_dir: Optional[Path] = EcDirOpt,
 ) -> None:
-    """Encode every image and video under SRC into sharded safetensors in --out (resumable, crash-safe).
+    """Encode a folder or manifest into a dataset folder.
 
-    Inputs that cannot be encoded are listed in OUT/errors.jsonl (and `open_dataset(OUT).errors`) until they
-    are encoded; the exit status is then 1 unless --allow-failures. With --ec-dir, every record's rows also go
-    to vLLM's encoder cache (ids: `bivit.engines.vllm.load_media(OUT)`).
-    """
-    # A missing Ray extra, bad --engine/--workers values: encode_dataset says so before any work.
-    check_options(model, dtype, projector_dtype, output_dtype, alpha, max_batch_patches)
+    Every image and video under SRC goes into sharded safetensors in --out (resumable, crash-safe). Inputs that
+    cannot be encoded are listed in OUT/errors.jsonl (and `open_dataset(OUT).errors`) until they are encoded; the
+    exit status is then 1 unless --allow-failures. With --ec-dir, each input this run encodes also goes to vLLM's
+    encoder cache as it is encoded (ids: `bivit.engines.vllm.load_media(OUT)`)."""
+    check_options(model, dtype, projector_dtype, output_dtype, alpha, device, max_batch_patches)
+    from ..dataset.job import check_job
+    from ..dataset.sources import check_source
+
+    # Before --out is created: a mistyped SRC or option leaves no empty folder behind.
+    check_job(engine, device, workers, cpus_per_worker, shard_mb)  # a missing Ray extra too
+    check_source(src)
     writable(out / dataset_format.HEADER, option="--out")  # before the model loads
     if ec_dir is not None:
         writable(ec_dir / EC_PROBE, option="--ec-dir")
@@ -52,20 +57,27 @@ def encode_dataset(
 
     try:
         summary = run(src, out, model=model, dtype=dtype, projector_dtype=projector_dtype, output_dtype=output_dtype,
-                      engine=engine, ray_address=ray_address, workers=workers, cpus_per_worker=cpus_per_worker,
-                      max_batch_patches=max_batch_patches, ec_dir=ec_dir, shard_mb=shard_mb, progress=progress,
-                      alpha=alpha)
+                      device=device, engine=engine, ray_address=ray_address, workers=workers,
+                      cpus_per_worker=cpus_per_worker, max_batch_patches=max_batch_patches, ec_dir=ec_dir,
+                      shard_mb=shard_mb, progress=progress and progress_shown(), alpha=alpha)
     except KeyboardInterrupt:
         typer.echo(f"interrupted; everything encoded so far is in {out}, run the same command to resume", err=True)
         raise typer.Exit(130) from None
-    typer.echo(summary.line())
+    typer.echo(_summary_line(summary))
     if ec_dir is not None:
         typer.echo(f"encoder cache: {summary.ec_written} items in {ec_dir} (ids: bivit.engines.vllm.load_media(OUT))")
     if summary.ec_failed:
-        typer.echo(f"bivit: error: --ec-dir {ec_dir}: {len(summary.ec_failed)} of the inputs not written there, "
+        typer.echo(f"bivit: error: --ec-dir {ec_dir}: {plural(len(summary.ec_failed), 'input')} not written there, "
                    f"{summary.ec_failed[0]} ({out} holds every embedding)", err=True)
         raise typer.Exit(FAILURE)
     if summary.failed:
-        typer.echo(f"{summary.failed} inputs failed; see {Path(out) / dataset_format.ERRORS}", err=True)
+        typer.echo(f"{plural(summary.failed, 'input')} failed; see {Path(out) / dataset_format.ERRORS}", err=True)
         if not allow_failures:
             raise typer.Exit(FAILURE)
+
+
+def _summary_line(s: Any) -> str:
+    rate = s.encoded / s.seconds if s.seconds > 0 else 0.0
+    return (f"encoded {s.encoded}, skipped {s.skipped}, deduplicated {s.deduplicated}, failed {s.failed}; "
+            f"{plural(s.tokens, 'token')} in {s.seconds:.1f} s ({rate:.2f} items/s, engine {s.engine}"
+            + (f", {plural(s.workers, 'worker')})" if s.engine == "ray" else ")"))

@@ -20,11 +20,13 @@ def doctor(
     dtype: str = DtypeOpt,
     projector_dtype: Optional[str] = ProjDtypeOpt,
 ) -> None:
-    """What this machine and install run, for a bug report: CPU kind and instruction sets, PyTorch (capability,
-    oneDNN bf16/fp16, threads), the GEMM kernel per dtype, the compiled attention (in use, or why not and the
-    fix), the C compiler, the extras installed. Loads no model, unless --prove: then the load-time proof runs on
-    --model (default: the demo) at --dtype, whatever this machine recorded, and must agree with the record;
-    exit 1 where an op has no invariant path here."""
+    """Show what runs on this machine, for a bug report.
+
+    What this machine and install run: CPU kind and instruction sets, PyTorch (capability, oneDNN bf16/fp16,
+    threads), the GEMM kernel per dtype, the compiled attention (in use, or why not and the fix), the C compiler,
+    the extras installed. Loads no model, unless --prove: then the load-time proof runs on --model (default: the
+    demo) at --dtype, whatever this machine recorded, and must agree with the record; exit 1 where an op has no
+    invariant path here."""
     from ..doctor import format_report, prove as run_proof, report
     from ..ops import InvarianceError
 

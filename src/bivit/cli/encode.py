@@ -10,14 +10,15 @@ from typing import Any, List, Optional
 import typer
 
 from ..errors import BivitError
-from .common import (EC_PROBE, FAILURE, AlphaOpt, DtypeOpt, EcDirOpt, MaxBatchPatchesOpt, ModelOpt, OutDtypeOpt,
-                     ProjDtypeOpt, check_options, command, fail, open_encoder, writable)
+from .common import (EC_PROBE, FAILURE, AlphaOpt, DeviceOpt, DtypeOpt, EcDirOpt, MaxBatchPatchesOpt, ModelOpt,
+                     OutDtypeOpt, ProjDtypeOpt, check_options, command, fail, open_encoder, plural, progress_shown,
+                     writable)
 
 @command()
 def encode(
     files: List[Path] = typer.Argument(..., metavar="FILE", help="Images and/or videos."),
     out: Path = typer.Option(Path("embeddings.safetensors"), "--out", "-o", help="Output safetensors file."),
-    model: Optional[Path] = ModelOpt,
+    model: Optional[str] = ModelOpt,
     dtype: str = DtypeOpt,
     projector_dtype: Optional[str] = ProjDtypeOpt,
     output_dtype: Optional[str] = OutDtypeOpt,
@@ -25,20 +26,20 @@ def encode(
     no_batch_invariant: bool = typer.Option(False, "--no-batch-invariant", help="Stock kernels (not invariant)."),
     alpha: str = AlphaOpt,
     ec_dir: Optional[Path] = EcDirOpt,
-    device: str = typer.Option("cpu", "--device", help="torch device (cuda: invariant mode runs bivit's Triton "
-                                                       "kernels, pip install 'bivit[gpu]')"),
+    device: str = DeviceOpt,
 ) -> None:
-    """Encode files into one embedding file: tensor "i" is input i's embedding, shape (tokens, text_hidden).
+    """Encode files into one embedding file.
 
-    The file (format bivit.embeddings/1, read back with bivit.load_embeddings) records the encoder (model,
-    fingerprint, dtypes, preprocessing, kernels) and one record per input, in order: source, kind, sha256,
-    tokens, grid_thw, tokens and original size per chunk, video chunk timestamps, the prompt placeholders (per
-    image or chunk the text the model's processor writes and the rows that replace its <|media_pad|>), or the
-    error. With --ec-dir, each image's / chunk's rows also go to vLLM's encoder cache and their ids into the
-    record ("ec_ids"). Bad files are reported and skipped; exit status 1 if any failed.
-    """
-    check_options(model, dtype, projector_dtype, output_dtype, alpha, max_batch_patches)  # options, output,
-    writable(out, files)  # inputs: all before anything is loaded or encoded
+    Tensor "i" is input i's embedding, shape (tokens, text_hidden). The file (format bivit.embeddings/1, read back
+    with bivit.load_embeddings) records the encoder (model, fingerprint, dtypes, preprocessing, kernels) and one
+    record per input, in order: source, kind, sha256, tokens, grid_thw, tokens and original size per chunk, video
+    chunk timestamps, the prompt placeholders (per image or chunk the text the model's processor writes and the rows
+    that replace its <|media_pad|>), or the error. With --ec-dir, each image's / chunk's rows also go to vLLM's
+    encoder cache and their ids into the record ("ec_ids"). Bad files are reported and skipped; exit status 1 if any
+    failed."""
+    # Options, output, inputs: all checked before anything is loaded or encoded.
+    check_options(model, dtype, projector_dtype, output_dtype, alpha, device, max_batch_patches)
+    writable(out, files)
     if ec_dir is not None:
         writable(ec_dir / EC_PROBE, option="--ec-dir")
     from .. import records as rec
@@ -55,13 +56,13 @@ def encode(
             results[i] = e
             typer.echo(f"bivit: skipped: {e}", err=True)
     if not kinds:
-        typer.echo(f"encoded 0 of {len(files)} inputs (nothing written); {len(files)} failed")
+        typer.echo(f"encoded 0 of {plural(len(files), 'input')} (nothing written); {len(files)} failed")
         raise typer.Exit(FAILURE)
 
     enc = open_encoder(model, dtype, projector_dtype, output_dtype, not no_batch_invariant, alpha=alpha,
                        device=device, max_batch_patches=max_batch_patches)
     t0 = time.perf_counter()
-    with _progress(show=len(kinds) > 1 or "video" in kinds.values()) as bar:
+    with _progress(show=(len(kinds) > 1 or "video" in kinds.values()) and progress_shown()) as bar:
         def prepared():
             for i, kind in kinds.items():
                 if kind == "video":  # decoding a long video takes a while of its own
@@ -101,10 +102,11 @@ def encode(
         rec.save(out, enc.describe(), records, embeddings)
     failed = len(records) - len(done)
     where = f" -> {out}" if done else " (nothing written)"
-    typer.echo(f"encoded {len(done)} of {len(files)} inputs, {sum(r.tokens for r in done)} tokens in "
-               f"{time.perf_counter() - t0:.2f} s{where}" + (f"; {failed} failed" if failed else ""))
+    tokens = plural(sum(r.tokens for r in done), "token")
+    typer.echo(f"encoded {len(done)} of {plural(len(files), 'input')}, {tokens} in {time.perf_counter() - t0:.2f} s"
+               f"{where}" + (f"; {failed} failed" if failed else ""))
     if ec_failed:
-        fail(f"--ec-dir {ec_dir}: {len(ec_failed)} of the inputs not written there, {ec_failed[0]} ({out} is "
+        fail(f"--ec-dir {ec_dir}: {plural(len(ec_failed), 'input')} not written there, {ec_failed[0]} ({out} is "
              "written, with every embedding)", FAILURE)
     if ec_dir is not None:
         typer.echo(f"encoder cache: {ec.written} items in {ec_dir} (ids: \"ec_ids\" of each record in the file)")

@@ -8,18 +8,19 @@ from typing import Optional
 import typer
 
 from ..serve.settings import ServerSettings as Limits  # light: no web framework
-from .common import (EC_PROBE, AlphaOpt, DtypeOpt, EcDirOpt, MaxBatchPatchesOpt, check_options, command, fail,
-                     need_extra, writable)
+from .common import (EC_PROBE, AlphaOpt, DeviceOpt, DtypeOpt, EcDirOpt, MaxBatchPatchesOpt, ModelOpt, OutDtypeOpt,
+                     ProjDtypeOpt, check_options, command, fail, need_extra, open_encoder, writable)
 
 
 @command()
 def serve(
-    model: Optional[str] = typer.Option(None, "--model", help="Checkpoint directory or hub repo id (default: demo "
-                                        "model)"),
+    model: Optional[str] = ModelOpt,
     host: str = typer.Option("127.0.0.1", help="Interface to bind; loopback by default"),
     port: int = typer.Option(8000, help="TCP port"),
     dtype: str = DtypeOpt,
-    device: str = typer.Option("cpu", help="torch device"),
+    projector_dtype: Optional[str] = ProjDtypeOpt,
+    output_dtype: Optional[str] = OutDtypeOpt,
+    device: str = DeviceOpt,
     batch_invariant: bool = typer.Option(True, "--batch-invariant/--no-batch-invariant",
                                          help="Bit-identical answers however requests are batched (the cache is "
                                               "off without it)"),
@@ -53,13 +54,13 @@ def serve(
     alpha: str = AlphaOpt,
     ec_dir: Optional[Path] = EcDirOpt,
 ) -> None:
-    """Serve the encoder over HTTP: POST /v1/encode, /v1/weights, GET /health, /ready, /v1/info, /metrics (serve
-    extra).
+    """Serve the encoder over HTTP (the serve extra).
 
-    With --ec-dir every encoded item's rows also go to vLLM's encoder cache; its ids are each item's "ec_ids"."""
+    Endpoints: POST /v1/encode, /v1/weights, GET /health, /ready, /v1/info, /metrics. With --ec-dir every encoded
+    item's rows also go to vLLM's encoder cache; its ids are each item's "ec_ids"."""
     for module in ("fastapi", "uvicorn", "prometheus_client", "multipart"):
         need_extra("serve", module, "serve")
-    check_options(model, dtype, alpha=alpha, max_batch_patches=max_batch_patches)
+    check_options(model, dtype, projector_dtype, output_dtype, alpha, device, max_batch_patches)
     if log_level.lower() not in ("debug", "info", "warning", "error"):
         fail(f"--log-level must be debug, info, warning or error, got {log_level!r}")
     settings = Limits(api_key=api_key or None, max_wait_ms=max_wait_ms,
@@ -72,10 +73,9 @@ def serve(
                       ec_dir=None if ec_dir is None else str(ec_dir))
     if ec_dir is not None:
         writable(ec_dir / EC_PROBE, option="--ec-dir")
-    from ..encoder import load_encoder
     from ..serve.app import configure_logging, run
 
     configure_logging(log_level)  # the service logs JSON lines, its demo warning included
-    encoder = load_encoder(model, device=device, dtype=dtype, batch_invariant=batch_invariant, alpha=alpha,
+    encoder = open_encoder(model, dtype, projector_dtype, output_dtype, batch_invariant, alpha=alpha, device=device,
                            max_batch_patches=max_batch_patches)
     run(encoder, settings, host=host, port=port, log_level=log_level)

@@ -8,8 +8,8 @@ from typing import List, Optional
 
 import typer
 
-from .common import (DTYPE_CHOICES, FAILURE, ModelOpt, ProjDtypeOpt, check_options, command, need_extra,
-                     open_encoder, writable)
+from .common import (DTYPE_CHOICES, FAILURE, DeviceOpt, ModelOpt, OutDtypeOpt, ProjDtypeOpt, check_options, command,
+                     need_extra, open_encoder, plural, writable)
 
 # Why float32: stock float32 GEMMs (MKL/oneDNN, AVX2 or AVX-512; float32 never runs on AMX tiles, so AMX Xeons
 # behave like AVX-512 CPUs here) compute a single row (a 1-token item alone: M = 1) with another kernel and
@@ -24,30 +24,35 @@ VERIFY_DTYPE = "float32"
 def verify(
     files: List[Path] = typer.Argument(None, metavar="FILE", show_default=False,
                                        help="Images and videos (default: a built-in synthetic set of images)."),
-    model: Optional[Path] = ModelOpt,
+    model: Optional[str] = ModelOpt,
     dtype: str = typer.Option(VERIFY_DTYPE, "--dtype", help=f"Tower compute dtype: {DTYPE_CHOICES}. float32 by "
                               "default: stock float32 GEMMs change their reduction order with the row count on every "
                               "CPU kind, so default mode shows what invariance prevents (stock bfloat16 GEMMs often "
                               "do not)."),
     projector_dtype: Optional[str] = ProjDtypeOpt,
+    output_dtype: Optional[str] = OutDtypeOpt,
+    device: str = DeviceOpt,
     layouts: int = typer.Option(6, help="Random batch layouts per mode."),
     seed: int = typer.Option(0, help="Seed of the random layouts."),
     bisect: bool = typer.Option(False, "--bisect", help="Name the first op that differs between bs=1 and bs=N."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG of the per-item differences."),
 ) -> None:
-    """Items alone vs in random batch layouts, invariant and default mode; exit 1 unless invariant is bit-stable."""
+    """Show that invariant mode is bit-stable under batching.
+
+    Encodes each item alone and inside random batch layouts, in invariant and default mode, and prints per item
+    "bit-identical" or the max difference; exit 1 unless invariant mode is bit-stable."""
     from .. import verify as v
     from ..dtypes import dtype_name
 
+    check_options(model, dtype, projector_dtype, output_dtype, device=device)  # before --plot's folder is made
     if plot is not None:
         need_extra("verify --plot", "matplotlib", "plot")
         writable(plot, files or (), "--plot")
     from ..items import check_input
 
-    check_options(model, dtype, projector_dtype)
     for f in files or ():
         check_input(f)  # every input exists and is an image or video, before the models load
-    encoders = [open_encoder(model, dtype, projector_dtype, None, inv) for inv in (True, False)]
+    encoders = [open_encoder(model, dtype, projector_dtype, output_dtype, inv, device=device) for inv in (True, False)]
     if files:
         batch = v.items_of(encoders[0], [str(f) for f in files])
     else:
@@ -58,7 +63,7 @@ def verify(
         reports.append(v.check(enc, batch, plan))
     for enc, rep in zip(encoders, reports):
         typer.echo(f"{rep.mode} mode ({dtype_name(enc.dtype)}): "
-                   f"{'BIT-STABLE' if rep.stable else 'NOT bit-stable'} over {len(plan)} layouts")
+                   f"{'BIT-STABLE' if rep.stable else 'NOT bit-stable'} over {plural(len(plan), 'layout')}")
         for line in v.format_report(rep):
             typer.echo(line)
         if bisect and len(batch) > 1:

@@ -41,36 +41,40 @@ class Summary:
     engine: str = "local"
     workers: int = 1
 
-    def line(self) -> str:
-        rate = self.encoded / self.seconds if self.seconds > 0 else 0.0
-        return (f"encoded {self.encoded}, skipped {self.skipped}, deduplicated {self.deduplicated}, "
-                f"failed {self.failed}; {self.tokens} tokens in {self.seconds:.1f} s "
-                f"({rate:.2f} items/s, engine {self.engine}"
-                + (f", {self.workers} workers)" if self.engine == "ray" else ")"))
+
+def check_job(engine: str = "local", device: str = "cpu", workers: int = 1, cpus_per_worker: int = 1,
+              shard_mb: float = DEFAULT_SHARD_MB) -> None:
+    """BivitError, before any work is done, for options a job cannot run with (the CLI asks before it creates
+    the output folder)."""
+    if engine not in ("local", "ray"):
+        raise BivitError(f"--engine {engine!r}: expected 'local' or 'ray'")
+    if engine == "ray" and importlib.util.find_spec("ray") is None:
+        raise BivitError("--engine ray needs Ray Data: pip install 'bivit[ray]'")
+    if engine == "ray" and str(device) != "cpu":
+        raise BivitError(f"--device {device}: the Ray engine's workers encode on CPU; use --engine local")
+    if workers < 1 or cpus_per_worker < 1:
+        raise BivitError("--workers and --cpus-per-worker must be at least 1")
+    if shard_mb <= 0:
+        raise BivitError("--shard-mb must be positive")
 
 
 def encode_dataset(src: str | os.PathLike, out: str | os.PathLike, *, model: Optional[str] = None,
                    dtype: str = "bfloat16", projector_dtype: Optional[str] = None,
-                   output_dtype: Optional[str] = None, engine: str = "local", ray_address: Optional[str] = None,
-                   workers: int = 1, cpus_per_worker: int = 1, max_batch_patches: Optional[int] = None,
+                   output_dtype: Optional[str] = None, device: str = "cpu", engine: str = "local",
+                   ray_address: Optional[str] = None, workers: int = 1, cpus_per_worker: int = 1,
+                   max_batch_patches: Optional[int] = None,
                    shard_mb: float = DEFAULT_SHARD_MB, flush_seconds: float = DEFAULT_FLUSH_SECONDS,
                    progress: bool = True, alpha: str = "model",
                    ec_dir: Optional[str | os.PathLike] = None) -> Summary:
     """Encode every image/video named by `src` into `out` (see `bivit.dataset`). Returns the summary.
 
     `max_batch_patches`: patches per forward pass (`bivit.packing`: a memory bound, results do not depend on
-    it). `ec_dir`: also write each input this run encodes to vLLM's encoder cache there
-    (`bivit.encoder_cache`); an input whose files cannot be written fails like any other.
+    it). `device`: where the local engine's model runs (the Ray engine's workers encode on CPU). `ec_dir`: also
+    write each input this run encodes to vLLM's encoder cache there (`bivit.encoder_cache`), as it is encoded;
+    one whose files cannot be written keeps its embedding and is listed in `Summary.ec_failed`.
     """
     t0 = time.monotonic()
-    if engine not in ("local", "ray"):
-        raise BivitError(f"--engine {engine!r}: expected 'local' or 'ray'")
-    if engine == "ray" and importlib.util.find_spec("ray") is None:  # say so before any work is done
-        raise BivitError("--engine ray needs Ray Data: pip install 'bivit[ray]'")
-    if workers < 1 or cpus_per_worker < 1:
-        raise BivitError("--workers and --cpus-per-worker must be at least 1")
-    if shard_mb <= 0:
-        raise BivitError("--shard-mb must be positive")
+    check_job(engine, device, workers, cpus_per_worker, shard_mb)
     opts = dict(dtype=canonical_name(dtype, "--dtype"),
                 projector_dtype=canonical_name(projector_dtype, "--projector-dtype"),
                 output_dtype=canonical_name(output_dtype, "--output-dtype"), alpha=alpha,
@@ -82,7 +86,7 @@ def encode_dataset(src: str | os.PathLike, out: str | os.PathLike, *, model: Opt
 
     # The driver always loads the model: its fingerprint goes into (or is checked against) the header, and each
     # Ray worker checks that it loaded the same thing.
-    encoder = load_encoder(model, batch_invariant=True, **opts)
+    encoder = load_encoder(model, batch_invariant=True, device=device, **opts)
     summary = Summary(engine=engine, workers=workers)
     with DatasetWriter(out, header_for(encoder, model), shard_mb=shard_mb, flush_seconds=flush_seconds) as writer:
         p = plan(sources, writer)

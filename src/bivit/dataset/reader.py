@@ -121,13 +121,21 @@ class EncodedDataset:
 
     def embeddings(self, shard: Optional[str] = None) -> Any:
         """The folder as `bivit.records.Embeddings` (what `bivit.load_embeddings` gives for it): its records in
-        manifest order, each reading its embedding on first use; `shard`: only the records stored in that shard
-        (in the order they were committed)."""
+        manifest order, each reading its embedding on first use, then its failed inputs (`errors`) in the order
+        they failed, each a record with `error` set and no embedding, as a `bivit encode` file keeps a failed
+        input; `shard`: only the records stored in that shard (in the order they were committed)."""
         from .. import records
+        from ..kinds import media_kind
 
         encoder = encoder_of(self.header)
         recs = [r.record(encoder, lambda key, r=r: self.tensor(r)) for r in self.records
                 if shard is None or r.shard == shard]
+        if shard is None:
+            # The reason alone, as a `bivit encode` record keeps it: the record names the source already.
+            recs += [records.Record.from_json({"source": e.source, "kind": media_kind(e.source) or "image",
+                                               "sha256": e.sha256, "error": e.error.removeprefix(f"{e.source}: "),
+                                               "seq": e.seq}, encoder)
+                     for e in sorted(self.errors, key=lambda e: e.seq)]
         where = self.path if shard is None else self.path / shard
         return records.Embeddings(recs, encoder, f"{FORMAT}/{self.header.get('format_version')}", str(where),
                                   self.close)

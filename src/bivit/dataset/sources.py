@@ -30,13 +30,19 @@ def list_sources(src: str | os.PathLike, exclude: Optional[os.PathLike] = None) 
     manifest's folder. Blank lines and lines starting with `#` are ignored. A manifest may name files with any
     extension (an unknown one is treated as an image). `exclude` (the output directory) is never listed.
     """
-    root = Path(src)
+    root = check_source(src)
     if root.is_dir():
         return _list_dir(root, exclude)
-    if root.is_file() and media_kind(root) is not None:  # a single image or video
+    if media_kind(root) is not None:  # a single image or video
         return [Source(root.name, root, media_kind(root))]
-    if root.is_file():
-        return _list_manifest(root)
+    return _list_manifest(root)
+
+
+def check_source(src: str | os.PathLike) -> Path:
+    """SRC as a path when it is a folder or a file (what `list_sources` reads); BivitError naming it otherwise."""
+    root = Path(src)
+    if root.is_dir() or root.is_file():
+        return root
     if root.exists():
         raise BivitError(f"{src}: not a folder, a manifest or a media file but {file_kind(root.stat().st_mode)}")
     raise BivitError(f"{src}: no such file or directory")

@@ -251,9 +251,9 @@ def library_bytes(build: Build) -> tuple[bytes, Path]:
             pass
         except _Refused as e:
             log.warning("bivit: kernel cache %s: not loading %s; rebuilding it", path, e)
-        # The first load on a machine takes seconds longer because of this; say why (once per build).
-        log.info("bivit: compiling %s with %s into the kernel cache %s (once per source, flags and compiler)",
-                 build.source.name, cc, path)
+        # The first load on a machine takes seconds longer because of this; say why, on a logger the CLI shows.
+        logging.getLogger("bivit.kernels.build").info(
+            "bivit: compiling the CPU kernels for this machine (%s with %s, once; cached in %s)", build.name, cc, path)
         data = _compile(build, cc)
         try:
             _write_private(dir_fd, digest, hashlib.sha256(data).hexdigest().encode() + b"\n")
