@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 import bivit
 from bivit.media import MediaBatch, preprocess_images
+from bivit.verify import encode_cut
 from support.controls import differences_found_by_check, differing, row_count_dependent_gemms
 from support.media import random_image
 
@@ -36,7 +37,7 @@ def _item(index: int, seed: int) -> MediaBatch:
 
 
 def encode_layout(enc: bivit.Encoder, items: list[MediaBatch], budget: int | None) -> list[torch.Tensor]:
-    return enc.encode_batch(MediaBatch.concat(items), budget)
+    return encode_cut(enc, MediaBatch.concat(items), budget)  # the packing rule under `budget`
 
 
 layouts = st.tuples(

@@ -20,6 +20,7 @@ from . import ops
 from .encoder import Encoder
 from .fileio import write_atomic
 from .media import MediaBatch
+from .packing import pack
 
 # Sizes chosen to make 1, 2, 3, 4, 6 ... merged tokens: the row counts where stock GEMMs change kernels.
 SYNTHETIC_SIZES = [(28, 28), (56, 28), (84, 28), (56, 56), (84, 56), (140, 112), (224, 168), (280, 252)]
@@ -59,9 +60,14 @@ def items_of(encoder: Encoder, inputs: list, names: list[str] | None = None) -> 
     return MediaBatch.concat([encoder.prepare(x, name=n).checked().batch for x, n in zip(inputs, names)])
 
 
-def _encode_with_budget(encoder: Encoder, batch: MediaBatch, budget: int | None) -> list[torch.Tensor]:
-    """Encode with at most `budget` patches per forward pass (None: the whole batch in one pass)."""
-    return encoder.encode_batch(batch, budget or max(1, sum(batch.patch_counts)))
+def encode_cut(encoder: Encoder, batch: MediaBatch, budget: int | None) -> list[torch.Tensor]:
+    """Encode `batch` cut into passes of at most `budget` patches by the packing rule (None: the whole batch in
+    one pass), whatever the encoder's own budget: the verifier's job is to try cuts."""
+    counts = batch.patch_counts
+    out: list[torch.Tensor] = []
+    for items in pack(counts, budget or max(1, sum(counts))):
+        out += encoder.forward(MediaBatch.concat([batch.item(i) for i in items]))
+    return out
 
 
 def random_layouts(n: int, count: int, rng: random.Random, patch_counts: list[int]) -> list[tuple[list[int], int | None]]:
@@ -85,7 +91,7 @@ def check(encoder: Encoder, batch: MediaBatch, layouts: list[tuple[list[int], in
     report = Report("invariant" if encoder.batch_invariant else "default",
                     [ItemReport(sources[i], int(alone[i].shape[0])) for i in range(n)])
     for order, budget in layouts:
-        outs = _encode_with_budget(encoder, MediaBatch.concat([batch.item(i) for i in order]), budget)
+        outs = encode_cut(encoder, MediaBatch.concat([batch.item(i) for i in order]), budget)
         for i, out in zip(order, outs):
             diff = float((out.float() - alone[i].float()).abs().max()) if out.numel() else 0.0
             if not torch.equal(out, alone[i]) and diff == 0.0:
@@ -164,9 +170,9 @@ def bisect(encoder: Encoder, batch: MediaBatch, needle: int = 0) -> OpDiff | Non
     alone_trace: list = []
     batch_trace: list = []
     with _op_recorder(encoder.model, alone_trace):
-        _encode_with_budget(encoder, batch.item(needle), None)
+        encode_cut(encoder, batch.item(needle), None)
     with _op_recorder(encoder.model, batch_trace):
-        _encode_with_budget(encoder, MediaBatch.concat([batch.item(needle), *others]), None)
+        encode_cut(encoder, MediaBatch.concat([batch.item(needle), *others]), None)
     index: dict[tuple[str, str, int], torch.Tensor] = {}
     seen: dict[tuple[str, str], int] = {}
     for module, kind, out in batch_trace:

@@ -5,6 +5,7 @@ import contextlib
 import torch
 
 from bivit.media import MediaBatch
+from bivit.verify import encode_cut
 
 
 @contextlib.contextmanager
@@ -37,7 +38,7 @@ def differing(enc, items: list[MediaBatch], order: list[int], budget: int | None
     """Indices (into `items`) whose embedding, encoded in one call in `order` (micro-batched by `budget`), differs
     from the item encoded alone."""
     alone = [enc.encode_batch(it)[0] for it in items]
-    batched = enc.encode_batch(MediaBatch.concat([items[i] for i in order]), budget)
+    batched = encode_cut(enc, MediaBatch.concat([items[i] for i in order]), budget)
     return [i for i, out in zip(order, batched) if not torch.equal(out, alone[i])]
 
 
