@@ -118,7 +118,7 @@ def assert_consistent(d: Path) -> None:
     assert data == b"" or data.endswith(b"\n")
     for row in manifest_lines(d):
         with safe_open(str(d / row["shard"]), framework="pt") as f:
-            assert f.get_tensor(row["key"]).shape[0] == row["tokens"]
+            assert f.get_tensor(row["tensor"]).shape[0] == row["tokens"]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -185,7 +185,7 @@ def test_identical_files_are_stored_once(reference):
             stored += list(f.keys())
     assert sorted(stored) == sorted(distinct) and len(distinct) == len(GOOD) - 2
     a, b = ds["img2.png"], ds["sub/copy_of_img2.png"]
-    assert (a.shard, a.key, a.sha256) == (b.shard, b.key, b.sha256)
+    assert (a.shard, a.tensor, a.sha256) == (b.shard, b.tensor, b.sha256)
     assert {r.source for r in ds.by_hash(a.sha256)} == {"img2.png", "sub/copy_of_img2.png"}
 
 
@@ -309,7 +309,7 @@ def test_encoder_stage_with_empty_batch_keeps_schema_and_dtype(media, encoder):
     e = decode_encoded(full.to_pylist()[0])
     assert e.embedding.dtype == torch.bfloat16 and torch.equal(e.embedding, encoder.encode([path])[0])
     with pytest.raises(BivitError, match="fingerprint"):
-        EncodeActor(None, {"dtype": "bfloat16", "projector_dtype": None, "output_dtype": None}, "f" * 64, 1, 64)
+        EncodeActor(None, {"dtype": "bfloat16", "projector_dtype": None, "output_dtype": None}, "f" * 64, 1)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -339,7 +339,7 @@ def test_rerun_skips_and_picks_up_changes(media, tmp_path, encoder):
     assert len(ds) == len(GOOD) + 2 and {e.source for e in ds.errors} == {"empty.png", "truncated.png"}
     for name in ("img1.png", "new_copy.png", "text.png", "img0.png"):
         assert torch.equal(ds.tensor(name), encoder.encode([src / name])[0]), name
-    assert ds["new_copy.png"].key == ds["img5.png"].key
+    assert ds["new_copy.png"].tensor == ds["img5.png"].tensor
 
 
 def _run_cli_until(src: Path, out: Path, pause: str, ready, timeout: float = 60.0) -> None:

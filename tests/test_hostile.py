@@ -863,7 +863,7 @@ def test_a_dataset_folder_read_back_is_checked(dataset_folder, tmp_path, case):
 
     outside = tmp_path / "x.safetensors"
     shard = json.loads((dataset_folder / "manifest.jsonl").read_text().splitlines()[0])["shard"]
-    key = json.loads((dataset_folder / "manifest.jsonl").read_text().splitlines()[0])["key"]
+    key = json.loads((dataset_folder / "manifest.jsonl").read_text().splitlines()[0])["tensor"]
     tokens = json.loads((dataset_folder / "manifest.jsonl").read_text().splitlines()[0])["tokens"]
     save({key: torch.zeros(tokens, 128, dtype=torch.bfloat16)}, outside)
     dst = tmp_path / "ds"

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .format import ERRORS, HEADER, MANIFEST, ErrorRecord, Record
+from ..records import Record
+from .format import ERRORS, HEADER, MANIFEST, ErrorRecord
 from .reader import EncodedDataset, open_dataset
 
 __all__ = ["ERRORS", "HEADER", "MANIFEST", "EncodedDataset", "ErrorRecord", "Record", "encode_dataset", "open_dataset"]

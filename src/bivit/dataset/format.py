@@ -2,9 +2,10 @@
 
     DIR/dataset.json              header: format, bivit version, the encoder (`Encoder.describe()`: model name
                                   + fingerprint, dtypes, width, preprocessing, kernels)
-    DIR/manifest.jsonl            one line per encoded input: its record (`bivit.records`: source, sha256,
-                                  kind, tokens, grid_thw, chunk_tokens, sizes, timestamps, placeholders) with the
-                                  tensor's `shard` and `key` (and size, mtime_ns, seq)
+    DIR/manifest.jsonl            one line per encoded input: its record (`bivit.records.Record`, as files list
+                                  it: tensor, source, kind, sha256, tokens, grid_thw, chunk_tokens, sizes,
+                                  timestamps, placeholders) with the dataset's keys `shard` (the tensor's
+                                  file), size, mtime_ns and seq
     DIR/errors.jsonl              one line per input that failed (source, error, sha256 when it could be read)
     DIR/shard-000000.safetensors  embeddings keyed by the sha256 of the input's bytes; an embedding file of
                                   its own (`bivit.records`: format, encoder, the records committed with it)
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from .. import records
 from ..errors import BivitError
 from ..fileio import parse_json, read_regular
 from ..records import FormatError
@@ -46,58 +48,32 @@ LOCK = ".lock"
 SHARD_RE = re.compile(r"^shard-(\d{6,})\.safetensors$")
 
 
-@dataclass(frozen=True)
-class Record:
-    """One manifest line: `source` was encoded into tensor `key` of `shard` (both inside the dataset folder)."""
+def manifest_record(obj: Any) -> records.Record:
+    """A manifest line as its record (`bivit.records.Record`; the dataset's own keys `shard`, `size`,
+    `mtime_ns`, `seq` in `extra`, readable as attributes), checked: its shard a file name of this folder
+    (`shard-N.safetensors`: no `..`, no path, so nothing outside the folder is ever read as an embedding), its
+    tensor key and seq of their types; FormatError otherwise. Lines of older folders name the tensor `key`."""
+    if not isinstance(obj, dict):
+        raise FormatError(f"a manifest line that is not an object: {str(obj)[:200]}")
+    if "tensor" not in obj and "key" in obj:
+        obj = {("tensor" if k == "key" else k): v for k, v in obj.items()}
+    shard = obj.get("shard")
+    if not isinstance(shard, str) or not SHARD_RE.fullmatch(shard):
+        raise FormatError(f"a manifest record names {str(shard)[:200]!r} as its shard, not a shard file of its "
+                          "folder (shard-N.safetensors)")
+    for key, types in (("sha256", str), ("tensor", str), ("seq", int)):
+        value = obj.get(key, 0 if key == "seq" else None)
+        if not isinstance(value, types) or isinstance(value, bool):
+            raise FormatError(f"a manifest record whose {key!r} is a {type(value).__name__}: {str(obj)[:200]}")
+    rec = records.Record.from_json(obj)
+    for key, default in (("size", None), ("mtime_ns", None), ("seq", 0)):
+        rec.extra.setdefault(key, default)
+    return rec
 
-    source: str
-    sha256: str
-    shard: str
-    key: str
-    tokens: int
-    grid_thw: list  # [[t, h, w], ...]: one entry for an image, one per chunk for a video
-    kind: str = "image"
-    timestamps: Optional[list] = None  # per chunk, videos only
-    size: Optional[int] = None  # file size and mtime when encoded: a re-run skips unchanged files unread
-    mtime_ns: Optional[int] = None
-    seq: int = 0  # order of this line among all manifest and error lines of the folder
-    chunk_tokens: Optional[list] = None  # per chunk, its rows (None in lines of older folders: from grid_thw)
-    placeholders: Optional[list] = None  # per chunk, {"text", "tokens"} (None in lines of older folders)
-    sizes: Optional[list] = None  # per chunk, [width, height] before resizing (None: older folders, or unknown)
 
-    def record(self, encoder: dict, load: Any = None) -> Any:
-        """This line as a `bivit.records.Record` (its tensor: `key` in `shard`; the dataset's own keys in
-        `extra`)."""
-        from .. import records
-
-        row = dataclasses.asdict(self)
-        row["tensor"] = row.pop("key")
-        return records.Record.from_json(row, encoder, load)
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), separators=(",", ":"), ensure_ascii=False)
-
-    @staticmethod
-    def from_json(obj: dict) -> "Record":
-        """A manifest line, checked: its shard a file name of this folder (`shard-N.safetensors`: no `..`, no
-        path, so nothing outside the folder is ever read as an embedding), each key of the type it is written
-        with; FormatError otherwise."""
-        if not isinstance(obj, dict):
-            raise FormatError(f"a manifest line that is not an object: {str(obj)[:200]}")
-        names = {f.name for f in dataclasses.fields(Record)}
-        try:
-            rec = Record(**{k: v for k, v in obj.items() if k in names})
-        except TypeError as e:  # a required key missing
-            raise FormatError(f"not a manifest record ({e}): {str(obj)[:200]}") from None
-        if not isinstance(rec.shard, str) or not SHARD_RE.fullmatch(rec.shard):
-            raise FormatError(f"a manifest record names {str(rec.shard)[:200]!r} as its shard, not a shard file of "
-                              "its folder (shard-N.safetensors)")
-        for key, types in (("source", str), ("sha256", str), ("key", str), ("tokens", int), ("kind", str),
-                           ("grid_thw", list), ("seq", int)):
-            value = getattr(rec, key)
-            if not isinstance(value, types) or isinstance(value, bool):
-                raise FormatError(f"a manifest record whose {key!r} is a {type(value).__name__}: {str(obj)[:200]}")
-        return rec
+def manifest_line(rec: records.Record) -> str:
+    """A record as its manifest line."""
+    return json.dumps(rec.to_json(), separators=(",", ":"), ensure_ascii=False)
 
 
 @dataclass(frozen=True)
@@ -160,7 +136,7 @@ def read_header(directory: Path) -> Optional[dict]:
     return header
 
 
-def current_state(directory: Path) -> tuple[dict[str, Record], dict[str, ErrorRecord]]:
+def current_state(directory: Path) -> tuple[dict[str, records.Record], dict[str, ErrorRecord]]:
     """What each source is now: its latest manifest record, or its latest error if that came later.
 
     Returns (encoded sources -> Record, failed sources -> ErrorRecord); a source is in exactly one of them.
@@ -168,22 +144,22 @@ def current_state(directory: Path) -> tuple[dict[str, Record], dict[str, ErrorRe
     return state_from_rows(read_jsonl(directory / MANIFEST)[0], read_jsonl(directory / ERRORS)[0])
 
 
-def state_from_rows(manifest_rows: list[dict], error_rows: list[dict]) -> tuple[dict[str, Record],
+def state_from_rows(manifest_rows: list[dict], error_rows: list[dict]) -> tuple[dict[str, records.Record],
                                                                                 dict[str, ErrorRecord]]:
     """`current_state` of rows already read (a writer opening a folder reads each file once)."""
-    records: dict[str, Record] = {}
+    encoded: dict[str, records.Record] = {}
     for row in manifest_rows:
-        rec = Record.from_json(row)
-        records[rec.source] = rec
+        rec = manifest_record(row)
+        encoded[rec.source] = rec
     errors: dict[str, ErrorRecord] = {}
     for row in error_rows:
         err = ErrorRecord.from_json(row)
         errors[err.source] = err
     for source, err in list(errors.items()):
-        rec = records.get(source)
+        rec = encoded.get(source)
         if rec is not None:
             if rec.seq >= err.seq:
                 del errors[source]
             else:
-                del records[source]  # failed since it was encoded: its old embedding is not its bytes any more
-    return records, errors
+                del encoded[source]  # failed since it was encoded: its old embedding is not its bytes any more
+    return encoded, errors

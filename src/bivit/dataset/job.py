@@ -109,8 +109,7 @@ def encode_dataset(src: str | os.PathLike, out: str | os.PathLike, *, model: Opt
                 summary.failed += len(w.sources)
                 summary.deduplicated -= len(w.sources) - 1  # nothing was stored for them to share
             else:
-                writer.add(r.sha256, r.embedding, r.grid_thw, r.timestamps, w.sources, w.stats, r.chunk_tokens,
-                           [p.to_dict() for p in r.placeholders], r.sizes)
+                writer.add(r, w.sources, w.stats)
                 summary.encoded += 1
             bar.update(1)
 

@@ -6,13 +6,15 @@ Cheap to import (torch and safetensors load on the first tensor read), so `impor
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import stat
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 from ..errors import BivitError
-from .format import FORMAT, HEADER, MANIFEST, ErrorRecord, Record, current_state, encoder_of, read_header
+from ..records import Record
+from .format import FORMAT, HEADER, MANIFEST, ErrorRecord, current_state, encoder_of, read_header
 
 if TYPE_CHECKING:
     import numpy as np
@@ -104,10 +106,10 @@ class EncodedDataset:
                 raise FormatError(f"{path}: not a readable safetensors file ({e})") from None
             self._handles[rec.shard] = handle
         try:
-            tensor = handle.get_tensor(rec.key)
+            tensor = handle.get_tensor(rec.tensor)
         except Exception as e:
-            raise FormatError(f"{path}: no tensor {rec.key!r} for {rec.source!r} ({e})") from None
-        check_embedding(tensor, rec.tokens, self.header.get("output_dtype"), f"{path}: tensor {rec.key!r} of "
+            raise FormatError(f"{path}: no tensor {rec.tensor!r} for {rec.source!r} ({e})") from None
+        check_embedding(tensor, rec.tokens, self.header.get("output_dtype"), f"{path}: tensor {rec.tensor!r} of "
                         f"{rec.source!r}")
         return tensor
 
@@ -128,7 +130,7 @@ class EncodedDataset:
         from ..kinds import media_kind
 
         encoder = encoder_of(self.header)
-        recs = [r.record(encoder, lambda key, r=r: self.tensor(r)) for r in self.records
+        recs = [dataclasses.replace(r, encoder=encoder, _load=lambda key, r=r: self.tensor(r)) for r in self.records
                 if shard is None or r.shard == shard]
         if shard is None:
             # The reason alone, as a `bivit encode` record keeps it: the record names the source already.

@@ -8,7 +8,6 @@ encode.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -18,9 +17,8 @@ from typing import Optional, Sequence
 from ..errors import BivitError
 from ..fileio import check_regular, file_kind, parse_json, sha256_file
 from ..kinds import media_kind
-from .format import Record
 from .pipeline import Source, Work
-from .writer import DatasetWriter
+from .writer import DatasetWriter, source_line
 
 
 def list_sources(src: str | os.PathLike, exclude: Optional[os.PathLike] = None) -> list[Source]:
@@ -143,7 +141,7 @@ def plan(sources: Sequence[Source], writer: DatasetWriter, hash_threads: int = 4
             return e
 
     works: dict[str, Work] = {}
-    dup_lines: list[Record] = []
+    dup_lines: list = []  # manifest records (`bivit.records.Record`)
     with ThreadPoolExecutor(max(1, hash_threads)) as pool:  # hashing is I/O and hashlib releases the GIL
         for (s, st), sha in zip(to_hash, pool.map(digest, to_hash)):
             if isinstance(sha, OSError):
@@ -156,8 +154,7 @@ def plan(sources: Sequence[Source], writer: DatasetWriter, hash_threads: int = 4
                 continue
             stored = writer.by_hash.get(sha)
             if stored is not None:
-                dup_lines.append(dataclasses.replace(stored, source=s.source, kind=s.kind, size=st.st_size,
-                                                     mtime_ns=st.st_mtime_ns))
+                dup_lines.append(source_line(stored, s, st))
                 result.deduplicated += 1
             elif sha in works:
                 works[sha].sources.append(s)

@@ -29,7 +29,8 @@ from ..dtypes import dtype_name
 from ..errors import BivitError
 from ..fileio import append_lines, fsync_dir, temp_target, write_atomic
 from .format import (DEFAULT_SHARD_MB, ERRORS, FORMAT, FORMAT_VERSION, HEADER, LOCK, MANIFEST, SHARD_RE,
-                     ErrorRecord, Record, encoder_of, read_header, read_jsonl, state_from_rows)
+                     ErrorRecord, encoder_of, manifest_line, manifest_record, read_header, read_jsonl,
+                     state_from_rows)
 from .pipeline import Source
 
 # A pending shard is also committed after this many seconds, so a kill loses at most this much work even when
@@ -104,7 +105,8 @@ class DatasetWriter:
                 (self.dir / LOCK).unlink(missing_ok=True)
             self.close()
             raise
-        self._pending: dict[str, tuple[torch.Tensor, list[Record]]] = {}  # key -> (tensor, its manifest lines)
+        # key -> (tensor, its manifest lines)
+        self._pending: dict[str, tuple[torch.Tensor, list[records.Record]]] = {}
         self._pending_bytes = 0
         self._pending_since: Optional[float] = None
         self.tokens_written = 0
@@ -146,9 +148,9 @@ class DatasetWriter:
         current, failed = state_from_rows(rows[MANIFEST], rows[ERRORS])
         self.by_source: dict[str, tuple[Optional[int], Optional[int], str]] = {
             r.source: (r.size, r.mtime_ns, r.sha256) for r in current.values()}
-        self.by_hash: dict[str, Record] = {}
+        self.by_hash: dict[str, records.Record] = {}
         for row in rows[MANIFEST]:
-            rec = Record.from_json(row)
+            rec = manifest_record(row)
             self.by_hash.setdefault(rec.sha256, rec)
         referenced = {r.shard for r in self.by_hash.values()}
         numbers = [-1]
@@ -191,11 +193,11 @@ class DatasetWriter:
 
     # -- writing ---------------------------------------------------------------------------------------------
 
-    def add_lines(self, records: Sequence[Record]) -> None:
+    def add_lines(self, lines: Sequence[records.Record]) -> None:
         """Manifest lines whose tensor is already durable (a duplicate of a stored item)."""
-        records = [dataclasses.replace(r, seq=self._next_seq()) for r in records]
-        append_lines(self.dir / MANIFEST, [r.to_json() for r in records])
-        for r in records:
+        lines = [with_keys(r, seq=self._next_seq()) for r in lines]
+        append_lines(self.dir / MANIFEST, [manifest_line(r) for r in lines])
+        for r in lines:
             self.by_source[r.source] = (r.size, r.mtime_ns, r.sha256)
             self.by_hash.setdefault(r.sha256, r)
 
@@ -208,26 +210,21 @@ class DatasetWriter:
         for s in sources:
             self.by_source.pop(s.source, None)
 
-    def add(self, sha: str, tensor: torch.Tensor, grid_thw: list, timestamps: Optional[list],
-            sources: Sequence[Source], stats: Sequence[Optional[os.stat_result]], chunk_tokens: Sequence[int] = (),
-            placeholders: Sequence[dict] = (), sizes: Sequence[Optional[Sequence[int]]] = ()) -> None:
-        """One encoded item (its tensor and every source with these bytes, its record's chunk_tokens,
-        placeholders and sizes); commits a shard when one is full."""
+    def add(self, result: Any, sources: Sequence[Source], stats: Sequence[Optional[os.stat_result]]) -> None:
+        """One encoded input (`bivit.items.ItemResult`) and every source with its bytes; commits a shard when
+        one is full."""
+        sha, tensor = result.sha256, result.embedding
         stored = self.by_hash.get(sha)
         if stored is not None:  # bytes already durable: the sources only need lines pointing there
-            self.add_lines([dataclasses.replace(stored, source=s.source, kind=s.kind, size=st and st.st_size,
-                                                mtime_ns=st and st.st_mtime_ns) for s, st in zip(sources, stats)])
+            self.add_lines([source_line(stored, s, st) for s, st in zip(sources, stats)])
             return
         expected, width = self.header["output_dtype"], self.header["text_hidden_size"]
         if dtype_name(tensor.dtype) != expected or tensor.ndim != 2 or tensor.shape[1] != width:
             # Guard against a worker returning something else (the vLLM idle-rank dtype bug, a mismatched model).
             raise BivitError(f"encoder returned {tuple(tensor.shape)} {tensor.dtype} for {sources[0].source}; "
                              f"expected [tokens, {width}] {expected}")
-        lines = [Record(s.source, sha, "", sha, int(tensor.shape[0]), grid_thw, s.kind, timestamps,
-                        st.st_size if st else None, st.st_mtime_ns if st else None,
-                        chunk_tokens=[int(n) for n in chunk_tokens], placeholders=[dict(p) for p in placeholders],
-                        sizes=records.chunk_sizes(sizes, len(grid_thw)))
-                 for s, st in zip(sources, stats)]
+        rec = records.of_result(result, tensor=sha, shard="")
+        lines = [source_line(rec, s, st) for s, st in zip(sources, stats)]
         if sha in self._pending:
             self._pending[sha][1].extend(lines)
             return
@@ -247,11 +244,11 @@ class DatasetWriter:
         name = f"shard-{self._next_shard:06d}.safetensors"
         self._next_shard += 1
         tensors = {k: t for k, (t, _) in self._pending.items()}
-        lines = [dataclasses.replace(r, shard=name) for _, pending in self._pending.values() for r in pending]
+        lines = [with_keys(r, shard=name) for _, pending in self._pending.values() for r in pending]
         # The shard is an embedding file of its own: the records committed with it (`bivit.records`). Serialised
         # in memory (one shard, --shard-mb) so that a full disk is an OSError naming the shard.
         encoder = encoder_of(self.header)
-        meta = records.metadata(encoder, [r.record(encoder) for r in lines])
+        meta = records.metadata(encoder, lines)
         write_atomic(self.dir / name, save(tensors, metadata=meta),
                      before_replace=lambda: _pause("before_rename", self._commits))
         _pause("after_rename", self._commits)
@@ -273,3 +270,16 @@ class DatasetWriter:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def with_keys(rec: records.Record, **keys: Any) -> records.Record:
+    """A copy of a manifest record with some of the dataset's own keys (`shard`, `seq`, ...) set."""
+    return dataclasses.replace(rec, extra={**rec.extra, **keys})
+
+
+def source_line(rec: records.Record, source: Source, st: Optional[os.stat_result]) -> records.Record:
+    """`rec` (the record of some bytes) as the manifest line of one `source` with those bytes (its name, kind,
+    and the size and mtime a re-run compares to skip it unread)."""
+    return dataclasses.replace(rec, source=source.source, kind=source.kind,
+                               extra={**rec.extra, "size": st.st_size if st else None,
+                                      "mtime_ns": st.st_mtime_ns if st else None})
