@@ -196,10 +196,13 @@ def record(source: str, *, kind: str, sha256: Optional[str], grid_thw: Sequence,
 
 def error_text(error: BaseException, source: str) -> str:
     """An item's error as its record keeps it: the reason, without the source the record names already (a
-    MediaError about another file, e.g. one frame of a video, keeps its whole message)."""
+    MediaError about another file, e.g. one frame of a video, keeps its whole message); an exception that is not
+    bivit's (a bug) with its type."""
     from .errors import MediaError
 
-    return error.about(source) if isinstance(error, MediaError) else str(error)
+    if isinstance(error, MediaError):
+        return error.about(source)
+    return str(error) if isinstance(error, BivitError) else f"encode failed: {type(error).__name__}: {error}"
 
 
 def of_result(result: Any, tensor: Optional[str] = None, **extra: Any) -> Record:
@@ -212,7 +215,7 @@ def of_result(result: Any, tensor: Optional[str] = None, **extra: Any) -> Record
     out = record(result.source, kind=result.kind, sha256=result.sha256, grid_thw=result.grid_thw,
                  chunk_tokens=result.chunk_tokens, timestamps=result.timestamps, placeholders=result.placeholders,
                  sizes=result.sizes, tensor=tensor, **extra)
-    out._embedding = result.embedding
+    out._embedding = getattr(result, "embedding", None)  # a `Prepared` (Ray's rows) has none yet
     return out
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from ..errors import BivitError, MediaError
+from ..errors import BivitError
 from ..fileio import read_regular, sha256_file
 from ..items import ItemResult, Prepared, prepare as prepare_input
 
@@ -88,12 +88,3 @@ def encode_prepared(encoder: Any, items: Sequence[Prepared]) -> list[ItemResult]
     """Encode prepared items (any number, zero included) in passes of the encoder's `max_batch_patches`;
     failures are per item."""
     return list(encoder.encode_stream(items))
-
-
-def reason(result: ItemResult) -> str:
-    """Why an item failed, without its source's name: several sources may share its bytes, and each gets its own
-    line `"{source}: {reason}"` in errors.jsonl."""
-    e = result.error
-    if isinstance(e, MediaError):
-        return e.about(result.source)
-    return str(e) if isinstance(e, BivitError) else f"encode failed: {type(e).__name__}: {e}"

@@ -7,14 +7,16 @@ crash-safety rules of `bivit.dataset.writer` hold unchanged). Imports only the p
 (`bivit.dataset.pipeline`), never the writer or the job. Workers need the input files at the same absolute paths
 (a shared filesystem on a cluster) and bivit installed.
 
-Every row crosses process boundaries on its own, as raw bytes plus its stated dtype and shape, under one fixed
-Arrow schema, also for an empty batch. Nothing concatenates results across workers, so an idle worker (no
+Every row crosses process boundaries on its own, as its record (`bivit.records.Record` JSON: the one shape of an
+item outside memory) and raw bytes plus their stated dtype and shape, under one fixed Arrow schema, also for an
+empty batch. Nothing concatenates results across workers, so an idle worker (no
 items) contributes zero rows and cannot inject a tensor of another dtype (the vLLM data-parallel bug).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import sys
@@ -25,41 +27,27 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import pyarrow as pa
 import torch
 
+from .. import records
 from ..dtypes import dtype_name, parse_dtype
 from ..encoder import load_encoder
 from ..errors import BivitError
-from ..items import ItemResult, Prepared
-from ..grids import grid_tokens
-from ..media import MediaBatch, Placeholder
-from .pipeline import Work, encode_prepared, prepare, reason
+from ..items import ItemResult, Prepared, from_record
+from ..media import MediaBatch
+from .pipeline import Work, encode_prepared, prepare
 
-# Rows entering the encoders: one per distinct file (a `bivit.items.Prepared`).
+# Rows entering the encoders: one per distinct file (a `bivit.items.Prepared`: its record, and its pixels).
 PREPARED_SCHEMA = pa.schema([
-    ("sha256", pa.string()),
-    ("source", pa.string()),
-    ("kind", pa.string()),
+    ("record", pa.string()),  # `bivit.records.Record` JSON: metadata per chunk, or the reason preparing failed
     ("pixels", pa.large_binary()),  # float32 [L, 3, p, p], C order
     ("patch", pa.int64()),  # p
-    ("grid", pa.list_(pa.int64())),  # flattened [n, 3]
-    ("timestamps", pa.list_(pa.string())),  # null for images
-    ("placeholders", pa.list_(pa.string())),  # per chunk, its prompt text (its rows: the chunk's tokens)
-    ("sizes", pa.list_(pa.int64())),  # flattened [n, 2]: per chunk (width, height) before resizing, 0 0 unknown
-    ("error", pa.string()),  # null unless preparing failed: the reason
 ])
-# Rows leaving the encoders (a `bivit.items.ItemResult`).
+# Rows leaving the encoders (a `bivit.items.ItemResult`: its record, and its embedding).
 ENCODED_SCHEMA = pa.schema([
-    ("sha256", pa.string()),
-    ("source", pa.string()),
-    ("kind", pa.string()),
+    ("record", pa.string()),
     ("data", pa.large_binary()),  # the embedding's raw bytes
     ("dtype", pa.string()),
     ("rows", pa.int64()),
     ("cols", pa.int64()),
-    ("grid", pa.list_(pa.int64())),
-    ("timestamps", pa.list_(pa.string())),
-    ("placeholders", pa.list_(pa.string())),
-    ("sizes", pa.list_(pa.int64())),
-    ("error", pa.string()),  # the reason (`pipeline.reason`)
 ])
 # Local Ray only: the object store holds a few batches of pixels in flight; Ray spills beyond it.
 LOCAL_OBJECT_STORE_BYTES = 512 * 2**20
@@ -69,43 +57,23 @@ ROWS_PER_ACTOR_BATCH = 8
 
 def prepare_rows(table: pa.Table, processing: Any = None, alpha: str = "model") -> pa.Table:
     """Ray task: read + prepare each listed file (the driver's model preprocessing and alpha). Failures become
-    rows with `error` set."""
+    rows whose record has `error` set."""
     out = {name: [] for name in PREPARED_SCHEMA.names}
     for row in table.to_pylist():
         p = prepare(row["sha256"], row["kind"], Path(row["path"]), row["name"], processing, alpha)
         pixels = None if p.batch is None else p.batch.pixel_values.contiguous()
-        values = {"pixels": None if pixels is None else pixels.numpy().tobytes(),
-                  "patch": None if pixels is None else int(pixels.shape[-1]),
-                  "error": None if p.error is None else reason(ItemResult(p.source, p.kind, error=p.error))}
-        _put_common(out, p, values)
+        out["record"].append(_record_json(p))
+        out["pixels"].append(None if pixels is None else pixels.numpy().tobytes())
+        out["patch"].append(None if pixels is None else int(pixels.shape[-1]))
     return pa.table(out, schema=PREPARED_SCHEMA)
 
 
-def _put_common(out: dict, item: Prepared | ItemResult, values: dict) -> None:
-    """One row: what Prepared and ItemResult share, plus `values`."""
-    failed = item.error is not None
-    values = {"sha256": item.sha256, "source": item.source, "kind": item.kind,
-              "grid": None if failed else [int(v) for g in item.grid_thw for v in g],
-              "timestamps": None if failed else item.timestamps,
-              "placeholders": None if failed else [p.text for p in item.placeholders],
-              "sizes": None if failed else [int(v) for z in item.sizes for v in (z or (0, 0))], **values}
-    for k, v in values.items():
-        out[k].append(v)
-
-
-def _common(row: dict) -> dict:
-    g, s = row["grid"] or [], row["sizes"] or []
-    grid = [g[i : i + 3] for i in range(0, len(g), 3)]
-    return dict(sha256=row["sha256"], source=row["source"], kind=row["kind"], grid_thw=grid,
-                timestamps=row["timestamps"],
-                placeholders=[Placeholder(text, grid_tokens(h, w)) for text, (_, h, w) in
-                              zip(row["placeholders"] or [], grid)],
-                sizes=[tuple(z) if z[0] else None for z in (s[i : i + 2] for i in range(0, len(s), 2))],
-                error=None if row["error"] is None else BivitError(row["error"]))
+def _record_json(item: Prepared | ItemResult) -> str:
+    return json.dumps(records.of_result(item).to_json(), separators=(",", ":"), ensure_ascii=False)
 
 
 def _unpack_prepared(row: dict) -> Prepared:
-    p = Prepared(**_common(row))
+    p = from_record(records.Record.from_json(json.loads(row["record"])), Prepared)
     if p.error is None:
         pixels = torch.frombuffer(bytearray(row["pixels"]), dtype=torch.float32).reshape(-1, 3, row["patch"],
                                                                                          row["patch"])
@@ -140,16 +108,16 @@ def encoded_table(results: Sequence[ItemResult]) -> pa.Table:
     out = {name: [] for name in ENCODED_SCHEMA.names}
     for r in results:
         t = None if r.embedding is None else r.embedding.contiguous()
-        _put_common(out, r, {"data": None if t is None else t.view(torch.uint8).numpy().tobytes(),
-                             "dtype": None if t is None else dtype_name(t.dtype),
-                             "rows": None if t is None else int(t.shape[0]),
-                             "cols": None if t is None else int(t.shape[1]),
-                             "error": None if r.error is None else reason(r)})
+        out["record"].append(_record_json(r))
+        out["data"].append(None if t is None else t.view(torch.uint8).numpy().tobytes())
+        out["dtype"].append(None if t is None else dtype_name(t.dtype))
+        out["rows"].append(None if t is None else int(t.shape[0]))
+        out["cols"].append(None if t is None else int(t.shape[1]))
     return pa.table(out, schema=ENCODED_SCHEMA)
 
 
 def decode_encoded(row: dict) -> ItemResult:
-    r = ItemResult(**_common(row))
+    r = from_record(records.Record.from_json(json.loads(row["record"])))
     if r.error is None:
         dtype = parse_dtype(row["dtype"], "dtype")
         raw = (torch.frombuffer(bytearray(row["data"]), dtype=torch.uint8) if row["data"]

@@ -375,7 +375,7 @@ class _Budget:
         self.svc.metrics.pixel_bytes.set(self.svc.pixels_held)
 
 
-class EncodeFailed(Exception):
+class EncodeFailed(BivitError):
     """A forward pass that raised something other than a BivitError: the server's fault (error kind "internal")."""
 
 
