@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from bivit import kernels, ops
-from bivit.kernels import abi
+from bivit.kernels import abi, gemm
 from bivit.ops import attend as attention_op
 
 FLAGS = kernels.cpu_info()[1]
@@ -239,6 +239,28 @@ def test_a_swapped_stride_field_fails_the_self_test(kernel, dtype):
         for pair in itertools.combinations(STRIDE_FIELDS, 2):
             with pytest.raises(kernels.KernelUnavailable, match="failed its self-test"):
                 kernels._self_test(_Swapped(path.lib, path.variant, path.amx, swap=pair), dtype, bound)
+
+
+@dataclass(frozen=True)
+class _SwappedGemm(kernels.GemmKernel):
+    """A compiled GEMM called with x's and y's row strides exchanged, on purpose."""
+
+    def args(self, *a, **kw):
+        args = super().args(*a, **kw)
+        args.x_row, args.y_row = args.y_row, args.x_row
+        return args
+
+
+def test_a_swapped_gemm_stride_fails_the_gemm_self_test(library):
+    """The GEMM self-test's x and y have row strides of their own, so every GEMM kernel of the library passes it
+    called correctly and fails it called with x's and y's row strides exchanged."""
+    for kernel in library.gemms:
+        for dtype in (torch.bfloat16, torch.float32):
+            if not kernel.takes(dtype):
+                continue
+            assert gemm.self_test(kernel, dtype) is None
+            why = gemm.self_test(_SwappedGemm(kernel.lib, kernel.variant, kernel.name), dtype)
+            assert why is not None and "off by" in why, (kernel.name, dtype, why)
 
 
 def test_argument_structs_have_the_librarys_layout(library):
