@@ -6,7 +6,7 @@
  * order, and `bivit_abi_field` lets it check at load that every field of its mirror is where this struct has
  * it (a library built from other sources is refused before anything is called).
  *
- * Strides are in elements, not bytes. Integers the code computes with are int64_t; flags and counts int.
+ * Strides are in elements, not bytes. Sizes and strides are int64_t; kinds, element types and thread counts int.
  */
 #ifndef BIVIT_ABI_H
 #define BIVIT_ABI_H
