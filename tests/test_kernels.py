@@ -3,18 +3,22 @@ float64 attention, bits independent of the batch and of the thread count (with a
 the batch), gradients; the RoPE kernel's bits equal to PyTorch's; and the selection rules (`BIVIT_ATTENTION`, CPU
 flags, PyTorch's capability). The kernel cache's defences are in test_kernel_cache.py."""
 
+import ctypes
+import itertools
 import logging
 import math
 import os
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from bivit import kernels, ops
+from bivit.kernels import abi, gemm
 from bivit.ops import attend as attention_op
 
 FLAGS = kernels.cpu_info()[1]
@@ -181,6 +185,102 @@ def test_rotating_q_and_k_inside_the_kernel_gives_the_bits_of_rotating_first(ker
     odd = _qkv(10, 2, 27, dtype=dtype)
     with pytest.raises(ValueError, match="head dim 27"):
         kernel(*odd, torch.empty_like(odd[0]), [10], rope=(cos[:10, :27].contiguous(), sin[:10, :27].contiguous()))
+
+
+# ------------------------------------------------------------------------------------- the call's arguments
+
+STRIDE_FIELDS = ("q_row", "k_row", "v_row", "out_row", "q_head", "k_head", "v_head", "out_head")
+
+
+@dataclass(frozen=True)
+class _Swapped(kernels.Attention):
+    """The compiled attention called with two fields of its argument struct exchanged: a caller's mistake, made
+    on purpose (every other argument as `Attention.args` fills it)."""
+
+    swap: tuple[str, str] = ("k_row", "v_row")
+
+    def args(self, *a, **kw):
+        args = super().args(*a, **kw)
+        f, g = self.swap
+        first, second = getattr(args, f), getattr(args, g)
+        setattr(args, f, second)
+        setattr(args, g, first)
+        return args
+
+
+def _max_error(out, q, k, v, lens) -> float:
+    err, start = 0.0, 0
+    for n in lens:
+        part = slice(start, start + n)
+        err = max(err, float((out[part].double() - _reference(q[part], k[part], v[part])).abs().max()))
+        start += n
+    return err
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_swapped_stride_field_fails_the_self_test(kernel, dtype):
+    """The self-test's q, k, v and out are views with row and head strides of their own (eight different
+    values), so the arguments reaching the wrong fields cannot pass it: the correct call is within the
+    self-test's bound of float64 attention, and the call with k's and v's row strides exchanged (the control)
+    is not; then for every pair of the eight stride fields, the self-test refuses the kernel called with that
+    pair exchanged. Every attention path of the variant (bf16 on AMX tiles and on its own code)."""
+    bound = kernels.SELF_TEST_BOUNDS[dtype]
+    paths = [kernel] + ([replace(kernel, amx=False)] if kernel.amx and dtype == torch.bfloat16 else [])
+    for path in paths:
+        q, k, v, out, lens = kernels.self_test_inputs(dtype)
+        assert len({t.stride(i) for t in (q, k, v, out) for i in (0, 1)}) == 8
+        path(q, k, v, out, lens)
+        assert _max_error(out, q, k, v, lens) <= bound
+        swapped = _Swapped(path.lib, path.variant, path.amx, swap=("k_row", "v_row"))
+        wrong = torch.empty_like(out)
+        swapped(q, k, v, wrong, lens)
+        assert _max_error(wrong, q, k, v, lens) > bound
+        kernels._self_test(path, dtype, bound)
+        for pair in itertools.combinations(STRIDE_FIELDS, 2):
+            with pytest.raises(kernels.KernelUnavailable, match="failed its self-test"):
+                kernels._self_test(_Swapped(path.lib, path.variant, path.amx, swap=pair), dtype, bound)
+
+
+@dataclass(frozen=True)
+class _SwappedGemm(kernels.GemmKernel):
+    """A compiled GEMM called with x's and y's row strides exchanged, on purpose."""
+
+    def args(self, *a, **kw):
+        args = super().args(*a, **kw)
+        args.x_row, args.y_row = args.y_row, args.x_row
+        return args
+
+
+def test_a_swapped_gemm_stride_fails_the_gemm_self_test(library):
+    """The GEMM self-test's x and y have row strides of their own, so every GEMM kernel of the library passes it
+    called correctly and fails it called with x's and y's row strides exchanged."""
+    for kernel in library.gemms:
+        for dtype in (torch.bfloat16, torch.float32):
+            if not kernel.takes(dtype):
+                continue
+            assert gemm.self_test(kernel, dtype) is None
+            why = gemm.self_test(_SwappedGemm(kernel.lib, kernel.variant, kernel.name), dtype)
+            assert why is not None and "off by" in why, (kernel.name, dtype, why)
+
+
+def test_argument_structs_have_the_librarys_layout(library):
+    """Python's mirrors of abi.h's structs have every field at the offset and size the compiled library
+    reports, so a named field reaches the C field of that name. Controls: a mirror with two fields in the
+    other order, or with a field the library lacks, is refused at load; a struct filled with a field missing
+    (which ctypes would leave 0: a zero stride) is an error."""
+    lib = library.loaded.lib
+    abi.check(lib)
+    fields = list(abi.AttentionArgs._fields_)
+    i, j = fields.index(("k_row", ctypes.c_int64)), fields.index(("v_row", ctypes.c_int64))
+    fields[i], fields[j] = fields[j], fields[i]
+    reordered = type("Reordered", (ctypes.Structure,), {"_fields_": fields})
+    with pytest.raises(kernels.KernelUnavailable, match=r"lays out bivit_attention_args\.[kv]_row"):
+        abi.check(lib, {"bivit_attention_args": reordered})
+    extra = type("Extra", (ctypes.Structure,), {"_fields_": abi.GemmArgs._fields_ + [("z_row", ctypes.c_int64)]})
+    with pytest.raises(kernels.KernelUnavailable, match="no field bivit_gemm_args.z_row"):
+        abi.check(lib, {"bivit_gemm_args": extra})
+    with pytest.raises(TypeError, match="missing.*'v_row'"):
+        abi.fill(abi.AttentionArgs, **{name: 0 for name, _ in abi.AttentionArgs._fields_ if name != "v_row"})
 
 
 @needs_cpu

@@ -38,9 +38,10 @@ from typing import Sequence
 import torch
 
 from .. import notices
+from . import abi
+from .abi import AttentionArgs, RopeArgs, fill
 from .cache import CACHE_ENV, Build, KernelUnavailable, Loaded, cache_dir, compiler, find_compiler, load
 from .gemm import GemmKernel
-from .gemm import bind as _bind_gemm
 
 __all__ = ["ATTENTION_ENV", "CACHE_ENV", "Attention", "GemmKernel", "KernelUnavailable", "Library", "Rope",
            "VARIANTS", "Variant", "attention", "attention_declined", "cache_dir", "compiler", "cpu_info",
@@ -68,7 +69,7 @@ class Variant:
     cflags: tuple[str, ...]
 
     def build(self) -> Build:
-        headers = ("common.h", "rope.h", "gemm.h", f"gemm_{self.name}.h", "attention_amx.h")
+        headers = ("abi.h", "common.h", "rope.h", "gemm.h", f"gemm_{self.name}.h", "attention_amx.h")
         return Build(_HERE / self.source, tuple(_HERE / h for h in headers), (*COMMON_CFLAGS, *self.cflags))
 
 
@@ -163,26 +164,38 @@ class Attention:
         `seqlens[i]` rows; lse: float32 with room for `heads * L` values (item by item, `[heads, n_i]` each), or
         None; rope: the (cos, sin) tables of `Rope` (`supports_rope`), which q and k are then rotated by as the
         kernel reads them: the bits of rotating them with `Rope` first."""
-        _, heads, d = q.shape
-        cos, sin = rope if rope is not None else (None, None)
-        cu = torch.zeros(len(seqlens) + 1, dtype=torch.int64)
-        torch.cumsum(torch.tensor(seqlens, dtype=torch.int64), 0, out=cu[1:])
+        args = self.args(q, k, v, out, seqlens, lse, rope)
         if q.dtype == torch.bfloat16:
             fn = self.lib.bivit_attention_amx_bf16 if self.amx else self.lib.bivit_attention_bf16
         else:
             fn = self.lib.bivit_attention_f32
-        rc = fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), cu.data_ptr(), len(seqlens), heads, d,
-                q.stride(0), k.stride(0), v.stride(0), out.stride(0),
-                q.stride(1), k.stride(1), v.stride(1), out.stride(1), 1 / math.sqrt(d),
-                None if lse is None else lse.data_ptr(), None if cos is None else cos.data_ptr(),
-                None if sin is None else sin.data_ptr(), torch.get_num_threads())
+        rc = fn(args)
         if rc == 1:
             raise MemoryError(f"bivit attention: no memory for the scratch of {len(seqlens)} item(s) of up to "
                               f"{max(seqlens)} patches")
         if rc == 2:
-            raise ValueError(f"bivit attention: unsupported head dim {d}")
+            raise ValueError(f"bivit attention: unsupported head dim {args.d}")
         if rc != 0:
             raise ValueError(f"bivit attention: bad item lengths {list(seqlens)}")
+
+    def args(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, seqlens: Sequence[int],
+             lse: torch.Tensor | None = None,
+             rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> AttentionArgs:
+        """The C call's arguments for `__call__`'s tensors, every stride named by its tensor (what the tests
+        tamper with to show a misplaced stride fails). It keeps the item offsets it points to alive."""
+        _, heads, d = q.shape
+        cos, sin = rope if rope is not None else (None, None)
+        cu = torch.zeros(len(seqlens) + 1, dtype=torch.int64)
+        torch.cumsum(torch.tensor(seqlens, dtype=torch.int64), 0, out=cu[1:])
+        args = fill(AttentionArgs, q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), out=out.data_ptr(),
+                    cu=cu.data_ptr(), lse=None if lse is None else lse.data_ptr(),
+                    cos=None if cos is None else cos.data_ptr(), sin=None if sin is None else sin.data_ptr(),
+                    count=len(seqlens), heads=heads, d=d,
+                    q_row=q.stride(0), k_row=k.stride(0), v_row=v.stride(0), out_row=out.stride(0),
+                    q_head=q.stride(1), k_head=k.stride(1), v_head=v.stride(1), out_head=out.stride(1),
+                    scale=1 / math.sqrt(d), threads=torch.get_num_threads())
+        args.keep_alive = cu  # the struct holds only cu's address
+        return args
 
     @staticmethod
     def supports(q: torch.Tensor) -> bool:
@@ -207,8 +220,9 @@ class Rope:
         """x, out: `[L, slots, d]` of one dtype, last dim contiguous; cos, sin: contiguous float32 `[L, d]`."""
         rows, slots, d = x.shape
         fn = self.lib.bivit_rope_bf16 if x.dtype == torch.bfloat16 else self.lib.bivit_rope_f32
-        rc = fn(x.data_ptr(), out.data_ptr(), cos.data_ptr(), sin.data_ptr(), rows, slots, d, x.stride(0),
-                x.stride(1), out.stride(0), out.stride(1), torch.get_num_threads())
+        rc = fn(fill(RopeArgs, x=x.data_ptr(), out=out.data_ptr(), cos=cos.data_ptr(), sin=sin.data_ptr(), rows=rows,
+                     slots=slots, d=d, x_row=x.stride(0), x_slot=x.stride(1), out_row=out.stride(0),
+                     out_slot=out.stride(1), threads=torch.get_num_threads()))
         if rc != 0:
             raise ValueError(f"bivit rope: unsupported head dim {d}")
 
@@ -250,37 +264,49 @@ def load_library(variant: Variant) -> Library:
     """Build (or find in the cache), load and self-test one variant. The caller has checked the CPU runs it."""
     loaded = load(variant.build())
     lib = loaded.lib
-    entries = [lib.bivit_attention_bf16, lib.bivit_attention_f32]
-    if variant.name == "avx512":
-        entries.append(lib.bivit_attention_amx_bf16)
-    for fn in entries:
-        fn.restype = ctypes.c_int
-        fn.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int64] * 11
-                       + [ctypes.c_float] + [ctypes.c_void_p] * 3 + [ctypes.c_int])
-    for fn in (lib.bivit_rope_bf16, lib.bivit_rope_f32):
-        fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 7 + [ctypes.c_int]
-    _bind_gemm(lib)
+    abi.bind(lib)
     gemms = _gemm_kernels(lib, variant.name, cpu_info()[1])
     # AMX tiles for bf16 attention where the GEMM has them, unless a variant was named (BIVIT_ATTENTION=avx512
     # runs that variant's own code: how the AVX-512 kernel is exercised on an AMX machine).
     amx = any(g.name == "amx" for g in gemms) and _attention_choice() in ("auto", "bivit")
     library = Library(loaded, variant.name, Attention(lib, variant.name, amx), Rope(lib), gemms)
-    for dtype, bound in ((torch.bfloat16, 2 ** -7), (torch.float32, 1e-5)):
+    for dtype, bound in SELF_TEST_BOUNDS.items():
         _self_test(library.attention, dtype, bound)
         if amx and dtype == torch.bfloat16:
             _self_test(replace(library.attention, amx=False), dtype, bound)
     return library
 
 
-def _self_test(kernel: Attention, dtype: torch.dtype, bound: float) -> None:
-    """Refuse a kernel that does not compute attention (a miscompile, an odd toolchain): compared with float64
-    attention on two small items of one call, it must be as close as rounding to `dtype` allows. (The RoPE
-    kernel is held to PyTorch's bits by `bivit.ops.rotary` itself.)"""
+SELF_TEST_BOUNDS = {torch.bfloat16: 2 ** -7, torch.float32: 1e-5}  # the self-test's max error per dtype
+
+
+def _strided(rows: int, heads: int, d: int, row_pad: int, head_pad: int, g: torch.Generator,
+             dtype: torch.dtype) -> torch.Tensor:
+    """A random `[rows, heads, d]` view whose heads are `d + head_pad` and rows `heads * (d + head_pad) +
+    row_pad` elements apart, in a buffer twice the size it spans (so a call with strides mixed up reads and
+    writes wrong places of it, not past it)."""
+    head = d + head_pad
+    row = heads * head + row_pad
+    return torch.randn(2 * rows * row + 2 * heads * head, generator=g).to(dtype).as_strided((rows, heads, d),
+                                                                                            (row, head, 1))
+
+
+def self_test_inputs(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+    """The self-test's q, k, v, out (random) and item lengths: two items, and every tensor with row and head
+    strides of its own, all eight different, so a call that passes one tensor's stride for another's (or a
+    head stride for a row stride) computes something else and fails the test."""
     g = torch.Generator().manual_seed(0)
     lens = [37, 20]
-    q, k, v = torch.randn(3, sum(lens), 2, 72, generator=g).to(dtype).unbind(0)
-    out = torch.empty_like(q)
+    q, k, v, out = (_strided(sum(lens), 2, 72, row_pad, head_pad, g, dtype)
+                    for row_pad, head_pad in ((5, 3), (11, 1), (0, 7), (2, 2)))
+    return q, k, v, out, lens
+
+
+def _self_test(kernel: Attention, dtype: torch.dtype, bound: float) -> None:
+    """Refuse a kernel that does not compute attention (a miscompile, an odd toolchain, arguments in the wrong
+    fields): compared with float64 attention on two small items of one call, it must be as close as rounding
+    to `dtype` allows. (The RoPE kernel is held to PyTorch's bits by `bivit.ops.rotary` itself.)"""
+    q, k, v, out, lens = self_test_inputs(dtype)
     kernel(q, k, v, out, lens)
     err, start = 0.0, 0
     for n in lens:

@@ -210,12 +210,9 @@ static const struct variant AMX_VARIANT = {BQ_AMX, amx_attn_kpack_bytes, amx_att
                                            amx_pack_head, amx_run_unit};
 
 /* bf16 only (fp32 attention runs the AVX-512 kernel); the arguments of bivit_attention_bf16. */
-int bivit_attention_amx_bf16(BIVIT_ATTENTION_PARAMS) {
-    struct call C = {.q = q, .k = k, .v = v, .out = out, .d = d, .heads = heads, .q_row = q_row, .k_row = k_row,
-                     .v_row = v_row, .out_row = out_row, .q_head = q_head, .k_head = k_head, .v_head = v_head,
-                     .out_head = out_head, .scale2 = scale * 1.4426950408889634f, .lse = lse, .cos = cos,
-                     .sin = sin, .bf = 1, .esize = 2};
-    return run_call(&AMX_VARIANT, &C, cu, count, threads);
+int bivit_attention_amx_bf16(const struct bivit_attention_args *a) {
+    struct call C = call_of(a, 1);
+    return run_call(&AMX_VARIANT, &C, a->cu, a->count, a->threads);
 }
 
 #endif

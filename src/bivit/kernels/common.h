@@ -29,6 +29,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "abi.h"
 #include "rope.h"
 
 typedef uint16_t bf16;
@@ -241,20 +242,24 @@ static int run_call(const struct variant *V, struct call *C, const int64_t *cu, 
     return failed;
 }
 
+/* The call a variant computes, from the exported arguments (abi.h): scores are exponentiated base 2. */
+static inline struct call call_of(const struct bivit_attention_args *a, int bf) {
+    struct call C = {.q = a->q, .k = a->k, .v = a->v, .out = a->out, .d = a->d, .heads = a->heads,
+                     .q_row = a->q_row, .k_row = a->k_row, .v_row = a->v_row, .out_row = a->out_row,
+                     .q_head = a->q_head, .k_head = a->k_head, .v_head = a->v_head, .out_head = a->out_head,
+                     .scale2 = a->scale * 1.4426950408889634f, .lse = a->lse, .cos = a->cos, .sin = a->sin,
+                     .bf = bf, .esize = bf ? 2 : 4};
+    return C;
+}
+
 /* The exported entry points of a variant whose file defines `BQ`, the size functions and the dtype-generic
  * `pack_head_t(C, it, h, bf)` and `run_unit_t(C, it, h, i0, scratch, bf)`: per-dtype instances (the dtype is
- * a constant inside each, so every branch on it folds away) and `bivit_attention_bf16` / `_f32`. */
-#define BIVIT_ATTENTION_PARAMS                                                                                   \
-    const void *q, const void *k, const void *v, void *out, const int64_t *cu, int64_t count, int64_t heads,    \
-        int64_t d, int64_t q_row, int64_t k_row, int64_t v_row, int64_t out_row, int64_t q_head, int64_t k_head, \
-        int64_t v_head, int64_t out_head, float scale, float *lse, const float *cos, const float *sin, int threads
+ * a constant inside each, so every branch on it folds away) and `bivit_attention_bf16` / `_f32`, each taking
+ * `const struct bivit_attention_args *`. */
 #define BIVIT_ATTENTION_ENTRY(FN, BF)                                                                            \
-    int FN(BIVIT_ATTENTION_PARAMS) {                                                                            \
-        struct call C = {.q = q, .k = k, .v = v, .out = out, .d = d, .heads = heads, .q_row = q_row,            \
-                         .k_row = k_row, .v_row = v_row, .out_row = out_row, .q_head = q_head, .k_head = k_head, \
-                         .v_head = v_head, .out_head = out_head, .scale2 = scale * 1.4426950408889634f,         \
-                         .lse = lse, .cos = cos, .sin = sin, .bf = BF, .esize = BF ? 2 : 4};                    \
-        return run_call(&VARIANT, &C, cu, count, threads);                                                      \
+    int FN(const struct bivit_attention_args *a) {                                                              \
+        struct call C = call_of(a, BF);                                                                         \
+        return run_call(&VARIANT, &C, a->cu, a->count, a->threads);                                             \
     }
 #define BIVIT_VARIANT                                                                                            \
     static void pack_head(const struct call *C, const struct item *it, int64_t h) {                             \

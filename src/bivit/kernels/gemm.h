@@ -193,24 +193,23 @@ static int gemm_run(const struct gemm_kernel *G, const struct gemm_call *C, int 
     }
 
 /* The exported entry points, for a variant that defines `gemm_kernel_of(kind)` (NULL for a kind it lacks):
- * `kind` names a kernel to Python, so one library holds several. */
+ * `kind` names a kernel to Python, so one library holds several. Arguments: abi.h's structs. */
 #define BIVIT_GEMM_ENTRIES                                                                                       \
-    size_t bivit_gemm_packed_bytes(int kind, int64_t N, int64_t K) {                                            \
-        const struct gemm_kernel *G = gemm_kernel_of(kind);                                                     \
-        return G && N > 0 && K > 0 ? G->packed_bytes(N, K) : 0;                                                 \
+    size_t bivit_gemm_packed_bytes(const struct bivit_gemm_pack_args *a) {                                      \
+        const struct gemm_kernel *G = gemm_kernel_of(a->kind);                                                  \
+        return G && a->N > 0 && a->K > 0 ? G->packed_bytes(a->N, a->K) : 0;                                    \
     }                                                                                                           \
-    int bivit_gemm_pack(int kind, const void *w, int64_t w_row, int wt, int64_t N, int64_t K, void *out,        \
-                        int threads) {                                                                          \
-        const struct gemm_kernel *G = gemm_kernel_of(kind);                                                     \
-        return G ? gemm_pack(G, w, w_row, wt, N, K, out, threads) : 2;                                         \
+    int bivit_gemm_pack(const struct bivit_gemm_pack_args *a) {                                                 \
+        const struct gemm_kernel *G = gemm_kernel_of(a->kind);                                                  \
+        return G ? gemm_pack(G, a->w, a->w_row, a->wt, a->N, a->K, a->out, a->threads) : 2;                     \
     }                                                                                                           \
-    int bivit_gemm(int kind, const void *x, int64_t x_row, int xt, const void *w, const float *bias, void *y,    \
-                   int64_t y_row, int yt, int act, int64_t M, int64_t N, int64_t K, int threads) {             \
-        const struct gemm_kernel *G = gemm_kernel_of(kind);                                                     \
+    int bivit_gemm(const struct bivit_gemm_args *a) {                                                           \
+        const struct gemm_kernel *G = gemm_kernel_of(a->kind);                                                  \
         if (!G) return 2;                                                                                       \
-        const struct gemm_call C = {.x = x, .x_row = x_row, .xt = xt, .w = w, .bias = bias, .y = y,           \
-                                    .y_row = y_row, .yt = yt, .act = act, .M = M, .N = N, .K = K};            \
-        return gemm_run(G, &C, threads);                                                                        \
+        const struct gemm_call C = {.x = a->x, .x_row = a->x_row, .xt = a->xt, .w = a->w, .bias = a->bias,     \
+                                    .y = a->y, .y_row = a->y_row, .yt = a->yt, .act = a->act, .M = a->M,       \
+                                    .N = a->N, .K = a->K};                                                      \
+        return gemm_run(G, &C, a->threads);                                                                     \
     }
 
 #endif

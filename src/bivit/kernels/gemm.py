@@ -20,24 +20,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .abi import GemmArgs, GemmPackArgs, fill
+
 ETYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # gemm.h's E_F32, E_BF16, E_F16
 ACTS = {None: 0, "tanh": 1, "none": 2}  # gemm.h's ACT_*: GELU after the GEMM, by its `approximate` name
 KINDS = {"fp32": 0, "avx512_bf16": 1, "amx": 2}
-
-
-def bind(lib: ctypes.CDLL) -> None:
-    """Declare the GEMM entry points' C signatures (once per loaded library)."""
-    lib.bivit_gemm_packed_bytes.restype = ctypes.c_size_t
-    lib.bivit_gemm_packed_bytes.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-    lib.bivit_gemm_pack.restype = ctypes.c_int
-    lib.bivit_gemm_pack.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int64,
-                                    ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
-    lib.bivit_gemm.restype = ctypes.c_int
-    lib.bivit_gemm.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p,
-                               ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
-                               ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
-    lib.bivit_amx_init.restype = ctypes.c_int
-    lib.bivit_amx_init.argtypes = []
 
 
 @dataclass(frozen=True)
@@ -64,9 +51,11 @@ class GemmKernel:
         n, k = weight.shape
         if weight.stride(1) != 1:
             weight = weight.contiguous()
-        buf = torch.empty(self.lib.bivit_gemm_packed_bytes(self.kind, n, k), dtype=torch.uint8)
-        rc = self.lib.bivit_gemm_pack(self.kind, weight.data_ptr(), weight.stride(0), ETYPES[weight.dtype], n, k,
-                                      buf.data_ptr(), torch.get_num_threads())
+        args = fill(GemmPackArgs, w=weight.data_ptr(), out=None, w_row=weight.stride(0), N=n, K=k, kind=self.kind,
+                    wt=ETYPES[weight.dtype], threads=torch.get_num_threads())
+        buf = torch.empty(self.lib.bivit_gemm_packed_bytes(args), dtype=torch.uint8)
+        args.out = buf.data_ptr()
+        rc = self.lib.bivit_gemm_pack(args)
         if rc != 0:
             raise ValueError(f"bivit gemm: cannot pack a {tuple(weight.shape)} {weight.dtype} weight (code {rc})")
         return buf
@@ -77,14 +66,22 @@ class GemmKernel:
         sum: x and out with a contiguous last dim, bias float32 `[n]` contiguous or None. `threads` defaults to
         PyTorch's thread count; it never changes the bits."""
         m, k = x.shape
-        rc = self.lib.bivit_gemm(self.kind, x.data_ptr(), x.stride(0), ETYPES[x.dtype], packed.data_ptr(),
-                                 None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0),
-                                 ETYPES[out.dtype], ACTS[gelu], m, n, k, threads or torch.get_num_threads())
+        rc = self.lib.bivit_gemm(self.args(x, packed, n, bias, out, gelu, threads))
         if rc == 1:
             raise MemoryError(f"bivit gemm: no memory for the scratch of a {m}x{k} by {k}x{n} GEMM")
         if rc != 0:
             raise ValueError(f"bivit gemm: bad sizes {m}x{k} by {k}x{n} (code {rc})")
         return out
+
+    def args(self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None, out: torch.Tensor,
+             gelu: str | None = None, threads: int | None = None) -> GemmArgs:
+        """The C call's arguments for `__call__`'s tensors, each stride named by its tensor (what the tests
+        tamper with to show a misplaced stride fails the self-test)."""
+        m, k = x.shape
+        return fill(GemmArgs, x=x.data_ptr(), w=packed.data_ptr(), bias=None if bias is None else bias.data_ptr(),
+                    y=out.data_ptr(), x_row=x.stride(0), y_row=out.stride(0), M=m, N=n, K=k, kind=self.kind,
+                    xt=ETYPES[x.dtype], yt=ETYPES[out.dtype], act=ACTS[gelu],
+                    threads=threads or torch.get_num_threads())
 
 
 def self_test(kernel: GemmKernel, dtype: torch.dtype) -> str | None:
@@ -93,13 +90,21 @@ def self_test(kernel: GemmKernel, dtype: torch.dtype) -> str | None:
     rounding to `dtype` allows, and each row bit-identical computed alone, in the call, and at 3 threads."""
     g = torch.Generator().manual_seed(0)
     m, n, k = 37, 50, 77
-    w, x = (torch.randn(*s, generator=g).to(dtype) for s in ((n, k), (m, k)))
+    # x and every y are views with row strides of their own (k + 3, n + 5), so a call that passed one's stride as
+    # the other's reads or writes the wrong rows and fails below; y's buffers have room for twice its rows, so
+    # such a call writes wrong places of them, not past them.
+    w = torch.randn(n, k, generator=g).to(dtype)
+    x = torch.randn(m, k + 3, generator=g).to(dtype)[:, :k]
     bias = torch.randn(n, generator=g)
+
+    def out(rows: int) -> torch.Tensor:
+        return torch.empty(2 * rows, n + 5, dtype=torch.float32)[:rows, :n]
+
     try:
         packed = kernel.pack(w)
-        y = kernel(x, packed, n, bias, torch.empty(m, n, dtype=torch.float32), threads=2)
-        alone = torch.cat([kernel(x[i:i + 1], packed, n, bias, torch.empty(1, n), threads=1) for i in range(5)])
-        many = kernel(x, packed, n, bias, torch.empty(m, n), threads=3)
+        y = kernel(x, packed, n, bias, out(m), threads=2)
+        alone = torch.cat([kernel(x[i:i + 1], packed, n, bias, out(1), threads=1) for i in range(5)])
+        many = kernel(x, packed, n, bias, out(m), threads=3)
     except (ValueError, MemoryError, OSError) as e:
         return f"it raised ({e})"
     ref = x.double() @ w.double().t() + bias.double()
@@ -107,7 +112,7 @@ def self_test(kernel: GemmKernel, dtype: torch.dtype) -> str | None:
     if not err <= 1e-5:
         return f"its result is off by {err:.3g} (relative) from float64"
     for gelu in ("tanh", "none"):
-        act = kernel(x, packed, n, bias, torch.empty(m, n), gelu=gelu)
+        act = kernel(x, packed, n, bias, out(m), gelu=gelu)
         gerr = float((act.double() - torch.nn.functional.gelu(ref, approximate=gelu)).abs().max() / ref.abs().max())
         if not gerr <= 1e-5:
             return f"its GELU ({gelu}) is off by {gerr:.3g} (relative) from float64"

@@ -22,6 +22,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "abi.h"
+
 /* Element c of a row (bf16 or float) as a float, exactly. */
 static inline float load_elem(const void *row, int64_t c, int bf) {
     if (!bf) return ((const float *)row)[c];
@@ -72,14 +74,14 @@ static inline __attribute__((always_inline)) void rope_rows(const char *x, char 
     }
 }
 
-/* x, out: [rows][slots][d] (head_dim contiguous, even, at most 256), any row and slot strides; cos, sin:
- * contiguous fp32 [rows][d]. Returns 0, or 2 for an unsupported d. */
+/* abi.h's bivit_rope_args: x, out [rows][slots][d] (head_dim contiguous, even, at most 256), any row and slot
+ * strides; cos, sin: contiguous fp32 [rows][d]. Returns 0, or 2 for an unsupported d. */
 #define BIVIT_ROPE_ENTRY(FN, BF)                                                                                 \
-    int FN(const void *x, void *out, const float *cos, const float *sin, int64_t rows, int64_t slots, int64_t d, \
-           int64_t x_row, int64_t x_slot, int64_t out_row, int64_t out_slot, int threads) {                      \
-        if (d < 2 || d > 256 || d % 2) return 2;                                                                 \
-        rope_rows(x, out, cos, sin, rows, slots, d, x_row, x_slot, out_row, out_slot, threads, BF);              \
-        return 0;                                                                                                \
+    int FN(const struct bivit_rope_args *a) {                                                                   \
+        if (a->d < 2 || a->d > 256 || a->d % 2) return 2;                                                       \
+        rope_rows(a->x, a->out, a->cos, a->sin, a->rows, a->slots, a->d, a->x_row, a->x_slot, a->out_row,       \
+                  a->out_slot, a->threads, BF);                                                                 \
+        return 0;                                                                                               \
     }
 BIVIT_ROPE_ENTRY(bivit_rope_bf16, 1)
 BIVIT_ROPE_ENTRY(bivit_rope_f32, 0)
