@@ -65,7 +65,8 @@ def encode_dataset(
         raise typer.Exit(130) from None
     typer.echo(_summary_line(summary))
     if ec_dir is not None:
-        typer.echo(f"encoder cache: {summary.ec_written} items in {ec_dir} (ids: bivit.engines.vllm.load_media(OUT))")
+        typer.echo(f"encoder cache: {plural(summary.ec_written, 'item')} in {ec_dir} "
+                   "(ids: bivit.engines.vllm.load_media(OUT))")
     if summary.ec_failed:
         typer.echo(f"bivit: error: --ec-dir {ec_dir}: {plural(len(summary.ec_failed), 'input')} not written there, "
                    f"{summary.ec_failed[0]} ({out} holds every embedding)", err=True)

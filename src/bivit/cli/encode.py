@@ -109,7 +109,8 @@ def encode(
         fail(f"--ec-dir {ec_dir}: {plural(len(ec_failed), 'input')} not written there, {ec_failed[0]} ({out} is "
              "written, with every embedding)", FAILURE)
     if ec_dir is not None:
-        typer.echo(f"encoder cache: {ec.written} items in {ec_dir} (ids: \"ec_ids\" of each record in the file)")
+        typer.echo(f"encoder cache: {plural(ec.written, 'item')} in {ec_dir} "
+                   "(ids: \"ec_ids\" of each record in the file)")
     if failed:
         raise typer.Exit(FAILURE)
 

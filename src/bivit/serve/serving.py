@@ -275,7 +275,8 @@ class Service:
                 raise RequestError(413, "too_many_items", f"request has {n} items to encode, more than --max-queue "
                                    f"{self.settings.max_queue}; split it")
             if self.inflight + n > self.settings.max_queue:
-                raise RequestError(429, "queue_full", f"server busy: {self.inflight} items in flight, --max-queue "
+                items_text = f"{self.inflight} item{'' if self.inflight == 1 else 's'}"
+                raise RequestError(429, "queue_full", f"server busy: {items_text} in flight, --max-queue "
                                    f"{self.settings.max_queue}; retry later",
                                    {"Retry-After": str(self.settings.retry_after_s)})
             # Images are counted from their headers, before anything is decoded.
