@@ -15,92 +15,70 @@
 #include <stdint.h>
 #include <string.h>
 
+/* Each struct's fields are listed once, as X(struct, type, name): the struct is declared from the list and so is
+ * the table `bivit_abi_field` reads (a field cannot be in one and not the other). */
+
 /* One call of the compiled attention: q/k/v/out are [rows][heads][d] with d contiguous; item i owns rows
  * cu[i] .. cu[i + 1] - 1 (count + 1 offsets). `lse`: NULL or [heads][n] floats per item, item by item. `cos`,
- * `sin`: NULL or RoPE tables, fp32 [rows][d]. */
-struct bivit_attention_args {
-    const void *q, *k, *v;
-    void *out;
-    const int64_t *cu;
-    float *lse;
-    const float *cos, *sin;
-    int64_t count, heads, d;
-    int64_t q_row, k_row, v_row, out_row;      /* elements between consecutive rows */
-    int64_t q_head, k_head, v_head, out_head;  /* elements between consecutive heads of a row */
-    float scale;                               /* applied to q.k before the softmax */
-    int threads;
-};
+ * `sin`: NULL or RoPE tables, fp32 [rows][d]. Strides: `*_row` between consecutive rows, `*_head` between
+ * consecutive heads of a row. `scale` is applied to q.k before the softmax. */
+#define BIVIT_ATTENTION_FIELDS(X)                                                                                \
+    X(bivit_attention_args, const void *, q) X(bivit_attention_args, const void *, k)                           \
+    X(bivit_attention_args, const void *, v) X(bivit_attention_args, void *, out)                               \
+    X(bivit_attention_args, const int64_t *, cu) X(bivit_attention_args, float *, lse)                          \
+    X(bivit_attention_args, const float *, cos) X(bivit_attention_args, const float *, sin)                     \
+    X(bivit_attention_args, int64_t, count) X(bivit_attention_args, int64_t, heads)                             \
+    X(bivit_attention_args, int64_t, d) X(bivit_attention_args, int64_t, q_row)                                 \
+    X(bivit_attention_args, int64_t, k_row) X(bivit_attention_args, int64_t, v_row)                            \
+    X(bivit_attention_args, int64_t, out_row) X(bivit_attention_args, int64_t, q_head)                          \
+    X(bivit_attention_args, int64_t, k_head) X(bivit_attention_args, int64_t, v_head)                           \
+    X(bivit_attention_args, int64_t, out_head) X(bivit_attention_args, float, scale)                            \
+    X(bivit_attention_args, int, threads)
 
 /* Packing a weight w [N][K] (element type wt, rows w_row apart) for GEMM kernel `kind` into `out`
  * (bivit_gemm_packed_bytes(args) bytes; that call reads kind, N and K only). */
-struct bivit_gemm_pack_args {
-    const void *w;
-    void *out;
-    int64_t w_row, N, K;
-    int kind, wt, threads;
-};
+#define BIVIT_GEMM_PACK_FIELDS(X)                                                                                \
+    X(bivit_gemm_pack_args, const void *, w) X(bivit_gemm_pack_args, void *, out)                               \
+    X(bivit_gemm_pack_args, int64_t, w_row) X(bivit_gemm_pack_args, int64_t, N)                                 \
+    X(bivit_gemm_pack_args, int64_t, K) X(bivit_gemm_pack_args, int, kind) X(bivit_gemm_pack_args, int, wt)     \
+    X(bivit_gemm_pack_args, int, threads)
 
 /* y[M][N] (type yt, rows y_row apart) = act(x[M][K] (type xt, rows x_row apart) . w^T + bias), w packed for
  * `kind`; bias NULL or fp32 [N]. */
-struct bivit_gemm_args {
-    const void *x, *w;
-    const float *bias;
-    void *y;
-    int64_t x_row, y_row, M, N, K;
-    int kind, xt, yt, act, threads;
-};
+#define BIVIT_GEMM_FIELDS(X)                                                                                     \
+    X(bivit_gemm_args, const void *, x) X(bivit_gemm_args, const void *, w)                                     \
+    X(bivit_gemm_args, const float *, bias) X(bivit_gemm_args, void *, y) X(bivit_gemm_args, int64_t, x_row)    \
+    X(bivit_gemm_args, int64_t, y_row) X(bivit_gemm_args, int64_t, M) X(bivit_gemm_args, int64_t, N)            \
+    X(bivit_gemm_args, int64_t, K) X(bivit_gemm_args, int, kind) X(bivit_gemm_args, int, xt)                    \
+    X(bivit_gemm_args, int, yt) X(bivit_gemm_args, int, act) X(bivit_gemm_args, int, threads)
 
-/* RoPE on x [rows][slots][d] into out (same shape), tables fp32 [rows][d] contiguous. */
-struct bivit_rope_args {
-    const void *x;
-    void *out;
-    const float *cos, *sin;
-    int64_t rows, slots, d;
-    int64_t x_row, x_slot, out_row, out_slot;  /* elements between consecutive rows / head slots */
-    int threads;
-};
+/* RoPE on x [rows][slots][d] into out (same shape), tables fp32 [rows][d] contiguous; strides between
+ * consecutive rows (`*_row`) and head slots (`*_slot`). */
+#define BIVIT_ROPE_FIELDS(X)                                                                                     \
+    X(bivit_rope_args, const void *, x) X(bivit_rope_args, void *, out) X(bivit_rope_args, const float *, cos)  \
+    X(bivit_rope_args, const float *, sin) X(bivit_rope_args, int64_t, rows) X(bivit_rope_args, int64_t, slots) \
+    X(bivit_rope_args, int64_t, d) X(bivit_rope_args, int64_t, x_row) X(bivit_rope_args, int64_t, x_slot)       \
+    X(bivit_rope_args, int64_t, out_row) X(bivit_rope_args, int64_t, out_slot) X(bivit_rope_args, int, threads)
+
+#define BIVIT_ABI_DECLARE(S, T, F) T F;
+struct bivit_attention_args { BIVIT_ATTENTION_FIELDS(BIVIT_ABI_DECLARE) };
+struct bivit_gemm_pack_args { BIVIT_GEMM_PACK_FIELDS(BIVIT_ABI_DECLARE) };
+struct bivit_gemm_args { BIVIT_GEMM_FIELDS(BIVIT_ABI_DECLARE) };
+struct bivit_rope_args { BIVIT_ROPE_FIELDS(BIVIT_ABI_DECLARE) };
 
 struct bivit_abi_entry {
     const char *strct, *field;  /* field "": the struct itself */
     int64_t offset, size;
 };
 
-#define BIVIT_ABI_STRUCT(S) {#S, "", 0, (int64_t)sizeof(struct S)}
-#define BIVIT_ABI_FIELD(S, F) {#S, #F, (int64_t)offsetof(struct S, F), (int64_t)sizeof(((struct S *)0)->F)}
+#define BIVIT_ABI_STRUCT(S) {#S, "", 0, (int64_t)sizeof(struct S)},
+#define BIVIT_ABI_FIELD(S, T, F) {#S, #F, (int64_t)offsetof(struct S, F), (int64_t)sizeof(((struct S *)0)->F)},
 
 static const struct bivit_abi_entry BIVIT_ABI[] = {
-    BIVIT_ABI_STRUCT(bivit_attention_args),
-    BIVIT_ABI_FIELD(bivit_attention_args, q), BIVIT_ABI_FIELD(bivit_attention_args, k),
-    BIVIT_ABI_FIELD(bivit_attention_args, v), BIVIT_ABI_FIELD(bivit_attention_args, out),
-    BIVIT_ABI_FIELD(bivit_attention_args, cu), BIVIT_ABI_FIELD(bivit_attention_args, lse),
-    BIVIT_ABI_FIELD(bivit_attention_args, cos), BIVIT_ABI_FIELD(bivit_attention_args, sin),
-    BIVIT_ABI_FIELD(bivit_attention_args, count), BIVIT_ABI_FIELD(bivit_attention_args, heads),
-    BIVIT_ABI_FIELD(bivit_attention_args, d), BIVIT_ABI_FIELD(bivit_attention_args, q_row),
-    BIVIT_ABI_FIELD(bivit_attention_args, k_row), BIVIT_ABI_FIELD(bivit_attention_args, v_row),
-    BIVIT_ABI_FIELD(bivit_attention_args, out_row), BIVIT_ABI_FIELD(bivit_attention_args, q_head),
-    BIVIT_ABI_FIELD(bivit_attention_args, k_head), BIVIT_ABI_FIELD(bivit_attention_args, v_head),
-    BIVIT_ABI_FIELD(bivit_attention_args, out_head), BIVIT_ABI_FIELD(bivit_attention_args, scale),
-    BIVIT_ABI_FIELD(bivit_attention_args, threads),
-    BIVIT_ABI_STRUCT(bivit_gemm_pack_args),
-    BIVIT_ABI_FIELD(bivit_gemm_pack_args, w), BIVIT_ABI_FIELD(bivit_gemm_pack_args, out),
-    BIVIT_ABI_FIELD(bivit_gemm_pack_args, w_row), BIVIT_ABI_FIELD(bivit_gemm_pack_args, N),
-    BIVIT_ABI_FIELD(bivit_gemm_pack_args, K), BIVIT_ABI_FIELD(bivit_gemm_pack_args, kind),
-    BIVIT_ABI_FIELD(bivit_gemm_pack_args, wt), BIVIT_ABI_FIELD(bivit_gemm_pack_args, threads),
-    BIVIT_ABI_STRUCT(bivit_gemm_args),
-    BIVIT_ABI_FIELD(bivit_gemm_args, x), BIVIT_ABI_FIELD(bivit_gemm_args, w),
-    BIVIT_ABI_FIELD(bivit_gemm_args, bias), BIVIT_ABI_FIELD(bivit_gemm_args, y),
-    BIVIT_ABI_FIELD(bivit_gemm_args, x_row), BIVIT_ABI_FIELD(bivit_gemm_args, y_row),
-    BIVIT_ABI_FIELD(bivit_gemm_args, M), BIVIT_ABI_FIELD(bivit_gemm_args, N), BIVIT_ABI_FIELD(bivit_gemm_args, K),
-    BIVIT_ABI_FIELD(bivit_gemm_args, kind), BIVIT_ABI_FIELD(bivit_gemm_args, xt),
-    BIVIT_ABI_FIELD(bivit_gemm_args, yt), BIVIT_ABI_FIELD(bivit_gemm_args, act),
-    BIVIT_ABI_FIELD(bivit_gemm_args, threads),
-    BIVIT_ABI_STRUCT(bivit_rope_args),
-    BIVIT_ABI_FIELD(bivit_rope_args, x), BIVIT_ABI_FIELD(bivit_rope_args, out),
-    BIVIT_ABI_FIELD(bivit_rope_args, cos), BIVIT_ABI_FIELD(bivit_rope_args, sin),
-    BIVIT_ABI_FIELD(bivit_rope_args, rows), BIVIT_ABI_FIELD(bivit_rope_args, slots),
-    BIVIT_ABI_FIELD(bivit_rope_args, d), BIVIT_ABI_FIELD(bivit_rope_args, x_row),
-    BIVIT_ABI_FIELD(bivit_rope_args, x_slot), BIVIT_ABI_FIELD(bivit_rope_args, out_row),
-    BIVIT_ABI_FIELD(bivit_rope_args, out_slot), BIVIT_ABI_FIELD(bivit_rope_args, threads),
+    BIVIT_ABI_STRUCT(bivit_attention_args) BIVIT_ATTENTION_FIELDS(BIVIT_ABI_FIELD)
+    BIVIT_ABI_STRUCT(bivit_gemm_pack_args) BIVIT_GEMM_PACK_FIELDS(BIVIT_ABI_FIELD)
+    BIVIT_ABI_STRUCT(bivit_gemm_args) BIVIT_GEMM_FIELDS(BIVIT_ABI_FIELD)
+    BIVIT_ABI_STRUCT(bivit_rope_args) BIVIT_ROPE_FIELDS(BIVIT_ABI_FIELD)
 };
 
 /* Where `field` of `strct` is (field "": the struct's size): 0 and *offset, *size set, or -1 for a name this
