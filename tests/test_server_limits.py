@@ -341,3 +341,40 @@ def test_connections_are_bounded_and_slow_ones_make_room(tmp_path):
         for s in idle:
             s.close()
         srv.stop()
+
+
+def test_connections_queued_while_the_server_stalls_take_no_descriptor_it_lacks(tmp_path):
+    """asyncio accepts up to `backlog` connections per wake-up before any reaches the protocol that closes the
+    oldest; with uvicorn's backlog of 2048, connections that queued while the server was busy were all accepted
+    at once, past the descriptor limit: at 256 descriptors, 300 connections made while the server was stopped
+    (SIGSTOP: a stall made certain, not hoped for) gave 1801 "socket.accept() out of system resource"
+    tracebacks (a loaded CI machine failed the test above this way). The backlog is now an eighth of the
+    connection limit."""
+    import os
+    import resource
+    import signal
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))  # inherited by the server process
+    try:
+        srv = ServerProcess(["--header-timeout-s", "600", "--cache-mb", "0"], tmp_path)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    idle = []
+    try:
+        os.kill(srv.proc.pid, signal.SIGSTOP)
+        try:
+            for _ in range(300):
+                s = socket.socket()
+                s.setblocking(False)
+                s.connect_ex(("127.0.0.1", srv.port))  # completed by the kernel into the listen queue, or retried
+                idle.append(s)
+        finally:
+            os.kill(srv.proc.pid, signal.SIGCONT)
+        r = httpx.get(f"{srv.url}/health", timeout=30)  # queued behind the burst: answered once it is taken in
+        assert r.status_code == 200, r.text
+        assert "out of system resource" not in srv.log_text()
+    finally:
+        for s in idle:
+            s.close()
+        srv.stop()
