@@ -176,3 +176,25 @@ def test_rl_parity_example_runs_against_a_real_server(tmp_path):
                               "--api-key", KEY], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "token log-probs bitwise equal: True" in run.stdout and "parity holds" in run.stdout
+
+
+def test_encoder_cache_ids_follow_the_weights(tmp_path):
+    """With --ec-dir, an update's new weights write their rows under new ids (the id pins the fingerprint): the
+    files under the old ids still hold the old rows, the new ids the new ones."""
+    from safetensors.torch import load_file
+
+    from bivit.encoder_cache import ec_id
+
+    ec = tmp_path / "ec"
+    images = [png_bytes(84, 56, 3)]
+    with ServerProcess(["--ec-dir", str(ec)], tmp_path, api_key=KEY) as srv:
+        meta0, (before,) = _encode(srv, images)
+        trainer = _trained(1)
+        r = _push(srv, trainer.state_dict())
+        assert r.status_code == 200, r.text
+        meta1, (after,) = _encode(srv, images)
+    assert before.ec_ids == [ec_id(meta0["fingerprint"], before.sha256, "image", 0)]
+    assert after.ec_ids == [ec_id(meta1["fingerprint"], after.sha256, "image", 0)] != before.ec_ids
+    for rec in (before, after):
+        (i,) = rec.ec_ids
+        assert torch.equal(load_file(str(ec / i / "encoder_cache.safetensors"))["ec_cache"], rec.embedding)

@@ -324,6 +324,8 @@ class Service:
         def apply() -> str:  # on the batching worker, between forward passes
             fingerprint = self.encoder.update_weights(tensors, source="POST /v1/weights")
             self.info = {**self.info, "fingerprint": fingerprint}  # a new dict: answers in flight keep theirs
+            if self.ec is not None:  # ids pin the weights: the new ones write under new ids (none is in flight)
+                self.ec = Sink(self.settings.ec_dir, fingerprint)
             self.cache.clear()  # entries are keyed by the old fingerprint: unreachable, only taking memory
             self.metrics.cache_bytes.set(self.cache.nbytes)
             return fingerprint
