@@ -24,7 +24,7 @@ from .items import ItemResult, Prepared, assemble, prepare
 from .grids import image_token_count
 from .media import MediaBatch, Placeholder, preprocess_images
 from .model import VisionModel
-from .packing import check_budget, check_pixels, starts_new_pass
+from .packing import MAX_BATCH_PATCHES, check_budget, check_pixels, starts_new_pass
 from .preprocess_config import ProcessorConfig, check_alpha, default_processing, resolve_processing
 from .video import preprocess_video, video_chunks
 from .weights import DEMO_NOTICE, DEMO_SEED, build_model, fingerprint, parse_device, replace_weights
@@ -43,7 +43,7 @@ class Encoder:
     """Images and videos in, Kimi vision embeddings out. Not re-entrant: call it from one thread at a time."""
 
     def __init__(self, model: VisionModel, *, model_name: str, is_demo: bool, batch_invariant: bool,
-                 output_dtype: torch.dtype, device: torch.device, max_batch_patches: int | None = None,
+                 output_dtype: torch.dtype, device: torch.device, max_batch_patches: int = MAX_BATCH_PATCHES,
                  processing: ProcessorConfig | None = None, alpha: str = "model") -> None:
         self.model = model.eval()
         self.config: ModelConfig = model.config
@@ -54,7 +54,7 @@ class Encoder:
         self.is_demo = is_demo
         self.batch_invariant = batch_invariant
         self.output_dtype = output_dtype
-        self.max_batch_patches: int = check_budget(max_batch_patches)  # patches per forward pass (bivit.packing)
+        self.max_batch_patches = max_batch_patches  # patches per forward pass (checked by load_encoder: bivit.packing)
         self.device = device
         self._fingerprint: str | None = None
 
