@@ -18,7 +18,7 @@ transparency when the image has them): two images with the same pixels share it,
 `Image.fromarray(array)` share it, and it never collides with a file's hash by accident of layout. For
 `VideoFrames`, the same over the frame rate, the frame indices and every frame. Equal hashes mean the same
 encoder input, so the same embedding under one encoder fingerprint (and the same ids in vLLM's encoder cache,
-`bivit.engines.rows.ec_id`).
+`bivit.encoder_cache.ec_id`).
 """
 
 from __future__ import annotations
