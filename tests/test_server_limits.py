@@ -314,19 +314,25 @@ def test_bodies_in_flight_are_bounded(tmp_path):
         normal_request_succeeds(srv, 13)
 
 
+def _server_with_descriptors(tmp_path, limit: int) -> ServerProcess:
+    """A server started with at most `limit` file descriptors (RLIMIT_NOFILE, which the process inherits), slow
+    header senders kept (`--header-timeout-s 600`), no cache."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
+    try:
+        return ServerProcess(["--header-timeout-s", "600", "--cache-mb", "0"], tmp_path)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
 def test_connections_are_bounded_and_slow_ones_make_room(tmp_path):
     """Nothing limited connections: with `ulimit -n 1024`, 1100 slow connections made asyncio log a traceback per
     failed accept (167 MB of log in 40 s) and probes answer 8 s late. The service keeps at most half its file
     descriptors as connections; past that the connection sending its headers longest is closed. Shown with a
     limit of 256 descriptors (128 connections): 300 connections that send nothing, then /health."""
-    import resource
-
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))  # inherited by the server process
-    try:
-        srv = ServerProcess(["--header-timeout-s", "600", "--cache-mb", "0"], tmp_path)
-    finally:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    srv = _server_with_descriptors(tmp_path, 256)
     idle = []
     try:
         for _ in range(300):
@@ -351,15 +357,9 @@ def test_connections_queued_while_the_server_stalls_take_no_descriptor_it_lacks(
     tracebacks (a loaded CI machine failed the test above this way). The backlog is now an eighth of the
     connection limit."""
     import os
-    import resource
     import signal
 
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))  # inherited by the server process
-    try:
-        srv = ServerProcess(["--header-timeout-s", "600", "--cache-mb", "0"], tmp_path)
-    finally:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    srv = _server_with_descriptors(tmp_path, 256)
     idle = []
     try:
         os.kill(srv.proc.pid, signal.SIGSTOP)
