@@ -152,16 +152,12 @@ def _prove_gemm(weight: torch.Tensor, bias: torch.Tensor | None, gelu: str | Non
     op = f"gemm {w2.shape[1]}->{w2.shape[0]}{'+gelu' if gelu else ''} {dtype_name(weight.dtype)}"
     items = _rows(g, w2.shape[1], weight.dtype)
     run = _split_rows(lambda x: linear(x, w2, bias, gelu=gelu))
-    while True:
-        path = _gemm_path(weight.dtype)
-        if _items_invariant(run, items, threads):
-            return Check(op, path, True, tuple(threads))
-        kernel = gemm_kernel(weight.dtype)
-        if kernel is None:
-            return Check(op, path, False, tuple(threads))
-        why = f"{op}: an item's rows differ alone, packed and reversed at threads {threads}"
-        refused.append(("gemm", kernel.name, why))
-        refuse("gemm", kernel.name, why)
+
+    def kernel() -> str | None:
+        k = gemm_kernel(weight.dtype)
+        return None if k is None else k.name
+
+    return _prove_paths(op, "gemm", run, items, threads, refused, lambda: _gemm_path(weight.dtype), kernel)
 
 
 def _prove_attention(heads: int, head_dim: int, theta: float, dtype: torch.dtype, g: torch.Generator,
@@ -178,16 +174,29 @@ def _prove_attention(heads: int, head_dim: int, theta: float, dtype: torch.dtype
         out = attention(q, k, v, [t * h * w for t, h, w in grids], rope=rope_tables(grids, head_dim, theta))
         return list(out.split([t * h * w for t, h, w in grids]))
 
+    def kernel() -> str | None:
+        k = attention_kernel()
+        return None if k is None else k.name_for(dtype)
+
+    return _prove_paths(op, "attention", run, items, threads, refused, lambda: _attention_path(dtype), kernel)
+
+
+def _prove_paths(op: str, kind: str, run: Callable[[list], list[torch.Tensor]], items: list,
+                 threads: Sequence[int], refused: list, path: Callable[[], str],
+                 kernel: Callable[[], str | None]) -> Check:
+    """`op` proven on the path `kind` runs now (`path()`: its description); a compiled kernel that fails
+    (`kernel()`: its name, None where PyTorch's path runs) is refused and the next path proven, until one
+    passes or PyTorch's path fails too."""
     while True:
-        path = _attention_path(dtype)
+        current = path()
         if _items_invariant(run, items, threads):
-            return Check(op, path, True, tuple(threads))
-        kernel = attention_kernel()
-        if kernel is None:
-            return Check(op, path, False, tuple(threads))
+            return Check(op, current, True, tuple(threads))
+        name = kernel()
+        if name is None:
+            return Check(op, current, False, tuple(threads))
         why = f"{op}: an item's rows differ alone, packed and reversed at threads {threads}"
-        refused.append(("attention", kernel.name_for(dtype), why))
-        refuse("attention", kernel.name_for(dtype), why)
+        refused.append((kind, name, why))
+        refuse(kind, name, why)
 
 
 def _prove_norm(module: torch.nn.Module, g: torch.Generator, threads: Sequence[int]) -> Check:
