@@ -68,13 +68,20 @@ class Encoder:
         return self.model.mm_projector.dtype
 
     @property
+    def bits(self) -> str:
+        """The class of bits this encoder's rows are (`bivit.ops.bits`): `bivit-arith/1` where every op runs a
+        kernel that computes bivit's written arithmetic (the same rows on every CPU), else the class of what
+        runs here (a machine kind's own)."""
+        return ops.bits_class((self.dtype, self.projector_dtype), self.device, self.batch_invariant)
+
+    @property
     def fingerprint(self) -> str:
-        """Content hash of config + weights + dtypes + mode + preprocessing; the same for two loads of the same
-        weights (`bivit.weights.fingerprint`)."""
+        """Content hash of config + weights + dtypes + mode + preprocessing + class of bits; the same for two loads
+        of the same weights (`bivit.weights.fingerprint`)."""
         if self._fingerprint is None:
             self._fingerprint = fingerprint(self.model, output_dtype=self.output_dtype,
                                             batch_invariant=self.batch_invariant, processing=self.processing,
-                                            alpha=self.alpha)
+                                            alpha=self.alpha, bits=self.bits)
         return self._fingerprint
 
     def describe(self) -> dict:
@@ -84,22 +91,26 @@ class Encoder:
         probe = torch.empty(0, 1, self.config.head_dim, dtype=self.dtype, device=self.device)
         compiled = None
         if kernels.Attention.supports(probe):
-            compiled = ops.attention_kernel() if self.batch_invariant else kernels.attention()
+            compiled = ops.attention_kernel(self.dtype) if self.batch_invariant else kernels.attention()
         attention = f"bivit compiled ({compiled.name_for(self.dtype)})" if compiled else "PyTorch SDPA"
         on_gpu = gpu.describe(self.batch_invariant) if self.device.type == "cuda" else {}
         if self.batch_invariant and self.device.type == "cpu":
             proof = ops.prove(self.model)
             gemm = [_gemm_description(d, self.device.type) for d in dtypes]
+            norm = [f"{dtype_name(d)}: " + ("bivit compiled norm" if ops.norm_kernel(d) is not None
+                                             else "PyTorch row-wise kernel") for d in dtypes]
         else:
             proof = None
             gemm = ["PyTorch F.linear (default mode: not batch invariant)"]
-        return {"model": self.model_name, "demo": self.is_demo, "fingerprint": self.fingerprint,
+            norm = ["PyTorch row-wise kernel"]
+        return {"model": self.model_name, "demo": self.is_demo, "fingerprint": self.fingerprint, "bits": self.bits,
                 "dtype": dtype_name(self.dtype), "projector_dtype": dtype_name(self.projector_dtype),
                 "output_dtype": dtype_name(self.output_dtype), "batch_invariant": self.batch_invariant,
                 "text_hidden_size": int(self.config.text_hidden_size), "alpha": self.alpha,
                 "processing": self.processing.to_dict(),
                 # the variant too: the avx2 and avx512 kernels round differently
                 "kernels": {"gemm": on_gpu.get("gemm", gemm), "attention": on_gpu.get("attention", attention),
+                            "norm": on_gpu.get("norm", norm),
                             # the load-time proof: per op, the path and whether it is bit-identical alone,
                             # packed and reversed at several thread counts on this machine (bivit.ops.proof)
                             "proof": None if proof is None else proof.summary(),

@@ -34,7 +34,8 @@ Functions are skipped: the fast path stays the fast path.
 """
 
 from .attend import attention
-from .backend import GemmPath, KernelFailed, attention_kernel, gemm_kernel, gemm_path
+from .backend import GemmPath, KernelFailed, attention_kernel, bits_class, gemm_kernel, gemm_path, norm_kernel
+from .bits import ARITH
 from .gemm import gemms, linear, patch_conv, prepare, residual_linear
 from .tiles import CANDIDATE_TILES, REFERENCE_TILE, GemmPlan, gemm_plan, self_check
 from .mode import batch_invariant, checkpoint, is_batch_invariant, trace
@@ -49,8 +50,8 @@ attention, layer_norm, linear, patch_conv, residual_linear, rms_norm, temporal_m
     _gpu.route, (attention, layer_norm, linear, patch_conv, residual_linear, rms_norm, temporal_mean))
 
 __all__ = [
-    "CANDIDATE_TILES", "POINTWISE_CHUNK", "REFERENCE_TILE", "GemmPath", "GemmPlan", "InvarianceError", "KernelFailed",
-    "Proof", "attention", "gemms", "prove", "rope_tables",
+    "ARITH", "CANDIDATE_TILES", "POINTWISE_CHUNK", "REFERENCE_TILE", "GemmPath", "GemmPlan", "InvarianceError",
+    "KernelFailed", "Proof", "attention", "bits_class", "gemms", "norm_kernel", "prove", "rope_tables",
     "attention_kernel", "batch_invariant", "checkpoint", "gelu", "gemm_kernel", "gemm_path", "gemm_plan",
     "is_batch_invariant", "layer_norm", "linear", "patch_conv", "prepare", "residual_linear", "rms_norm", "rope",
     "self_check", "temporal_mean", "trace",
