@@ -28,7 +28,7 @@ IMAGE_SIZES = ((300, 40), (224, 224), (448, 336), (90, 250), (28, 28))  # (width
 VIDEO = (6, 96, 64, 10.0)  # frames, width, height, fps
 
 
-def _pixels(height: int, width: int, seed: int) -> np.ndarray:
+def pixels(height: int, width: int, seed: int) -> np.ndarray:
     """Smooth gradients plus noise (a picture, not white noise, so resizing and patches see structure)."""
     g = np.random.Generator(np.random.PCG64(seed))
     y, x = np.mgrid[0:height, 0:width]
@@ -42,9 +42,9 @@ def inputs() -> dict[str, object]:
     """name -> input (a PIL image or a VideoFrames), in a fixed order."""
     out: dict[str, object] = {}
     for i, (w, h) in enumerate(IMAGE_SIZES):
-        out[f"image {w}x{h}"] = Image.fromarray(_pixels(h, w, i))
+        out[f"image {w}x{h}"] = Image.fromarray(pixels(h, w, i))
     frames, w, h, fps = VIDEO
-    out[f"video {frames}x{w}x{h}"] = VideoFrames([_pixels(h, w, 100 + f) for f in range(frames)], fps,
+    out[f"video {frames}x{w}x{h}"] = VideoFrames([pixels(h, w, 100 + f) for f in range(frames)], fps,
                                                   name="golden video")
     return out
 

@@ -154,22 +154,31 @@ def gelu(A: Arith, x: np.ndarray, act: str) -> np.ndarray:
     return A.mul(A.mul(F32(0.5), x), A.add(F32(1), t))
 
 
-def lanes16_sum(A: Arith, terms: np.ndarray) -> np.ndarray:
-    """The 16-lane sum over the last axis: lane l adds terms l, l + 16, ... in order from +0; then the tree."""
-    lane = np.zeros(terms.shape[:-1] + (16,), F32)
+def _tree(A: Arith, lane: np.ndarray) -> np.ndarray:
+    """Lanes added pairwise, (l, l + half) at each level, down to one."""
+    while lane.shape[-1] > 1:
+        half = lane.shape[-1] // 2
+        lane = A.add(lane[..., :half], lane[..., half:])
+    return lane[..., 0]
+
+
+def lanes16_sum(A: Arith, terms: np.ndarray, lanes: int = 16) -> np.ndarray:
+    """The 16-lane sum over the last axis: lane l adds terms l, l + 16, ... in order from +0; then the tree
+    (`lanes`: another width, for the controls)."""
+    lane = np.zeros(terms.shape[:-1] + (lanes,), F32)
     for j in range(terms.shape[-1]):
-        lane[..., j % 16] = A.add(lane[..., j % 16], terms[..., j])
-    t8 = A.add(lane[..., :8], lane[..., 8:])
-    t4 = A.add(t8[..., :4], t8[..., 4:])
-    return A.add(A.add(t4[..., 0], t4[..., 2]), A.add(t4[..., 1], t4[..., 3]))
+        lane[..., j % lanes] = A.add(lane[..., j % lanes], terms[..., j])
+    return _tree(A, lane)
 
 
-def gemm(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None, act: str | None, bf16_arith: bool) -> np.ndarray:
+def gemm(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None, act: str | None, bf16_arith: bool,
+         pairs_swapped: bool = False) -> np.ndarray:
     """act(x @ w.T + bias) in fp32 (not rounded to an output dtype): x [M, K], w [N, K] (values of their
-    dtype, as float32)."""
+    dtype, as float32). `pairs_swapped`: k + 1 before k in each pair (a control: vdpbf16ps on pairs as stored)."""
     A = FLUSHED if bf16_arith else IEEE
     acc = np.zeros((x.shape[0], w.shape[0]), F32)
-    for k in range(x.shape[1]):
+    order = [k ^ 1 if pairs_swapped and (k ^ 1) < x.shape[1] else k for k in range(x.shape[1])]
+    for k in order:
         acc = A.fma(x[:, k:k + 1], w[None, :, k], acc)
     if bf16_arith and x.shape[1] % 2:
         acc = A.add(acc, F32(0))  # a bf16 pair's padding, 0 x 0
@@ -185,8 +194,10 @@ def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, dtype: str) -> np.ndar
     return round_to(y, dtype)
 
 
-def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, lens, dtype: str, rope_tables=None) -> np.ndarray:
-    """Per item and head: softmax(q k^T / sqrt(d)) v in bivit-arith/1, in fp32 (not rounded to `dtype`)."""
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, lens, dtype: str, rope_tables=None, lanes: int = 16,
+              chunk: int = 128, round_p: bool = True) -> np.ndarray:
+    """Per item and head: softmax(q k^T / sqrt(d)) v in bivit-arith/1, in fp32 (not rounded to `dtype`).
+    `lanes`, `chunk`, `round_p`: another sum width, chunk of keys, or bf16 numerators left in fp32 (controls)."""
     if rope_tables is not None:
         q, k = rope(q, *rope_tables, dtype), rope(k, *rope_tables, dtype)
     bf = dtype == "bfloat16"
@@ -206,11 +217,11 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, lens, dtype: str, rop
             s = A.mul(acc, scale2)
             m = s.max(axis=1, keepdims=True)
             e = exp2_neg(A, A.sub(s, m))
-            inv = A.div(F32(1), lanes16_sum(A, e))[:, None]
-            p = bf16(e) if bf else e
+            inv = A.div(F32(1), lanes16_sum(A, e, lanes))[:, None]
+            p = bf16(e) if bf and round_p else e
             tot = np.zeros((n, d), F32)
-            for c0 in range(0, n, 128):
-                c1 = min(c0 + 128, n)
+            for c0 in range(0, n, chunk):
+                c1 = min(c0 + chunk, n)
                 part = np.zeros((n, d), F32)
                 for j in range(c0, c1):
                     part = A.fma(p[:, j:j + 1], vi[None, j, :], part)
@@ -222,22 +233,20 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, lens, dtype: str, rop
     return out
 
 
-def fma_lanes16_sum(A: Arith, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+def fma_lanes16_sum(A: Arith, a: np.ndarray, b: np.ndarray, lanes: int = 16) -> np.ndarray:
     """The 16-lane sum of a * b over the last axis, each lane a chain fma(a_j, b_j, lane) from +0, then the tree."""
-    lane = np.zeros(a.shape[:-1] + (16,), F32)
+    lane = np.zeros(a.shape[:-1] + (lanes,), F32)
     for j in range(a.shape[-1]):
-        lane[..., j % 16] = A.fma(a[..., j], b[..., j], lane[..., j % 16])
-    t8 = A.add(lane[..., :8], lane[..., 8:])
-    t4 = A.add(t8[..., :4], t8[..., 4:])
-    return A.add(A.add(t4[..., 0], t4[..., 2]), A.add(t4[..., 1], t4[..., 3]))
+        lane[..., j % lanes] = A.fma(a[..., j], b[..., j], lane[..., j % lanes])
+    return _tree(A, lane)
 
 
-def layer_norm(x: np.ndarray, w: np.ndarray | None, b: np.ndarray | None, eps: float) -> np.ndarray:
-    """LayerNorm over the last axis in fp32 (IEEE), not rounded to an output dtype."""
+def layer_norm(x: np.ndarray, w: np.ndarray | None, b: np.ndarray | None, eps: float, lanes: int = 16) -> np.ndarray:
+    """LayerNorm over the last axis in fp32 (IEEE), not rounded to an output dtype (`lanes`: for the controls)."""
     A, d = IEEE, x.shape[-1]
-    mean = A.div(lanes16_sum(A, x), F32(d))[..., None]
+    mean = A.div(lanes16_sum(A, x, lanes), F32(d))[..., None]
     dev = A.sub(x, mean)
-    var = A.div(fma_lanes16_sum(A, dev, dev), F32(d))
+    var = A.div(fma_lanes16_sum(A, dev, dev, lanes), F32(d))
     rstd = A.div(F32(1), A.sqrt(A.add(var, F32(eps))))[..., None]
     w = np.ones(d, F32) if w is None else w
     b = np.zeros(d, F32) if b is None else b
