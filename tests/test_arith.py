@@ -88,6 +88,59 @@ def test_control_a_changed_order_gives_other_bits(op, dtype, variation):
 # ----------------------------------------------------------------------------------- every kernel
 
 
+@pytest.fixture(scope="module")
+def emulated_avx512(tmp_path_factory):
+    """The avx512 variant's own C source built for this CPU with every AVX-512 and AMX instruction emulated
+    (tests/support/emu/avx512_on_avx2.h: SIMDe, and exact models of vdpbf16ps, vcvtneps2bf16 and AMX tiles), so
+    that a machine without AVX-512 runs its code too."""
+    simde = pytest.importorskip("simde_py", reason="simde-py (the test extra) emulates AVX-512 here")
+    if not {"avx2", "fma", "f16c"} <= FLAGS:
+        pytest.skip("the emulation itself needs AVX2, FMA and F16C")
+    import ctypes
+
+    from bivit.kernels import abi, cache
+
+    here = os.path.dirname(__file__)
+    out = tmp_path_factory.mktemp("emu") / "avx512_emulated.so"
+    src = kernels.VARIANTS[0].build().source
+    done = subprocess.run([cache.compiler(), "-O1", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-mavx2",
+                           "-mfma", "-mf16c", "-Wno-psabi", f"-I{simde.get_include()}", "-include",
+                           os.path.join(here, "support", "emu", "avx512_on_avx2.h"), str(src), "-o", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    lib = ctypes.CDLL(str(out))
+    abi.bind(lib)
+    return lib
+
+
+def test_the_avx512_variant_computes_the_committed_bits_emulated(emulated_avx512):
+    """The avx512 variant's code, run here under emulation: its fp32 and avx512_bf16 GEMMs, attention (bf16 pairs
+    swapped for vdpbf16ps) and norms give the committed bits. AMX GEMMs under the two orders a chain of pair
+    products could take: exactly the packing made for that order conforms (so a CPU whose tdpbf16ps is such a
+    chain runs bivit-arith/1 on its tiles), and the AMX attention (its own exp and sums) does not."""
+    from bivit.kernels.gemm import GemmKernel
+
+    lib = emulated_avx512
+    for name in ("fp32", "avx512_bf16"):
+        kernel = GemmKernel(lib, "avx512", name)
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            if kernel.takes(dtype):
+                assert bits.conformance("gemm", kernel, dtype) is None, (name, dtype)
+    attention = kernels.Attention(lib, "avx512")
+    for dtype in (torch.float32, torch.bfloat16):
+        assert bits.conformance("attention", attention, dtype) is None, dtype
+        assert bits.conformance("norm", kernels.Norm(lib), dtype) is None, dtype
+    assert bits.conformance("attention", kernels.Attention(lib, "avx512", True), torch.bfloat16) is not None
+    for upper_first, conforming in ((1, "amx_swapped"), (0, "amx")):
+        lib.emu_set_amx_order(upper_first)
+        bits._conformance.cache_clear()  # (cached per kernel; the same kernels compute otherwise now)
+        for name in ("amx", "amx_swapped"):
+            kernel = GemmKernel(lib, "avx512", name)
+            assert (bits.conformance("gemm", kernel, torch.bfloat16) is None) == (name == conforming), \
+                (upper_first, name)
+    bits._conformance.cache_clear()
+
+
 @pytest.fixture(scope="module", params=[v.name for v in kernels.VARIANTS])
 def library(request):
     variant = next(v for v in kernels.VARIANTS if v.name == request.param)
@@ -207,3 +260,59 @@ def test_golden_rows_from_every_kernel_at_1_to_4_threads_alone_packed_reversed(c
         for layout, rows in out["rows"].items():
             assert rows == want, (model, dtype, layout, out["kernels"],
                                   {k: (rows[k][:12], want[k][:12]) for k in rows if rows[k] != want.get(k)})
+
+
+# ----------------------------------------------------------------------------------- the class travels
+
+
+def test_the_class_is_in_describe_the_fingerprint_and_every_encoder_cache_id():
+    """describe()["bits"] names the class; the fingerprint (hence every encoder-cache id and cache key) is a function
+    of it: the same weights computed by another class of kernels get other ids."""
+    from bivit.encoder_cache import ec_id
+    from bivit.weights import fingerprint
+
+    enc = bivit.load_encoder(None, dtype="bfloat16")
+    assert enc.describe()["bits"] == enc.bits
+    other = f"native/gemm-bfloat16=amx/{enc.bits}"
+    prints = {b: fingerprint(enc.model, output_dtype=enc.output_dtype, batch_invariant=True,
+                             processing=enc.processing, alpha=enc.alpha, bits=b) for b in (enc.bits, other)}
+    assert prints[enc.bits] == enc.fingerprint != prints[other]
+    assert ec_id(prints[enc.bits], "0" * 64, "image", 0) != ec_id(prints[other], "0" * 64, "image", 0)
+    assert bivit.load_encoder(None, dtype="bfloat16", batch_invariant=False).bits.startswith("stock/")
+
+
+@pytest.mark.slow
+def test_a_dataset_folder_refuses_a_run_of_another_class(tmp_path):
+    """`bivit encode-dataset` into a folder written by this class, rerun where attention runs PyTorch's kernels
+    (BIVIT_ATTENTION=sdpa: class fallback/...): one line naming both classes, exit 1, nothing written."""
+    from PIL import Image
+
+    src = tmp_path / "src"
+    src.mkdir()
+    Image.fromarray(golden.pixels(56, 84, 1)).save(src / "a.png")
+    cmd = [sys.executable, "-m", "bivit", "encode-dataset", str(src), "--out", str(tmp_path / "out"), "--no-progress"]
+    first = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr
+    Image.fromarray(golden.pixels(56, 56, 2)).save(src / "b.png")
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                           env={**os.environ, "BIVIT_ATTENTION": "sdpa"})
+    assert again.returncode != 0
+    lines = [line for line in again.stderr.splitlines() if "written by a different encoder" in line]
+    assert len(lines) == 1 and f"bits '{bits.ARITH}' there vs 'fallback/" in lines[0], again.stderr
+    assert "Traceback" not in again.stderr
+    assert len(bivit.load_embeddings(tmp_path / "out")) == 1
+
+
+def test_the_proof_loads_a_checkpoint_whose_gemm_shapes_coincide(tmp_path):
+    """Text hidden size 4x the vision hidden size: the projector's two GEMMs are both 256x256, one with GELU and one
+    without. The load-time proof keys GEMMs by shape and GELU (it sorted None against "none" and crashed)."""
+    from bivit.config import ModelConfig
+    from support.checkpoints import write_checkpoint
+
+    cfg = ModelConfig(pos_emb_height=4, pos_emb_width=4, hidden_size=64, num_layers=1, num_heads=2,
+                      intermediate_size=96, text_hidden_size=256)
+    ckpt = write_checkpoint(tmp_path / "ckpt", cfg)
+    enc = bivit.load_encoder(ckpt, dtype="bfloat16")
+    checks = [c["op"] for c in enc.describe()["kernels"]["proof"]["checks"]]
+    assert {"gemm 256->256+gelu bfloat16", "gemm 256->256 bfloat16"} <= set(checks)
+    assert enc.encode([golden.pixels(56, 56, 3)])[0].shape == (4, 256)
