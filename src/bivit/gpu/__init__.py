@@ -57,6 +57,34 @@ def interpreted() -> Iterator[None]:
     if not interpreting():
         raise ConfigError("bivit.gpu.interpreted() needs Triton's interpreter: set TRITON_INTERPRET=1 before "
                           "triton is imported")
+    _fixed_order_interpreter_dot()
+    with _routed():
+        yield
+
+
+@functools.cache
+def _fixed_order_interpreter_dot() -> None:
+    """Triton's interpreter computes `tl.dot` with numpy's matmul, i.e. the CPU's BLAS, whose bits for a row can
+    depend on where the row sits in the tile (seen: OpenBLAS's Haswell sgemm on an AVX2-only AMD EPYC, one row
+    at tile row 0 vs 37), so the interpreter showed pack dependence the kernels do not have. numpy's einsum
+    (no BLAS) adds each element's products in K order whatever the other rows: the interpreter's dot then
+    depends on the row's data only, as the compiled kernel's does."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.dtype.primitive_bitwidth == 8:  # fp8: the interpreter's own conversion
+            return stock(self, a, b, d, input_precision, max_num_imprecise_acc)
+        out = np.einsum("ik,kj->ij", a.data, b.data, dtype=d.data.dtype) + d.data
+        return interpreter.TensorHandle(out, d.dtype.scalar)
+
+    stock = interpreter.InterpreterBuilder.create_dot
+    interpreter.InterpreterBuilder.create_dot = create_dot
+
+
+@contextlib.contextmanager
+def _routed() -> Iterator[None]:
+    """CPU tensors take the Triton path (for `interpreted` and `ops.recording`, which checks nothing else)."""
     token = _on_cpu.set(True)
     try:
         yield
