@@ -167,12 +167,20 @@ def bisect(encoder: Encoder, batch: MediaBatch, needle: int = 0) -> OpDiff | Non
     item, and the needle's is the first.
     """
     others = [batch.item(i) for i in range(len(batch)) if i != needle]
+    return first_difference(encoder.model, lambda: encode_cut(encoder, batch.item(needle), None),
+                            lambda: encode_cut(encoder, MediaBatch.concat([batch.item(needle), *others]), None))
+
+
+def first_difference(model: torch.nn.Module, alone: Callable[[], object], first_in_batch: Callable[[], object]
+                     ) -> OpDiff | None:
+    """First op of `model` whose output differs between the forward `alone` (one item) and `first_in_batch` (the
+    same item leading a batch): ops matched by (module path, op kind, occurrence), the item's rows leading."""
     alone_trace: list = []
     batch_trace: list = []
-    with _op_recorder(encoder.model, alone_trace):
-        encode_cut(encoder, batch.item(needle), None)
-    with _op_recorder(encoder.model, batch_trace):
-        encode_cut(encoder, MediaBatch.concat([batch.item(needle), *others]), None)
+    with _op_recorder(model, alone_trace):
+        alone()
+    with _op_recorder(model, batch_trace):
+        first_in_batch()
     index: dict[tuple[str, str, int], torch.Tensor] = {}
     seen: dict[tuple[str, str], int] = {}
     for module, kind, out in batch_trace:
