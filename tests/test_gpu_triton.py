@@ -220,3 +220,16 @@ def test_encode_on_a_missing_cuda_device_is_one_line_before_any_work(tmp_path):
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert run.returncode == 2 and not out.exists()
     assert run.stderr.strip().splitlines() == [run.stderr.strip()] and "option 'device' = 'cuda'" in run.stderr
+
+
+@pytest.mark.parametrize("version,allowed", [("3.6.0", True), ("3.7.1", True), ("3.8.0", True), ("3.5.1", False),
+                                             ("3.9.0", False)])
+def test_triton_is_checked_against_the_gpu_extra(monkeypatch, version, allowed):
+    """The triton CUDA torch 2.11 and 2.13 pin (3.6.0, 3.7.1) and the suite's (3.8.0) are in the gpu extra's range
+    (pyproject.toml, read by the code); others get one message naming the range."""
+    assert any(r.startswith("triton") for r in gpu.gpu_extra())
+    monkeypatch.setattr(gpu, "_triton_version", lambda: version)
+    why = gpu.triton_mismatch()
+    assert (why is None) == allowed
+    if not allowed:
+        assert "gpu extra allows (triton" in why
