@@ -17,14 +17,15 @@ import contextlib
 import functools
 import importlib.metadata
 import importlib.util
+import sys
 from contextvars import ContextVar
+from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
 
 from ..errors import ConfigError
 
-TRITON_PIN = "3.6.0"  # the version the kernels are built and tested with (pyproject's `gpu` extra)
 _on_cpu: ContextVar[bool] = ContextVar("bivit_gpu_on_cpu", default=False)
 
 
@@ -36,10 +37,47 @@ def missing() -> str | None:
 
 
 def require() -> None:
-    """Raise ConfigError (naming the fix) unless the Triton path can run."""
+    """Raise ConfigError (naming the fix) unless the Triton path can run; say once if its triton is not one
+    the `gpu` extra allows."""
     why = missing()
     if why is not None:
         raise ConfigError(f"batch_invariant on a GPU needs bivit's Triton kernels, but {why}")
+    unlisted = triton_mismatch()
+    if unlisted is not None:
+        from .. import notices
+
+        notices.fallback("triton-version", f"triton {_triton_version()}", unlisted,
+                         "bivit's Triton kernels run on it untested", "pip install 'bivit[gpu]'")
+
+
+def triton_mismatch() -> str | None:
+    """Why the installed triton is not one the `gpu` extra allows, or None when it is (or none is installed).
+    The extra (pyproject.toml) is the one home of the range: read from the source tree bivit runs from, else
+    from the installed package's metadata."""
+    version = _triton_version()
+    if version is None:
+        return None
+    from packaging.requirements import Requirement
+
+    for line in gpu_extra():
+        req = Requirement(line)
+        if req.name == "triton" and not req.specifier.contains(version, prereleases=True):
+            return f"not a version the gpu extra allows ({req})"
+    return None
+
+
+def gpu_extra() -> list[str]:
+    """The requirements of the `gpu` extra."""
+    tree = Path(__file__).resolve().parents[3] / "pyproject.toml"
+    if tree.is_file() and sys.version_info >= (3, 11):
+        import tomllib
+
+        return tomllib.loads(tree.read_text())["project"]["optional-dependencies"]["gpu"]
+    try:
+        requires = importlib.metadata.requires("bivit") or []
+    except importlib.metadata.PackageNotFoundError:
+        return []
+    return [r.split(";")[0].strip() for r in requires if 'extra == "gpu"' in r]
 
 
 def interpreting() -> bool:
@@ -57,6 +95,34 @@ def interpreted() -> Iterator[None]:
     if not interpreting():
         raise ConfigError("bivit.gpu.interpreted() needs Triton's interpreter: set TRITON_INTERPRET=1 before "
                           "triton is imported")
+    _fixed_order_interpreter_dot()
+    with _routed():
+        yield
+
+
+@functools.cache
+def _fixed_order_interpreter_dot() -> None:
+    """Triton's interpreter computes `tl.dot` with numpy's matmul, i.e. the CPU's BLAS, whose bits for a row can
+    depend on where the row sits in the tile (seen: OpenBLAS's Haswell sgemm on an AVX2-only AMD EPYC, one row
+    at tile row 0 vs 37), so the interpreter showed pack dependence the kernels do not have. numpy's einsum
+    (no BLAS) adds each element's products in K order whatever the other rows: the interpreter's dot then
+    depends on the row's data only, as the compiled kernel's does."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.dtype.primitive_bitwidth == 8:  # fp8: the interpreter's own conversion
+            return stock(self, a, b, d, input_precision, max_num_imprecise_acc)
+        out = np.einsum("ik,kj->ij", a.data, b.data, dtype=d.data.dtype) + d.data
+        return interpreter.TensorHandle(out, d.dtype.scalar)
+
+    stock = interpreter.InterpreterBuilder.create_dot
+    interpreter.InterpreterBuilder.create_dot = create_dot
+
+
+@contextlib.contextmanager
+def _routed() -> Iterator[None]:
+    """CPU tensors take the Triton path (for `interpreted` and `ops.recording`, which checks nothing else)."""
     token = _on_cpu.set(True)
     try:
         yield

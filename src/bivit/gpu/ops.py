@@ -10,10 +10,12 @@ Everything that changes bits is pinned here, in one place, and reported by `bivi
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 import triton
@@ -59,9 +61,43 @@ def _inference_only(*tensors: torch.Tensor | None) -> None:
                           "batch_invariant(False) on a GPU, or invariant on a CPU")
 
 
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch as the JIT sees it: what `bivit.gpu.build` compiles to show what runs."""
+
+    kernel: object
+    args: tuple
+    kwargs: dict
+
+
+_recorder: ContextVar[list | None] = ContextVar("bivit_gpu_recorder", default=None)
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list[Launch]]:
+    """Record every launch instead of running it (the outputs stay unwritten): the exact arguments, constexprs
+    and options a forward launches, for compiling them ahead (`bivit.gpu.build`). CPU tensors take the Triton
+    path meanwhile."""
+    from . import _routed
+
+    launches: list[Launch] = []
+    token = _recorder.set(launches)
+    try:
+        with _routed():
+            yield launches
+    finally:
+        _recorder.reset(token)
+
+
 def _launch(kernel, grid, *args, tiles: Tiles | None = None, **constexprs) -> None:
-    options = {"num_warps": tiles.warps, "num_stages": tiles.stages} if tiles is not None else {}
-    kernel[grid](*args, **constexprs, **options, enable_fp_fusion=FP_FUSION)
+    kwargs = dict(constexprs, enable_fp_fusion=FP_FUSION)
+    if tiles is not None:
+        kwargs.update(num_warps=tiles.warps, num_stages=tiles.stages)
+    launches = _recorder.get()
+    if launches is not None:
+        launches.append(Launch(kernel, args, kwargs))
+        return
+    kernel[grid](*args, **kwargs)
 
 
 def gemm(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gelu: str | None = None,
@@ -77,10 +113,9 @@ def gemm(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gelu
         return y
     t = gemm_tiles(weight.dtype)
     grid = (triton.cdiv(m, t.block_m), triton.cdiv(n, t.block_n))
-    _launch(K.gemm_kernel, grid, x2, weight, weight if bias is None else bias, y, y, m, n, k,
-            x2.stride(0), weight.stride(0), y.stride(0), tiles=t, HAS_BIAS=bias is not None, GELU=_GELU[gelu],
-            RESIDUAL=residual is not None, PRECISION=PRECISION, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
-            BLOCK_K=t.block_k)
+    _launch(K.gemm_kernel, grid, x2, weight, weight if bias is None else bias, y, y, m, tiles=t, N=n, K=k,
+            HAS_BIAS=bias is not None, GELU=_GELU[gelu], RESIDUAL=residual is not None, PRECISION=PRECISION,
+            BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k)
     return y
 
 
@@ -123,7 +158,7 @@ def _norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | Non
     if x2.shape[0]:
         dummy = x2
         _launch(K.norm_kernel, (x2.shape[0],), x2, dummy if weight is None else weight.contiguous(),
-                dummy if bias is None else bias.contiguous(), y, x2.shape[0], n, x2.stride(0), float(eps),
+                dummy if bias is None else bias.contiguous(), y, x2.shape[0], x2.stride(0), float(eps), N=n,
                 RMS=rms, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
                 BLOCK_N=triton.next_power_of_2(n))
     return y.view(x.shape)
@@ -149,8 +184,8 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     y = torch.empty((length, slots, d), dtype=x.dtype, device=x.device)
     if length:
         cos, sin = (t.to(device=x.device, dtype=torch.float32).contiguous() for t in (cos, sin))
-        _launch(K.rope_kernel, (triton.cdiv(length, ROPE_ROWS),), x, cos, sin, y, length, slots, d, x.stride(0),
-                x.stride(1), BLOCK_R=ROPE_ROWS, BLOCK_D=triton.next_power_of_2(d))
+        _launch(K.rope_kernel, (triton.cdiv(length, ROPE_ROWS),), x, cos, sin, y, length, x.stride(0),
+                x.stride(1), SLOTS=slots, D=d, BLOCK_R=ROPE_ROWS, BLOCK_D=triton.next_power_of_2(d))
     return y
 
 
@@ -180,8 +215,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: Sequen
     if length:
         tiles = attention_tiles(d)
         table = _item_table(tuple(int(n) for n in seqlens), tiles.block_m, q.device)
-        _launch(K.attention_kernel, (table.shape[0], heads), q, k, v, out, table, d, q.stride(0), k.stride(0),
-                v.stride(0), out.stride(0), 1.0 / math.sqrt(d), tiles=tiles, PRECISION=PRECISION,
+        _launch(K.attention_kernel, (table.shape[0], heads), q, k, v, out, table, q.stride(0), k.stride(0),
+                v.stride(0), out.stride(0), 1.0 / math.sqrt(d), tiles=tiles, D=d, PRECISION=PRECISION,
                 BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_k)
     return emit("attention", out.view(length, heads * d))
 
