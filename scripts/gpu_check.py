@@ -135,7 +135,7 @@ def preflight(ctx) -> dict:
     torch_pin = [r for r in (importlib.metadata.requires("torch") or []) if r.startswith("triton")]
     unlisted = gpu.triton_mismatch()
     need("torch and triton", unlisted is None, f"torch {torch.__version__} (pins {torch_pin or 'no triton'}), "
-         f"triton {gpu._triton_version()}, gpu extra {gpu.gpu_extra()}" + (f": {unlisted}" if unlisted else ""))
+         f"triton {gpu.triton_version()}, gpu extra {gpu.gpu_extra()}" + (f": {unlisted}" if unlisted else ""))
     cache = Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
     try:
         cache.mkdir(parents=True, exist_ok=True)
@@ -151,7 +151,7 @@ def smoke(ctx) -> dict:
     """One launch of bivit's GEMM kernel (a 16-bit `tl.dot` on wgmma): compiler, launcher, driver all work."""
     import torch
 
-    from bivit.gpu import ops as triton_ops
+    from bivit.kernels import cuda as triton_ops
 
     g = torch.Generator().manual_seed(0)
     x, w = (torch.randn(256, 192, generator=g).to(ctx.dtype16).to(ctx.device) for _ in range(2))
@@ -344,8 +344,8 @@ def ops_section(ctx) -> dict:
     import torch.nn.functional as F
 
     from bivit import gpu
-    from bivit.gpu import kernels as K
-    from bivit.gpu import ops as triton_ops
+    from bivit.kernels import triton_jit as K
+    from bivit.kernels import cuda as triton_ops
 
     cfg, dtype, iters = ctx.cfg, ctx.dtype16, ctx.iters
     images, tokens = (2, 16) if ctx.dry else (64, 1024)  # 64 images of 448x448
@@ -380,7 +380,7 @@ def ops_section(ctx) -> dict:
     out["attention"] = {"items_tokens_heads_dim": [images, tokens, heads, hd], "triton_tflops": flop / ours / 1e12,
                         "sdpa_tflops": flop / stock / 1e12, "triton_over_sdpa": stock / ours}
     out["compiled"] = compiled_kernels(ctx, K) if not ctx.dry else "interpreter: nothing compiled"
-    out["triton"] = gpu._triton_version()
+    out["triton"] = gpu.triton_version()
     return out
 
 

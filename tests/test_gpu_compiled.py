@@ -67,7 +67,8 @@ CONTROL = """
 import dataclasses, importlib.util, inspect, json, re, sys
 from pathlib import Path
 import torch
-from bivit.gpu import build, kernels
+from bivit.gpu import build
+from bivit.kernels import triton_jit as kernels
 
 source = inspect.getsource(kernels.attention_kernel.fn)
 assert len(re.findall(r"\\bD: tl\\.constexpr", source)) == 1

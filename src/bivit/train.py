@@ -64,7 +64,6 @@ def load_model(model: str | os.PathLike | None = None, *, device: str | torch.de
     net.batch_invariant = batch_invariant
     net.activation_checkpointing = activation_checkpointing
     net.requires_grad_(True)
-    if batch_invariant and device.type == "cpu":  # (the GPU path's forward refuses autograd: bivit.gpu)
-        ops.prepare(ops.gemms(net))
-        ops.prove(net)
+    if batch_invariant:  # (the GPU path's forward refuses autograd: bivit.ops.cuda)
+        ops.backend(device).prepare(net)
     return net

@@ -16,7 +16,7 @@ from typing import Mapping
 
 import torch
 
-from . import kernels
+from . import ops
 from .checkpoint import all_finite, check_keys, load_state_dict, random_state_dict
 from .config import PRESETS, load_config
 from .dtypes import dtype_name
@@ -59,9 +59,7 @@ def build_model(model: str | os.PathLike | None, *, device: torch.device, dtype:
     net.load_state_dict(state, strict=True, assign=True)
     net.vision_tower.to(device=device, dtype=dtype)
     net.mm_projector.to(device=device, dtype=projector_dtype)
-    if device.type == "cpu":
-        kernels.library()  # build (or find in the cache) and self-test the compiled kernels now, not mid-request
-        kernels.attention()
+    ops.backend(device).load()  # CPU: build (or find in the cache) and self-test the compiled kernels now
     return net, name, is_demo, proc
 
 

@@ -36,7 +36,7 @@ def model_launches(cfg, dtype: torch.dtype) -> list:
     run: the weights are allocated at full size and never initialised (nothing is computed)."""
     from .. import ops
     from ..model import VisionModel
-    from .ops import recording
+    from ..ops.device import recording
 
     with torch.device("meta"):
         net = VisionModel(cfg)
@@ -50,11 +50,12 @@ def model_launches(cfg, dtype: torch.dtype) -> list:
 
 def attention_launches(head_dim: int, dtype: torch.dtype, heads: int = 8) -> list:
     """The attention launch at one head dim (for head dims no preset has), recorded."""
-    from .ops import attention, recording
+    from .. import ops
+    from ..ops.device import recording
 
     q = torch.empty(32, heads, head_dim, dtype=dtype)
-    with recording() as launches:
-        attention(q, q, q, [32])
+    with ops.batch_invariant(True), recording() as launches:
+        ops.attention(q, q, q, [32])
     return launches
 
 
@@ -78,7 +79,7 @@ def compile_launch(launch, arch: int = 90):
     from triton.compiler import ASTSource, make_backend
     from triton.runtime.jit import create_function_from_signature
 
-    from . import interpreting
+    from ..kernels.cuda import interpreting
 
     if interpreting():
         raise RuntimeError("bivit.gpu.build compiles kernels: run it without TRITON_INTERPRET=1")

@@ -29,8 +29,6 @@ The choices, per dtype `D` of a GEMM's weights:
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
 import logging
 import math
 import os
@@ -189,17 +187,12 @@ def _decide_norm(dtype: torch.dtype):
     return kernel
 
 
-def bits_class(dtypes: tuple[torch.dtype, ...], device: torch.device, batch_invariant: bool) -> str:
-    """The class of bits an encoder whose tower and projector compute in `dtypes` (tower first) gets on `device`
+def cpu_bits_class(dtypes: tuple[torch.dtype, ...], batch_invariant: bool) -> str:
+    """The class of bits an encoder whose tower and projector compute in `dtypes` (tower first) gets on this CPU
     in this process (`bivit.ops.bits`): bivit-arith/1 where every GEMM, the attention and every norm runs a
     kernel that computes it; otherwise a class named after what runs, tied to this machine kind."""
     if not batch_invariant:
         return f"stock/{bits.machine_tag()}"
-    if device.type != "cpu":
-        from .. import gpu
-
-        facts = json.dumps(gpu.facts(device, True), sort_keys=True).encode()
-        return f"gpu/{hashlib.sha256(facts).hexdigest()[:16]}"
     own: list[str] = []
     fallback = False
     for dtype in dict.fromkeys(dtypes):

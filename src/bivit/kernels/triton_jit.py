@@ -1,4 +1,5 @@
-"""The Triton kernels of the invariant GPU path (imported only where triton is installed).
+"""The Triton kernels of the invariant GPU path, on the kernel floor beside the C kernels (imported only where
+triton is installed; launched by `bivit.kernels.cuda`).
 
 What makes each kernel batch-invariant is one rule: a row's result is computed by the same instructions, in the
 same order, whatever the other rows of the launch are and wherever the row sits in it.
@@ -8,7 +9,7 @@ same order, whatever the other rows of the launch are and wherever the row sits 
   the compiler sees the exact shape the model runs, so masks and alignments are known at compile time (a
   run-time head dim of 72 compiled to 255 registers with spills and no cp.async pipelining; `tl.constexpr`, to
   a 2-stage pipeline without spills: tests/test_gpu_compiled.py).
-* Tiles come from the layer's shape and dtype only (`bivit.gpu.ops`), never from the row count; K is walked
+* Tiles come from the layer's shape and dtype only (`bivit.kernels.cuda`), never from the row count; K is walked
   from 0 upwards in whole tiles by one program (no split-K), so a dot product adds its terms in one fixed order.
 * Attention runs one program per (query block, head) of one item: query blocks start at the item's first row,
   keys are walked from the item's first row, so the pack around an item changes no operation on its data.
