@@ -30,6 +30,7 @@ import torch
 
 from .. import notices
 from ..errors import ConfigError
+from .gemm import ACTS
 
 PRECISION = "ieee"
 FP_FUSION = False
@@ -239,9 +240,8 @@ def gemm(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gelu
         return y
     t = gemm_tiles(weight.dtype)
     grid = (triton.cdiv(m, t.block_m), triton.cdiv(n, t.block_n))
-    gelus = {None: K.GELU_NONE, "none": K.GELU_ERF, "tanh": K.GELU_TANH}
     _launch(K.gemm_kernel, grid, x2, weight, weight if bias is None else bias, y, y, m, tiles=t, N=n, K=k,
-            HAS_BIAS=bias is not None, GELU=gelus[gelu], RESIDUAL=residual is not None, PRECISION=PRECISION,
+            HAS_BIAS=bias is not None, GELU=ACTS[gelu], RESIDUAL=residual is not None, PRECISION=PRECISION,
             BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k)
     return y
 

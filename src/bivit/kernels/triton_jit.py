@@ -21,16 +21,21 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-GELU_NONE, GELU_ERF, GELU_TANH = 0, 1, 2
+from .abi import CONSTS
+
+# GELU kinds: the C kernels' ACT_* (abi.CONSTS, checked against each C library at load): one numbering for
+# every kernel that takes one.
+GELU_TANH = tl.constexpr(CONSTS["ACT_GELU_TANH"])
+GELU_ERF = tl.constexpr(CONSTS["ACT_GELU_ERF"])
 
 
 @triton.jit
 def _gelu(y, KIND: tl.constexpr):
-    """GELU of a float32 tile: KIND 1 = erf form, 2 = tanh approximation (tanh written with exp: one formula in
-    the interpreter and on the GPU)."""
-    if KIND == 1:
+    """GELU of a float32 tile: KIND GELU_ERF = erf form, GELU_TANH = tanh approximation (tanh written with exp: one
+    formula in the interpreter and on the GPU); ACT_NONE: none."""
+    if KIND == GELU_ERF:
         y = 0.5 * y * (1.0 + tl.math.erf(y * 0.7071067811865476))
-    elif KIND == 2:
+    elif KIND == GELU_TANH:
         u = 0.7978845608028654 * (y + 0.044715 * y * y * y)
         y = 0.5 * y * (2.0 - 2.0 / (tl.exp(2.0 * u) + 1.0))
     return y
