@@ -22,22 +22,11 @@ import pytest
 import torch
 
 import bivit
-from bivit import golden, kernels, ops
+from bivit import golden, kernels
 from bivit.ops import backend, bits
 from support import arith_model, arith_reference as R
+from support.variants import CAPABILITY, FLAGS, RUNNABLE, library_or_skip
 
-CAPABILITY = torch.backends.cpu.get_cpu_capability()
-FLAGS = kernels.cpu_info()[1]
-
-
-def _runs_here(v: kernels.Variant) -> bool:
-    try:
-        return kernels.pick_variant(v.name, FLAGS, CAPABILITY) == v
-    except kernels.KernelUnavailable:
-        return False
-
-
-RUNNABLE = [v for v in kernels.VARIANTS if _runs_here(v)]
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
@@ -143,10 +132,7 @@ def test_the_avx512_variant_computes_the_committed_bits_emulated(emulated_avx512
 
 @pytest.fixture(scope="module", params=[v.name for v in kernels.VARIANTS])
 def library(request):
-    variant = next(v for v in kernels.VARIANTS if v.name == request.param)
-    if variant not in RUNNABLE:
-        pytest.skip(f"the {variant.name} variant does not run here (CPU flags / PyTorch capability {CAPABILITY})")
-    return kernels.load_library(variant)
+    return library_or_skip(request.param)
 
 
 def test_every_kernel_of_the_variant_computes_the_committed_bits(library, record_property):

@@ -20,20 +20,8 @@ import torch.nn.functional as F
 from bivit import kernels, ops
 from bivit.kernels import abi, gemm
 from bivit.ops import attend as attention_op
-
-FLAGS = kernels.cpu_info()[1]
-CAPABILITY = torch.backends.cpu.get_cpu_capability()
+from support.variants import FLAGS, RUNNABLE, library_or_skip
 HAS_CC = bool(os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc"))
-
-
-def _runs_here(variant: kernels.Variant) -> bool:
-    try:
-        return kernels.pick_variant(variant.name, FLAGS, CAPABILITY) == variant
-    except kernels.KernelUnavailable:
-        return False
-
-
-RUNNABLE = [v for v in kernels.VARIANTS if _runs_here(v)]
 CAN_RUN = bool(RUNNABLE)
 AUTO_USES_IT = CAN_RUN and "amx_bf16" not in FLAGS  # BIVIT_ATTENTION=auto picks a variant here
 needs_cpu = pytest.mark.skipif(not CAN_RUN, reason="no variant of the compiled attention runs on this CPU")
@@ -45,10 +33,7 @@ def library(request):
     loaded directly (also on AMX CPUs, where `auto` would leave PyTorch's attention in place). A CPU that can run
     it must get it: a build failure fails the test. On an AVX-512 machine both variants run (AVX2 code runs
     there), so the AVX2 kernel is tested wherever the AVX-512 one is."""
-    variant = next(v for v in kernels.VARIANTS if v.name == request.param)
-    if variant not in RUNNABLE:
-        pytest.skip(f"the {variant.name} variant does not run here (CPU flags / PyTorch capability {CAPABILITY})")
-    return kernels.load_library(variant)
+    return library_or_skip(request.param)
 
 
 @pytest.fixture(scope="module")
