@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import bivit
-from bivit import golden, kernels
+from bivit import golden, kernels, ops
 from bivit.ops import backend, bits
 from support import arith_model, arith_reference as R
 from support.variants import CAPABILITY, FLAGS, RUNNABLE, library_or_skip
@@ -165,7 +165,7 @@ def test_the_chosen_kernels_compute_the_committed_bits():
         assert bits.conformance("gemm", backend.gemm_kernel(dtype), dtype) is None
         assert bits.conformance("attention", backend.attention_kernel(dtype), dtype) is None
         assert bits.conformance("norm", backend.norm_kernel(dtype), dtype) is None
-        assert backend.bits_class((dtype, dtype), torch.device("cpu"), True) == bits.ARITH
+        assert ops.bits_class((dtype, dtype), torch.device("cpu"), True) == bits.ARITH
 
 
 def test_control_a_kernel_of_another_order_is_not_conformant():

@@ -83,7 +83,7 @@ class Encoder:
         dtypes = list(dict.fromkeys((self.dtype, self.projector_dtype)))
         # the variant too: the kernels per dtype, the load-time proof (per op, the path and whether it is
         # bit-identical alone, packed and reversed at several thread counts on this machine: bivit.ops.proof)
-        kernels = ops.backend(self.device).describe(self.model, dtypes, self.batch_invariant)
+        kernels = ops.backend_for(self.device).describe(self.model, dtypes, self.batch_invariant)
         return {"model": self.model_name, "demo": self.is_demo, "fingerprint": self.fingerprint, "bits": self.bits,
                 "dtype": dtype_name(self.dtype), "projector_dtype": dtype_name(self.projector_dtype),
                 "output_dtype": dtype_name(self.output_dtype), "batch_invariant": self.batch_invariant,
@@ -107,7 +107,7 @@ class Encoder:
         replace_weights(self.model, state_dict, source)
         self._fingerprint = None
         if self.batch_invariant:
-            ops.backend(self.device).prepare(self.model)  # re-pack (and prove) now rather than on the next request
+            ops.backend_for(self.device).prepare(self.model)  # re-pack (and prove) now rather than on the next request
         return self.fingerprint
 
     # ------------------------------------------------------------------------------------------ stages
@@ -293,6 +293,6 @@ def load_encoder(model: str | os.PathLike | None = None, *, device: str | torch.
     if batch_invariant:
         # CPU: pack the weights and prove every op invariant on this machine now, not on the first request;
         # CUDA: check the Triton kernels can run (fixed tiles, nothing to probe).
-        ops.backend(device).prepare(net)
+        ops.backend_for(device).prepare(net)
     return Encoder(net, model_name=name, is_demo=is_demo, batch_invariant=batch_invariant, output_dtype=out_dtype,
                    max_batch_patches=budget, device=device, processing=proc, alpha=alpha)

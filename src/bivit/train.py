@@ -65,5 +65,5 @@ def load_model(model: str | os.PathLike | None = None, *, device: str | torch.de
     net.activation_checkpointing = activation_checkpointing
     net.requires_grad_(True)
     if batch_invariant:  # (the GPU path's forward refuses autograd: bivit.ops.cuda)
-        ops.backend(device).prepare(net)
+        ops.backend_for(device).prepare(net)
     return net

@@ -37,7 +37,7 @@ from .backend import GemmPath, KernelFailed, attention_kernel, gemm_kernel, gemm
 from .bits import ARITH
 # The ops the model calls: each picks the op table of its first tensor's device (device.py: CPU, or in invariant
 # mode CUDA's Triton ops).
-from .device import (attention, backend, bits_class, layer_norm, linear, patch_conv, residual_linear, rms_norm,
+from .device import (attention, backend_for, bits_class, layer_norm, linear, patch_conv, residual_linear, rms_norm,
                      temporal_mean)
 from .gemm import gemms, prepare
 from .tiles import CANDIDATE_TILES, REFERENCE_TILE, GemmPlan, gemm_plan, self_check
@@ -48,7 +48,7 @@ from .rotary import rope, rope_tables
 
 __all__ = [
     "ARITH", "CANDIDATE_TILES", "POINTWISE_CHUNK", "REFERENCE_TILE", "GemmPath", "GemmPlan", "InvarianceError",
-    "KernelFailed", "Proof", "attention", "backend", "bits_class", "gemms", "norm_kernel", "prove", "rope_tables",
+    "KernelFailed", "Proof", "attention", "backend_for", "bits_class", "gemms", "norm_kernel", "prove", "rope_tables",
     "attention_kernel", "batch_invariant", "checkpoint", "gelu", "gemm_kernel", "gemm_path", "gemm_plan",
     "is_batch_invariant", "layer_norm", "linear", "patch_conv", "prepare", "residual_linear", "rms_norm", "rope",
     "self_check", "temporal_mean", "trace",

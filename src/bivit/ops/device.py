@@ -4,7 +4,7 @@
   mode); CUDA tensors in invariant mode take the Triton ops (`ops.cuda`); in default mode every tensor takes the
   CPU table's ops, whose stock branches run PyTorch's on any device. `linear` ... `temporal_mean` below pick the
   table for their first tensor: the only place that decides it.
-* `backend(device)`: what an encoder on that device type does at load and reports: build or check its kernels
+* `backend_for(device)`: what an encoder on that device type does at load and reports: build or check its kernels
   (`load`), pack the weights and prove invariance (`prepare`), describe the kernels and name the class of bits.
 * `interpreted()` / `recording()`: CPU tensors take the CUDA table too, under Triton's interpreter (the GPU
   path's tests and its CPU dry run) or with every launch recorded instead of run (`bivit.gpu.build`).
@@ -192,7 +192,7 @@ class CudaBackend:
 BACKENDS = {"cpu": CpuBackend(), "cuda": CudaBackend()}
 
 
-def backend(device: torch.device):
+def backend_for(device: torch.device):
     """The backend of `device`'s type; ConfigError for another (invariant mode runs on CPUs and NVIDIA GPUs)."""
     try:
         return BACKENDS[device.type]
@@ -203,9 +203,9 @@ def backend(device: torch.device):
 def bits_class(dtypes: Sequence[torch.dtype], device: torch.device, batch_invariant: bool) -> str:
     """The class of bits an encoder whose tower and projector compute in `dtypes` (tower first) gets on `device`
     in this process (`bivit.ops.bits`): `bivit-arith/1`, or the class of what runs there."""
-    return backend(device).bits(dtypes, batch_invariant)
+    return backend_for(device).bits(dtypes, batch_invariant)
 
 
-__all__ = ["BACKENDS", "CPU_OPS", "Ops", "attention", "backend", "bits_class", "cuda_ops", "interpreted",
+__all__ = ["BACKENDS", "CPU_OPS", "Ops", "attention", "backend_for", "bits_class", "cuda_ops", "interpreted",
            "layer_norm", "linear", "ops_for", "patch_conv", "recording", "residual_linear", "rms_norm",
            "temporal_mean"]
