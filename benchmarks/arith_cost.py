@@ -114,7 +114,8 @@ def main() -> None:
                         t = impl.run(i)
                         if r:  # round 0: warm-up
                             times.setdefault((impl.name, case.name), []).append(t)
-                print(f"  round {r} done", flush=True)
+                print(f"  round {r} done: " + ", ".join(f"{i.name} {sum(times.get((i.name, c.name), [0])[-1:]):.1f} s"
+                                                        for i in impls for c in cases[:1]), flush=True)
         finally:
             for impl in impls:
                 impl.close()
