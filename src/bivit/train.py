@@ -10,10 +10,12 @@ code, running the same ops: its per-item outputs are the bits `Encoder.encode_pi
 from __future__ import annotations
 
 import os
+from typing import Mapping
 
 import torch
 
 from . import ops
+from .config import ModelConfig
 from .dtypes import resolve_dtypes
 from .model import VisionModel
 from .packing import check_pixels
@@ -61,10 +63,27 @@ def load_model(model: str | os.PathLike | None = None, *, device: str | torch.de
     device = parse_device(device)
     net, _, _, _ = build_model(model, device=device, dtype=tower_dtype, projector_dtype=proj_dtype,
                                seed=seed, revision=revision, cls=TrainableModel)
+    return _ready(net, batch_invariant, activation_checkpointing)
+
+
+def trainable_from_state(cfg: ModelConfig, state: Mapping[str, torch.Tensor], *, device: torch.device,
+                         dtype: torch.dtype, projector_dtype: torch.dtype, batch_invariant: bool = True,
+                         activation_checkpointing: bool = False) -> TrainableModel:
+    """The trainable module over weights already in memory (checkpoint names, e.g. converted from another
+    implementation's module: `bivit.hf.attach`), ready as `load_model` leaves it."""
+    with torch.device("meta"):
+        net = TrainableModel(cfg)
+    net.load_state_dict(dict(state), strict=True, assign=True)
+    net.vision_tower.to(device=device, dtype=dtype)
+    net.mm_projector.to(device=device, dtype=projector_dtype)
+    return _ready(net, batch_invariant, activation_checkpointing)
+
+
+def _ready(net: TrainableModel, batch_invariant: bool, activation_checkpointing: bool) -> TrainableModel:
     net.batch_invariant = batch_invariant
     net.activation_checkpointing = activation_checkpointing
     net.requires_grad_(True)
-    if batch_invariant and device.type == "cpu":  # (the GPU path's forward refuses autograd: bivit.gpu)
-        ops.prepare(ops.gemms(net))
+    if batch_invariant and next(net.parameters()).device.type == "cpu":  # (the GPU path refuses autograd: bivit.gpu)
+        ops.prepare(ops.gemms(net))  # builds (or finds) the compiled kernels, packs the weights
         ops.prove(net)
     return net
