@@ -4,8 +4,9 @@ a DeepSeek-V3 language model, tokenizer) loaded by `Kimi_K25ForConditionalGenera
 After `attach`, the model's image features are `Encoder.encode`'s bits for images and video chunks (t > 1), its
 parameters are exactly the tensors bivit's forward reads (gradients reach them, the optimizer steps them), and
 `save_pretrained` writes the published layout, which bivit and transformers reload to the same rows (vLLM too:
-tests/vllm_engine/test_vllm_rl.py). Controls: HF's own tower gives other bits (within the parity tolerance) and
-cannot take video chunks (it splits its output by t*h*w/4 rows per item); HF's own `save_pretrained` writes names nobody loads.
+tests/vllm_engine/test_vllm_rl.py). Controls: HF's own tower gives other bits (within the parity tolerance); HF's own
+`save_pretrained` writes names nobody loads. (HF's tower cannot take video chunks at all: it splits its output by
+t*h*w/4 rows per item.)
 """
 
 from __future__ import annotations

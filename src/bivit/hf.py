@@ -95,7 +95,7 @@ def attach(model: "PreTrainedModel", *, rows: Optional["RowStore"] = None, batch
     block.
 
     `rows`: frozen-tower mode. The model reads each item's rows from the store a rollout filled
-    (`bivit.rl.Rollout`), keyed by the item's pixels; the tower never runs and its parameters are frozen.
+    (`bivit.engines.rl.Rollout`), keyed by the item's pixels; the tower never runs, its parameters are frozen.
     """
     inner = _inner(model)
     if _ATTACHED in vars(inner):
@@ -218,8 +218,8 @@ def pixel_key(pixel_values: torch.Tensor, grid_thw: Sequence[int]) -> str:
 
 class RowStore:
     """The rows a rollout encoded, by item pixels (`pixel_key`): what a frozen-tower model reads
-    (`attach(model, rows=store)`). `bivit.rl.Rollout` replaces its contents at each rollout; a lookup of an item
-    it does not hold raises (a frozen model never falls back to running a tower)."""
+    (`attach(model, rows=store)`). `bivit.engines.rl.Rollout` replaces its contents at each rollout; a lookup of an
+    item it does not hold raises (a frozen model never falls back to running a tower)."""
 
     def __init__(self) -> None:
         self._rows: dict[str, torch.Tensor] = {}

