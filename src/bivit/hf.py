@@ -37,7 +37,7 @@ from .checkpoint import check_keys, expected_shapes, from_transformers_layout
 from .config import config_from_dict, load_config
 from .errors import BivitError, CheckpointError, ConfigError
 from .items import prepare
-from .media import MEDIA_PAD
+from .media import MEDIA_PAD, MediaBatch
 from .preprocess_config import (K25_PROCESSING, PREPROCESSOR_CONFIG, ProcessorConfig, check_alpha, load_processing,
                                 preprocessor_config_dict)
 from .train import TrainableModel, trainable_from_state
@@ -136,8 +136,9 @@ def attach(model: "PreTrainedModel", *, rows: Optional["RowStore"] = None, batch
     inner.get_image_features = get_image_features  # HF's forward and get_video_features call self.get_image_features
     model._weight_conversions = _checkpoint_conversions(model)
     model.save_pretrained = _saving_published_architecture(model.save_pretrained)
-    for m in (model, inner):
-        m._no_split_modules = [n for n in (m._no_split_modules or []) if n != _HF_BLOCK] + [bivit_model.Block.__name__]
+    block = bivit_model.Block.__name__
+    for m in {id(model): model, id(inner): inner}.values():
+        m._no_split_modules = [n for n in (m._no_split_modules or []) if n not in (_HF_BLOCK, block)] + [block]
     return net
 
 
@@ -338,8 +339,6 @@ def _make_processor_class() -> type:
                                      f"text has {used[key]} {key}")
             data = dict(self.tokenizer(out_texts, return_tensors=return_tensors, **kwargs)) if texts else {}
             if chunks:
-                from .media import MediaBatch
-
                 batch = MediaBatch.concat(chunks)
                 data.update(pixel_values=batch.pixel_values.flatten(1), image_grid_thw=batch.grid_thw)
             return BatchFeature(data=data, tensor_type=return_tensors)
