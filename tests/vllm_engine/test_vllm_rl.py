@@ -56,8 +56,6 @@ def llm(tiny_kimi, ec_dir, dtype):
         ec_connector_extra_config={"shared_storage_path": str(ec_dir)}))
     yield engine
     engine.llm_engine.engine_core.shutdown()
-    print(f"\nGRPO with a vLLM rollout, {dtype}, {cpu_kind()} CPU:",
-          json.dumps({mode: rec.report() for (d, mode), (rec, _) in RESULTS.items() if d == dtype}, indent=1))
 
 
 def load_ec(ec_dir, id_: str) -> torch.Tensor:
@@ -119,6 +117,7 @@ def test_control_vllms_tower_and_hfs_tower_give_other_rows(llm, tiny_kimi, ec_di
         tiny_kimi, dtype, "hf-tower", tmp_path, steps=1,
         control=lambda model, processor: VllmTowerRollout(processor, llm, ec_dir, dtype))
     record = RESULTS[(dtype, "vllm-tower / HF tower")][0]
+    print(f"\nvLLM's tower (rollout) / HF's tower (trainer), {dtype}, {cpu_kind()} CPU:", json.dumps(record.report()))
     assert len(record.trainer) == 3 * 2
     assert record.mismatches() == len(record.trainer)  # two implementations: no image gets the same bits
     assert record.gap("row_gaps")["max"] > 0
@@ -130,6 +129,7 @@ def test_grpo_with_a_vllm_rollout_trains_on_the_rows_the_rollout_used(llm, tiny_
     RESULTS[(dtype, "bivit")] = grpo_run(tiny_kimi, dtype, "bivit", tmp_path, engine=VllmGenerate(llm, seed=0),
                                          keep_model=True, train_language_model=False)
     record, info = RESULTS[(dtype, "bivit")]
+    print(f"\nbivit, vLLM rollout, {dtype}, {cpu_kind()} CPU:", json.dumps(record.report()))
     assert info["steps"] == 2 and len(record.trainer) == 2 * 3 * 2
     assert record.mismatches() == 0 and record.gap("row_gaps")["max"] == 0.0
     assert any(k.startswith("model.vision_tower.") for k in info["moved"])
