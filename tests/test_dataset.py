@@ -295,7 +295,7 @@ def test_encoder_stage_with_empty_batch_keeps_schema_and_dtype(media, encoder):
     from bivit.dataset.ray_engine import ENCODED_SCHEMA, PREPARED_SCHEMA, EncodeActor, decode_encoded, prepare_rows
 
     actor = EncodeActor(None, {"dtype": "bfloat16", "projector_dtype": None, "output_dtype": None},
-                        encoder.fingerprint, threads=torch.get_num_threads())
+                        encoder.fingerprint, encoder.bits, threads=torch.get_num_threads())
     empty = actor(prepare_rows(pa.table({"sha256": [], "kind": [], "path": [], "name": []},
                                         schema=pa.schema([(n, pa.string()) for n in ("sha256", "kind", "path", "name")]))))
     assert empty.num_rows == 0 and empty.schema == ENCODED_SCHEMA
@@ -309,7 +309,14 @@ def test_encoder_stage_with_empty_batch_keeps_schema_and_dtype(media, encoder):
     e = decode_encoded(full.to_pylist()[0])
     assert e.embedding.dtype == torch.bfloat16 and torch.equal(e.embedding, encoder.encode([path])[0])
     with pytest.raises(BivitError, match="fingerprint"):
-        EncodeActor(None, {"dtype": "bfloat16", "projector_dtype": None, "output_dtype": None}, "f" * 64, 1)
+        EncodeActor(None, {"dtype": "bfloat16", "projector_dtype": None, "output_dtype": None}, "f" * 64,
+                    encoder.bits, 1)
+    # A worker whose kernels compute another class of bits than the driver's (another CPU kind with
+    # BIVIT_ARITH=native, a node without a C compiler) is refused, naming both classes.
+    other = f"native/gemm-bfloat16=amx/{encoder.bits}"
+    with pytest.raises(BivitError, match=f"computes bits {encoder.bits}, the driver {other}"):
+        EncodeActor(None, {"dtype": "bfloat16", "projector_dtype": None, "output_dtype": None}, encoder.fingerprint,
+                    other, 1)
 
 
 # ----------------------------------------------------------------------------------------------------------------

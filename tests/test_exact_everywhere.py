@@ -157,7 +157,7 @@ BROKEN_KERNEL = textwrap.dedent("""
         def pack(self, weight):
             return weight.detach().float().contiguous()
 
-        def __call__(self, x, packed, n, bias, out, gelu=None, threads=None):
+        def __call__(self, x, packed, n, bias, out, gelu=None, threads=None, bf16=None):
             acc = x.double() @ packed.double().t()
             if x.shape[0] >= 64 and x.shape[0] % 2:  # "another kernel": one more rounding step
                 acc = acc + acc.abs() * 2.0 ** -20
@@ -222,11 +222,12 @@ def test_doctor_prove_prints_the_table(tmp_path):
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("proof "))
-    table = lines[start + 2:]
+    table = lines[start + 2:-1]
     assert lines[start + 1].split()[:2] == ["op", "path"]
     ops_seen = {row.split()[0] for row in table}
     assert {"gemm", "attention", "layer_norm"} <= ops_seen
     assert all(" yes " in row for row in table)
+    assert lines[-1].startswith(f"bits {ops.ARITH}: match (6 inputs, demo at float32)")
 
 
 @pytest.mark.parametrize("name", ["amx", "avx512_bf16", "fp32"])

@@ -4,8 +4,12 @@ rounding, timestamps, prompt placeholders and the image pixel limit."""
 
 import json
 import logging
+import math
+import os
 import shutil
 import struct
+import subprocess
+import sys
 import time
 import zlib
 from fractions import Fraction
@@ -14,12 +18,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from PIL import Image
 
 import bivit
 from bivit.config import ModelConfig
 from bivit.media import composite, image_size, load_image, navit_size, preprocess_images
-from bivit.model import PositionEmbedding, temporal_embedding
+from bivit.model import PositionEmbedding, resample, temporal_embedding
 from bivit.preprocess_config import K3_PROCESSING, K25_PROCESSING, load_processing, processing_from_dict
 from bivit.video import chunk_timestamp
 from support import reference as ref
@@ -249,21 +254,49 @@ def test_k3_refuses_video_like_its_processor(tmp_path, k3_ckpt):
 
 
 # ------------------------------------------------------------------------------------- position terms
+def _ulps(a: np.ndarray, b: np.ndarray) -> int:
+    """The largest distance between float32 arrays in units in the last place."""
+    ia, ib = (x.astype(np.float32).view(np.int32).astype(np.int64) for x in (a, b))
+    ia, ib = (np.where(i < 0, -(i & 0x7FFFFFFF), i) for i in (ia, ib))
+    return int(np.abs(ia - ib).max())
+
+
 @pytest.mark.parametrize("dim", [96, 288, 1024, 1152])
-def test_temporal_term_is_the_references_fp32_table_bitwise(dim):
-    assert torch.equal(temporal_embedding(4, dim), torch.from_numpy(ref.sincos_table(dim, 4)))
+def test_temporal_term_is_the_references_table_in_bivits_arithmetic(dim):
+    """The reference's sin-cos buffer (numpy float32: its pow, sin and cos are vector kernels whose last bit
+    depends on the CPU) in bivit-arith/1: each power, sine and cosine computed in float64 by the C library and
+    rounded once, the rest float32 as the reference writes it. Within an ulp of the reference's own table."""
+    frames = 6
+    e = np.arange(dim // 2, dtype=np.float32) / np.float32(dim / 2)
+    w = np.float32(1) / np.array([np.float32(10000.0 ** float(v)) for v in e], np.float32)
+    angles = np.arange(frames, dtype=np.float32)[:, None] * w[None, :]
+    want = np.concatenate([np.vectorize(lambda a: np.float32(math.sin(a)))(angles.astype(np.float64)),
+                           np.vectorize(lambda a: np.float32(math.cos(a)))(angles.astype(np.float64))], axis=1)
+    got = temporal_embedding(frames, dim)
+    assert torch.equal(got, torch.from_numpy(want.astype(np.float32)))
+    assert torch.equal(temporal_embedding(3, dim), got[:3])  # a row depends on its frame alone
+    assert _ulps(got.numpy(), ref.sincos_table(dim, frames)) <= 1
+
+
+def _interpolate(x: torch.Tensor, size, mode: str) -> torch.Tensor:
+    """bivit's resampling in F.interpolate's signature ([1, D, H, W] -> [1, D, h, w])."""
+    return resample(x[0].permute(1, 2, 0), *size, mode).permute(2, 0, 1)[None]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("mode", ["bicubic", "bilinear"])
 def test_video_position_terms_round_in_the_references_order(dtype, mode):
+    """The position terms of images and multi-frame chunks, rounded where the reference rounds them (table
+    resampled in fp32 and rounded to the tower dtype; temporal term in the tower dtype, added to it; then added
+    to the patches), given the same resampled table and sin-cos buffer."""
     cfg = ModelConfig(pos_emb_height=8, pos_emb_width=8, hidden_size=1152, num_heads=16, num_layers=1,
                       pos_emb_interpolation=mode)
     weight = torch.randn(8, 8, 1152, generator=torch.Generator().manual_seed(1))
     ours = PositionEmbedding(cfg)
     ours.weight = torch.nn.Parameter(weight, requires_grad=False)
     ours = ours.to(dtype)
-    theirs = ref.PositionTerms(weight, 4, mode).to(dtype)
+    table = temporal_embedding(4, 1152)
+    theirs = ref.PositionTerms(weight, 4, mode, table=table, interpolate=_interpolate).to(dtype)
     grids = [[4, 10, 14], [3, 8, 8], [2, 6, 22], [1, 12, 10], [4, 8, 8]]
     x = torch.randn(sum(t * h * w for t, h, w in grids), 1152, generator=torch.Generator().manual_seed(2)).to(dtype)
     with torch.no_grad():
@@ -275,14 +308,40 @@ def test_video_position_terms_round_in_the_references_order(dtype, mode):
         # Control: adding the terms in fp32 and rounding once (bivit's old order) differs from the reference.
         once = []
         for t, h, w in grids:
-            table = torch.nn.functional.interpolate(weight.to(dtype).float().permute(2, 0, 1)[None], size=(h, w),
-                                                    mode=mode)[0].permute(1, 2, 0).reshape(h * w, -1)
-            if (h, w) == (8, 8):
-                table = weight.to(dtype).float().reshape(64, -1)
+            t32 = weight.to(dtype).float()
+            t32 = t32.reshape(64, -1) if (h, w) == (8, 8) else resample(t32, h, w, mode).reshape(h * w, -1)
             if t > 1:
-                table = (table[None] + torch.from_numpy(ref.sincos_table(1152, 4))[:t, None]).flatten(0, 1)
-            once.append(table)
+                t32 = (t32[None] + table[:t, None]).flatten(0, 1)
+            once.append(t32)
         assert not torch.equal(x + torch.cat(once).to(dtype), want)
+
+
+RESAMPLE_SCRIPT = """
+import json, sys, torch, torch.nn.functional as F
+from bivit.model import resample
+g = torch.Generator().manual_seed(0)
+out = []
+for H, W, h, w in [(16, 16, 37, 23), (8, 8, 10, 14), (64, 64, 64, 100), (64, 64, 20, 9)]:
+    t = torch.randn(H, W, 40, generator=g)
+    theirs = F.interpolate(t.permute(2, 0, 1)[None], size=(h, w), mode="bicubic", align_corners=False)[0]
+    out.append(torch.equal(resample(t, h, w, "bicubic"), theirs.permute(1, 2, 0)))
+print(json.dumps(out))
+"""
+
+
+def test_resampling_is_pytorchs_bicubic_without_fused_multiply_adds():
+    """bivit's position-table resampling computes PyTorch's bicubic interpolation operation for operation: bit for
+    bit what PyTorch's scalar build (ATEN_CPU_CAPABILITY=default, no fused multiply-adds) computes; PyTorch's
+    vector builds fuse some products into FMAs, as the CPU kind allows (their bits differ, by a few ulps)."""
+    done = subprocess.run([sys.executable, "-c", RESAMPLE_SCRIPT], env={**os.environ, "ATEN_CPU_CAPABILITY": "default"},
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.splitlines()[-1]) == [True] * 4
+    g = torch.Generator().manual_seed(3)
+    for mode in ("bicubic", "bilinear"):
+        t = torch.randn(16, 16, 40, generator=g)
+        theirs = F.interpolate(t.permute(2, 0, 1)[None], size=(21, 9), mode=mode, align_corners=False)[0]
+        torch.testing.assert_close(resample(t, 21, 9, mode), theirs.permute(1, 2, 0), rtol=1e-5, atol=1e-5)
 
 
 # ----------------------------------------------------------------------------------------- timestamps

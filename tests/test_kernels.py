@@ -20,20 +20,8 @@ import torch.nn.functional as F
 from bivit import kernels, ops
 from bivit.kernels import abi, gemm
 from bivit.ops import attend as attention_op
-
-FLAGS = kernels.cpu_info()[1]
-CAPABILITY = torch.backends.cpu.get_cpu_capability()
+from support.variants import FLAGS, RUNNABLE, library_or_skip
 HAS_CC = bool(os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc"))
-
-
-def _runs_here(variant: kernels.Variant) -> bool:
-    try:
-        return kernels.pick_variant(variant.name, FLAGS, CAPABILITY) == variant
-    except kernels.KernelUnavailable:
-        return False
-
-
-RUNNABLE = [v for v in kernels.VARIANTS if _runs_here(v)]
 CAN_RUN = bool(RUNNABLE)
 AUTO_USES_IT = CAN_RUN and "amx_bf16" not in FLAGS  # BIVIT_ATTENTION=auto picks a variant here
 needs_cpu = pytest.mark.skipif(not CAN_RUN, reason="no variant of the compiled attention runs on this CPU")
@@ -45,10 +33,7 @@ def library(request):
     loaded directly (also on AMX CPUs, where `auto` would leave PyTorch's attention in place). A CPU that can run
     it must get it: a build failure fails the test. On an AVX-512 machine both variants run (AVX2 code runs
     there), so the AVX2 kernel is tested wherever the AVX-512 one is."""
-    variant = next(v for v in kernels.VARIANTS if v.name == request.param)
-    if variant not in RUNNABLE:
-        pytest.skip(f"the {variant.name} variant does not run here (CPU flags / PyTorch capability {CAPABILITY})")
-    return kernels.load_library(variant)
+    return library_or_skip(request.param)
 
 
 @pytest.fixture(scope="module")
@@ -332,25 +317,23 @@ AMX_FLAGS = AVX512_FLAGS | {"amx_bf16", "amx_tile"}
     ("auto", AVX512_FLAGS, "AVX2", "avx2"),                   # ATEN_CPU_CAPABILITY=avx2 on an AVX-512 CPU
     ("auto", AVX512_FLAGS - {"avx512_bf16"}, "AVX512", "avx2"),  # AVX-512 without BF16 (Skylake, Ice Lake)
     ("auto", AMX_FLAGS, "AVX512", "avx512"),                  # AMX Xeon (the attention stays PyTorch's: below)
-    ("auto", AVX512_FLAGS, "DEFAULT", None),                  # ATEN_CPU_CAPABILITY=default: no vector code
-    ("auto", frozenset({"asimd", "sve"}), "SVE256", None),    # Arm (Graviton): no variant yet
+    ("auto", AVX512_FLAGS, "DEFAULT", "portable"),            # ATEN_CPU_CAPABILITY=default: no vector code
+    ("auto", frozenset({"asimd", "sve"}), "SVE256", "portable"),  # Arm (Graviton): plain C
+    ("auto", frozenset({"sse2"}), "DEFAULT", "portable"),     # an x86 without AVX2
     ("avx2", AVX512_FLAGS, "AVX512", "avx2"),                 # the override the tests use
+    ("portable", AVX512_FLAGS, "AVX512", "portable"),         # any CPU runs the plain C variant
     ("avx512", AVX2_FLAGS, "AVX2", None),                     # never code the CPU cannot run
     ("avx512", AVX512_FLAGS, "AVX2", None),                   # nor code PyTorch was told not to run
 ])
 def test_variant_choice_follows_cpu_flags_and_pytorch_capability(choice, flags, capability, expect):
-    """The choice is a function of the configuration, the CPU's flags and PyTorch's capability only. Where none
-    runs: a variant named by the user is a choice (a note, the fix: unset it); under `auto` a faster path is lost
-    (a warning), with a fix only where PyTorch's capability, not the CPU, is the limit."""
+    """The choice is a function of the configuration, the CPU's flags and PyTorch's capability only: the fastest
+    variant both allow, the portable one where no other runs. A variant named by the user that cannot run here is
+    a choice (a note, the fix: unset it)."""
     if expect is None:
         with pytest.raises(kernels.KernelUnavailable) as e:
             kernels.pick_variant(choice, flags, capability)
-        named = choice != "auto"
-        assert e.value.chosen is named
-        if named:
-            assert kernels.ATTENTION_ENV in e.value.fix
-        else:
-            assert (e.value.fix == "unset ATEN_CPU_CAPABILITY") is ("avx2" in flags)
+        assert e.value.chosen
+        assert kernels.ATTENTION_ENV in e.value.fix
     else:
         assert kernels.pick_variant(choice, flags, capability).name == expect
 
@@ -385,7 +368,7 @@ def test_a_process_without_the_kernel_encodes_close_to_one_with_it(tmp_path):
         "from support.media import random_image\n"
         "enc = bivit.load_encoder(None, dtype='bfloat16')\n"
         "out = enc.encode([random_image(112, 140, 3)])[0]\n"
-        "k = ops.attention_kernel()\n"
+        "k = ops.attention_kernel(torch.bfloat16)\n"
         "torch.save({'out': out, 'kernel': k is not None, 'variant': k and k.variant}, sys.argv[1])\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(os.path.dirname(__file__)), *sys.path]),
                BIVIT_KERNEL_CACHE=str(tmp_path / "cache"))

@@ -95,3 +95,26 @@ def test_module_and_class_sizes():
             if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES:
                 long_classes.append(f"{path.relative_to(ROOT)}:{node.name}")
     assert long_modules == [] and long_classes == []
+
+
+# The engine's floors, lowest first: a module imports its own floor and the ones below, never one above (the
+# kernels know nothing of the op layer, the op layer nothing of the model, the encoder or the front ends).
+FLOORS = [("bivit.kernels", {"bivit.errors", "bivit.notices", "bivit.dtypes"}), ("bivit.ops", set())]
+
+
+def _arrows_up(graph: dict[str, set[str]]) -> list[str]:
+    allowed: set[str] = set()
+    bad = []
+    for prefix, extra in FLOORS:
+        floor = {m for m in graph if m == prefix or m.startswith(prefix + ".")}
+        allowed |= extra | floor
+        for m in sorted(floor):
+            bad += [f"{m} -> {d}" for d in sorted(graph[m]) if d in graph and d not in allowed]
+    return bad
+
+
+def test_no_arrow_back_up_from_the_kernel_floor_and_the_op_layer():
+    graph = {_module_name(p): _imports(p) for p in ROOT.rglob("*.py")}
+    assert _arrows_up(graph) == []
+    assert _arrows_up({**graph, "bivit.kernels.cuda": graph["bivit.kernels.cuda"] | {"bivit.ops.device"}})  # control
+    assert _arrows_up({**graph, "bivit.ops.device": graph["bivit.ops.device"] | {"bivit.gpu"}})

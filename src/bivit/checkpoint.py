@@ -14,11 +14,13 @@ Every problem becomes a CheckpointError naming the key and the file.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from pathlib import Path
 from typing import Callable, Iterable
 
+import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
@@ -228,21 +230,33 @@ def load_state_dict(directory: str | os.PathLike, cfg: ModelConfig) -> dict[str,
 
 # ------------------------------------------------------------------------------------------------ write
 
+def _unit_uniform(g: np.random.Generator, shape: tuple[int, ...]) -> torch.Tensor:
+    """float32 values uniform on (-sqrt(3), sqrt(3)) (mean 0, variance 1): integers from numpy's PCG64, exact
+    conversions and one float32 multiply, so the same bits on every platform (PyTorch's randn is not: its vector
+    code differs from one CPU kind to the next)."""
+    k = g.integers(0, 2 ** 24, size=shape, dtype=np.int64)
+    u = ((2 * k + 1 - 2 ** 24) / 2.0 ** 24).astype(np.float32)  # exact: odd multiples of 2^-24 in (-1, 1)
+    return torch.from_numpy(u * np.float32(1.7320508075688772))
+
+
 def random_state_dict(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Deterministic random weights in the Moonshot layout (fp32): the demo model, tests, benchmarks."""
-    g = torch.Generator().manual_seed(seed)
+    """Deterministic random weights in the Moonshot layout (fp32): the demo model, tests, benchmarks. The same
+    bits on every machine (`_unit_uniform`), so an encoder of them has one fingerprint and, in bivit-arith/1,
+    one set of rows everywhere."""
+    g = np.random.Generator(np.random.PCG64(seed))
     state = {}
     for key, shape in expected_shapes(cfg).items():
+        t = _unit_uniform(g, tuple(shape))
         if key.endswith("norm0.weight") or key.endswith("norm1.weight") or key.endswith("norm.weight") or \
                 key.endswith("final_layernorm.weight"):
-            t = 1.0 + 0.1 * torch.randn(shape, generator=g)
+            t = 1.0 + 0.1 * t
         elif key.endswith(".bias"):
-            t = 0.02 * torch.randn(shape, generator=g)
+            t = 0.02 * t
         elif key.endswith("pos_emb.weight"):
-            t = 0.5 * torch.randn(shape, generator=g)
+            t = 0.5 * t
         else:
-            fan_in = int(torch.tensor(shape[1:]).prod()) if len(shape) > 1 else shape[0]
-            t = torch.randn(shape, generator=g) / fan_in ** 0.5
+            fan_in = math.prod(shape[1:]) if len(shape) > 1 else shape[0]
+            t = t / fan_in ** 0.5
         state[key] = t
     return state
 

@@ -2,10 +2,14 @@
 
 `report()` gathers, without loading a model: bivit and Python; the CPU kind (model name and the instruction
 sets bivit's kernel choices depend on); what PyTorch reports (version, the CPU capability it dispatches, whether
-oneDNN has bf16/fp16 GEMMs here, threads, the environment variables that change any of it); the GEMM path
-chosen per dtype (`bivit.ops.gemm_path`); the compiled attention (in use from which cached library, or why not
-and the fix); the C compiler found; the extras installed; and every fallback said (`bivit.notices`). Each
-section is gathered on its own: one that fails says so in its place, it never stops the report.
+oneDNN has bf16/fp16 GEMMs here, threads, the environment variables that change any of it); the class of bits
+invariant mode computes per dtype (`bivit-arith/1`, the same rows on every CPU, or this machine kind's own:
+`bivit.ops.bits`); the GEMM path chosen per dtype (`bivit.ops.gemm_path`); the compiled attention (in use from
+which cached library, or why not and the fix); the C compiler found; the extras installed; and every fallback
+said (`bivit.notices`). Each section is gathered on its own: one that fails says so in its place, it never stops
+the report. `prove()` adds the load-time proof on a model's shapes and the golden rows (`bivit.golden`): the
+demo model's rows for fixed inputs against the committed ones, which a machine computing bivit-arith/1
+reproduces bit for bit.
 """
 
 from __future__ import annotations
@@ -24,8 +28,8 @@ from .notices import Notice
 CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16",
              "amx_fp16")
 # Environment variables that change a kernel choice, the threads, or where kernels are cached.
-ENV_VARS = ("BIVIT_ATTENTION", "BIVIT_KERNEL_CACHE", "CC", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA",
-            "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+ENV_VARS = ("BIVIT_ARITH", "BIVIT_ATTENTION", "BIVIT_GEMM", "BIVIT_KERNEL_CACHE", "CC", "ATEN_CPU_CAPABILITY",
+            "ONEDNN_MAX_CPU_ISA", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 GEMM_DTYPES = ("float32", "bfloat16", "float16")
 _EXTRA = re.compile(r"""^([A-Za-z0-9_.-]+)(?:\[[^\]]*\])?[^;]*;\s*extra\s*==\s*["']([\w-]+)["']""")
 
@@ -67,6 +71,18 @@ def pytorch() -> dict:
             "env": {k: os.environ[k] for k in ENV_VARS if k in os.environ}}
 
 
+def bits() -> dict:
+    """The class of bits invariant mode computes here, per dtype (a tower and projector of that dtype), and the
+    arithmetic mode (`BIVIT_ARITH`)."""
+    import torch
+
+    from .ops import bits_class
+    from .ops.bits import mode
+
+    cpu = torch.device("cpu")
+    return {"mode": mode(), **{name: bits_class((getattr(torch, name),) * 2, cpu, True) for name in GEMM_DTYPES[:2]}}
+
+
 def gemm() -> dict:
     """Invariant mode's GEMM per dtype: bivit's compiled kernel (invariant by construction), or PyTorch's GEMM at
     proven tiles where none runs here."""
@@ -105,18 +121,25 @@ def attention() -> dict:
     from . import kernels
     from .ops import attention_kernel
 
-    invariant = attention_kernel()
+    import torch
+
+    paths = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        kernel = attention_kernel(dtype)
+        paths[str(dtype).removeprefix("torch.")] = (f"bivit compiled ({kernel.name_for(dtype)})" if kernel
+                                                    else "PyTorch SDPA per item")
+    invariant = ", ".join(f"{d} {p}" for d, p in paths.items())
     return {**kernels.status(), "choice": os.environ.get(kernels.ATTENTION_ENV, "auto"),
-            "cache": str(kernels.cache_dir()),
-            "invariant_mode": f"bivit compiled ({invariant.name})" if invariant else "PyTorch SDPA per item"}
+            "cache": str(kernels.cache_dir()), "invariant_mode": invariant}
 
 
 def prove(model: str | None, dtype: str, projector_dtype: str | None) -> dict:
     """Run the load-time proof now (`bivit.ops.proof`) on `model`'s real shapes: the table, its cost, and whether it
-    agrees with what this machine kind recorded. Raises InvarianceError where an op has no invariant path."""
+    agrees with what this machine kind recorded; then the golden rows (`bivit.golden`): the demo model's rows at
+    `dtype` against the committed ones. Raises InvarianceError where an op has no invariant path."""
     import time
 
-    from . import ops
+    from . import golden, ops
     from .encoder import load_encoder
 
     encoder = load_encoder(model, dtype=dtype, projector_dtype=projector_dtype, batch_invariant=False)
@@ -124,8 +147,11 @@ def prove(model: str | None, dtype: str, projector_dtype: str | None) -> dict:
     ops.prepare(ops.gemms(encoder.model))
     packed = time.perf_counter() - start
     proof = ops.prove(encoder.model, fresh=True)
+    rows = golden.check(load_encoder(None, dtype=dtype))
     return {"model": encoder.model_name, "dtype": dtype, **proof.to_dict(), "pack_seconds": round(packed, 3),
-            "table": proof.table()}
+            "table": proof.table(), "golden": {"bits": rows.bits, "match": rows.match, "committed": rows.committed,
+                                               "differ": list(rows.differ), "inputs": rows.total,
+                                               "line": rows.line()}}
 
 
 def extras() -> dict:
@@ -159,7 +185,7 @@ def report() -> dict:
 
     out = {"bivit": {"version": __version__, "python": platform.python_version(),
                      "platform": f"{platform.system()} {platform.release()}", "executable": sys.executable}}
-    for name, fn in (("cpu", cpu), ("pytorch", pytorch), ("gemm", gemm), ("attention", attention),
+    for name, fn in (("cpu", cpu), ("pytorch", pytorch), ("bits", bits), ("gemm", gemm), ("attention", attention),
                      ("compiler", compiler), ("extras", extras)):
         out[name] = _section(fn)
     out["fallbacks"] = _section(lambda: [n.to_dict() for n in notices.said() if n.warning])
@@ -195,6 +221,11 @@ def format_report(r: dict) -> list[str]:
                      f"threads {t['threads']} (interop {t['interop_threads']})")
         if t["env"]:
             lines.append("  env        " + " ".join(f"{k}={v}" for k, v in t["env"].items()))
+    if not failed("bits"):
+        b = r["bits"]
+        classes = {d: c for d, c in b.items() if d != "mode"}
+        lines.append("bits         " + "; ".join(f"{d}: {c}" for d, c in classes.items())
+                     + (f" (BIVIT_ARITH={b['mode']})" if b["mode"] != "canonical" else ""))
     if not failed("gemm"):
         for name, g in r["gemm"].items():
             lines.append(f"gemm         {g['path']}" + (f" — {g['note']}" if g.get("note") else ""))

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
-from . import gpu, kernels, notices, ops
+from . import notices, ops
 from .config import ModelConfig
 from .dtypes import dtype_name, resolve_dtypes
 from .errors import ConfigError
@@ -30,13 +30,6 @@ from .video import preprocess_video, video_chunks
 from .weights import DEMO_NOTICE, DEMO_SEED, build_model, fingerprint, parse_device, replace_weights
 
 __all__ = ["DEMO_NOTICE", "DEMO_SEED", "Encoder", "load_encoder"]
-
-
-def _gemm_description(dtype: torch.dtype, device_type: str) -> str:
-    kernel = ops.gemm_kernel(dtype, device_type)
-    if kernel is not None:
-        return f"{dtype_name(dtype)}: {kernel.describe()}"
-    return f"{ops.gemm_path(dtype, device_type).describe()} at proven tiles (no compiled GEMM here)"
 
 
 class Encoder:
@@ -68,43 +61,36 @@ class Encoder:
         return self.model.mm_projector.dtype
 
     @property
+    def bits(self) -> str:
+        """The class of bits this encoder's rows are (`bivit.ops.bits`): `bivit-arith/1` where every op runs a
+        kernel that computes bivit's written arithmetic (the same rows on every CPU), else the class of what
+        runs here (a machine kind's own)."""
+        return ops.bits_class((self.dtype, self.projector_dtype), self.device, self.batch_invariant)
+
+    @property
     def fingerprint(self) -> str:
-        """Content hash of config + weights + dtypes + mode + preprocessing; the same for two loads of the same
-        weights (`bivit.weights.fingerprint`)."""
+        """Content hash of config + weights + dtypes + mode + preprocessing + class of bits; the same for two loads
+        of the same weights (`bivit.weights.fingerprint`)."""
         if self._fingerprint is None:
             self._fingerprint = fingerprint(self.model, output_dtype=self.output_dtype,
                                             batch_invariant=self.batch_invariant, processing=self.processing,
-                                            alpha=self.alpha)
+                                            alpha=self.alpha, bits=self.bits)
         return self._fingerprint
 
     def describe(self) -> dict:
         """What computes this encoder's embeddings, as JSON: every front end reports it (the `bivit encode` file,
         a dataset's header, the service's /v1/info and response header)."""
         dtypes = list(dict.fromkeys((self.dtype, self.projector_dtype)))
-        probe = torch.empty(0, 1, self.config.head_dim, dtype=self.dtype, device=self.device)
-        compiled = None
-        if kernels.Attention.supports(probe):
-            compiled = ops.attention_kernel() if self.batch_invariant else kernels.attention()
-        attention = f"bivit compiled ({compiled.name_for(self.dtype)})" if compiled else "PyTorch SDPA"
-        on_gpu = gpu.describe(self.batch_invariant) if self.device.type == "cuda" else {}
-        if self.batch_invariant and self.device.type == "cpu":
-            proof = ops.prove(self.model)
-            gemm = [_gemm_description(d, self.device.type) for d in dtypes]
-        else:
-            proof = None
-            gemm = ["PyTorch F.linear (default mode: not batch invariant)"]
-        return {"model": self.model_name, "demo": self.is_demo, "fingerprint": self.fingerprint,
+        # the variant too: the kernels per dtype, the load-time proof (per op, the path and whether it is
+        # bit-identical alone, packed and reversed at several thread counts on this machine: bivit.ops.proof)
+        kernels = ops.backend_for(self.device).describe(self.model, dtypes, self.batch_invariant)
+        return {"model": self.model_name, "demo": self.is_demo, "fingerprint": self.fingerprint, "bits": self.bits,
                 "dtype": dtype_name(self.dtype), "projector_dtype": dtype_name(self.projector_dtype),
                 "output_dtype": dtype_name(self.output_dtype), "batch_invariant": self.batch_invariant,
                 "text_hidden_size": int(self.config.text_hidden_size), "alpha": self.alpha,
                 "processing": self.processing.to_dict(),
-                # the variant too: the avx2 and avx512 kernels round differently
-                "kernels": {"gemm": on_gpu.get("gemm", gemm), "attention": on_gpu.get("attention", attention),
-                            # the load-time proof: per op, the path and whether it is bit-identical alone,
-                            # packed and reversed at several thread counts on this machine (bivit.ops.proof)
-                            "proof": None if proof is None else proof.summary(),
-                            # every faster path this process leaves off, why and the fix (bivit.notices)
-                            "fallbacks": notices.warnings()}}
+                # and every faster path this process leaves off, why and the fix (bivit.notices)
+                "kernels": {**kernels, "fallbacks": notices.warnings()}}
 
     def __repr__(self) -> str:
         return (f"Encoder({self.model_name!r}{' [DEMO weights]' if self.is_demo else ''}, "
@@ -120,8 +106,8 @@ class Encoder:
         """
         replace_weights(self.model, state_dict, source)
         self._fingerprint = None
-        if self.batch_invariant and self.device.type == "cpu":
-            ops.prepare(ops.gemms(self.model))  # re-pack now rather than on the next request
+        if self.batch_invariant:
+            ops.backend_for(self.device).prepare(self.model)  # re-pack (and prove) now rather than on the next request
         return self.fingerprint
 
     # ------------------------------------------------------------------------------------------ stages
@@ -304,11 +290,9 @@ def load_encoder(model: str | os.PathLike | None = None, *, device: str | torch.
     net, name, is_demo, proc = build_model(model, device=device, dtype=tower_dtype, projector_dtype=proj_dtype,
                                            seed=seed, revision=revision, processing=processing)
     net.requires_grad_(False)  # an inference engine: no autograd bookkeeping, ever
-    if batch_invariant and device.type == "cpu":
-        # Pack the weights and prove every op invariant on this machine now, not on the first request.
-        ops.prepare(ops.gemms(net))
-        ops.prove(net)
-    elif batch_invariant:
-        gpu.require()  # the Triton kernels (bivit.gpu): fixed tiles, nothing to probe
+    if batch_invariant:
+        # CPU: pack the weights and prove every op invariant on this machine now, not on the first request;
+        # CUDA: check the Triton kernels can run (fixed tiles, nothing to probe).
+        ops.backend_for(device).prepare(net)
     return Encoder(net, model_name=name, is_demo=is_demo, batch_invariant=batch_invariant, output_dtype=out_dtype,
                    max_batch_patches=budget, device=device, processing=proc, alpha=alpha)

@@ -39,9 +39,10 @@ class EncoderCacheError(BivitError):
 def ec_id(fingerprint: str, sha256: str, kind: str, chunk: int) -> str:
     """The id under which one image's (or one video chunk's) rows are stored for vLLM's encoder cache.
 
-    A hash of the id scheme, the encoder fingerprint (config, weights, dtypes, invariant mode, preprocessing
-    and alpha handling), the input's content hash, its kind and the chunk index: the same input encoded by the
-    same encoder always gets the same id, and any change that could change the rows changes the id. The
+    A hash of the id scheme, the encoder fingerprint (config, weights, dtypes, invariant mode, preprocessing,
+    alpha handling and the class of bits that computes them), the input's content hash, its kind and the chunk
+    index: the same input encoded by the same encoder always gets the same id, on any machine of its class, and
+    any change that could change the rows changes the id. The
     result is a file-name-safe string vLLM uses as the item's `mm_hash`.
     """
     key = json.dumps([EC_ID_SCHEME, fingerprint, sha256, kind, int(chunk)], separators=(",", ":"))

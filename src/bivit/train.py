@@ -120,6 +120,7 @@ def trainable_from_state(cfg: ModelConfig, state: Mapping[str, torch.Tensor], *,
     net.load_state_dict(dict(state), strict=True, assign=True)
     net.vision_tower.to(device=device, dtype=dtype)
     net.mm_projector.to(device=device, dtype=projector_dtype)
+    ops.backend_for(device).load()  # as build_model: the compiled kernels built (or found) and self-tested now
     return _ready(net, batch_invariant, activation_checkpointing)
 
 
@@ -128,7 +129,6 @@ def _ready(net: TrainableModel, batch_invariant: bool, activation_checkpointing:
     net.activation_checkpointing = activation_checkpointing
     net.requires_grad_(True)
     _follow_optimizer_steps(net)
-    if batch_invariant and next(net.parameters()).device.type == "cpu":  # (the GPU path refuses autograd: bivit.gpu)
-        ops.prepare(ops.gemms(net))  # builds (or finds) the compiled kernels, packs the weights
-        ops.prove(net)
+    if batch_invariant:  # (the GPU path's forward refuses autograd: bivit.ops.cuda)
+        ops.backend_for(next(net.parameters()).device).prepare(net)
     return net

@@ -7,16 +7,15 @@ the first op whose output for an item differs between bs=1 and bs=N, by tracing 
 
 from __future__ import annotations
 
-import contextlib
 import random
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Iterator
 
 import numpy as np
 import torch
 from PIL import Image
 
-from . import ops
+from .divergence import OpDiff, first_difference
 from .encoder import Encoder
 from .fileio import write_atomic
 from .media import MediaBatch
@@ -123,42 +122,6 @@ def bisect_report(encoder: Encoder, batch: MediaBatch, report: Report, also: Rep
     return candidates[0], None
 
 
-@dataclass
-class OpDiff:
-    module: str
-    kind: str
-    occurrence: int
-    max_diff: float
-
-
-@contextlib.contextmanager
-def _op_recorder(model: torch.nn.Module, sink: list) -> Iterator[None]:
-    """Record (module path, op kind, output) for every op, the module path coming from forward hooks."""
-    stack: list[str] = []
-    handles = []
-    def enter(name: str) -> Callable:
-        def hook(module, args) -> None:
-            stack.append(name)
-        return hook
-
-    def leave(module, args, output) -> None:  # returning None keeps the module's output
-        stack.pop()
-
-    for name, module in model.named_modules():
-        handles.append(module.register_forward_pre_hook(enter(name)))
-        handles.append(module.register_forward_hook(leave))
-
-    def record(kind: str, out: torch.Tensor) -> None:
-        sink.append((stack[-1] if stack else "", kind, out.detach().clone()))
-
-    try:
-        with ops.trace(record):
-            yield
-    finally:
-        for h in handles:
-            h.remove()
-
-
 def bisect(encoder: Encoder, batch: MediaBatch, needle: int = 0) -> OpDiff | None:
     """First op whose output for item `needle` differs between encoding it alone and first in a full batch.
 
@@ -167,26 +130,8 @@ def bisect(encoder: Encoder, batch: MediaBatch, needle: int = 0) -> OpDiff | Non
     item, and the needle's is the first.
     """
     others = [batch.item(i) for i in range(len(batch)) if i != needle]
-    alone_trace: list = []
-    batch_trace: list = []
-    with _op_recorder(encoder.model, alone_trace):
-        encode_cut(encoder, batch.item(needle), None)
-    with _op_recorder(encoder.model, batch_trace):
-        encode_cut(encoder, MediaBatch.concat([batch.item(needle), *others]), None)
-    index: dict[tuple[str, str, int], torch.Tensor] = {}
-    seen: dict[tuple[str, str], int] = {}
-    for module, kind, out in batch_trace:
-        k = seen.get((module, kind), 0)
-        seen[(module, kind)] = k + 1
-        index[(module, kind, k)] = out
-    seen.clear()
-    for module, kind, out in alone_trace:
-        k = seen.get((module, kind), 0)
-        seen[(module, kind)] = k + 1
-        other = index[(module, kind, k)][: out.shape[0]]
-        if not torch.equal(other, out):
-            return OpDiff(module, kind, k, float((other.float() - out.float()).abs().max()))
-    return None
+    return first_difference(encoder.model, lambda: encode_cut(encoder, batch.item(needle), None),
+                            lambda: encode_cut(encoder, MediaBatch.concat([batch.item(needle), *others]), None))
 
 
 # -------------------------------------------------------------------------------------------------- plot

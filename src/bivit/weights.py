@@ -16,7 +16,7 @@ from typing import Mapping
 
 import torch
 
-from . import kernels
+from . import ops
 from .checkpoint import all_finite, check_keys, load_state_dict, random_state_dict
 from .config import PRESETS, load_config
 from .dtypes import dtype_name
@@ -59,9 +59,7 @@ def build_model(model: str | os.PathLike | None, *, device: torch.device, dtype:
     net.load_state_dict(state, strict=True, assign=True)
     net.vision_tower.to(device=device, dtype=dtype)
     net.mm_projector.to(device=device, dtype=projector_dtype)
-    if device.type == "cpu":
-        kernels.library()  # build (or find in the cache) and self-test the compiled kernels now, not mid-request
-        kernels.attention()
+    ops.backend_for(device).load()  # CPU: build (or find in the cache) and self-test the compiled kernels now
     return net, name, is_demo, proc
 
 
@@ -76,19 +74,15 @@ def parse_device(device: str | torch.device) -> torch.device:
 
 
 def fingerprint(model: VisionModel, *, output_dtype: torch.dtype, batch_invariant: bool,
-                processing: ProcessorConfig, alpha: str) -> str:
-    """Content hash of config + weights + dtypes + mode + preprocessing: the same for two loads of the same
-    weights; the same bytes in give the same embedding out under one fingerprint (the server's cache relies on
-    it)."""
+                processing: ProcessorConfig, alpha: str, bits: str) -> str:
+    """Content hash of config + weights + dtypes + mode + preprocessing + the class of bits that computes them
+    (`bits`: `bivit-arith/1`, the same on every CPU, or a machine kind's own, `bivit.ops.bits`): the same for two
+    loads of the same weights; the same bytes in give the same embedding out under one fingerprint, on any
+    machine (the caches, the encoder-cache ids and the dataset jobs rely on it)."""
     h = hashlib.sha256()
     h.update(json.dumps(model.config.to_dict(), sort_keys=True).encode())
     h.update(f"{model.vision_tower.dtype}|{model.mm_projector.dtype}|{output_dtype}|{batch_invariant}".encode())
-    h.update(json.dumps([processing.to_dict(), alpha], sort_keys=True).encode())
-    device = next(model.parameters()).device
-    if device.type != "cpu":  # a GPU's kernels and libraries decide the bits there (bivit.gpu.facts)
-        from . import gpu
-
-        h.update(json.dumps(gpu.facts(device, batch_invariant), sort_keys=True).encode())
+    h.update(json.dumps([processing.to_dict(), alpha, bits], sort_keys=True).encode())
     for key, t in sorted(model.state_dict().items()):
         h.update(key.encode())
         h.update(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())

@@ -188,12 +188,15 @@ class PositionTerms(torch.nn.Module):
     is not what the reference runs.
     """
 
-    def __init__(self, weight: torch.Tensor, frames: int, mode: str) -> None:
+    def __init__(self, weight: torch.Tensor, frames: int, mode: str, table=None, interpolate=None) -> None:
+        """`table` (the sin-cos buffer) and `interpolate` (`F.interpolate`'s signature) default to the reference's;
+        a test passes its own to compare the order of roundings alone."""
         super().__init__()
         self.weight = torch.nn.Parameter(weight.clone(), requires_grad=False)
         self.mode = mode
-        self.register_buffer("time_weight", torch.from_numpy(sincos_table(weight.shape[-1], frames)).float()
-                             .unsqueeze(1), persistent=False)
+        self.interpolate = interpolate or F.interpolate
+        table = sincos_table(weight.shape[-1], frames) if table is None else table
+        self.register_buffer("time_weight", torch.as_tensor(table).float().unsqueeze(1), persistent=False)
 
     def forward(self, x: torch.Tensor, grid_thws: list[list[int]]) -> torch.Tensor:
         parts = []
@@ -201,8 +204,8 @@ class PositionTerms(torch.nn.Module):
             if (h, w) == tuple(self.weight.shape[:-1]):
                 pos2d = self.weight.flatten(end_dim=1)
             else:
-                pos2d = (F.interpolate(self.weight.float().permute(2, 0, 1).unsqueeze(0), size=(h, w),
-                                       mode=self.mode).to(self.weight.dtype)
+                pos2d = (self.interpolate(self.weight.float().permute(2, 0, 1).unsqueeze(0), size=(h, w),
+                                          mode=self.mode).to(self.weight.dtype)
                          .squeeze(0).permute(1, 2, 0).flatten(end_dim=1))
             pos3d = pos2d if t == 1 else pos2d.unsqueeze(0).repeat(t, 1, 1) + self.time_weight[0:t]
             parts.append(pos3d.reshape(-1, pos3d.shape[-1]))

@@ -124,9 +124,9 @@ def attention_gflops(dtype: torch.dtype, cfg: ModelConfig, lengths: Iterable[int
                      tries: int = TRIES, seed: int = 0) -> dict[int, float] | None:
     """Best-of-`tries` GFLOP/s of one item of n patches, per n in `lengths`: `how` = "sdpa" (PyTorch's fused
     attention) or "bivit" (bivit's compiled attention; None where it does not run here)."""
-    from .. import kernels
+    from ..ops import attention_kernel
 
-    kernel = kernels.invariant_attention() if how == "bivit" else None
+    kernel = attention_kernel(dtype) if how == "bivit" else None
     if how == "bivit" and kernel is None:
         return None
     g = torch.Generator().manual_seed(seed)

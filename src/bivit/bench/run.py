@@ -44,7 +44,7 @@ def environment(threads: int) -> dict:
 
     model, present = kernels.cpu_info()
     lib = kernels.library()
-    attention = ops.attention_kernel()  # invariant mode's (default mode may keep PyTorch's on AMX)
+    attention = ops.attention_kernel(torch.bfloat16)  # invariant mode's (default mode may keep PyTorch's on AMX)
     # The invariant-mode GEMM kernels of the dtypes bench runs, and every faster path this machine leaves off.
     gemm = {name: (k.describe() if (k := ops.gemm_kernel(TORCH_DTYPES[name])) else
                    f"{ops.gemm_path(TORCH_DTYPES[name]).describe()} at proven tiles")
@@ -69,6 +69,7 @@ def environment(threads: int) -> dict:
                                                                      "MKL_ENABLE_INSTRUCTIONS")},
             "kernels": lib.variant if lib else None,
             "attention": f"bivit compiled ({attention.name})" if attention else "PyTorch SDPA",  # invariant mode
+            "bits": {name: ops.bits_class((dt, dt), torch.device("cpu"), True) for name, dt in TORCH_DTYPES.items()},
             "gemm": gemm, "fallbacks": notices.warnings(),
             "cpu_count": os.cpu_count(), "threads": threads,
             "loadavg": os.getloadavg() if hasattr(os, "getloadavg") else None}

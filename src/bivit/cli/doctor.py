@@ -15,7 +15,8 @@ from .common import FAILURE, DtypeOpt, ModelOpt, ProjDtypeOpt, command, fail
 def doctor(
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
     prove: bool = typer.Option(False, "--prove", help="Also run the invariance proof now on the model's real "
-                               "shapes and print its table (op, path, alone=packed=reversed, threads)."),
+                               "shapes and print its table (op, path, alone=packed=reversed, threads), and check "
+                               "the demo model's golden rows against the committed bits."),
     model: Optional[str] = ModelOpt,
     dtype: str = DtypeOpt,
     projector_dtype: Optional[str] = ProjDtypeOpt,
@@ -24,9 +25,10 @@ def doctor(
 
     What this machine and install run: CPU kind and instruction sets, PyTorch (capability, oneDNN bf16/fp16,
     threads), the GEMM kernel per dtype, the compiled attention (in use, or why not and the fix), the C compiler,
-    the extras installed. Loads no model, unless --prove: then the load-time proof runs on --model (default: the
-    demo) at --dtype, whatever this machine recorded, and must agree with the record; exit 1 where an op has no
-    invariant path here."""
+    the extras installed, and the class of bits invariant mode computes. Loads no model, unless --prove: then the
+    load-time proof runs on --model (default: the demo) at --dtype, whatever this machine recorded, and must
+    agree with the record, and the demo model's rows for bivit's golden inputs are compared with the committed
+    ones ("bits bivit-arith/1: match"); exit 1 where an op has no invariant path here or the rows differ."""
     from ..doctor import format_report, prove as run_proof, report
     from ..ops import InvarianceError
 
@@ -47,4 +49,7 @@ def doctor(
         lines.append(f"proof        {p['model']} at {p['dtype']}: {len(p['checks'])} ops in {p['seconds']:.2f} s "
                      f"(+ {p['pack_seconds']:.2f} s packing weights)")
         lines += ["  " + row for row in p["table"]]
+        lines.append(p["golden"]["line"])
     typer.echo("\n".join(lines))
+    if prove and r["proof"]["golden"]["committed"] and not r["proof"]["golden"]["match"]:
+        raise typer.Exit(FAILURE)

@@ -126,8 +126,8 @@ def encode_dataset(src: str | os.PathLike, out: str | os.PathLike, *, model: Opt
                                      "pip install 'bivit[ray]'") from None
 
                 run_ray(p.work, sink, model=model, opts=opts, fingerprint=writer.header["fingerprint"],
-                        address=ray_address, workers=workers, cpus_per_worker=cpus_per_worker,
-                        processing=processing)
+                        bits=writer.header.get("bits"), address=ray_address, workers=workers,
+                        cpus_per_worker=cpus_per_worker, processing=processing)
         except BaseException:
             # Interrupted (Ctrl-C, a Ray worker lost): keep what is already encoded, so a re-run resumes after it.
             with contextlib.suppress(Exception):

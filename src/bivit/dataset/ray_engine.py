@@ -84,7 +84,7 @@ def _unpack_prepared(row: dict) -> Prepared:
 class EncodeActor:
     """Ray actor: loads the encoder once, then encodes whatever batch it is given (zero rows included)."""
 
-    def __init__(self, model: Optional[str], opts: dict, fingerprint: str, threads: int):
+    def __init__(self, model: Optional[str], opts: dict, fingerprint: str, bits: Optional[str], threads: int):
         # The driver loaded the same model first and said its notices (demo model, a fast path off) once; each
         # actor saying them again would only repeat them, prefixed by Ray, on the driver's terminal.
         logging.getLogger("bivit").setLevel(logging.ERROR)
@@ -93,6 +93,12 @@ class EncodeActor:
 
         tune()  # an actor process is bivit's own (see bivit.allocator)
         self.encoder = load_encoder(model, batch_invariant=True, **opts)
+        if bits is not None and self.encoder.bits != bits:
+            # Another CPU kind or install whose kernels do not compute the driver's arithmetic (bivit.ops.bits):
+            # its rows would not be the rows the dataset's other shards hold for the same inputs.
+            raise BivitError(f"worker on {os.uname().nodename} computes bits {self.encoder.bits}, the driver "
+                             f"{bits}: rows of two classes cannot share a dataset; give every node one class "
+                             "(bivit-arith/1 wherever a C compiler is found and BIVIT_ARITH is unset)")
         if self.encoder.fingerprint != fingerprint:
             # Another node with other weights (or another torch/bivit build that loads them differently).
             raise BivitError(f"worker on {os.uname().nodename} loaded model {model or 'demo'} with fingerprint "
@@ -159,7 +165,7 @@ def _ray_session(address: Optional[str], cpus_needed: int) -> Iterator[Any]:
 
 def run_ray(work: Sequence[Work], sink: Callable[[ItemResult], None], *, model: Optional[str], opts: dict,
             fingerprint: str, address: Optional[str], workers: int, cpus_per_worker: int,
-            processing: Any = None) -> None:
+            processing: Any = None, bits: Optional[str] = None) -> None:
     """Encode `work` on a Ray actor pool and hand every result to `sink` (called in this thread only)."""
     if not work:
         return
@@ -185,7 +191,7 @@ def run_ray(work: Sequence[Work], sink: Callable[[ItemResult], None], *, model: 
                 warnings.filterwarnings("ignore", message="`ray_remote_args` is deprecated")
                 ds = ds.map_batches(
                     EncodeActor,
-                    fn_constructor_kwargs=dict(model=model, opts=opts, fingerprint=fingerprint,
+                    fn_constructor_kwargs=dict(model=model, opts=opts, fingerprint=fingerprint, bits=bits,
                                                threads=cpus_per_worker),
                     compute=ray.data.ActorPoolStrategy(size=workers),
                     batch_format="pyarrow", batch_size=ROWS_PER_ACTOR_BATCH, num_cpus=cpus_per_worker,

@@ -40,8 +40,10 @@ DEFAULT_FLUSH_SECONDS = 60.0
 # after_commit) of every shard commit once this run has written SHARDS shards before it (default 0), so a test
 # can SIGKILL the process at a chosen instant. It changes nothing else.
 PAUSE_ENV = "BIVIT_DATASET_TEST_PAUSE"
-# A folder written with other values for these keys holds tensors that are not comparable with this run's.
-_MUST_MATCH = ("format_version", "fingerprint", "dtype", "projector_dtype", "output_dtype", "batch_invariant", "alpha")
+# A folder written with other values for these keys holds tensors that are not comparable with this run's ("bits"
+# first: a run on a machine whose kernels compute another class of bits is the likeliest cause, and says why).
+_MUST_MATCH = ("bits", "format_version", "fingerprint", "dtype", "projector_dtype", "output_dtype", "batch_invariant",
+               "alpha")
 
 
 def _pause(phase: str, shards_before: int) -> None:

@@ -1,121 +1,21 @@
 """bivit on NVIDIA GPUs: the invariant forward as Triton kernels (docs/gpu.md).
 
-In invariant mode, an op of `bivit.ops` whose first tensor lives on a CUDA device runs the op of the same name in
-`bivit.gpu.ops` instead (`route`, applied once in `bivit.ops`): a fixed-tile GEMM with bias, GELU and the
-residual add fused, row-wise norms, a varlen attention whose per-item work does not depend on the pack, the
-rotary embedding, and the temporal mean; no cuBLAS, no SDPA. In default mode a CUDA tensor takes PyTorch's
-stock ops (cuBLAS, fused attention): fast, not batch-invariant.
+In invariant mode, an op whose first tensor lives on a CUDA device runs the Triton op of the op layer's CUDA
+table (`bivit.ops.device`, `bivit.ops.cuda`), launched by `bivit.kernels.cuda` (`bivit.kernels.triton_jit`: the
+kernels): a fixed-tile GEMM with bias, GELU and the residual add fused, row-wise norms, a varlen attention whose
+per-item work does not depend on the pack, the rotary embedding, and the temporal mean; no cuBLAS, no SDPA. In
+default mode a CUDA tensor takes PyTorch's stock ops (cuBLAS, fused attention): fast, not batch-invariant.
 
-Triton is optional (`pip install 'bivit[gpu]'`); this package imports it only when a kernel is first needed.
-`interpreted()` sends CPU tensors down the same path under Triton's interpreter (TRITON_INTERPRET=1 set before
-triton is imported): that is how the kernels are tested on machines without a GPU.
+This package is the GPU path's public face: what it needs (`missing`, `require`, `triton_mismatch`,
+`gpu_extra`), what decides its bits (`facts`), and `interpreted()`, which sends CPU tensors down the same path
+under Triton's interpreter (TRITON_INTERPRET=1 set before triton is imported): how the kernels are tested on
+machines without a GPU. `python -m bivit.gpu.build` compiles what a forward launches for a GPU architecture.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import importlib.metadata
-import importlib.util
-from contextvars import ContextVar
-from typing import Callable, Iterator
+from ..kernels.cuda import facts, gpu_extra, interpreting, missing, require, triton_mismatch, triton_version
+from ..ops.device import interpreted, recording
 
-import torch
-
-from ..errors import ConfigError
-
-TRITON_PIN = "3.6.0"  # the version the kernels are built and tested with (pyproject's `gpu` extra)
-_on_cpu: ContextVar[bool] = ContextVar("bivit_gpu_on_cpu", default=False)
-
-
-def missing() -> str | None:
-    """Why the Triton path cannot run in this process, or None when it can."""
-    if importlib.util.find_spec("triton") is None:
-        return "triton is not installed (pip install 'bivit[gpu]')"
-    return None
-
-
-def require() -> None:
-    """Raise ConfigError (naming the fix) unless the Triton path can run."""
-    why = missing()
-    if why is not None:
-        raise ConfigError(f"batch_invariant on a GPU needs bivit's Triton kernels, but {why}")
-
-
-def interpreting() -> bool:
-    """Whether triton runs kernels in its interpreter (TRITON_INTERPRET=1 when triton was imported: its own
-    library functions are decorated then)."""
-    import triton
-
-    return bool(triton.knobs.runtime.interpret)
-
-
-@contextlib.contextmanager
-def interpreted() -> Iterator[None]:
-    """Send CPU tensors down the Triton path too (tests and the CPU dry run), under Triton's interpreter."""
-    require()
-    if not interpreting():
-        raise ConfigError("bivit.gpu.interpreted() needs Triton's interpreter: set TRITON_INTERPRET=1 before "
-                          "triton is imported")
-    token = _on_cpu.set(True)
-    try:
-        yield
-    finally:
-        _on_cpu.reset(token)
-
-
-def takes(x: torch.Tensor) -> bool:
-    """Whether an op on `x` runs here: invariant mode, and `x` on a CUDA device (or any device, `interpreted`)."""
-    from ..ops.mode import is_batch_invariant  # here: bivit.ops imports this package
-
-    return is_batch_invariant() and (x.device.type == "cuda" or _on_cpu.get())
-
-
-def route(stock: Callable) -> Callable:
-    """`stock` (an op of `bivit.ops`), except where `takes(first tensor)`: then `bivit.gpu.ops.<same name>`."""
-    name = stock.__name__
-
-    @functools.wraps(stock)
-    def op(x, *args, **kwargs):
-        if takes(x):
-            require()
-            from . import ops
-
-            return getattr(ops, name)(x, *args, **kwargs)
-        return stock(x, *args, **kwargs)
-
-    return op
-
-
-def facts(device: torch.device, batch_invariant: bool) -> dict:
-    """What decides an embedding's bits on a GPU (for the fingerprint and `describe`): the device, the library
-    versions and, in invariant mode, the kernels' pinned settings."""
-    name, capability = "", None
-    if device.type == "cuda" and torch.cuda.is_available():
-        name = torch.cuda.get_device_name(device)
-        capability = list(torch.cuda.get_device_capability(device))
-    out = {"device": name, "capability": capability, "torch": torch.__version__, "cuda": torch.version.cuda}
-    if batch_invariant:
-        from . import ops
-
-        out.update(triton=_triton_version(), precision=ops.PRECISION, fp_fusion=ops.FP_FUSION,
-                   gemm_tiles={str(d).removeprefix("torch."): list(vars(ops.gemm_tiles(d)).values())
-                               for d in (torch.bfloat16, torch.float16, torch.float32)},
-                   interpreted=interpreting())
-    return out
-
-
-def _triton_version() -> str | None:
-    try:
-        return importlib.metadata.version("triton")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def describe(batch_invariant: bool) -> dict:
-    """The `kernels` entry of `Encoder.describe()` for an encoder on a GPU."""
-    if not batch_invariant:
-        return {"gemm": ["PyTorch F.linear on CUDA (cuBLAS; default mode: not batch invariant)"],
-                "attention": "PyTorch SDPA per item"}
-    return {"gemm": [f"bivit Triton fixed-tile GEMM (triton {_triton_version()}, tiles by dtype, no split-K)"],
-            "attention": "bivit Triton varlen attention (per-item query blocks)"}
+__all__ = ["facts", "gpu_extra", "interpreted", "interpreting", "missing", "recording", "require",
+           "triton_mismatch", "triton_version"]

@@ -7,21 +7,25 @@ headers: the build takes seconds, once per machine (gcc -O3: 3.3 s for the avx51
 a Zen 5 EPYC), and ctypes releases the GIL during the call. The library links the OpenMP runtime PyTorch has
 already loaded (`libgomp.so.1`), so its threads are PyTorch's threads.
 
-The library (attention and RoPE) comes in one variant per instruction set (`VARIANTS`, best first): `avx512`
-(attention by AVX-512 BF16 dot products; fp32 by FMAs) and `avx2` (AVX2 + FMA, all arithmetic in fp32, bf16
-widened in registers). A process uses the best variant that both the CPU's flags (/proc/cpuinfo) and
-PyTorch's own dispatch (`torch.backends.cpu.get_cpu_capability()`, which honours `ATEN_CPU_CAPABILITY` and says
-whether the OS saves the AVX-512 state) allow: decided once per process from those facts, never from a failure.
-Elsewhere (Arm, no compiler) `library()` is None, says why once with the fix (`bivit.notices`: a warning
-where a faster path is lost, else a note), and PyTorch's kernels run. `status()` reports what happened, for
-`bivit doctor`.
+The library (GEMMs, attention, RoPE, norms) comes in one variant per instruction set (`VARIANTS`, best first):
+`avx512` (bf16 by AVX-512 BF16 dot products, fp32 by FMAs; AMX tiles where the CPU has them), `avx2` (AVX2 +
+FMA, all arithmetic in fp32, bf16 widened in registers) and `portable` (plain C: any CPU with a C compiler,
+slowly). All of them compute bivit-arith/1 (`arith.h`, docs/arithmetic.md): the variant decides the speed, not
+the bits (the AMX tiles only where the load-time conformance check says they compute it too, `bivit.ops.bits`).
+A process uses the best variant that both the CPU's flags (/proc/cpuinfo) and PyTorch's own dispatch
+(`torch.backends.cpu.get_cpu_capability()`, which honours `ATEN_CPU_CAPABILITY` and says whether the OS saves
+the AVX-512 state) allow: decided once per process from those facts, never from a failure. Without a C
+compiler `library()` is None, says why once with the fix (`bivit.notices`: a warning where a faster path is
+lost, else a note), and PyTorch's kernels run (their bits are the machine's own class). `status()` reports
+what happened, for `bivit doctor`.
 
 `BIVIT_ATTENTION` chooses: `auto` (default: the best variant, except that default mode on CPUs with AMX keeps
-PyTorch's attention, running on AMX tiles; invariant mode always runs the compiled one, `invariant_attention`), `bivit` (the best variant wherever one runs), `avx512` or `avx2` (that variant,
-if the CPU can run it: how the tests exercise the AVX2 kernels on an AVX-512 machine) or `sdpa` (PyTorch's
-attention; the RoPE kernel computes PyTorch's bits, so it runs whatever the choice). The compiled attention
-also takes the RoPE tables (`Attention(..., rope=)`) and rotates q and k as it packs them, with the same bits:
-inference then never writes the rotated q and k out.
+PyTorch's attention, running on AMX tiles; invariant mode always runs the compiled one), `bivit` (the best
+variant wherever one runs), `avx512`, `avx2` or `portable` (that variant, GEMMs and norms included, if the CPU
+can run it: how the tests run every variant a machine has) or `sdpa` (PyTorch's attention; the RoPE kernel
+computes PyTorch's bits, so it runs whatever the choice). The compiled attention also takes the RoPE tables
+(`Attention(..., rope=)`) and rotates q and k as it packs them, with the same bits: inference then never writes
+the rotated q and k out.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import functools
 import logging
 import math
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
@@ -39,13 +43,14 @@ import torch
 
 from .. import notices
 from . import abi
-from .abi import AttentionArgs, RopeArgs, fill
+from .abi import CONSTS, AttentionArgs, NormArgs, RopeArgs, fill
 from .cache import CACHE_ENV, Build, KernelUnavailable, Loaded, cache_dir, compiler, find_compiler, load
-from .gemm import GemmKernel
+from .gemm import ETYPES, GemmKernel
 
-__all__ = ["ATTENTION_ENV", "CACHE_ENV", "Attention", "GemmKernel", "KernelUnavailable", "Library", "Rope",
-           "VARIANTS", "Variant", "attention", "attention_declined", "cache_dir", "compiler", "cpu_info",
-           "find_compiler", "gemm_kernels", "library", "load_library", "pick_variant", "rope", "status"]
+__all__ = ["ATTENTION_ENV", "CACHE_ENV", "Attention", "GemmKernel", "KernelUnavailable", "Library", "Norm", "Rope",
+           "VARIANTS", "Variant", "attention", "attention_candidates", "attention_declined", "cache_dir", "compiler",
+           "cpu_info", "find_compiler", "gemm_kernels", "library", "load_library", "norm", "pick_variant", "rope",
+           "status"]
 
 log = logging.getLogger("bivit")
 
@@ -60,17 +65,17 @@ COMMON_CFLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 
 @dataclass(frozen=True)
 class Variant:
-    """One instruction-set variant of the compiled attention."""
+    """One instruction-set variant of the compiled kernels."""
 
     name: str
     source: str
-    needs: tuple[str, ...]           # /proc/cpuinfo flags the code executes
-    capabilities: tuple[str, ...]    # PyTorch CPU capabilities under which it may run
+    needs: tuple[str, ...]                  # /proc/cpuinfo flags the code executes
+    capabilities: tuple[str, ...] | None    # PyTorch CPU capabilities under which it may run (None: any)
     cflags: tuple[str, ...]
 
     def build(self) -> Build:
-        headers = ("abi.h", "common.h", "rope.h", "gemm.h", f"gemm_{self.name}.h", "attention_amx.h")
-        return Build(_HERE / self.source, tuple(_HERE / h for h in headers), (*COMMON_CFLAGS, *self.cflags))
+        # Every header: the sources include each other's definitions (arith.h's arithmetic is every variant's).
+        return Build(_HERE / self.source, tuple(sorted(_HERE.glob("*.h"))), (*COMMON_CFLAGS, *self.cflags))
 
 
 VARIANTS = (
@@ -78,6 +83,8 @@ VARIANTS = (
             ("AVX512",),
             ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-mf16c")),
     Variant("avx2", "attention_avx2.c", ("avx2", "fma", "f16c"), ("AVX2", "AVX512"), ("-mavx2", "-mfma", "-mf16c")),
+    # No instruction-set flags: it runs on any CPU the compiler targets (fmaf is the C library's there).
+    Variant("portable", "portable.c", (), None, ()),
 )
 ATTENTION_CHOICES = ("auto", "bivit", *(v.name for v in VARIANTS), "sdpa")
 
@@ -116,16 +123,13 @@ def pick_variant(choice: str, flags: frozenset[str], capability: str) -> Variant
                 raise KernelUnavailable(f"{ATTENTION_ENV}={choice}: this CPU lacks {', '.join(missing)}",
                                         chosen=True, fix=unset)
             continue
-        if capability not in v.capabilities:
+        if v.capabilities is not None and capability not in v.capabilities:
             if named:
                 raise KernelUnavailable(f"{ATTENTION_ENV}={choice}: PyTorch runs {capability} kernels here",
                                         chosen=True, fix=unset)
             continue
         return v
-    needs = " or ".join("+".join(v.needs) for v in VARIANTS)
-    cpu_allows = any(all(f in flags for f in v.needs) for v in VARIANTS)
-    raise KernelUnavailable(f"neither this CPU nor PyTorch's {capability} kernels allow a variant (needs {needs})",
-                            fix="unset ATEN_CPU_CAPABILITY" if cpu_allows else None)  # else: the CPU's limit
+    raise AssertionError("the portable variant runs anywhere")
 
 
 def attention_declined(choice: str, flags: frozenset[str]) -> str | None:
@@ -160,8 +164,8 @@ class Attention:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                  seqlens: Sequence[int], lse: torch.Tensor | None = None,
                  rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-        """q/k/v/out: `[L, heads, d]` views of one dtype with a contiguous last dim, item i owning the next
-        `seqlens[i]` rows; lse: float32 with room for `heads * L` values (item by item, `[heads, n_i]` each), or
+        """q/k/v/out: `[L, heads, d]` views of one dtype (out: or float32) with a contiguous last dim, item i owning
+        the next `seqlens[i]` rows; lse: float32 with room for `heads * L` values (item by item, `[heads, n_i]` each), or
         None; rope: the (cos, sin) tables of `Rope` (`supports_rope`), which q and k are then rotated by as the
         kernel reads them: the bits of rotating them with `Rope` first."""
         args = self.args(q, k, v, out, seqlens, lse, rope)
@@ -193,7 +197,7 @@ class Attention:
                     count=len(seqlens), heads=heads, d=d,
                     q_row=q.stride(0), k_row=k.stride(0), v_row=v.stride(0), out_row=out.stride(0),
                     q_head=q.stride(1), k_head=k.stride(1), v_head=v.stride(1), out_head=out.stride(1),
-                    scale=1 / math.sqrt(d), threads=torch.get_num_threads())
+                    scale=1 / math.sqrt(d), yt=ETYPES[out.dtype], threads=torch.get_num_threads())
         args.keep_alive = cu  # the struct holds only cu's address
         return args
 
@@ -234,14 +238,51 @@ class Rope:
 
 
 @dataclass(frozen=True)
+class Norm:
+    """The compiled LayerNorm / RMSNorm (`norm.h`): bivit-arith/1's norms, row by row."""
+
+    lib: ctypes.CDLL = field(repr=False)
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
+                 rms: bool, out: torch.Tensor, mean: torch.Tensor | None = None,
+                 rstd: torch.Tensor | None = None) -> torch.Tensor:
+        """x, out: `[rows, d]` with a contiguous last dim; weight, bias: contiguous `[d]` of one dtype (or None);
+        mean, rstd: float32 `[rows]` to receive them (LayerNorm's mean; RMSNorm writes rstd only), or None."""
+        rows, d = x.shape
+        wt = weight if weight is not None else bias
+        rc = self.lib.bivit_norm(fill(
+            NormArgs, x=x.data_ptr(), w=None if weight is None else weight.data_ptr(),
+            b=None if bias is None else bias.data_ptr(), y=out.data_ptr(),
+            mean=None if mean is None else mean.data_ptr(), rstd=None if rstd is None else rstd.data_ptr(),
+            rows=rows, d=d, x_row=x.stride(0), y_row=out.stride(0), eps=eps, rms=int(rms), xt=ETYPES[x.dtype],
+            wt=ETYPES[wt.dtype] if wt is not None else CONSTS["E_F32"], yt=ETYPES[out.dtype],
+            threads=torch.get_num_threads()))
+        if rc == 1:
+            raise MemoryError(f"bivit norm: no memory for a row of {d}")
+        if rc != 0:
+            raise ValueError(f"bivit norm: bad sizes {rows}x{d}")
+        return out
+
+    @staticmethod
+    def supports(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> bool:
+        params = [t for t in (weight, bias) if t is not None]
+        return (x.dtype in ETYPES and x.device.type == "cpu" and x.dim() == 2 and x.stride(1) == 1
+                and all(t.dtype == params[0].dtype and t.dtype in ETYPES and t.is_contiguous()
+                        and t.shape == (x.shape[1],) for t in params))
+
+
+@dataclass(frozen=True)
 class Library:
     """One variant's compiled kernels, loaded and self-tested (the GEMM kernels are self-tested per dtype when
-    first chosen: `bivit.ops.backend`)."""
+    first chosen: `bivit.ops.backend`). `attention` is the variant's own code (bivit-arith/1); `attention_amx`
+    runs bf16 on AMX tiles where the CPU has them (its own arithmetic: BIVIT_ARITH=native), else None."""
 
     loaded: Loaded
     variant: str
     attention: Attention
+    attention_amx: Attention | None
     rope: Rope
+    norm: Norm
     gemms: tuple[GemmKernel, ...]  # the GEMM kernels this CPU runs, best first
 
 
@@ -251,7 +292,7 @@ def _gemm_kernels(lib: ctypes.CDLL, variant: str, flags: frozenset[str]) -> tupl
         kinds.insert(0, "avx512_bf16")
         if {"amx_bf16", "amx_tile"} <= flags:
             if lib.bivit_amx_init() == 0:
-                kinds.insert(0, "amx")
+                kinds[:0] = ["amx", "amx_swapped"]
             else:
                 notices.fallback("amx", "AMX not used", "the CPU has AMX but the OS does not grant its tile state to "
                                  "this process (Linux before 5.16, or a VM that hides it)",
@@ -267,13 +308,14 @@ def load_library(variant: Variant) -> Library:
     abi.bind(lib)
     gemms = _gemm_kernels(lib, variant.name, cpu_info()[1])
     # AMX tiles for bf16 attention where the GEMM has them, unless a variant was named (BIVIT_ATTENTION=avx512
-    # runs that variant's own code: how the AVX-512 kernel is exercised on an AMX machine).
+    # runs that variant's own code).
     amx = any(g.name == "amx" for g in gemms) and _attention_choice() in ("auto", "bivit")
-    library = Library(loaded, variant.name, Attention(lib, variant.name, amx), Rope(lib), gemms)
+    library = Library(loaded, variant.name, Attention(lib, variant.name), Attention(lib, variant.name, True) if amx
+                      else None, Rope(lib), Norm(lib), gemms)
     for dtype, bound in SELF_TEST_BOUNDS.items():
         _self_test(library.attention, dtype, bound)
         if amx and dtype == torch.bfloat16:
-            _self_test(replace(library.attention, amx=False), dtype, bound)
+            _self_test(library.attention_amx, dtype, bound)
     return library
 
 
@@ -363,18 +405,23 @@ def attention() -> Attention | None:
         notices.note("attention", "compiled attention not used", why, "PyTorch's fused attention runs")
         return None
     log.info("bivit: compiled attention in use (%s)", lib.variant)
-    return lib.attention
+    return lib.attention_amx or lib.attention
 
 
-@functools.cache
-def invariant_attention() -> Attention | None:
-    """Invariant mode's attention: the compiled kernel wherever the library runs, AMX CPUs included (its bits
-    depend on neither the batch nor the thread count by construction; PyTorch's fused attention on AMX tiles
-    is faster but gave other bits at other thread counts), unless BIVIT_ATTENTION=sdpa."""
+def attention_candidates() -> tuple[Attention, ...]:
+    """Invariant mode's compiled attentions, fastest first (`bivit.ops.backend` picks one): AMX tiles where the
+    library has them, then the variant's own code; none where no library runs or BIVIT_ATTENTION=sdpa. Each is
+    invariant by construction (PyTorch's fused attention on AMX tiles is faster still but gave other bits at
+    other thread counts)."""
     lib = library()
     if lib is None or _attention_choice() == "sdpa":
-        return None
-    return lib.attention
+        return ()
+    return tuple(a for a in (lib.attention_amx, lib.attention) if a is not None)
+
+
+def norm() -> Norm | None:
+    lib = library()
+    return None if lib is None else lib.norm
 
 
 def status() -> dict:

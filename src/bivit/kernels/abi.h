@@ -21,7 +21,8 @@
 /* One call of the compiled attention: q/k/v/out are [rows][heads][d] with d contiguous; item i owns rows
  * cu[i] .. cu[i + 1] - 1 (count + 1 offsets). `lse`: NULL or [heads][n] floats per item, item by item. `cos`,
  * `sin`: NULL or RoPE tables, fp32 [rows][d]. Strides: `*_row` between consecutive rows, `*_head` between
- * consecutive heads of a row. `scale` is applied to q.k before the softmax. */
+ * consecutive heads of a row. `scale` is applied to q.k before the softmax. `yt`: out's element type (E_F32 or the
+ * inputs': bf16 attention written unrounded, in fp32, is what the conformance check reads). */
 #define BIVIT_ATTENTION_FIELDS(X)                                                                                \
     X(bivit_attention_args, const void *, q) X(bivit_attention_args, const void *, k)                           \
     X(bivit_attention_args, const void *, v) X(bivit_attention_args, void *, out)                               \
@@ -33,7 +34,7 @@
     X(bivit_attention_args, int64_t, out_row) X(bivit_attention_args, int64_t, q_head)                          \
     X(bivit_attention_args, int64_t, k_head) X(bivit_attention_args, int64_t, v_head)                           \
     X(bivit_attention_args, int64_t, out_head) X(bivit_attention_args, float, scale)                            \
-    X(bivit_attention_args, int, threads)
+    X(bivit_attention_args, int, yt) X(bivit_attention_args, int, threads)
 
 /* Packing a weight w [N][K] (element type wt, rows w_row apart) for GEMM kernel `kind` into `out`
  * (bivit_gemm_packed_bytes(args) bytes; that call reads kind, N and K only). */
@@ -44,13 +45,14 @@
     X(bivit_gemm_pack_args, int, threads)
 
 /* y[M][N] (type yt, rows y_row apart) = act(x[M][K] (type xt, rows x_row apart) . w^T + bias), w packed for
- * `kind`; bias NULL or fp32 [N]. */
+ * `kind`; bias NULL or fp32 [N]; `flush`: bf16 arithmetic (arith.h: flushed, odd K padded by one 0 x 0). */
 #define BIVIT_GEMM_FIELDS(X)                                                                                     \
     X(bivit_gemm_args, const void *, x) X(bivit_gemm_args, const void *, w)                                     \
     X(bivit_gemm_args, const float *, bias) X(bivit_gemm_args, void *, y) X(bivit_gemm_args, int64_t, x_row)    \
     X(bivit_gemm_args, int64_t, y_row) X(bivit_gemm_args, int64_t, M) X(bivit_gemm_args, int64_t, N)            \
     X(bivit_gemm_args, int64_t, K) X(bivit_gemm_args, int, kind) X(bivit_gemm_args, int, xt)                    \
-    X(bivit_gemm_args, int, yt) X(bivit_gemm_args, int, act) X(bivit_gemm_args, int, threads)
+    X(bivit_gemm_args, int, yt) X(bivit_gemm_args, int, act) X(bivit_gemm_args, int, flush)                     \
+    X(bivit_gemm_args, int, threads)
 
 /* RoPE on x [rows][slots][d] into out (same shape), tables fp32 [rows][d] contiguous; strides between
  * consecutive rows (`*_row`) and head slots (`*_slot`). */
@@ -60,11 +62,23 @@
     X(bivit_rope_args, int64_t, d) X(bivit_rope_args, int64_t, x_row) X(bivit_rope_args, int64_t, x_slot)       \
     X(bivit_rope_args, int64_t, out_row) X(bivit_rope_args, int64_t, out_slot) X(bivit_rope_args, int, threads)
 
+/* LayerNorm (rms = 0) or RMSNorm (rms = 1) of each row of x [rows][d] (type xt, rows x_row apart) into y (type
+ * yt, rows y_row apart), with weight w and bias b (type wt; NULL: 1 and 0) and eps; mean and rstd: NULL or [rows]
+ * floats (what a backward pass needs; RMSNorm writes rstd only). Element types: gemm.h's E_*. */
+#define BIVIT_NORM_FIELDS(X)                                                                                     \
+    X(bivit_norm_args, const void *, x) X(bivit_norm_args, const void *, w) X(bivit_norm_args, const void *, b)  \
+    X(bivit_norm_args, void *, y) X(bivit_norm_args, float *, mean) X(bivit_norm_args, float *, rstd)           \
+    X(bivit_norm_args, int64_t, rows) X(bivit_norm_args, int64_t, d) X(bivit_norm_args, int64_t, x_row)         \
+    X(bivit_norm_args, int64_t, y_row) X(bivit_norm_args, float, eps) X(bivit_norm_args, int, rms)              \
+    X(bivit_norm_args, int, xt) X(bivit_norm_args, int, wt) X(bivit_norm_args, int, yt)                         \
+    X(bivit_norm_args, int, threads)
+
 #define BIVIT_ABI_DECLARE(S, T, F) T F;
 struct bivit_attention_args { BIVIT_ATTENTION_FIELDS(BIVIT_ABI_DECLARE) };
 struct bivit_gemm_pack_args { BIVIT_GEMM_PACK_FIELDS(BIVIT_ABI_DECLARE) };
 struct bivit_gemm_args { BIVIT_GEMM_FIELDS(BIVIT_ABI_DECLARE) };
 struct bivit_rope_args { BIVIT_ROPE_FIELDS(BIVIT_ABI_DECLARE) };
+struct bivit_norm_args { BIVIT_NORM_FIELDS(BIVIT_ABI_DECLARE) };
 
 struct bivit_abi_entry {
     const char *strct, *field;  /* field "": the struct itself */
@@ -79,6 +93,7 @@ static const struct bivit_abi_entry BIVIT_ABI[] = {
     BIVIT_ABI_STRUCT(bivit_gemm_pack_args) BIVIT_GEMM_PACK_FIELDS(BIVIT_ABI_FIELD)
     BIVIT_ABI_STRUCT(bivit_gemm_args) BIVIT_GEMM_FIELDS(BIVIT_ABI_FIELD)
     BIVIT_ABI_STRUCT(bivit_rope_args) BIVIT_ROPE_FIELDS(BIVIT_ABI_FIELD)
+    BIVIT_ABI_STRUCT(bivit_norm_args) BIVIT_NORM_FIELDS(BIVIT_ABI_FIELD)
 };
 
 /* Where `field` of `strct` is (field "": the struct's size): 0 and *offset, *size set, or -1 for a name this

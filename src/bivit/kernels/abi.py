@@ -23,7 +23,7 @@ class AttentionArgs(ctypes.Structure):
                 ("count", _I64), ("heads", _I64), ("d", _I64),
                 ("q_row", _I64), ("k_row", _I64), ("v_row", _I64), ("out_row", _I64),
                 ("q_head", _I64), ("k_head", _I64), ("v_head", _I64), ("out_head", _I64),
-                ("scale", _F32), ("threads", _INT)]
+                ("scale", _F32), ("yt", _INT), ("threads", _INT)]
 
 
 class GemmPackArgs(ctypes.Structure):
@@ -38,7 +38,7 @@ class GemmArgs(ctypes.Structure):
 
     _fields_ = [("x", _P), ("w", _P), ("bias", _P), ("y", _P), ("x_row", _I64), ("y_row", _I64),
                 ("M", _I64), ("N", _I64), ("K", _I64),
-                ("kind", _INT), ("xt", _INT), ("yt", _INT), ("act", _INT), ("threads", _INT)]
+                ("kind", _INT), ("xt", _INT), ("yt", _INT), ("act", _INT), ("flush", _INT), ("threads", _INT)]
 
 
 class RopeArgs(ctypes.Structure):
@@ -48,8 +48,22 @@ class RopeArgs(ctypes.Structure):
                 ("x_row", _I64), ("x_slot", _I64), ("out_row", _I64), ("out_slot", _I64), ("threads", _INT)]
 
 
+class NormArgs(ctypes.Structure):
+    """`struct bivit_norm_args`."""
+
+    _fields_ = [("x", _P), ("w", _P), ("b", _P), ("y", _P), ("mean", _P), ("rstd", _P), ("rows", _I64), ("d", _I64),
+                ("x_row", _I64), ("y_row", _I64), ("eps", _F32), ("rms", _INT), ("xt", _INT), ("wt", _INT),
+                ("yt", _INT), ("threads", _INT)]
+
+
 STRUCTS = {"bivit_attention_args": AttentionArgs, "bivit_gemm_pack_args": GemmPackArgs,
-           "bivit_gemm_args": GemmArgs, "bivit_rope_args": RopeArgs}
+           "bivit_gemm_args": GemmArgs, "bivit_rope_args": RopeArgs, "bivit_norm_args": NormArgs}
+
+
+# The constants Python passes (element types, GELU kinds, GEMM kernels), with the values the C sources give them
+# (gemm.h's BIVIT_CONSTS): `check` asks the loaded library for each, so a drifted copy refuses the library.
+CONSTS = {"E_F32": 0, "E_BF16": 1, "E_F16": 2, "ACT_NONE": 0, "ACT_GELU_TANH": 1, "ACT_GELU_ERF": 2,
+          "GEMM_FP32": 0, "GEMM_AVX512_BF16": 1, "GEMM_AMX": 2, "GEMM_AMX_SWAPPED": 3}
 
 
 def fill(cls: type[ctypes.Structure], **fields) -> ctypes.Structure:
@@ -63,7 +77,7 @@ def fill(cls: type[ctypes.Structure], **fields) -> ctypes.Structure:
 
 def check(lib: ctypes.CDLL, structs: dict[str, type[ctypes.Structure]] | None = None) -> None:
     """Raise KernelUnavailable unless every struct of `structs` (C name -> mirror; default: all above) has,
-    field by field, the layout `lib` was built with."""
+    field by field, the layout `lib` was built with, and every constant of CONSTS its value there."""
     lookup = lib.bivit_abi_field
     lookup.restype = ctypes.c_int
     lookup.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.POINTER(_I64), ctypes.POINTER(_I64)]
@@ -78,6 +92,16 @@ def check(lib: ctypes.CDLL, structs: dict[str, type[ctypes.Structure]] | None = 
             if (offset.value, size.value) != (want_offset, want_size):
                 raise KernelUnavailable(f"the compiled library lays out {name}.{field or '(size)'} at offset "
                                         f"{offset.value}, {size.value} bytes; bivit at {want_offset}, {want_size}")
+    const = lib.bivit_abi_const
+    const.restype = ctypes.c_int
+    const.argtypes = [ctypes.c_char_p, ctypes.POINTER(_I64)]
+    value = _I64()
+    for name, want in CONSTS.items():
+        if const(name.encode(), ctypes.byref(value)) != 0:
+            raise KernelUnavailable(f"the compiled library has no constant {name}: built from other sources than "
+                                    "bivit's")
+        if value.value != want:
+            raise KernelUnavailable(f"the compiled library has {name} = {value.value}; bivit passes {want}")
 
 
 def bind(lib: ctypes.CDLL) -> None:
@@ -85,7 +109,8 @@ def bind(lib: ctypes.CDLL) -> None:
     check(lib)
     entries = {"bivit_attention_bf16": AttentionArgs, "bivit_attention_f32": AttentionArgs,
                "bivit_attention_amx_bf16": AttentionArgs, "bivit_rope_bf16": RopeArgs, "bivit_rope_f32": RopeArgs,
-               "bivit_gemm_pack": GemmPackArgs, "bivit_gemm_packed_bytes": GemmPackArgs, "bivit_gemm": GemmArgs}
+               "bivit_gemm_pack": GemmPackArgs, "bivit_gemm_packed_bytes": GemmPackArgs, "bivit_gemm": GemmArgs,
+               "bivit_norm": NormArgs}
     for name, cls in entries.items():
         fn = getattr(lib, name, None)
         if fn is None:  # the AMX attention is in the avx512 library only

@@ -196,12 +196,15 @@ static void amx_run_unit(const struct call *C, const struct item *it, int64_t h,
         amx_values(p, ss, vp, G.ksteps, G.dtiles, v, v + 1 < G.dtiles, o, os);
     amx_leave();
     for (int r = 0; r < rows; r++) {
-        bf16 *out = (bf16 *)(C->out + ((it->row0 + i0 + r) * C->out_row + h * C->out_head) * 2);
+        char *out = C->out + ((it->row0 + i0 + r) * C->out_row + h * C->out_head) * (int64_t)C->oesize;
         const __m512 iv = _mm512_set1_ps(inv[r]);
         for (int64_t c = 0; c < d; c += 16) {
             const int64_t m = d - c < 16 ? d - c : 16;
             const __m512 y = _mm512_mul_ps(_mm512_loadu_ps(o + r * os + c), iv);
-            _mm256_mask_storeu_epi16(out + c, (__mmask16)((1u << m) - 1), _mm512_cvtepi32_epi16(bf16_bits16(y)));
+            if (C->obf)
+                _mm256_mask_storeu_epi16((bf16 *)out + c, (__mmask16)((1u << m) - 1), _mm512_cvtepi32_epi16(bf16_bits16(y)));
+            else
+                _mm512_mask_storeu_ps((float *)out + c, (__mmask16)((1u << m) - 1), y);
         }
     }
 }

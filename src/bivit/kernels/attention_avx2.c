@@ -1,35 +1,38 @@
 /* Exact per-item attention on CPUs with AVX2 and FMA (no AVX-512 needed): most x86 servers of the last decade,
  * among them AMD EPYC Zen 2/3, where PyTorch's fused attention runs bf16 through generic code.
  *
- * Same math as the AVX-512 variant (attention_avx512.c), all arithmetic in fp32:
- *   s_j = (q_i . k_j) * scale * log2(e)                  fp32 fused multiply-adds
- *   p_j = 2^(s_j - max_j s_j)                             fp32
- *   o_i = (sum_j p_j v_j) / (sum_j p_j)                   fp32 accumulation, rounded to the output dtype once
+ * bivit-arith/1's attention (arith.h, docs/arithmetic.md; the AVX-512 and portable variants compute the same bits):
+ *   s_j = (q_i . k_j) * scale * log2(e)     fma chain over the head dim, then one multiply
+ *   p_j = 2^(s_j - max_j s_j)               exp2_neg; summed in the fixed 16-lane tree (two 8-lane registers:
+ *                                           keys j % 16 < 8 and >= 8); bf16: p rounded to bf16 for the values
+ *   o_i = (sum_j p_j v_j) * (1 / sum_j p_j)  fma chains over the keys in chunks of 128, chunk sums added in order
  * bf16 inputs are widened to fp32 in registers as keys, values and queries are packed (exact: a bf16 value is
  * an fp32 value with a shorter mantissa), so the inner loops are one FMA per multiply-add whatever the dtype;
- * p stays in fp32 for the second product. The output is rounded to bf16 to nearest even, as PyTorch rounds.
- * Items, units and invariance: common.h.
+ * a bf16 unit runs flushed (arith.h), as bf16 pair products do, and an odd count of bf16 pairs gets their
+ * padding product 0 x 0. The output is rounded to the input dtype to nearest even. Items, units and
+ * invariance: common.h.
  *
  * Register blocking for the 16 ymm registers: q.k^T in microtiles of 6 query rows x 16 keys (12 accumulators,
  * 2 key vectors, 1 broadcast), p.v in microtiles of 4 rows x 24 columns (12 accumulators, 3 value vectors, 1
- * broadcast); value sums in chunks of 128 keys, chunk sums added in order.
+ * broadcast).
  */
 #include <immintrin.h>
 #include <math.h>
 
 #include "common.h"
+#include "norm.h"
 
 #define BQ 24        /* query rows per work unit (a multiple of QK_R and PV_R) */
 #define QK_R 6       /* query rows per q.k^T microtile */
 #define QK_C 2       /* 8-key vectors per q.k^T microtile */
 #define PV_R 4       /* rows per p.v microtile */
 #define PV_V 3       /* 8-column vectors per p.v microtile */
-#define PV_CHUNK 128 /* value rows summed per chunk */
+#define PV_CHUNK 128 /* keys per chunk of the values' sums (arith.h; every variant) */
 
-/* 2^x for x <= 0: n = round(x), 2^(x-n) by EXP2_POLY, times 2^n built in the exponent field. Clamped at -126
- * (the smallest normal power): terms below 2^-126 of the largest cannot move a sum. */
+/* 2^x for x <= 0 (arith.h's exp2_neg_s): n = round(x), 2^(x-n) by EXP2_POLY, times 2^n built in the exponent
+ * field. Clamped at -126 (the smallest normal power): terms below 2^-126 of the largest cannot move a sum. */
 static inline __m256 exp2_neg(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-126.0f));
+    x = _mm256_max_ps(x, _mm256_set1_ps(EXP2_LO));
     __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m256 f = _mm256_sub_ps(x, n);
     __m256 p;
@@ -45,7 +48,8 @@ static inline float hmax(__m256 v) {
     return _mm_cvtss_f32(m);
 }
 
-/* Lanes added in a fixed tree: (0+4, 1+5, 2+6, 3+7), then pairs, then the last two. */
+/* The last three levels of arith.h's 16-lane tree, on its first level's 8 sums: (0+4, 1+5, 2+6, 3+7), then
+ * (0+2, 1+3), then the last two. */
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -102,7 +106,7 @@ static inline void widen_rotated(const struct call *C, float *dst, const char *s
         if (!bf) {
             dst[i] = y;
         } else {
-            const uint32_t w = (uint32_t)rope_bf16(y) << 16;
+            const uint32_t w = (uint32_t)f32_to_bf16(y) << 16;
             memcpy(dst + i, &w, sizeof w);
         }
     }
@@ -148,7 +152,7 @@ static inline __attribute__((always_inline)) void pack_head_t(const struct call 
 /* s[r][j0 + 8c + lane] = scale2 * (q_r . k_j) for QK_R rows and NC key vectors. */
 static inline __attribute__((always_inline)) void qk_tile(const float *qb, int64_t d, const float *kp, size_t npad,
                                                           size_t j0, const int NC, float scale2, float *s,
-                                                          size_t s_stride) {
+                                                          size_t s_stride, const int bf) {
     __m256 acc[QK_R][QK_C];
     for (int r = 0; r < QK_R; r++)
         for (int c = 0; c < QK_C; c++) acc[r][c] = _mm256_setzero_ps();
@@ -163,6 +167,9 @@ static inline __attribute__((always_inline)) void qk_tile(const float *qb, int64
                 if (c < NC) acc[r][c] = _mm256_fmadd_ps(a, kv[c], acc[r][c]);
         }
     }
+    if (bf && (d & 1))  /* bf16 pairs: an odd head dim's last pair is (q, 0) . (k, 0) */
+        for (int r = 0; r < QK_R; r++)
+            for (int c = 0; c < QK_C; c++) acc[r][c] = _mm256_add_ps(acc[r][c], _mm256_setzero_ps());
     const __m256 sc = _mm256_set1_ps(scale2);
     for (int r = 0; r < QK_R; r++)
         for (int c = 0; c < QK_C; c++)
@@ -173,7 +180,7 @@ static inline __attribute__((always_inline)) void qk_tile(const float *qb, int64
 static inline __attribute__((always_inline)) void pv_tile(const float *pb, size_t p_stride, const float *vp,
                                                           size_t dpad, int64_t n, const int NV, const float *inv,
                                                           int rows, int64_t cols, char *out, int64_t out_row,
-                                                          const int bf) {
+                                                          const int bf, const int obf) {
     __m256 tot[PV_R][PV_V];
     for (int r = 0; r < PV_R; r++)
         for (int v = 0; v < PV_V; v++) tot[r][v] = _mm256_setzero_ps();
@@ -193,10 +200,13 @@ static inline __attribute__((always_inline)) void pv_tile(const float *pb, size_
                     if (v < NV) acc[r][v] = _mm256_fmadd_ps(a, vv[v], acc[r][v]);
             }
         }
+        if (bf && (n & 1) && c1 == n)  /* bf16 key pairs: an odd n's last pair is (p, 0) . (v, 0) */
+            for (int r = 0; r < PV_R; r++)
+                for (int v = 0; v < PV_V; v++) acc[r][v] = _mm256_add_ps(acc[r][v], _mm256_setzero_ps());
         for (int r = 0; r < PV_R; r++)
             for (int v = 0; v < PV_V; v++) tot[r][v] = _mm256_add_ps(tot[r][v], acc[r][v]);
     }
-    const size_t es = bf ? 2 : 4;
+    const size_t es = obf ? 2 : 4;
     for (int r = 0; r < PV_R && r < rows; r++)
         for (int v = 0; v < NV; v++) {
             const int64_t left = cols - 8 * v;
@@ -204,11 +214,11 @@ static inline __attribute__((always_inline)) void pv_tile(const float *pb, size_
             const __m256 o = _mm256_mul_ps(tot[r][v], _mm256_set1_ps(inv[r]));
             char *dst = out + (r * out_row + 8 * v) * (int64_t)es;
             if (left >= 8) {
-                if (bf) _mm_storeu_si128((__m128i *)dst, to_bf16(o));
+                if (obf) _mm_storeu_si128((__m128i *)dst, to_bf16(o));
                 else _mm256_storeu_ps((float *)dst, o);
             } else {
                 union { __m128i h; __m256 f; } tmp;
-                if (bf) tmp.h = to_bf16(o);
+                if (obf) tmp.h = to_bf16(o);
                 else tmp.f = o;
                 memcpy(dst, &tmp, (size_t)left * es);
             }
@@ -217,19 +227,19 @@ static inline __attribute__((always_inline)) void pv_tile(const float *pb, size_
 
 static inline __attribute__((always_inline)) void qk_dispatch(const float *qb, int64_t d, const float *kp,
                                                               size_t npad, size_t j0, int NC, float scale2, float *s,
-                                                              size_t s_stride) {
-    if (NC == 2) qk_tile(qb, d, kp, npad, j0, 2, scale2, s, s_stride);
-    else qk_tile(qb, d, kp, npad, j0, 1, scale2, s, s_stride);
+                                                              size_t s_stride, const int bf) {
+    if (NC == 2) qk_tile(qb, d, kp, npad, j0, 2, scale2, s, s_stride, bf);
+    else qk_tile(qb, d, kp, npad, j0, 1, scale2, s, s_stride, bf);
 }
 
 static inline __attribute__((always_inline)) void pv_dispatch(const float *pb, size_t p_stride, const float *vp,
                                                               size_t dpad, int64_t n, int NV, const float *inv,
                                                               int rows, int64_t cols, char *out, int64_t out_row,
-                                                              const int bf) {
+                                                              const int bf, const int obf) {
     switch (NV) {
-        case 3: pv_tile(pb, p_stride, vp, dpad, n, 3, inv, rows, cols, out, out_row, bf); break;
-        case 2: pv_tile(pb, p_stride, vp, dpad, n, 2, inv, rows, cols, out, out_row, bf); break;
-        case 1: pv_tile(pb, p_stride, vp, dpad, n, 1, inv, rows, cols, out, out_row, bf); break;
+        case 3: pv_tile(pb, p_stride, vp, dpad, n, 3, inv, rows, cols, out, out_row, bf, obf); break;
+        case 2: pv_tile(pb, p_stride, vp, dpad, n, 2, inv, rows, cols, out, out_row, bf, obf); break;
+        case 1: pv_tile(pb, p_stride, vp, dpad, n, 1, inv, rows, cols, out, out_row, bf, obf); break;
     }
 }
 
@@ -248,12 +258,15 @@ static inline __attribute__((always_inline)) void run_unit_t(const struct call *
         else memset(qb + (size_t)r * d, 0, (size_t)d * sizeof(float));
     }
     const float *kp = (const float *)(it->kpack + it->kp_head * h), *vp = (const float *)(it->vpack + it->vp_head * h);
+    fp_set(bf);  /* the queries are rotated (IEEE, as rope.h); the products run in their dtype's mode */
     for (size_t j0 = 0; j0 < npad; j0 += 8 * QK_C) {
         const int NC = (npad - j0) / 8 >= QK_C ? QK_C : (int)((npad - j0) / 8);
         for (int r0 = 0; r0 < BQ; r0 += QK_R)
-            qk_dispatch(qb + (size_t)r0 * d, d, kp, npad, j0, NC, C->scale2, s + r0 * s_stride, s_stride);
+            qk_dispatch(qb + (size_t)r0 * d, d, kp, npad, j0, NC, C->scale2, s + r0 * s_stride, s_stride, bf);
     }
-    /* Softmax numerators in fp32 over the n real keys, zero for the padding. */
+    /* Softmax numerators in fp32 over the n real keys, zero for the padding; their sum in arith.h's 16 lanes (key
+     * j in lane j % 16: blocks of 8 keys alternate between two registers), the numerators the values see rounded
+     * to bf16 in bf16. */
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     for (int r = 0; r < BQ; r++) {
         float *sr = s + r * s_stride;
@@ -264,14 +277,14 @@ static inline __attribute__((always_inline)) void run_unit_t(const struct call *
         if (j < n) mx = _mm256_max_ps(mx, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_loadu_ps(sr + j), live));
         const float mr = hmax(mx);
         const __m256 m = _mm256_set1_ps(mr);
-        __m256 sum = _mm256_setzero_ps();
+        __m256 sum[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
         for (j = 0; j < (int64_t)npad; j += 8) {
             __m256 e = exp2_neg(_mm256_sub_ps(_mm256_loadu_ps(sr + j), m));
             if (j + 8 > n) e = _mm256_and_ps(e, live);
-            sum = _mm256_add_ps(sum, e);
-            _mm256_storeu_ps(sr + j, e);
+            sum[(j / 8) & 1] = _mm256_add_ps(sum[(j / 8) & 1], e);
+            _mm256_storeu_ps(sr + j, bf ? _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits(e), 16)) : e);
         }
-        const float total = hsum(sum);
+        const float total = hsum(_mm256_add_ps(sum[0], sum[1]));
         inv[r] = 1.0f / total;
         if (r < rows) store_lse(C, it, h, i0 + r, mr, total);
     }
@@ -280,8 +293,9 @@ static inline __attribute__((always_inline)) void run_unit_t(const struct call *
         for (int v0 = 0; v0 < NV; v0 += PV_V)
             pv_dispatch(s + r0 * s_stride, s_stride, vp + 8 * v0, dpad, n, NV - v0 < PV_V ? NV - v0 : PV_V, inv + r0,
                         rows - r0, d - 8 * v0,
-                        C->out + ((it->row0 + i0 + r0) * C->out_row + h * C->out_head + 8 * v0) * (int64_t)C->esize,
-                        C->out_row, bf);
+                        C->out + ((it->row0 + i0 + r0) * C->out_row + h * C->out_head + 8 * v0) * (int64_t)C->oesize,
+                        C->out_row, bf, C->obf);
+    fp_set(0);
 }
 
 BIVIT_VARIANT

@@ -5,21 +5,27 @@
  * AVX-512 BF16 machine without AMX, well under half of what a bf16 GEMM reaches there, and attention is most
  * of a large image's encode. This kernel does the same math with register-blocked dot products.
  *
- * Math, per head and query row i (n keys, scale = 1/sqrt(d)):
- *   s_j = (q_i . k_j) * scale * log2(e)                  fp32 accumulation
- *   p_j = 2^(s_j - max_j s_j)                             fp32 (rounded to bf16 for the second product in bf16)
- *   o_i = (sum_j p_j v_j) / (sum_j p_j)                   fp32 accumulation, rounded to the output dtype once
+ * Math: bivit-arith/1's attention (arith.h, docs/arithmetic.md; attention_avx2.c and portable.c compute the same
+ * bits), per head and query row i (n keys, scale = 1/sqrt(d)):
+ *   s_j = (q_i . k_j) * scale * log2(e)     fma chain over the head dim, then one multiply
+ *   p_j = 2^(s_j - max_j s_j)               exp2_neg; summed in the fixed 16-lane tree (sum16); bf16: rounded to
+ *                                           bf16 for the second product
+ *   o_i = (sum_j p_j v_j) * (1 / sum_j p_j)  fma chains over the keys in chunks of 128, chunk sums added in order
  * which is what PyTorch's flash kernel computes, without its running-max rescaling (each query block sees all
  * of its keys at once). Items, units and invariance: common.h.
  *
  * One code path for both dtypes: the unit of every inner product step is a 32-bit word, a pair of bf16 values
  * (vdpbf16ps multiplies pairs) or one float, so packing, blocking and tails are the same; only the
- * multiply-add, the packing of a word and the stores of p and of the output differ.
+ * multiply-add, the packing of a word and the stores of p and of the output differ. vdpbf16ps adds a pair's
+ * upper (odd) product first, then the lower one, each rounded (flushed: arith.h), so every bf16 word holds its
+ * pair swapped, element j + 1 in the lower half and j in the upper (`swap_pair`): the chain then runs in
+ * element order, as the fp32 chains of the other variants do.
  */
 #include <immintrin.h>
 #include <math.h>
 
 #include "common.h"
+#include "norm.h"
 
 typedef uint32_t word;  /* a pair of bf16 values, or one float */
 
@@ -27,9 +33,10 @@ typedef uint32_t word;  /* a pair of bf16 values, or one float */
 #define QK_R 6         /* query rows per QK^T microtile */
 #define QK_C 4         /* 16-key vectors per QK^T microtile */
 
-/* 2^x for x <= 0: n = round(x), 2^(x-n) by EXP2_POLY, scaled by 2^n. */
+/* 2^x for x <= 0 (arith.h's exp2_neg_s): n = round(x), 2^(x-n) by EXP2_POLY, scaled by 2^n (n >= -126: exact
+ * power, one rounding). */
 static inline __m512 exp2_neg(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-127.0f));
+    x = _mm512_max_ps(x, _mm512_set1_ps(EXP2_LO));
     __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 f = _mm512_sub_ps(x, n);
     __m512 p;
@@ -90,9 +97,34 @@ static inline __attribute__((always_inline)) void clear_rows(__m512 full[4][8], 
     }
 }
 
-/* Value steps summed per chunk, chunk sums added in order: an fp32 sum of thousands of terms loses less than
- * one running accumulator does. */
+/* Keys per chunk of the values' sums, chunk sums added in order (arith.h; every variant): an fp32 sum of
+ * thousands of terms loses less than one running accumulator does. */
 #define PV_CHUNK 128
+
+/* 16 floats -> their bf16 bits in the low halves of the lanes, exactly as arith.h's f32_to_bf16 rounds: to
+ * nearest even, any NaN to 0x7FC0 (vcvtneps2bf16 keeps a NaN's sign and payload, and reads denormals as zero). */
+static inline __m512i bf16_bits16(__m512 y) {
+    const __m512i u = _mm512_castps_si512(y);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb)), 16);
+    return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+}
+
+static inline __m256i to_bf16_16(__m512 y) { return _mm512_cvtepi32_epi16(bf16_bits16(y)); }
+
+static inline __m128i to_bf16_8(__m256 y) {
+    return _mm256_cvtepi32_epi16(_mm512_castsi512_si256(bf16_bits16(_mm512_castps256_ps512(y))));
+}
+
+/* arith.h's 16-lane sum of the lanes of v: (l, l + 8), (l, l + 4), (l, l + 2), (0, 1), written out (the
+ * compiler's _mm512_reduce_add_ps leaves its order to the compiler). */
+static inline float sum16(__m512 v) {
+    const __m256 t8 = _mm256_add_ps(_mm512_castps512_ps256(v),
+                                    _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+    __m128 t4 = _mm_add_ps(_mm256_castps256_ps128(t8), _mm256_extractf128_ps(t8, 1));
+    t4 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));
+    return _mm_cvtss_f32(_mm_add_ss(t4, _mm_shuffle_ps(t4, t4, 1)));
+}
 
 /* o_r = sum over value steps of p_r . v for R rows, NV 16-column vectors (the last one 8 columns wide when
  * HALF) of value rows `width` words apart, then scaled by inv[r], rounded to the output dtype and stored (first
@@ -100,13 +132,14 @@ static inline __attribute__((always_inline)) void clear_rows(__m512 full[4][8], 
 static inline __attribute__((always_inline)) void pv_tile(const word *pb, size_t p_stride, const word *vp,
                                                           size_t width, size_t vsteps, int R, int NV, int HALF,
                                                           const float *inv, int rows, int d, void *out,
-                                                          size_t out_row, const int bf) {
+                                                          size_t out_row, const int bf, const int obf) {
+    const size_t chunk = bf ? PV_CHUNK / 2 : PV_CHUNK;  /* value steps: pairs of keys in bf16 */
     const int NF = HALF ? NV - 1 : NV;  /* full 16-lane vectors */
     __m512 tot[4][8];
     __m256 toth[4];
     clear_rows(tot, toth);
-    for (size_t c0 = 0; c0 < vsteps; c0 += PV_CHUNK) {
-        const size_t c1 = c0 + PV_CHUNK < vsteps ? c0 + PV_CHUNK : vsteps;
+    for (size_t c0 = 0; c0 < vsteps; c0 += chunk) {
+        const size_t c1 = c0 + chunk < vsteps ? c0 + chunk : vsteps;
         __m512 acc[4][8];
         __m256 acch[4];
         clear_rows(acc, acch);
@@ -143,8 +176,8 @@ static inline __attribute__((always_inline)) void pv_tile(const word *pb, size_t
             const __m512 o = _mm512_mul_ps(tot[r][v], _mm512_set1_ps(inv[r]));
             bf16 *ob = (bf16 *)out + r * out_row + 16 * v;
             float *of = (float *)out + r * out_row + 16 * v;
-            if (bf && cols >= 16) _mm256_storeu_si256((__m256i *)ob, (__m256i)_mm512_cvtneps_pbh(o));
-            else if (bf) _mm256_mask_storeu_epi16(ob, m, (__m256i)_mm512_cvtneps_pbh(o));
+            if (obf && cols >= 16) _mm256_storeu_si256((__m256i *)ob, to_bf16_16(o));
+            else if (obf) _mm256_mask_storeu_epi16(ob, m, to_bf16_16(o));
             else if (cols >= 16) _mm512_storeu_ps(of, o);
             else _mm512_mask_storeu_ps(of, m, o);
         }
@@ -154,8 +187,8 @@ static inline __attribute__((always_inline)) void pv_tile(const word *pb, size_t
             const __m256 o = _mm256_mul_ps(toth[r], _mm256_set1_ps(inv[r]));
             bf16 *ob = (bf16 *)out + r * out_row + 16 * NF;
             float *of = (float *)out + r * out_row + 16 * NF;
-            if (bf && cols == 8) _mm_storeu_si128((__m128i *)ob, (__m128i)_mm256_cvtneps_pbh(o));
-            else if (bf) _mm_mask_storeu_epi16(ob, m, (__m128i)_mm256_cvtneps_pbh(o));
+            if (obf && cols == 8) _mm_storeu_si128((__m128i *)ob, to_bf16_8(o));
+            else if (obf) _mm_mask_storeu_epi16(ob, m, to_bf16_8(o));
             else if (cols == 8) _mm256_storeu_ps(of, o);
             else _mm256_mask_storeu_ps(of, m, o);
         }
@@ -166,7 +199,7 @@ static inline __attribute__((always_inline)) void pv_tile(const word *pb, size_t
  * head dims over 96 in two column passes (4 rows x 8 vectors would not fit the 32 registers). */
 #define PV_CALL(COL, NVC, HALFC)                                                                          \
     pv_tile(pb, p_stride, vp + 16 * (COL), width, vsteps, 4, NVC, HALFC, inv, rows, d - 16 * (COL),       \
-            (char *)out + 16 * (COL) * (bf ? 2 : 4), out_row, bf)
+            (char *)out + 16 * (COL) * (obf ? 2 : 4), out_row, bf, obf)
 #define PV_CASE(NVC)                                                                                     \
     case NVC:                                                                                            \
         if (NVC > 6) PV_CALL(0, 4, 0);                                                                   \
@@ -176,7 +209,8 @@ static inline __attribute__((always_inline)) void pv_tile(const word *pb, size_t
 
 static inline __attribute__((always_inline)) void pv_dispatch(const word *pb, size_t p_stride, const word *vp,
                                                               size_t vsteps, int NV, const float *inv, int rows,
-                                                              int d, void *out, size_t out_row, const int bf) {
+                                                              int d, void *out, size_t out_row, const int bf,
+                                                              const int obf) {
     const int half = d % 16 != 0 && d % 16 <= 8;
     const size_t width = (size_t)NV * 16;
     switch (NV) {
@@ -196,11 +230,15 @@ static inline __attribute__((always_inline)) void qk_dispatch(const word *qb, in
     }
 }
 
-/* One 32-bit word of a row from its element c (and c + 1 in bf16; zero past the end). */
+/* A bf16 pair as vdpbf16ps must see it: element j + 1 in the lower half, j in the upper (it adds the upper
+ * product first). */
+static inline word swap_pair(word w) { return (w >> 16) | (w << 16); }
+
+/* One 32-bit word of a row from its element c (and c + 1 in bf16, swapped: swap_pair; zero past the end). */
 static inline word pack_word(const void *row, int64_t c, int64_t d, const int bf) {
     if (!bf) return ((const word *)row)[c];
     const bf16 *r = row;
-    return (word)r[c] | (c + 1 < d ? (word)r[c + 1] << 16 : 0);
+    return swap_pair((word)r[c] | (c + 1 < d ? (word)r[c + 1] << 16 : 0));
 }
 
 
@@ -247,14 +285,6 @@ static inline __attribute__((always_inline)) __m512 load16(const void *row, int6
     return m == 16 ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(k, p);
 }
 
-/* 16 floats -> their bf16 bits in the low halves of the lanes, exactly as rope_bf16 rounds: to nearest even, any
- * NaN to 0x7FC0 (vcvtneps2bf16 keeps a NaN's sign and payload, so it would not give rope.h's bits). */
-static inline __m512i bf16_bits16(__m512 y) {
-    const __m512i u = _mm512_castps_si512(y);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb)), 16);
-    return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-}
 
 /* Row `row` of the call's q or k rotated by its RoPE tables (d even), d elements in the input dtype into dst:
  * rope.h's products and sum in fp32, then rounded to bf16 as rope.h rounds. 16 lanes, then 8, then rope.h's
@@ -289,7 +319,7 @@ static inline __attribute__((always_inline)) void rotate_row(const struct call *
     }
     for (; i < d; i++) {
         const float y = rope_elem(load_elem(src, i, bf), load_elem(src, i ^ 1, bf), c[i], s[i]);
-        if (bf) ((bf16 *)dst)[i] = rope_bf16(y);
+        if (bf) ((bf16 *)dst)[i] = f32_to_bf16(y);
         else ((float *)dst)[i] = y;
     }
 }
@@ -331,26 +361,26 @@ static inline __attribute__((always_inline)) void pack_head_t(const struct call 
         int64_t p = 0;
         if (gather) {
             const __mmask16 m = (__mmask16)((1u << jn) - 1);
-            for (; p < whole; p++)
-                _mm512_store_si512(kp + (size_t)p * G.npad16 + j0,
-                                   _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, idx, kr + 4 * p, 1));
+            for (; p < whole; p++) {
+                const __m512i w = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, idx, kr + 4 * p, 1);
+                _mm512_store_si512(kp + (size_t)p * G.npad16 + j0, bf ? _mm512_rol_epi32(w, 16) : w);  /* swap_pair */
+            }
         }
         for (int64_t c = p * pw; c < d; c += pw, p++) {
             word *dst = kp + (size_t)p * G.npad16 + j0;
             for (int64_t jj = 0; jj < 16; jj++) dst[jj] = jj < jn ? pack_word(kr + jj * stride, c, d, bf) : 0;
         }
     }
-    /* Values: rows j and j + 1 interleaved into pairs (bf16) or copied (fp32), columns past d zero. */
+    /* Values: rows j and j + 1 interleaved into pairs (bf16, swapped: row j in the upper halves) or copied
+     * (fp32), columns past d zero. */
     for (int64_t j = 0; j < n; j += pw) {
         const char *v0 = row_of(C->v, it->row0 + j, C->v_row, h, C->v_head, es);
         word *vw = vp + (size_t)(j / pw) * G.NV * 16;
         for (int v = 0; v < G.NV; v++) {
             const int64_t m = d - 16 * v < 16 ? d - 16 * v : 16;
-            __m512i w = _mm512_castps_si512(load16(v0, 16 * v, m, bf));
-            if (bf) {  /* the pair's second row in the upper halves */
-                w = _mm512_srli_epi32(w, 16);
-                if (j + 1 < n) w = _mm512_or_si512(w, _mm512_castps_si512(load16(v0 + v_bytes, 16 * v, m, 1)));
-            }
+            __m512i w = _mm512_castps_si512(load16(v0, 16 * v, m, bf));  /* bf16: row j in the upper halves */
+            if (bf && j + 1 < n)
+                w = _mm512_or_si512(w, _mm512_srli_epi32(_mm512_castps_si512(load16(v0 + v_bytes, 16 * v, m, 1)), 16));
             _mm512_store_si512(vw + 16 * v, w);
         }
     }
@@ -380,12 +410,16 @@ static inline __attribute__((always_inline)) void run_unit_t(const struct call *
         const char *qr = row_of(C->q, it->row0 + i0 + r, C->q_row, h, C->q_head, C->esize);
         if (C->cos) {
             rotate_row(C, qr, it->row0 + i0 + r, qw, bf);
+            if (whole < steps) qw[whole] = ((const bf16 *)qw)[2 * whole];  /* an odd d's last element alone */
         } else {
             memcpy(qw, qr, (size_t)whole * sizeof(word));
-            if (whole < steps) qw[whole] = pack_word(qr, 2 * whole, d, bf);
+            if (whole < steps) qw[whole] = ((const bf16 *)qr)[2 * whole];
         }
+        if (bf)
+            for (int p = 0; p < steps; p++) qw[p] = swap_pair(qw[p]);
     }
     const word *kp = (const word *)(it->kpack + it->kp_head * h), *vp = (const word *)(it->vpack + it->vp_head * h);
+    fp_set(bf);  /* the queries are rotated (IEEE, as rope.h); the products run in their dtype's mode */
     for (size_t j0 = 0; j0 < npad16; j0 += 16 * QK_C) {
         int Cn = (int)((npad16 - j0) / 16);
         if (Cn > QK_C) Cn = QK_C;
@@ -393,8 +427,9 @@ static inline __attribute__((always_inline)) void run_unit_t(const struct call *
             qk_dispatch(qb + (size_t)r0 * steps, steps, kp, npad16, j0, Cn, C->scale2, s + r0 * s_stride, s_stride,
                         bf);
     }
-    /* Softmax numerators in fp32 over the n real keys (zero for the padding); the sum is of the fp32 values,
-     * the second product uses them rounded to the input dtype. */
+    /* Softmax numerators in fp32 over the n real keys (zero for the padding); the sum is of the fp32 values in
+     * arith.h's 16 lanes, the second product uses them rounded to the input dtype (bf16: pairs swapped, as the
+     * values are; vcvtneps2bf16 rounds these normal, finite values as f32_to_bf16 does). */
     const __mmask16 tail = (n % 16) ? (__mmask16)((1u << (n % 16)) - 1) : (__mmask16)0xFFFF;
     for (int r = 0; r < prow; r++) {
         const float *sr = s + r * s_stride;
@@ -410,17 +445,18 @@ static inline __attribute__((always_inline)) void run_unit_t(const struct call *
             __m512 e = exp2_neg(_mm512_sub_ps(_mm512_loadu_ps(sr + j), m));
             if (j + 16 > n) e = _mm512_maskz_mov_ps(tail, e);
             sum = _mm512_add_ps(sum, e);
-            if (bf) _mm256_storeu_si256((__m256i *)((bf16 *)pr + j), (__m256i)_mm512_cvtneps_pbh(e));
+            if (bf) _mm256_storeu_si256((__m256i *)((bf16 *)pr + j), (__m256i)_mm512_cvtneps_pbh(_mm512_permute_ps(e, 0xB1)));
             else _mm512_storeu_ps((float *)pr + j, e);
         }
-        const float total = _mm512_reduce_add_ps(sum);
+        const float total = sum16(sum);
         inv[r] = 1.0f / total;
         if (r < rows) store_lse(C, it, h, i0 + r, mr, total);
     }
     for (int r0 = 0; r0 < rows; r0 += 4)
         pv_dispatch(pb + r0 * p_stride, p_stride, vp, G.vsteps, G.NV, inv + r0, rows - r0, (int)d,
-                    C->out + ((it->row0 + i0 + r0) * C->out_row + h * C->out_head) * (int64_t)C->esize, C->out_row,
-                    bf);
+                    C->out + ((it->row0 + i0 + r0) * C->out_row + h * C->out_head) * (int64_t)C->oesize, C->out_row,
+                    bf, C->obf);
+    fp_set(0);
 }
 
 BIVIT_VARIANT

@@ -30,23 +30,24 @@
 #include <string.h>
 
 #include "abi.h"
+#include "arith.h"
 #include "rope.h"
 
 typedef uint16_t bf16;
 
 #define MAX_D 128  /* the register blocking of every variant covers head dims up to this (K2.x: 72, K3: 128) */
 
-/* p = 2^f for f in [-0.5, 0.5]: a degree-7 polynomial with coefficients ln2^k / k!, by Horner's rule with the
- * variant's fused multiply-add and broadcast. */
+/* p = 2^f for f in [-0.5, 0.5]: arith.h's degree-7 polynomial (coefficients ln2^k / k!), by Horner's rule with
+ * the variant's fused multiply-add and broadcast: exp2_neg_s's bits. */
 #define EXP2_POLY(p, f, FMADD, SET1)                      \
     do {                                                  \
-        p = SET1(1.5252733804059841e-05f);                \
-        p = FMADD(p, f, SET1(1.5403530393381606e-04f));   \
-        p = FMADD(p, f, SET1(1.3333558146428443e-03f));   \
-        p = FMADD(p, f, SET1(9.6181291076284772e-03f));   \
-        p = FMADD(p, f, SET1(5.5504108664821580e-02f));   \
-        p = FMADD(p, f, SET1(2.4022650695910071e-01f));   \
-        p = FMADD(p, f, SET1(6.9314718055994531e-01f));   \
+        p = SET1(EXP2_C7);                                \
+        p = FMADD(p, f, SET1(EXP2_C6));                   \
+        p = FMADD(p, f, SET1(EXP2_C5));                   \
+        p = FMADD(p, f, SET1(EXP2_C4));                   \
+        p = FMADD(p, f, SET1(EXP2_C3));                   \
+        p = FMADD(p, f, SET1(EXP2_C2));                   \
+        p = FMADD(p, f, SET1(EXP2_C1));                   \
         p = FMADD(p, f, SET1(1.0f));                      \
     } while (0)
 
@@ -82,8 +83,9 @@ struct call {
     float scale2, *lse;  /* scale2 = scale * log2(e): scores are exponentiated base 2 */
     const float *cos, *sin; /* RoPE tables, or NULL */
     int64_t hgroup;      /* heads per task of a small item */
-    int bf;              /* bf16 tensors (else float32) */
-    size_t esize;
+    int bf;              /* bf16 q/k/v (else float32) */
+    int obf;             /* bf16 out (else float32) */
+    size_t esize, oesize;
 };
 
 static inline const char *row_of(const char *base, int64_t row, int64_t row_stride, int64_t h, int64_t head_stride,
@@ -214,6 +216,8 @@ static int run_call(const struct variant *V, struct call *C, const int64_t *cu, 
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
+        /* Packing (and RoPE) runs IEEE; a unit switches to its dtype's mode for its products (arith.h). */
+        const fp_state fp = fp_enter(0);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t p = 0; p < count * C->heads; p++) {
             const struct item *it = &items[p / C->heads];
@@ -235,6 +239,7 @@ static int run_call(const struct variant *V, struct call *C, const int64_t *cu, 
             run_task(V, C, it, t - it->task0, buf, buf + scratch, buf + scratch + kbuf_bytes);
         }
         free(buf);
+        fp_leave(fp);
     }
     free(kpack);
     free(vpack);
@@ -248,7 +253,8 @@ static inline struct call call_of(const struct bivit_attention_args *a, int bf) 
                      .q_row = a->q_row, .k_row = a->k_row, .v_row = a->v_row, .out_row = a->out_row,
                      .q_head = a->q_head, .k_head = a->k_head, .v_head = a->v_head, .out_head = a->out_head,
                      .scale2 = a->scale * 1.4426950408889634f, .lse = a->lse, .cos = a->cos, .sin = a->sin,
-                     .bf = bf, .esize = bf ? 2 : 4};
+                     .bf = bf, .obf = bf && a->yt == E_BF16, .esize = bf ? 2 : 4,
+                     .oesize = bf && a->yt == E_BF16 ? 2 : 4};
     return C;
 }
 

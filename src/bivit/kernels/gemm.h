@@ -3,17 +3,18 @@
  * Why bivit computes its own GEMMs: a library GEMM (oneDNN, MKL) picks its blocking, its kernel and whether
  * threads split the K reduction by the shape and the thread count, so a row's bits can change with the rows
  * beside it or with the thread count (seen on an Intel AMX Xeon: oneDNN's packed bf16 GEMM at one row count
- * gave other bits at 3-4 threads than at 1). Pinning row counts hides the first and not the second. Here the
- * order of every reduction is fixed by this code:
+ * gave other bits at 3-4 threads than at 1), and from one CPU kind to the next. Here every kernel computes
+ * bivit-arith/1 (arith.h, docs/arithmetic.md):
  *
- *   y[i][j] = round(acc + bias[j]),  acc = the microkernel's multiply-adds over k = 0, 1, ..., K-1 in order,
+ *   y[i][j] = round(act(acc + bias[j])),  acc = fma(x[i][k], w[j][k], acc) for k = 0, 1, ..., K-1 from +0,
  *
- * in fp32 accumulators that belong to exactly one output element. Work is split over threads by (block of
- * rows, group of column panels) only, never over K; a row's arithmetic does not depend on which block it is in,
- * how many rows the block has (short blocks run the same instruction sequence per row, or a zero-padded copy of
- * the rows), the row count M, or which thread runs it. Padding past K or N is zeros in the packed weights and
- * never reaches an output. So an output row's bits are a function of that input row, the weights and the
- * microkernel: the variant (its instruction set) and nothing else.
+ * one fp32 accumulator per output element (bias 0 where there is none; bf16: flushed, and an odd K ends with one
+ * more product 0 x 0). Work is split over threads by (block of rows, group of column panels) only, never over K;
+ * a row's arithmetic does not depend on which block it is in, how many rows the block has (short blocks run the
+ * same instruction sequence per row, or a zero-padded copy of the rows), the row count M, or which thread runs
+ * it. Padding past K or N is zeros in the packed weights and never reaches an output. So an output row's bits
+ * are a function of that input row and the weights, the same from every kernel (the load-time conformance
+ * check holds each kernel to the portable one's bits: `bivit.ops.bits`).
  *
  * A variant supplies `struct gemm_kernel`: its weight packing (done once per weight, at load), and a `block`
  * computing up to `mb` rows against one packed column panel of `nr` columns into y (bias added, rounded).
@@ -21,18 +22,32 @@
 #ifndef BIVIT_GEMM_H
 #define BIVIT_GEMM_H
 
+#include "arith.h"
 #include "common.h"
 
-/* Element types of x, w and y: a product of two bf16 or two fp16 values is exact in fp32, so kinds that widen
- * them compute the products a native 16-bit GEMM with fp32 accumulation computes. */
-enum { E_F32 = 0, E_BF16 = 1, E_F16 = 2 };
+/* Element c of a row of type et (arith.h's E_*) as a float, exactly. */
+#define gemm_elem elem_load
 
-static inline size_t esize_of(int et) { return et == E_F32 ? 4 : 2; }
+/* The GEMM kernels (`kind` of the arguments); a variant's gemm_kernel_of returns NULL for those it lacks. */
+enum { GEMM_FP32 = 0, GEMM_AVX512_BF16 = 1, GEMM_AMX = 2, GEMM_AMX_SWAPPED = 3 };
 
-/* Element c of a row of type et as a float, exactly. */
-static inline __attribute__((always_inline)) float gemm_elem(const void *row, int64_t c, const int et) {
-    if (et == E_F16) return _cvtsh_ss(((const uint16_t *)row)[c]);
-    return load_elem(row, c, et == E_BF16);
+/* Every constant Python passes to these kernels, by name: `bivit_abi_const` lets it check at load that its own
+ * copy of each (bivit/kernels/abi.py's CONSTS) is this library's. */
+#define BIVIT_CONSTS(X)                                                                                          \
+    X(E_F32) X(E_BF16) X(E_F16) X(ACT_NONE) X(ACT_GELU_TANH) X(ACT_GELU_ERF)                                     \
+    X(GEMM_FP32) X(GEMM_AVX512_BF16) X(GEMM_AMX) X(GEMM_AMX_SWAPPED)
+
+#define BIVIT_CONST_ENTRY(N) {#N, (int64_t)(N)},
+static const struct { const char *name; int64_t value; } BIVIT_CONST_TABLE[] = {BIVIT_CONSTS(BIVIT_CONST_ENTRY)};
+
+/* 0 and *value for a constant this library has, -1 otherwise. */
+int bivit_abi_const(const char *name, int64_t *value) {
+    for (size_t i = 0; i < sizeof BIVIT_CONST_TABLE / sizeof BIVIT_CONST_TABLE[0]; i++)
+        if (!strcmp(BIVIT_CONST_TABLE[i].name, name)) {
+            *value = BIVIT_CONST_TABLE[i].value;
+            return 0;
+        }
+    return -1;
 }
 
 struct gemm_call {
@@ -45,18 +60,20 @@ struct gemm_call {
     int64_t y_row;
     int yt;
     int act;            /* ACT_*: what is applied to acc + bias before rounding */
+    int flush;          /* bf16 arithmetic: the whole call runs flushed (arith.h), and an odd K's chain ends with
+                           one product 0 x 0, as bf16 pairs compute it */
     int64_t M, N, K;
 };
 
-/* GELU after the GEMM, on the fp32 sum, in the kernel's own vector code: every element takes the same
- * instructions whatever its position or the thread count (PyTorch's GELU kernel cuts its range by the thread
- * count above 16384 elements, and its scalar tail rounds differently from its vector body). */
-enum { ACT_NONE = 0, ACT_GELU_TANH = 1, ACT_GELU_ERF = 2 };
+/* GELU after the GEMM (arith.h's ACT_*), on the fp32 sum, in the kernel's own vector code: every element takes
+ * the same instructions whatever its position or the thread count (PyTorch's GELU kernel cuts its range by the
+ * thread count above 16384 elements, and its scalar tail rounds differently from its vector body). */
 
 /* The GELUs from exp: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), tanh(u) = sign(u) (1 - e) / (1 + e) with
  * e = exp(-2|u|); and 0.5 x (1 + erf(x / sqrt(2))), erf(z) = sign(z) (1 - poly(t) exp(-z^2)), t = 1 / (1 +
  * 0.3275911 |z|) (Abramowitz & Stegun 7.1.26, |error| < 1.5e-7). The body of a variant's GELU on vector type V
- * with intrinsics prefix P (_mm512, _mm256), from its exp2_neg (2^x for x <= 0): one formula for every variant. */
+ * with intrinsics prefix P (_mm512, _mm256), from its exp2_neg (2^x for x <= 0): arith.h's gelu_s, operation for
+ * operation. */
 #define GELU_BODY(V, P, x, act)                                                                                  \
     const V half = P##_set1_ps(0.5f), one = P##_set1_ps(1.0f), sign = P##_set1_ps(-0.0f);                     \
     V u, e, t;                                                                                                  \
@@ -126,6 +143,7 @@ static int gemm_run(const struct gemm_kernel *G, const struct gemm_call *C, int 
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
+        const fp_state fp = fp_enter(C->flush);
         void *buf = alloc64(scratch);
         if (!buf) {
 #pragma omp atomic write
@@ -144,6 +162,7 @@ static int gemm_run(const struct gemm_kernel *G, const struct gemm_call *C, int 
         }
         if (buf && G->leave) G->leave();
         free(buf);
+        fp_leave(fp);
     }
     return failed;
 }
@@ -207,8 +226,8 @@ static int gemm_run(const struct gemm_kernel *G, const struct gemm_call *C, int 
         const struct gemm_kernel *G = gemm_kernel_of(a->kind);                                                  \
         if (!G) return 2;                                                                                       \
         const struct gemm_call C = {.x = a->x, .x_row = a->x_row, .xt = a->xt, .w = a->w, .bias = a->bias,     \
-                                    .y = a->y, .y_row = a->y_row, .yt = a->yt, .act = a->act, .M = a->M,       \
-                                    .N = a->N, .K = a->K};                                                      \
+                                    .y = a->y, .y_row = a->y_row, .yt = a->yt, .act = a->act,                   \
+                                    .flush = a->flush, .M = a->M, .N = a->N, .K = a->K};                        \
         return gemm_run(G, &C, a->threads);                                                                     \
     }
 

@@ -1,16 +1,19 @@
 """bivit's compiled GEMM (`gemm.h`): invariant by construction, the GEMM of invariant mode wherever the compiled
 library runs.
 
-Each output element is one fp32 accumulator fed its K products in a fixed order by one thread; threads split the
-output by rows and columns only, never K. So a row's bits depend on that row, the weights and the kernel, not on
-the other rows of the call, their number, or the thread count (`gemm.h` gives the whole argument). Which kernel
-computes a dtype is fixed per machine kind (the first of `candidates` that passes its self-test and the load-time
-proof, `bivit.ops.proof`), never per call:
+Each output element is one fp32 accumulator fed its K products in k order by one thread (bivit-arith/1:
+`arith.h`, docs/arithmetic.md); threads split the output by rows and columns only, never K. So a row's bits depend
+on that row and the weights, not on the other rows of the call, their number, or the thread count (`gemm.h`
+gives the whole argument), nor on the kernel wherever it computes bivit-arith/1. The kernels:
 
-* `amx` (kind 2): bf16 on AMX tiles, where the CPU has AMX and the OS grants its tile state;
-* `avx512_bf16` (kind 1): bf16 pair products (vdpbf16ps), on CPUs with AVX-512 BF16;
-* `fp32` (kind 0): fp32 FMAs; bf16 and fp16 weights and inputs are widened exactly (a product of two 16-bit
-  values is exact in fp32), so it is the math of a 16-bit GEMM with fp32 accumulation. Every variant has it.
+* `fp32`: fp32 FMAs; bf16 and fp16 weights and inputs are widened exactly (a product of two 16-bit values is
+  exact in fp32), so it is the math of a 16-bit GEMM with fp32 accumulation. Every variant has it.
+* `avx512_bf16`: bf16 pair products (vdpbf16ps, each pair stored swapped so the chain runs in k order), on CPUs
+  with AVX-512 BF16;
+* `amx`, `amx_swapped`: bf16 on AMX tiles, where the CPU has AMX and the OS grants its tile state, with each
+  pair as stored or swapped (what tdpbf16ps computes is decided by the load-time conformance check).
+
+Which kernel computes a dtype is fixed per process (`bivit.ops.backend`), never per call.
 """
 
 from __future__ import annotations
@@ -20,11 +23,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .abi import GemmArgs, GemmPackArgs, fill
+from .abi import CONSTS, GemmArgs, GemmPackArgs, fill
 
-ETYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # gemm.h's E_F32, E_BF16, E_F16
-ACTS = {None: 0, "tanh": 1, "none": 2}  # gemm.h's ACT_*: GELU after the GEMM, by its `approximate` name
-KINDS = {"fp32": 0, "avx512_bf16": 1, "amx": 2}
+ETYPES = {torch.float32: CONSTS["E_F32"], torch.bfloat16: CONSTS["E_BF16"], torch.float16: CONSTS["E_F16"]}
+# GELU after the GEMM, by its `approximate` name
+ACTS = {None: CONSTS["ACT_NONE"], "tanh": CONSTS["ACT_GELU_TANH"], "none": CONSTS["ACT_GELU_ERF"]}
+KINDS = {"fp32": CONSTS["GEMM_FP32"], "avx512_bf16": CONSTS["GEMM_AVX512_BF16"], "amx": CONSTS["GEMM_AMX"],
+         "amx_swapped": CONSTS["GEMM_AMX_SWAPPED"]}
 
 
 @dataclass(frozen=True)
@@ -61,12 +66,15 @@ class GemmKernel:
         return buf
 
     def __call__(self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None,
-                 out: torch.Tensor, gelu: str | None = None, threads: int | None = None) -> torch.Tensor:
+                 out: torch.Tensor, gelu: str | None = None, threads: int | None = None,
+                 bf16: bool | None = None) -> torch.Tensor:
         """`out[M, n] = x[M, K] @ weight.t() + bias`, then GELU `gelu` ("tanh", "none" = erf, or None) on the fp32
         sum: x and out with a contiguous last dim, bias float32 `[n]` contiguous or None. `threads` defaults to
-        PyTorch's thread count; it never changes the bits."""
+        PyTorch's thread count; it never changes the bits. `bf16`: the arithmetic is a bf16 GEMM's (flushed;
+        default: x is bf16, or the kernel multiplies bf16 pairs), as it is for bf16 weights whose rows the fp32
+        kernel gets widened."""
         m, k = x.shape
-        rc = self.lib.bivit_gemm(self.args(x, packed, n, bias, out, gelu, threads))
+        rc = self.lib.bivit_gemm(self.args(x, packed, n, bias, out, gelu, threads, bf16))
         if rc == 1:
             raise MemoryError(f"bivit gemm: no memory for the scratch of a {m}x{k} by {k}x{n} GEMM")
         if rc != 0:
@@ -74,13 +82,15 @@ class GemmKernel:
         return out
 
     def args(self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None, out: torch.Tensor,
-             gelu: str | None = None, threads: int | None = None) -> GemmArgs:
+             gelu: str | None = None, threads: int | None = None, bf16: bool | None = None) -> GemmArgs:
         """The C call's arguments for `__call__`'s tensors, each stride named by its tensor (what the tests
         tamper with to show a misplaced stride fails the self-test)."""
         m, k = x.shape
+        if bf16 is None:
+            bf16 = x.dtype == torch.bfloat16 or self.name != "fp32"
         return fill(GemmArgs, x=x.data_ptr(), w=packed.data_ptr(), bias=None if bias is None else bias.data_ptr(),
                     y=out.data_ptr(), x_row=x.stride(0), y_row=out.stride(0), M=m, N=n, K=k, kind=self.kind,
-                    xt=ETYPES[x.dtype], yt=ETYPES[out.dtype], act=ACTS[gelu],
+                    xt=ETYPES[x.dtype], yt=ETYPES[out.dtype], act=ACTS[gelu], flush=int(bf16),
                     threads=threads or torch.get_num_threads())
 
 

@@ -1,7 +1,8 @@
 /* The AVX2 variant's GEMM kernel (gemm.h says what every kernel guarantees): kind 0 only, fp32 FMAs in
  * microtiles of 6 rows x 16 columns (12 accumulators, 2 weight vectors, 1 broadcast of the 16 ymm registers).
  * bf16 weights are widened to fp32 when packed and bf16 inputs as they are broadcast (both exact: a product of
- * two bf16 values is exact in fp32), so bf16 is the same math as a bf16 GEMM with fp32 accumulation.
+ * two bf16 values is exact in fp32); flushed (`flush`), that is bivit-arith/1's bf16 GEMM, the bits vdpbf16ps
+ * computes on the same pairs.
  */
 #ifndef BIVIT_GEMM_AVX2_H
 #define BIVIT_GEMM_AVX2_H
@@ -47,7 +48,7 @@ static inline __attribute__((always_inline)) void store_row16(const struct gemm_
     } else {
         for (int64_t c = 0; c < m; c++) {
             uint16_t *y = (uint16_t *)C->y + i * C->y_row + j0 + c;
-            *y = C->yt == E_BF16 ? rope_bf16(v[c]) : _cvtss_sh(v[c], _MM_FROUND_TO_NEAREST_INT);
+            *y = C->yt == E_BF16 ? f32_to_bf16(v[c]) : _cvtss_sh(v[c], _MM_FROUND_TO_NEAREST_INT);
         }
     }
 }
@@ -67,6 +68,11 @@ static inline __attribute__((always_inline)) void f32_micro(const struct gemm_ca
             acc[r][1] = _mm256_fmadd_ps(a, b1, acc[r][1]);
         }
     }
+    if (C->flush && (C->K & 1))  /* bf16 pairs: an odd K's last pair is (x, 0) . (w, 0) */
+        for (int r = 0; r < MR2; r++) {
+            acc[r][0] = _mm256_add_ps(acc[r][0], _mm256_setzero_ps());
+            acc[r][1] = _mm256_add_ps(acc[r][1], _mm256_setzero_ps());
+        }
 #pragma GCC unroll 6
     for (int r = 0; r < MR2; r++)
         if (r < R) store_row16(C, i0 + r, j0, acc[r][0], acc[r][1]);
@@ -81,10 +87,10 @@ GEMM_F32_BLOCK
 #undef NR
 
 
-static const struct gemm_kernel GEMM_F32 = {MB2, NR2, 512 * 1024, f32_packed_bytes, f32_pack_panel, f32_scratch, NULL, NULL,
+static const struct gemm_kernel KERNEL_F32 = {MB2, NR2, 512 * 1024, f32_packed_bytes, f32_pack_panel, f32_scratch, NULL, NULL,
                                             f32_block};
 
-static const struct gemm_kernel *gemm_kernel_of(int kind) { return kind == 0 ? &GEMM_F32 : NULL; }
+static const struct gemm_kernel *gemm_kernel_of(int kind) { return kind == GEMM_FP32 ? &KERNEL_F32 : NULL; }
 
 int bivit_amx_init(void) { return -1; }
 

@@ -3,9 +3,14 @@
  *   kind 0  fp32 weights and inputs (bf16 inputs widened exactly): 8 rows x 48 columns of fp32 FMAs
  *   kind 1  bf16: AVX-512 BF16 pair products (vdpbf16ps), 8 rows x 48 columns, fp32 accumulators
  *   kind 2  bf16 on AMX tiles (tdpbf16ps): 32 rows x 32 columns per step, fp32 accumulators in tiles
+ *   kind 3  kind 2 with every bf16 pair swapped (as kind 1 stores them)
  *
- * Kinds 1 and 2 compute with different instructions, so their bits differ from each other: which one runs is
- * fixed per machine kind by Python (`bivit.kernels`), never per call.
+ * Kinds 0 and 1 compute bivit-arith/1 (kind 1 stores each bf16 pair swapped, element k + 1 in the lower half,
+ * because vdpbf16ps adds the upper product first: the chain then runs in k order, flushed, as arith.h's).
+ * What tdpbf16ps computes per instruction is not documented precisely enough to rely on: kinds 2 and 3 are the
+ * two orders a chain of pair products could take, and the load-time conformance check (`bivit.ops.bits`) says
+ * whether either computes bivit-arith/1 on this CPU; where neither does, AMX runs only when asked for
+ * (BIVIT_ARITH=native, its own class of bits).
  */
 #ifndef BIVIT_GEMM_AVX512_H
 #define BIVIT_GEMM_AVX512_H
@@ -34,8 +39,8 @@ static inline __attribute__((always_inline)) void store_row(const struct gemm_ca
         const int64_t j = j0 + 16 * c, m = C->N - j < 16 ? C->N - j : 16;
         if (m <= 0) return;
         const __mmask16 k = (__mmask16)((1u << m) - 1);
-        __m512 v = acc[c];
-        if (C->bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(k, C->bias + j));
+        /* + bias (0 where there is none: acc + 0 is what every kernel computes, -0 becoming +0) */
+        __m512 v = _mm512_add_ps(acc[c], C->bias ? _mm512_maskz_loadu_ps(k, C->bias + j) : _mm512_setzero_ps());
         if (C->act) v = gelu16(v, C->act);
         if (C->yt == E_BF16)
             _mm256_mask_storeu_epi16((bf16 *)C->y + i * C->y_row + j, k, _mm512_cvtepi32_epi16(bf16_bits16(v)));
@@ -75,13 +80,17 @@ static inline __attribute__((always_inline)) void f32_micro(const struct gemm_ca
             acc[r][2] = _mm512_fmadd_ps(a, b2, acc[r][2]);
         }
     }
+    if (C->flush && (C->K & 1))  /* bf16 pairs: an odd K's last pair is (x, 0) . (w, 0) */
+        for (int r = 0; r < MR512; r++)
+            for (int c = 0; c < 3; c++) acc[r][c] = _mm512_add_ps(acc[r][c], _mm512_setzero_ps());
 #pragma GCC unroll 8
     for (int r = 0; r < MR512; r++)
         if (r < R) store_row(C, i0 + r, j0, acc[r], 3);
 }
 
-/* ---- kind 1: bf16 pairs. Panel p: [ceil(K/2)][48][2] bf16 (a pair of k per column; an odd K's last pair
- * padded with 0). ---- */
+/* ---- kind 1: bf16 pairs. Panel p: [ceil(K/2)][48] words, each the pair (w[k], w[k + 1]) of a column swapped
+ * (w[k + 1] in the lower half: vdpbf16ps adds the upper product first); an odd K's last pair is (w[K - 1], 0).
+ * The block's rows are copied into the thread's scratch as words swapped the same way. ---- */
 
 static size_t dp_packed_bytes(int64_t N, int64_t K) { return (size_t)ceil_div(N, NR512) * ceil_div(K, 2) * NR512 * 4; }
 
@@ -92,38 +101,45 @@ static void dp_pack_panel(const char *w, int64_t w_row, int wt, int64_t N, int64
     for (int64_t q = 0; q < ceil_div(K, 2); q++)
         for (int64_t c = 0; c < NR512; c++)
             for (int e = 0; e < 2; e++) {
-                const int64_t j = p * NR512 + c, k = 2 * q + e;
+                const int64_t j = p * NR512 + c, k = 2 * q + 1 - e;  /* lower half: k + 1; upper: k */
                 o[(q * NR512 + c) * 2 + e] = (j < N && k < K) ? wb[j * w_row + k] : 0;
             }
 }
 
-/* acc[r] += (x[r][k], x[r][k + 1]) . the 48 column pairs at b; `last`: an odd K's last pair, (x[r][k], 0) (the
- * element past the row is never read). */
-static inline __attribute__((always_inline)) void dp_step(__m512 acc[MR512][3], const int R, const bf16 *x0,
-                                                           int64_t x_row, int64_t k, const bf16 *b, const int last) {
+/* Row r of x (K bf16) as ceil(K/2) swapped pair words at dst (an odd K's last word (x[K - 1], 0)). */
+static inline void dp_swap_row(const bf16 *x, int64_t K, uint32_t *dst) {
+    const int64_t pairs = K / 2;
+    int64_t q = 0;
+    for (; q + 16 <= pairs; q += 16)
+        _mm512_storeu_si512(dst + q, _mm512_rol_epi32(_mm512_loadu_si512(x + 2 * q), 16));
+    for (; q < pairs; q++) dst[q] = (load_u32(x + 2 * q) >> 16) | (load_u32(x + 2 * q) << 16);
+    if (K % 2) dst[pairs] = (uint32_t)x[K - 1] << 16;
+}
+
+/* acc[r] += the pair words xs[r][q] . the 48 column words at b (vdpbf16ps: x[k] w[k], then x[k + 1] w[k + 1]). */
+static inline __attribute__((always_inline)) void dp_step(__m512 acc[MR512][3], const int R, const uint32_t *xs,
+                                                           int64_t xw, int64_t q, const bf16 *b) {
     const __m512i b0 = _mm512_loadu_si512(b), b1 = _mm512_loadu_si512(b + 32), b2 = _mm512_loadu_si512(b + 64);
 #pragma GCC unroll 8
     for (int r = 0; r < MR512; r++) {
         if (r >= R) break;
-        const bf16 *xr = x0 + r * x_row + k;
-        const __m512i a = _mm512_set1_epi32(last ? (int)xr[0] : (int)load_u32(xr));
+        const __m512i a = _mm512_set1_epi32((int)xs[r * xw + q]);
         acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)a, (__m512bh)b0);
         acc[r][1] = _mm512_dpbf16_ps(acc[r][1], (__m512bh)a, (__m512bh)b1);
         acc[r][2] = _mm512_dpbf16_ps(acc[r][2], (__m512bh)a, (__m512bh)b2);
     }
 }
 
+/* R rows of swapped words xs (xw words apart) against the panel bp. */
 static inline __attribute__((always_inline)) void dp_micro(const struct gemm_call *C, int64_t i0, const int R,
-                                                            const bf16 *bp, int64_t j0) {
+                                                            const uint32_t *xs, int64_t xw, const bf16 *bp,
+                                                            int64_t j0) {
     __m512 acc[MR512][3];
 #pragma GCC unroll 8
     for (int r = 0; r < MR512; r++)
 #pragma GCC unroll 3
         for (int c = 0; c < 3; c++) acc[r][c] = _mm512_setzero_ps();
-    const bf16 *x0 = (const bf16 *)C->x + i0 * C->x_row;
-    const int64_t pairs = C->K / 2;
-    for (int64_t q = 0; q < pairs; q++) dp_step(acc, R, x0, C->x_row, 2 * q, bp + q * NR512 * 2, 0);
-    if (C->K % 2) dp_step(acc, R, x0, C->x_row, C->K - 1, bp + pairs * NR512 * 2, 1);
+    for (int64_t q = 0; q < xw; q++) dp_step(acc, R, xs, xw, q, bp + q * NR512 * 2);
 #pragma GCC unroll 8
     for (int r = 0; r < MR512; r++)
         if (r < R) store_row(C, i0 + r, j0, acc[r], 3);
@@ -141,24 +157,25 @@ GEMM_F32_BLOCK
 #undef MR
 #undef NR
 
+static size_t dp_scratch(int64_t K) { return (size_t)MB512 * ceil_div(K, 2) * 4 + 64; }
+
 static void dp_block(const struct gemm_call *C, int64_t i0, int64_t rows, int64_t p0, int64_t p1, void *scratch) {
-    (void)scratch;
-    const size_t panel = (size_t)ceil_div(C->K, 2) * NR512 * 2;
+    const int64_t xw = ceil_div(C->K, 2);
+    uint32_t *xs = scratch;
+    for (int64_t r = 0; r < rows; r++) dp_swap_row((const bf16 *)C->x + (i0 + r) * C->x_row, C->K, xs + r * xw);
+    const size_t panel = (size_t)xw * NR512 * 2;
     for (int64_t p = p0; p < p1; p++)
         for (int64_t r0 = 0; r0 < rows; r0 += MR512) {
             const int R = rows - r0 < MR512 ? (int)(rows - r0) : MR512;
             const bf16 *bp = (const bf16 *)C->w + p * panel;
-            if (R == MR512) dp_micro(C, i0 + r0, MR512, bp, p * NR512);  /* as in GEMM_F32_BLOCK */
-            else dp_micro(C, i0 + r0, R, bp, p * NR512);
+            if (R == MR512) dp_micro(C, i0 + r0, MR512, xs + r0 * xw, xw, bp, p * NR512);  /* as in GEMM_F32_BLOCK */
+            else dp_micro(C, i0 + r0, R, xs + r0 * xw, xw, bp, p * NR512);
         }
 }
 
-
-static size_t no_scratch(int64_t K) { (void)K; return 64; }
-
-static const struct gemm_kernel GEMM_F32 = {MB512, NR512, 512 * 1024, f32_packed_bytes, f32_pack_panel, f32_scratch, NULL, NULL,
+static const struct gemm_kernel KERNEL_F32 = {MB512, NR512, 512 * 1024, f32_packed_bytes, f32_pack_panel, f32_scratch, NULL, NULL,
                                             f32_block};
-static const struct gemm_kernel GEMM_DP = {MB512, NR512, 512 * 1024, dp_packed_bytes, dp_pack_panel, no_scratch, NULL, NULL,
+static const struct gemm_kernel KERNEL_DP = {MB512, NR512, 512 * 1024, dp_packed_bytes, dp_pack_panel, dp_scratch, NULL, NULL,
                                            dp_block};
 
 /* ---- kind 2: AMX. 32 rows x 32 columns per step of 32 k: C tiles 0-3 (2 x 2 of 16 x 16 fp32), A tiles 4-5
@@ -175,18 +192,28 @@ static size_t amx_packed_bytes(int64_t N, int64_t K) {
     return (size_t)ceil_div(N, AMX_N) * amx_steps(K) * 1024 * 2;
 }
 
-static void amx_pack_panel(const char *w, int64_t w_row, int wt, int64_t N, int64_t K, int64_t p, char *out) {
+/* `swap`: each pair's elements exchanged (kind 3). */
+static void amx_pack(const char *w, int64_t w_row, int64_t N, int64_t K, int64_t p, char *out, const int swap) {
     bf16 *o = (bf16 *)out;
     const bf16 *wb = (const bf16 *)w;
-    (void)wt;
     for (int64_t s = 0; s < amx_steps(K); s++)
         for (int h = 0; h < 2; h++)
             for (int r = 0; r < 16; r++)
                 for (int c = 0; c < 16; c++)
                     for (int e = 0; e < 2; e++) {
-                        const int64_t j = p * AMX_N + 16 * h + c, k = 32 * s + 2 * r + e;
+                        const int64_t j = p * AMX_N + 16 * h + c, k = 32 * s + 2 * r + (swap ? 1 - e : e);
                         o[((s * 2 + h) * 16 + r) * 32 + c * 2 + e] = (j < N && k < K) ? wb[j * w_row + k] : 0;
                     }
+}
+
+static void amx_pack_panel(const char *w, int64_t w_row, int wt, int64_t N, int64_t K, int64_t p, char *out) {
+    (void)wt;
+    amx_pack(w, w_row, N, K, p, out, 0);
+}
+
+static void amx_pack_panel_swapped(const char *w, int64_t w_row, int wt, int64_t N, int64_t K, int64_t p, char *out) {
+    (void)wt;
+    amx_pack(w, w_row, N, K, p, out, 1);
 }
 
 /* Steps of 32 k per pass over a task's panels: a row chunk's A rows for one pass (32 x 256 bf16, 16 KB) stay in
@@ -262,8 +289,10 @@ __attribute__((target("amx-tile,amx-bf16"))) static void amx_micro(const bf16 *a
 }
 
 /* Rows r0.. of a block: 32 rows straight from x (the last K % 32 of each copied, zero-padded, into `tailbuf`),
- * or, for a chunk of fewer rows, all of them copied zero-padded into `apad`. */
-static void amx_block(const struct gemm_call *C, int64_t i0, int64_t rows, int64_t p0, int64_t p1, void *scratch) {
+ * or, for a chunk of fewer rows or when pairs are swapped (`swap`, kind 3), all of them copied zero-padded into
+ * `apad`. */
+static inline void amx_rows(const struct gemm_call *C, int64_t i0, int64_t rows, int64_t p0, int64_t p1,
+                            void *scratch, const int swap) {
     const int64_t steps = amx_steps(C->K), kpad = steps * 32, whole = C->K / 32, rest = C->K - whole * 32;
     bf16 *apad = (bf16 *)scratch, *tailbuf = apad + AMX_R * kpad;
     float *cbuf = (float *)(tailbuf + AMX_R * 32);
@@ -272,9 +301,12 @@ static void amx_block(const struct gemm_call *C, int64_t i0, int64_t rows, int64
         const int64_t R = rows - r0 < AMX_R ? rows - r0 : AMX_R;
         const bf16 *a = (const bf16 *)C->x + (i0 + r0) * C->x_row, *tail = NULL;
         int64_t lda = C->x_row, direct = whole;
-        if (R < AMX_R) {
+        if (R < AMX_R || swap) {
             memset(apad, 0, (size_t)AMX_R * kpad * 2);
-            for (int64_t r = 0; r < R; r++) memcpy(apad + r * kpad, a + r * C->x_row, (size_t)C->K * 2);
+            for (int64_t r = 0; r < R; r++) {
+                if (swap) dp_swap_row(a + r * C->x_row, C->K, (uint32_t *)(apad + r * kpad));
+                else memcpy(apad + r * kpad, a + r * C->x_row, (size_t)C->K * 2);
+            }
             a = apad;
             lda = kpad;
             direct = steps;
@@ -301,8 +333,19 @@ static void amx_block(const struct gemm_call *C, int64_t i0, int64_t rows, int64
     }
 }
 
-static const struct gemm_kernel GEMM_AMX = {64, AMX_N, AMX_TASK_BYTES, amx_packed_bytes, amx_pack_panel, amx_scratch_bytes,
+static void amx_block(const struct gemm_call *C, int64_t i0, int64_t rows, int64_t p0, int64_t p1, void *scratch) {
+    amx_rows(C, i0, rows, p0, p1, scratch, 0);
+}
+
+static void amx_block_swapped(const struct gemm_call *C, int64_t i0, int64_t rows, int64_t p0, int64_t p1,
+                              void *scratch) {
+    amx_rows(C, i0, rows, p0, p1, scratch, 1);
+}
+
+static const struct gemm_kernel KERNEL_AMX = {64, AMX_N, AMX_TASK_BYTES, amx_packed_bytes, amx_pack_panel, amx_scratch_bytes,
                                             amx_enter, amx_leave, amx_block};
+static const struct gemm_kernel KERNEL_AMX_SWAPPED = {64, AMX_N, AMX_TASK_BYTES, amx_packed_bytes, amx_pack_panel_swapped,
+                                                    amx_scratch_bytes, amx_enter, amx_leave, amx_block_swapped};
 
 /* Linux lends AMX's tile state only to a process that asks (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA);
  * 0 when granted. */
@@ -310,9 +353,10 @@ int bivit_amx_init(void) { return (int)syscall(SYS_arch_prctl, 0x1023, 18); }
 
 static const struct gemm_kernel *gemm_kernel_of(int kind) {
     switch (kind) {
-        case 0: return &GEMM_F32;
-        case 1: return &GEMM_DP;
-        case 2: return &GEMM_AMX;
+        case GEMM_FP32: return &KERNEL_F32;
+        case GEMM_AVX512_BF16: return &KERNEL_DP;
+        case GEMM_AMX: return &KERNEL_AMX;
+        case GEMM_AMX_SWAPPED: return &KERNEL_AMX_SWAPPED;
         default: return NULL;
     }
 }

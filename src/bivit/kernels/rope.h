@@ -12,7 +12,7 @@
  * Why: in PyTorch the same math on a strided bf16 view times fp32 tables takes the slow mixed-dtype path of
  * TensorIterator (measured: RoPE was a third of a 32 x 112x112 encode on one thread); here it is one pass. Rows
  * are independent, so any split over threads gives the same bits. Where the compiled attention runs, it rotates
- * q and k itself as it reads them (common.h), with this formula and rounding (`rope_elem`, `rope_bf16`; its
+ * q and k itself as it reads them (common.h), with this formula and rounding (`rope_elem`, arith.h's `f32_to_bf16`; its
  * vector forms are held to these bits by the tests): this pass then runs only beside PyTorch's attention.
  */
 #ifndef BIVIT_ROPE_H
@@ -23,22 +23,11 @@
 #include <string.h>
 
 #include "abi.h"
+#include "arith.h"
 
 /* Element c of a row (bf16 or float) as a float, exactly. */
 static inline float load_elem(const void *row, int64_t c, int bf) {
-    if (!bf) return ((const float *)row)[c];
-    uint32_t w = (uint32_t)((const uint16_t *)row)[c] << 16;
-    float f;
-    memcpy(&f, &w, sizeof f);
-    return f;
-}
-
-/* fp32 -> bf16, to nearest even; NaN stays a quiet NaN (as c10::BFloat16 rounds). */
-static inline uint16_t rope_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-    return (uint16_t)((u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : rounded);
+    return bf ? bf16_to_f32(((const uint16_t *)row)[c]) : ((const float *)row)[c];
 }
 
 /* Element i of a rotated row from x_i, its pair partner x_p (x[i ^ 1]) and the tables' c_i, s_i: the formula above
@@ -54,7 +43,10 @@ static inline __attribute__((always_inline)) void rope_rows(const char *x, char 
                                                             int64_t out_row, int64_t out_slot, int threads,
                                                             const int bf) {
     const int64_t es = bf ? 2 : 4;
-#pragma omp parallel for schedule(static) num_threads(threads)
+#pragma omp parallel num_threads(threads)
+    {
+    const fp_state fp = fp_enter(0);  /* IEEE, whatever the calling process set */
+#pragma omp for schedule(static)
     for (int64_t l = 0; l < rows; l++) {
         const float *c = cos + l * d, *s = sin + l * d;
         for (int64_t j = 0; j < slots; j++) {
@@ -67,10 +59,12 @@ static inline __attribute__((always_inline)) void rope_rows(const char *x, char 
                 y[i + 1] = rope_elem(xf[i + 1], xf[i], c[i + 1], s[i + 1]);
             }
             if (bf)
-                for (int64_t i = 0; i < d; i++) ((uint16_t *)orow)[i] = rope_bf16(y[i]);
+                for (int64_t i = 0; i < d; i++) ((uint16_t *)orow)[i] = f32_to_bf16(y[i]);
             else
                 memcpy(orow, y, (size_t)d * sizeof(float));
         }
+    }
+    fp_leave(fp);
     }
 }
 

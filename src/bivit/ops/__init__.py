@@ -33,24 +33,22 @@ order, so they do not depend on the thread count. Without autograd (`encode` run
 Functions are skipped: the fast path stays the fast path.
 """
 
-from .attend import attention
-from .backend import GemmPath, KernelFailed, attention_kernel, gemm_kernel, gemm_path
-from .gemm import gemms, linear, patch_conv, prepare, residual_linear
+from .backend import GemmPath, KernelFailed, attention_kernel, gemm_kernel, gemm_path, norm_kernel
+from .bits import ARITH
+# The ops the model calls: each picks the op table of its first tensor's device (device.py: CPU, or in invariant
+# mode CUDA's Triton ops).
+from .device import (attention, backend_for, bits_class, layer_norm, linear, patch_conv, residual_linear, rms_norm,
+                     temporal_mean)
+from .gemm import gemms, prepare
 from .tiles import CANDIDATE_TILES, REFERENCE_TILE, GemmPlan, gemm_plan, self_check
 from .mode import batch_invariant, checkpoint, is_batch_invariant, trace
-from .norms import layer_norm, rms_norm
-from .pointwise import POINTWISE_CHUNK, gelu, temporal_mean
+from .pointwise import POINTWISE_CHUNK, gelu
 from .proof import InvarianceError, Proof, prove
 from .rotary import rope, rope_tables
-from .. import gpu as _gpu
-
-# In invariant mode, CUDA tensors take the Triton ops of the same names instead (bivit.gpu.route).
-attention, layer_norm, linear, patch_conv, residual_linear, rms_norm, temporal_mean = map(
-    _gpu.route, (attention, layer_norm, linear, patch_conv, residual_linear, rms_norm, temporal_mean))
 
 __all__ = [
-    "CANDIDATE_TILES", "POINTWISE_CHUNK", "REFERENCE_TILE", "GemmPath", "GemmPlan", "InvarianceError", "KernelFailed",
-    "Proof", "attention", "gemms", "prove", "rope_tables",
+    "ARITH", "CANDIDATE_TILES", "POINTWISE_CHUNK", "REFERENCE_TILE", "GemmPath", "GemmPlan", "InvarianceError",
+    "KernelFailed", "Proof", "attention", "backend_for", "bits_class", "gemms", "norm_kernel", "prove", "rope_tables",
     "attention_kernel", "batch_invariant", "checkpoint", "gelu", "gemm_kernel", "gemm_path", "gemm_plan",
     "is_batch_invariant", "layer_norm", "linear", "patch_conv", "prepare", "residual_linear", "rms_norm", "rope",
     "self_check", "temporal_mean", "trace",

@@ -32,7 +32,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: Sequen
     `ops.rope`'s bits: the rotated q and k are never written out.
     """
     if all(kernels.Attention.supports(t) for t in (q, k, v)):
-        kernel = attention_kernel() if is_batch_invariant() else kernels.attention()
+        kernel = attention_kernel(q.dtype) if is_batch_invariant() else kernels.attention()
     else:
         kernel = None
     fused = (rope is not None and kernel is not None and not needs_grad(q, k, v)

@@ -1,8 +1,10 @@
 """Which kernel computes each op: decided once per process, per dtype, from the CPU and the PyTorch build (and
 the load-time proof, which can refuse a kernel on this machine: `refuse`, `bivit.ops.proof`).
 
-Invariant mode's GEMM is bivit's compiled GEMM (`gemm_kernel`): the best kernel of the compiled library that
-takes the dtype, passes its self-test and was not refused by the proof. The rest of this docstring is about
+Invariant mode's GEMM, attention and norms are bivit's compiled kernels (`gemm_kernel`, `attention_kernel`,
+`norm_kernel`): the fastest kernel of the compiled library that takes the dtype, passes its self-test, computes
+bivit-arith/1 (`bits.conformance`; with BIVIT_ARITH=native that is not required) and was not refused by the
+proof. What they add up to is the process's class of bits (`bits_class`). The rest of this docstring is about
 the fallback where no compiled GEMM runs (`bivit.ops.tiles`): PyTorch's oneDNN GEMMs at proven row counts.
 
 Why decided up front and never changed: an item's bits depend on which kernel computed them. bivit once
@@ -30,7 +32,6 @@ import functools
 import logging
 import math
 import os
-import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -39,6 +40,7 @@ import torch.nn.functional as F
 
 from .. import notices
 from ..dtypes import dtype_name
+from . import bits
 
 log = logging.getLogger("bivit")
 
@@ -56,6 +58,7 @@ def refuse(op: str, path: str, why: str) -> None:
                      "the next proven path runs instead", None)
     _decide_gemm_kernel.cache_clear()
     _decide_attention.cache_clear()
+    _decide_norm.cache_clear()
 
 
 def refused(op: str, path: str) -> bool:
@@ -73,6 +76,9 @@ def gemm_kernel(dtype: torch.dtype, device_type: str = "cpu"):
 extra_gemm_kernels: list = []
 
 
+GEMM_ENV = "BIVIT_GEMM"  # a GEMM kernel's name: run that one wherever it takes the dtype (how tests force each)
+
+
 @functools.cache
 def _decide_gemm_kernel(dtype: torch.dtype, device_type: str):
     from .. import kernels
@@ -80,21 +86,45 @@ def _decide_gemm_kernel(dtype: torch.dtype, device_type: str):
 
     if device_type != "cpu":
         return None
-    for kernel in (*extra_gemm_kernels, *kernels.gemm_kernels()):
-        if not kernel.takes(dtype) or refused("gemm", kernel.name):
+    name = dtype_name(dtype)
+    library = kernels.gemm_kernels()
+    candidates = [k for k in library if k.takes(dtype)]
+    forced = os.environ.get(GEMM_ENV, "").strip()
+    if forced and not any(k.name == forced for k in library):
+        notices.note("gemm-forced", f"{GEMM_ENV}={forced} not used", "this process's library has no such GEMM "
+                     f"kernel (it has {', '.join(k.name for k in library) or 'none'})", "the usual choice runs")
+    elif forced and any(k.name == forced for k in candidates):  # (a kernel that does not take the dtype: not here)
+        candidates = [k for k in candidates if k.name == forced]
+    amx_off = None
+    for kernel in (*extra_gemm_kernels, *candidates):
+        if refused("gemm", kernel.name):
             continue
         why = _gemm_self_test(kernel, dtype, self_test)
-        if why is None:
-            log.info("bivit: %s GEMMs: %s", dtype_name(dtype), kernel.describe())
-            if dtype != torch.float32 and kernel.name == "fp32":  # no fix: the CPU's limit (or no fp16 kernel)
-                name = dtype_name(dtype)
-                notices.fallback(f"gemm-{name}", f"{name} GEMMs widened to float32",
-                                 f"bivit has no {name} GEMM kernel for this CPU (bf16: AVX-512 BF16 or AMX); its "
-                                 "weights are widened to float32 once, exact products",
-                                 "same math, float32 speed, twice the weight memory")
-            return kernel
-        notices.fallback(f"gemm-{kernel.name}-{dtype_name(dtype)}", f"{kernel.name} GEMM off for {dtype_name(dtype)}",
-                         f"it failed its self-test: {why}", "the next GEMM kernel runs instead", None)
+        if why is not None:
+            notices.fallback(f"gemm-{kernel.name}-{name}", f"{kernel.name} GEMM off for {name}",
+                             f"it failed its self-test: {why}", "the next GEMM kernel runs instead", None)
+            continue
+        if kernel not in extra_gemm_kernels and bits.mode() == "canonical":
+            off = bits.conformance("gemm", kernel, dtype)
+            if off is not None and kernel.name.startswith("amx"):
+                amx_off = amx_off or off  # AMX's own order: said once, below, if no AMX kernel computes it
+                continue
+            if off is not None:
+                notices.fallback(f"gemm-{kernel.name}-{name}-bits", f"{kernel.name} GEMM off for {name}",
+                                 f"{off} (a miscompile or a CPU fault)", "the next GEMM kernel runs instead", None)
+                continue
+        if amx_off is not None:
+            notices.fallback("gemm-amx-bits", f"AMX not used for {name} GEMMs",
+                             f"AMX tiles compute another order of roundings on this CPU than {bits.ARITH} "
+                             f"({amx_off})", f"{name} GEMMs run on {kernel.name}, slower, with bits every CPU "
+                             "computes", f"{bits.ARITH_ENV}=native (AMX's own bits, this CPU kind only)")
+        log.info("bivit: %s GEMMs: %s", name, kernel.describe())
+        if dtype != torch.float32 and kernel.name == "fp32":  # no fix: the CPU's limit (or no fp16 kernel)
+            notices.fallback(f"gemm-{name}", f"{name} GEMMs widened to float32",
+                             f"bivit has no {name} GEMM kernel for this CPU (bf16: AVX-512 BF16 or AMX); its "
+                             "weights are widened to float32 once, exact products",
+                             "same math, float32 speed, twice the weight memory")
+        return kernel
     return None
 
 
@@ -103,23 +133,80 @@ def _gemm_self_test(kernel, dtype: torch.dtype, test: Callable) -> str | None:
     return test(kernel, dtype)
 
 
-def attention_kernel():
-    """Invariant mode's attention: bivit's compiled kernel (`bivit.kernels.Attention`), or None for PyTorch's
-    fused attention per item (where no compiled library runs, where BIVIT_ATTENTION=sdpa, or where the proof
-    refused the compiled one)."""
-    return _decide_attention()
+def attention_kernel(dtype: torch.dtype):
+    """Invariant mode's attention for q/k/v of `dtype`: bivit's compiled kernel (`bivit.kernels.Attention`), or
+    None for PyTorch's fused attention per item (where no compiled library runs or takes the dtype, where
+    BIVIT_ATTENTION=sdpa, or where the proof refused the compiled one)."""
+    return _decide_attention(dtype)
 
 
 @functools.cache
-def _decide_attention():
+def _decide_attention(dtype: torch.dtype):
     from .. import kernels
 
-    kernel = kernels.invariant_attention()
-    if kernel is None or refused("attention", kernel.variant):
+    if dtype not in kernels.DTYPES:
         return None
-    if kernel.amx and refused("attention", kernel.name):
-        kernel = dataclasses.replace(kernel, amx=False)  # bf16 on the variant's own AVX-512 code
+    for kernel in kernels.attention_candidates():
+        path = kernel.name_for(dtype)
+        if refused("attention", path):
+            continue
+        if bits.mode() == "canonical":
+            off = bits.conformance("attention", kernel, dtype)
+            if off is not None:
+                if kernel.amx:
+                    notices.fallback("attention-amx-bits", "AMX attention not used in invariant mode",
+                                     f"its exp and sums are not {bits.ARITH}'s", f"bf16 attention runs on "
+                                     f"{kernel.variant} code, slower, with bits every CPU computes",
+                                     f"{bits.ARITH_ENV}=native (AMX's own bits, this CPU kind only)")
+                else:
+                    notices.fallback(f"attention-{path}-bits", f"compiled attention ({path}) off",
+                                     f"{off} (a miscompile or a CPU fault)", "PyTorch's attention runs instead", None)
+                continue
+        return kernel
+    return None
+
+
+def norm_kernel(dtype: torch.dtype):
+    """Invariant mode's LayerNorm/RMSNorm for rows of `dtype`: bivit's compiled kernel (`bivit.kernels.Norm`), or
+    None for PyTorch's row-wise kernels (where no compiled library runs)."""
+    return _decide_norm(dtype)
+
+
+@functools.cache
+def _decide_norm(dtype: torch.dtype):
+    from .. import kernels
+
+    kernel = kernels.norm()
+    if kernel is None or refused("norm", "bivit") or dtype not in kernels.ETYPES:
+        return None
+    off = bits.conformance("norm", kernel, dtype)
+    if off is not None:
+        notices.fallback(f"norm-bits-{dtype_name(dtype)}", "compiled norms off", f"{off} (a miscompile or a CPU "
+                         "fault)", "PyTorch's row-wise norms run instead", None)
+        return None
     return kernel
+
+
+def cpu_bits_class(dtypes: tuple[torch.dtype, ...], batch_invariant: bool) -> str:
+    """The class of bits an encoder whose tower and projector compute in `dtypes` (tower first) gets on this CPU
+    in this process (`bivit.ops.bits`): bivit-arith/1 where every GEMM, the attention and every norm runs a
+    kernel that computes it; otherwise a class named after what runs, tied to this machine kind."""
+    if not batch_invariant:
+        return f"stock/{bits.machine_tag()}"
+    own: list[str] = []
+    fallback = False
+    for dtype in dict.fromkeys(dtypes):
+        kernel = gemm_kernel(dtype)
+        fallback |= kernel is None or norm_kernel(dtype) is None
+        if kernel is not None and bits.conformance("gemm", kernel, dtype) is not None:
+            own.append(f"gemm-{dtype_name(dtype)}={kernel.name}")
+    attention = attention_kernel(dtypes[0])
+    fallback |= attention is None
+    if attention is not None and bits.conformance("attention", attention, dtypes[0]) is not None:
+        own.append(f"attention={attention.name_for(dtypes[0])}")
+    if fallback:
+        return f"fallback/{bits.machine_tag()}"
+    return f"native/{','.join(own)}/{bits.machine_tag()}" if own else bits.ARITH
 
 
 class KernelFailed(RuntimeError):

@@ -65,7 +65,7 @@ def _gemm(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, key
     x2 = _widened(kernel, x2)
     packed, bias32 = _prepared(kernel, weight, bias, key, transposed)
     out = torch.empty(x2.shape[0], weight.shape[0], dtype=weight.dtype)  # the weights' dtype, as F.linear returns
-    return kernel(x2, packed, weight.shape[0], bias32, out, gelu=gelu)
+    return kernel(x2, packed, weight.shape[0], bias32, out, gelu=gelu, bf16=weight.dtype == torch.bfloat16)
 
 
 class _InvariantLinear(torch.autograd.Function):
@@ -107,7 +107,8 @@ def _row_sums(grad: torch.Tensor, x2: torch.Tensor, out_dtype: torch.dtype | Non
         return grad.t().mm(x2).to(out_dtype or grad.dtype)
     a = _widened(kernel, grad.t().contiguous())
     packed = kernel.pack(x2.t().contiguous())
-    return kernel(a, packed, x2.shape[1], None, a.new_empty(a.shape[0], x2.shape[1], dtype=out_dtype or grad.dtype))
+    return kernel(a, packed, x2.shape[1], None, a.new_empty(a.shape[0], x2.shape[1], dtype=out_dtype or grad.dtype),
+                  bf16=grad.dtype == torch.bfloat16)
 
 
 def _invariant_linear(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -1,5 +1,14 @@
-"""Row-wise norms (LayerNorm, RMSNorm): the CPU kernels normalise each row on its own, so only LayerNorm's
-weight gradient needs an invariant replacement.
+"""Row-wise norms (LayerNorm, RMSNorm).
+
+In invariant mode they run bivit's compiled norm (`bivit.kernels.Norm`, bivit-arith/1: each row's sums in 16
+lanes whatever the CPU's vector width; `backend.norm_kernel`): PyTorch's CPU kernels normalise each row on its
+own too, but sum it in as many lanes as the CPU's vector type has, so their bits depend on the CPU kind. Where
+no compiled library runs, PyTorch's kernels do (their bits are the machine's own). Default mode: PyTorch's.
+
+Training: the forward is the kernel's (the bits an encoder serves); the input gradient is PyTorch's
+(LayerNorm's from the kernel's mean and rstd, RMSNorm's by autograd through its formula); LayerNorm's weight
+and bias gradients are summed over rows in a fixed order in float32 (PyTorch's backward sums them in per-thread
+partials: other bits at 1 and 2 threads).
 """
 
 from __future__ import annotations
@@ -7,27 +16,53 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .backend import norm_kernel
 from .mode import emit, is_batch_invariant, needs_grad
 
 
+def _compiled(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None):
+    kernel = norm_kernel(x.dtype) if x.device.type == "cpu" else None
+    return kernel if kernel is not None and kernel.supports(x.reshape(-1, x.shape[-1]), weight, bias) else None
+
+
+def _run(kernel, x: torch.Tensor, weight, bias, eps: float, rms: bool,
+         stats: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty(x2.shape, dtype=x.dtype)
+    mean = torch.empty(x2.shape[0], dtype=torch.float32) if stats and not rms else None
+    rstd = torch.empty(x2.shape[0], dtype=torch.float32) if stats else None
+    kernel(x2, weight, bias, eps, rms, out, mean, rstd)
+    return out.view(x.shape), mean, rstd
+
+
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
-    # The CPU kernel normalises each row on its own with one code path whatever the row count (verified by
-    # the invariance tests), so both modes share its forward. Its backward sums the weight gradient in
-    # per-thread partials (different bits at 1 and 2 threads), hence the Function in invariant mode.
-    if is_batch_invariant() and needs_grad(x, weight, bias):
-        return emit("layer_norm", _InvariantLayerNorm.apply(x, weight, bias, eps))
+    if is_batch_invariant():
+        kernel = _compiled(x, weight, bias)
+        if kernel is not None and needs_grad(x, weight, bias):
+            return emit("layer_norm", _InvariantLayerNorm.apply(x, weight, bias, eps, kernel))
+        if kernel is not None:
+            return emit("layer_norm", _run(kernel, x, weight, bias, eps, rms=False)[0])
+        if needs_grad(x, weight, bias):
+            return emit("layer_norm", _InvariantLayerNorm.apply(x, weight, bias, eps, None))
     return emit("layer_norm", F.layer_norm(x, (x.shape[-1],), weight, bias, eps))
 
 
 class _InvariantLayerNorm(torch.autograd.Function):
-    """LayerNorm over the last dim: the stock kernel forward and input gradient (row by row), weight and bias
-    gradients summed over rows in a fixed order in float32."""
+    """LayerNorm over the last dim: the compiled kernel's forward (or PyTorch's where none runs) and PyTorch's
+    input gradient (row by row) from its mean and rstd; weight and bias gradients summed over rows in a fixed
+    order in float32."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, eps):
+    def forward(ctx, x, weight, bias, eps, kernel):
         d = x.shape[-1]
         x2 = x.reshape(-1, d)
-        y, mean, rstd = torch.native_layer_norm(x2, (d,), weight, bias, eps)
+        if kernel is not None:
+            y, mean, rstd = _run(kernel, x2, weight, bias, eps, rms=False, stats=True)
+            mean, rstd = (t.view(-1, 1).to(x.dtype) for t in (mean, rstd))  # what PyTorch's backward reads
+        else:
+            y, mean, rstd = torch.native_layer_norm(x2, (d,), weight, bias, eps)
         ctx.save_for_backward(x2, weight, bias, mean, rstd)
         return y.view(x.shape)
 
@@ -41,11 +76,41 @@ class _InvariantLayerNorm(torch.autograd.Function):
             gx = torch.ops.aten.native_layer_norm_backward(g2, x2, (d,), mean, rstd, weight, bias,
                                                            [True, False, False])[0].view(grad.shape)
         if weight is not None and ctx.needs_input_grad[1]:
-            gw = (g2.float() * ((x2.float() - mean) * rstd)).sum(0).to(weight.dtype)
+            gw = (g2.float() * ((x2.float() - mean.float()) * rstd.float())).sum(0).to(weight.dtype)
         if bias is not None and ctx.needs_input_grad[2]:
             gb = g2.sum(0, dtype=torch.float32).to(bias.dtype)
-        return gx, gw, gb, None
+        return gx, gw, gb, None, None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float | None) -> torch.Tensor:
+    if eps is None:  # what F.rms_norm uses then
+        eps = torch.finfo(x.dtype).eps
+    kernel = _compiled(x, weight, None) if is_batch_invariant() else None
+    if kernel is not None and needs_grad(x, weight):
+        return emit("rms_norm", _InvariantRmsNorm.apply(x, weight, eps, kernel))
+    if kernel is not None:
+        return emit("rms_norm", _run(kernel, x, weight, None, eps, rms=True)[0])
     return emit("rms_norm", F.rms_norm(x, (x.shape[-1],), weight, eps))
+
+
+class _InvariantRmsNorm(torch.autograd.Function):
+    """RMSNorm: the compiled kernel's forward; gradients by autograd through PyTorch's RMSNorm (the same formula,
+    its rounding)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps, kernel):
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        return _run(kernel, x, weight, None, eps, rms=True)[0]
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        with torch.enable_grad():
+            xs = x.detach().requires_grad_(ctx.needs_input_grad[0])
+            ws = weight.detach().requires_grad_(ctx.needs_input_grad[1])
+            y = F.rms_norm(xs, (x.shape[-1],), ws, ctx.eps)
+            inputs = [t for t in (xs, ws) if t.requires_grad]
+            grads = iter(torch.autograd.grad(y, inputs, grad))
+        return (next(grads) if ctx.needs_input_grad[0] else None,
+                next(grads) if ctx.needs_input_grad[1] else None, None, None)

@@ -40,7 +40,7 @@ from .. import kernels
 from ..dtypes import dtype_name
 from ..errors import BivitError
 from .attend import attention
-from .backend import attention_kernel, gemm_kernel, gemm_path, refuse
+from .backend import attention_kernel, gemm_kernel, gemm_path, norm_kernel, refuse
 from .gemm import gemms, linear
 from .mode import batch_invariant
 from .norms import layer_norm, rms_norm
@@ -48,7 +48,7 @@ from .rotary import rope_tables
 
 log = logging.getLogger("bivit")
 
-PROOF_FORMAT = 1
+PROOF_FORMAT = 2  # 2: norms have paths (bivit's compiled norm); GEMM shapes keyed with GELU ""
 GEMM_ROWS = (1, 7, 33, 100)       # items of a GEMM or norm check (rows); tails of every microtile and block
 ATTENTION_GRIDS = ((1, 1), (5, 5), (10, 10), (15, 20))  # items of the attention check: 1, 25, 100, 300 patches
 
@@ -142,8 +142,12 @@ def _gemm_path(dtype: torch.dtype) -> str:
 
 
 def _attention_path(dtype: torch.dtype) -> str:
-    kernel = attention_kernel()
+    kernel = attention_kernel(dtype)
     return f"bivit compiled attention ({kernel.name_for(dtype)})" if kernel is not None else "PyTorch SDPA per item"
+
+
+def _norm_path(dtype: torch.dtype) -> str:
+    return "bivit compiled norm" if norm_kernel(dtype) is not None else "PyTorch row-wise kernel"
 
 
 def _prove_gemm(weight: torch.Tensor, bias: torch.Tensor | None, gelu: str | None, g: torch.Generator,
@@ -175,7 +179,7 @@ def _prove_attention(heads: int, head_dim: int, theta: float, dtype: torch.dtype
         return list(out.split([t * h * w for t, h, w in grids]))
 
     def kernel() -> str | None:
-        k = attention_kernel()
+        k = attention_kernel(dtype)
         return None if k is None else k.name_for(dtype)
 
     return _prove_paths(op, "attention", run, items, threads, refused, lambda: _attention_path(dtype), kernel)
@@ -199,28 +203,32 @@ def _prove_paths(op: str, kind: str, run: Callable[[list], list[torch.Tensor]], 
         refuse(kind, name, why)
 
 
-def _prove_norm(module: torch.nn.Module, g: torch.Generator, threads: Sequence[int]) -> Check:
+def _prove_norm(module: torch.nn.Module, g: torch.Generator, threads: Sequence[int], refused: list) -> Check:
     weight = module.weight
     dim, dtype = weight.shape[0], weight.dtype
     if isinstance(module, torch.nn.LayerNorm):
         op, fn = f"layer_norm {dim} {dtype_name(dtype)}", lambda x: layer_norm(x, weight, module.bias, module.eps)
     else:
         op, fn = f"rms_norm {dim} {dtype_name(dtype)}", lambda x: rms_norm(x, weight, module.eps)
-    ok = _items_invariant(_split_rows(fn), _rows(g, dim, dtype, scale=3.0), threads)
-    return Check(op, "PyTorch row-wise kernel", ok, tuple(threads))
+    return _prove_paths(op, "norm", _split_rows(fn), _rows(g, dim, dtype, scale=3.0), threads, refused,
+                        lambda: _norm_path(dtype), lambda: "bivit" if norm_kernel(dtype) is not None else None)
 
 
 def _facts(model: torch.nn.Module) -> str:
     """What decides the proof's outcome: the machine, the build, its steering variables, threads, shapes."""
     cpu, flags = kernels.cpu_info()
     env = sorted((k, v) for k, v in os.environ.items()
-                 if k.startswith(("ONEDNN_", "DNNL_", "MKL_", "ATEN_", "OMP_", "KMP_", "GOMP_", "BIVIT_ATTENTION")))
-    shapes = sorted({(tuple(w.shape), str(w.dtype), b is None, gelu) for w, b, gelu in gemms(model)})
+                 if k.startswith(("ONEDNN_", "DNNL_", "MKL_", "ATEN_", "OMP_", "KMP_", "GOMP_", "BIVIT_ATTENTION",
+                                  "BIVIT_ARITH", "BIVIT_GEMM")))
+    # (gelu: None or its name; "" sorts with the names, where two GEMMs of one shape differ in GELU alone)
+    shapes = sorted({(tuple(w.shape), str(w.dtype), b is None, gelu or "") for w, b, gelu in gemms(model)})
     norms = sorted({(type(m).__name__, m.weight.shape[0], str(m.weight.dtype)) for m in model.modules()
                     if isinstance(m, (torch.nn.LayerNorm, torch.nn.RMSNorm))})
     cfg = model.config
     paths = [_gemm_path(d) for d in sorted({w.dtype for w, _, _ in gemms(model)}, key=str)]
     paths.append(_attention_path(model.vision_tower.dtype))
+    paths += [_norm_path(d) for d in sorted({m.weight.dtype for m in model.modules()
+                                             if isinstance(m, (torch.nn.LayerNorm, torch.nn.RMSNorm))}, key=str)]
     return json.dumps([PROOF_FORMAT, torch.__version__, torch.version.git_version, cpu, sorted(flags),
                        torch.backends.cpu.get_cpu_capability(), env, thread_counts(), repr(shapes), repr(norms),
                        cfg.num_heads, cfg.head_dim, str(model.vision_tower.dtype), paths])
@@ -247,7 +255,7 @@ def _run(model: torch.nn.Module) -> Proof:
             key = (type(m), m.weight.shape[0], m.weight.dtype)
             if key not in seen:
                 seen.add(key)
-                checks.append(_prove_norm(m, g, threads))
+                checks.append(_prove_norm(m, g, threads, refused))
     return Proof(checks, refused, time.perf_counter() - start)
 
 

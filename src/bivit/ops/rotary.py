@@ -59,11 +59,14 @@ def _rope_cos_sin(h: int, w: int, head_dim: int, theta: float) -> tuple[torch.Te
     cos = (c0, c0, c1, c1, ...), sin = (-s0, s0, -s1, s1, ...); complex slot 2i turns with the column, 2i+1
     with the row.
 
-    The angles are float32 products (column or row index times frequency), as the reference forms them; their
-    cos and sin come from `_cos_sin`, per column and per row (an angle depends on one of them only), and are
-    gathered into the grid's table.
+    The frequencies are the reference's, 1 / theta^(4k / head_dim) in float32, with the power computed in float64
+    by the C library and rounded once (PyTorch's float32 pow is a vector kernel: its last bit depends on the
+    CPU). The angles are float32 products (column or row index times frequency), as the reference forms them;
+    their cos and sin come from `_cos_sin`, per column and per row (an angle depends on one of them only), and
+    are gathered into the grid's table.
     """
-    freqs = 1.0 / theta ** (torch.arange(0, head_dim // 4, dtype=torch.float32) * 4 / head_dim)
+    exponents = torch.arange(0, head_dim // 4, dtype=torch.float32) * 4 / head_dim
+    freqs = 1.0 / _float32([theta ** e for e in exponents.tolist()])  # theta^e in float64, rounded once
     cos_c, sin_c = _cos_sin(torch.outer(torch.arange(w, dtype=torch.float32), freqs))  # [w, dim/4]
     cos_r, sin_r = _cos_sin(torch.outer(torch.arange(h, dtype=torch.float32), freqs))  # [h, dim/4]
 

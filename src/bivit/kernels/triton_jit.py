@@ -1,10 +1,15 @@
-"""The Triton kernels of the invariant GPU path (imported only where triton is installed).
+"""The Triton kernels of the invariant GPU path, on the kernel floor beside the C kernels (imported only where
+triton is installed; launched by `bivit.kernels.cuda`).
 
 What makes each kernel batch-invariant is one rule: a row's result is computed by the same instructions, in the
 same order, whatever the other rows of the launch are and wherever the row sits in it.
 * No kernel takes a size that depends on the batch as a specialised argument: the row count `M` (and the item
   table of attention) is `do_not_specialize`, so one compiled binary serves every batch of a layer shape.
-* Tiles come from the layer's shape and dtype only (`bivit.gpu.ops`), never from the row count; K is walked
+* Every size the model fixes (a layer's N and K, the head dim, the norm width, the heads) is a `tl.constexpr`:
+  the compiler sees the exact shape the model runs, so masks and alignments are known at compile time (a
+  run-time head dim of 72 compiled to 255 registers with spills and no cp.async pipelining; `tl.constexpr`, to
+  a 2-stage pipeline without spills: tests/test_gpu_compiled.py).
+* Tiles come from the layer's shape and dtype only (`bivit.kernels.cuda`), never from the row count; K is walked
   from 0 upwards in whole tiles by one program (no split-K), so a dot product adds its terms in one fixed order.
 * Attention runs one program per (query block, head) of one item: query blocks start at the item's first row,
   keys are walked from the item's first row, so the pack around an item changes no operation on its data.
@@ -16,26 +21,31 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-GELU_NONE, GELU_ERF, GELU_TANH = 0, 1, 2
+from .abi import CONSTS
+
+# GELU kinds: the C kernels' ACT_* (abi.CONSTS, checked against each C library at load): one numbering for
+# every kernel that takes one.
+GELU_TANH = tl.constexpr(CONSTS["ACT_GELU_TANH"])
+GELU_ERF = tl.constexpr(CONSTS["ACT_GELU_ERF"])
 
 
 @triton.jit
 def _gelu(y, KIND: tl.constexpr):
-    """GELU of a float32 tile: KIND 1 = erf form, 2 = tanh approximation (tanh written with exp: one formula in
-    the interpreter and on the GPU)."""
-    if KIND == 1:
+    """GELU of a float32 tile: KIND GELU_ERF = erf form, GELU_TANH = tanh approximation (tanh written with exp: one
+    formula in the interpreter and on the GPU); ACT_NONE: none."""
+    if KIND == GELU_ERF:
         y = 0.5 * y * (1.0 + tl.math.erf(y * 0.7071067811865476))
-    elif KIND == 2:
+    elif KIND == GELU_TANH:
         u = 0.7978845608028654 * (y + 0.044715 * y * y * y)
         y = 0.5 * y * (2.0 - 2.0 / (tl.exp(2.0 * u) + 1.0))
     return y
 
 
 @triton.jit(do_not_specialize=["M"])
-def gemm_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, M, N, K, stride_x, stride_w, stride_y,
-                HAS_BIAS: tl.constexpr, GELU: tl.constexpr, RESIDUAL: tl.constexpr, PRECISION: tl.constexpr,
+def gemm_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, M, N: tl.constexpr, K: tl.constexpr, HAS_BIAS: tl.constexpr, GELU: tl.constexpr, RESIDUAL: tl.constexpr, PRECISION: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """y = [r +] gelu(x @ w.T + b): x `[M, K]`, w `[N, K]` (a Linear weight), y `[M, N]`. With RESIDUAL, the
+    """y = [r +] gelu(x @ w.T + b): x `[M, K]`, w `[N, K]` (a Linear weight), y and r `[M, N]`, all contiguous
+    (row strides K and N: known to the compiler, so a K of 588 still loads aligned vectors). With RESIDUAL, the
     GEMM's result is rounded to y's dtype and then added to r in float32 and rounded again: the bits of
     `r.add_(linear(x))`; y may be r itself (each element is read and written by one program)."""
     rm = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -44,26 +54,26 @@ def gemm_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, M, N, K, stride_x, stride_w, 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + rk
-        a = tl.load(x_ptr + rm[:, None] * stride_x + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K),
+        a = tl.load(x_ptr + rm[:, None] * K + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K),
                     other=0.0)
-        b = tl.load(w_ptr + rn[None, :] * stride_w + kk[:, None], mask=(rn[None, :] < N) & (kk[:, None] < K),
+        b = tl.load(w_ptr + rn[None, :] * K + kk[:, None], mask=(rn[None, :] < N) & (kk[:, None] < K),
                     other=0.0)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
     acc = _gelu(acc, GELU)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
-    out = y_ptr + rm[:, None] * stride_y + rn[None, :]
+    out = y_ptr + rm[:, None] * N + rn[None, :]
     y = acc.to(y_ptr.dtype.element_ty)
     if RESIDUAL:
-        r = tl.load(r_ptr + rm[:, None] * stride_y + rn[None, :], mask=mask, other=0.0)
+        r = tl.load(r_ptr + rm[:, None] * N + rn[None, :], mask=mask, other=0.0)
         y = (r.to(tl.float32) + y.to(tl.float32)).to(y_ptr.dtype.element_ty)
     tl.store(out, y, mask=mask)
 
 
 @triton.jit(do_not_specialize=["M"])
-def norm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, stride_x, eps,
-                RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr):
+def norm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, stride_x, eps, N: tl.constexpr, RMS: tl.constexpr,
+                HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr):
     """LayerNorm (or RMSNorm with RMS) of one row per program, in float32, over the last dim of `[M, N]`."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
@@ -82,7 +92,7 @@ def norm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, stride_x, eps,
 
 
 @triton.jit(do_not_specialize=["L"])
-def rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, L, SLOTS, D, stride_row, stride_slot,
+def rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, L, stride_row, stride_slot, SLOTS: tl.constexpr, D: tl.constexpr,
                 BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     """Rotary embedding of `[L, SLOTS, D]` by float32 tables `[L, D]`: y = x * cos + pairs_swapped(x) * sin, in
     float32, into a contiguous y. Elementwise: a value's bits depend on that value and its table entries only."""
@@ -100,8 +110,8 @@ def rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, L, SLOTS, D, stride_row, stride_
 
 
 @triton.jit
-def attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, D, stride_q, stride_k, stride_v, stride_o,
-                     scale, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, stride_q, stride_k, stride_v, stride_o, scale,
+                     D: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_D: tl.constexpr):
     """Non-causal attention of one query block of one item, one head (flash-attention's online softmax).
 

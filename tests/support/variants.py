@@ -1,0 +1,31 @@
+"""The compiled kernels' variants this CPU runs: what the kernel tests parametrise over (each test names the
+variants it is for and skips, with the reason, where the CPU or PyTorch's dispatch does not run one)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bivit import kernels
+
+FLAGS = kernels.cpu_info()[1]
+CAPABILITY = torch.backends.cpu.get_cpu_capability()
+
+
+def runs_here(variant: kernels.Variant) -> bool:
+    try:
+        return kernels.pick_variant(variant.name, FLAGS, CAPABILITY) == variant
+    except kernels.KernelUnavailable:
+        return False
+
+
+RUNNABLE = [v for v in kernels.VARIANTS if runs_here(v)]
+
+
+def library_or_skip(name: str) -> kernels.Library:
+    """The variant `name`, built into the cache and loaded directly (a CPU that can run it must get it: a build
+    failure fails the test), or a skip naming why it does not run here."""
+    variant = next(v for v in kernels.VARIANTS if v.name == name)
+    if variant not in RUNNABLE:
+        pytest.skip(f"the {variant.name} variant does not run here (CPU flags / PyTorch capability {CAPABILITY})")
+    return kernels.load_library(variant)
