@@ -37,6 +37,16 @@ def kimi_hf_ckpt(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_kimi_ckpt(tmp_path_factory):
+    """A whole tiny Kimi-K2.5 checkpoint, published layout: vision tower and projector, a 2-layer DeepSeek-V3
+    language model, tokenizer, preprocessing; transformers' Kimi_K25ForConditionalGeneration, bivit and vLLM all
+    load it (tests/vllm_engine/tiny_kimi.py)."""
+    from vllm_engine.tiny_kimi import write_tiny_kimi
+
+    return write_tiny_kimi(tmp_path_factory.mktemp("tiny_kimi"))
+
+
+@pytest.fixture(scope="session")
 def k3_ckpt(tmp_path_factory):
     return write_checkpoint(tmp_path_factory.mktemp("k3"), K3_SMALL)
 

@@ -397,6 +397,24 @@ def test_update_weights_serves_the_trainers_new_bits(paths, dtype, tmp_path):
     assert all(torch.equal(fresh.encode_batch(it)[0], a) for it, a in zip(items, after))
 
 
+def test_fused_optimizer_steps_reach_the_next_forward(paths):
+    """torch's fused AdamW (transformers' default optimizer) writes the weights in place without bumping their
+    version counters, which bivit's packed-weight and position-table caches key on: the module bumps them after
+    any step (else the next forward computes with the old weights)."""
+    enc = bivit.load_encoder(paths["kimi"], dtype="float32")
+    trainer = bivit.load_model(paths["kimi"], dtype="float32")
+    items = [_item(4, 3), _item(5, 3)]
+    train_step(trainer, items)
+    bystander = torch.nn.Parameter(torch.zeros(3))
+    bystander.grad = torch.ones(3)
+    version = bystander._version
+    torch.optim.AdamW([*trainer.parameters(), bystander], lr=1e-2, fused=True).step()
+    assert bystander._version == version and bool((bystander != 0).all())  # control: updated, version as it was
+    enc.update_weights(trainer.state_dict())
+    outs, _, _, _ = train_step(trainer, items)
+    assert all(torch.equal(o, enc.encode_batch(it)[0]) for o, it in zip(outs, items))
+
+
 def _bad_updates(state):
     key = "vision_tower.encoder.blocks.1.mlp.fc0.weight"
     extra = dict(state, **{"vision_tower.extra.weight": torch.zeros(3)})

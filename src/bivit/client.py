@@ -184,6 +184,18 @@ class Client:
                               [r.embedding for r in results])
         return [r.embedding for r in results]  # type: ignore[misc]
 
+    def update_weights(self, state_dict: Any) -> dict:
+        """`POST /v1/weights`: replace every vision/projector weight of the server (a trainer's `state_dict()`, in
+        the server's dtypes) -> `{"fingerprint", "previous_fingerprint", "tensors"}`. A refused update raises
+        ServerError naming the key (the old weights keep serving)."""
+        from safetensors.torch import save
+
+        body = save({k: v.detach().cpu().contiguous() for k, v in state_dict.items()})
+        r = self._request("POST", "/v1/weights", content=body, headers={"Content-Type": "application/octet-stream"})
+        if r.status_code == 422:
+            raise ServerError(f"{self.url}/v1/weights: HTTP 422: {r.json()['error']['message']}", 422, "bad_weights")
+        return r.json()
+
     def health(self) -> dict:
         """GET /health (liveness; needs no API key)."""
         return self._request("GET", "/health").json()

@@ -298,6 +298,15 @@ def check_against_model(proc: ProcessorConfig, cfg: ModelConfig, where: str = "p
         raise ConfigError(f"{where}: names Kimi-K3's processor but the model's projector is {cfg.projector_type}")
 
 
+def preprocessor_config_dict(proc: ProcessorConfig) -> dict[str, Any]:
+    """`preprocessor_config.json` for `proc`, as Moonshot's processors (and `processing_from_dict`) read it: its
+    `media_proc_cfg`. Which processor runs is the model's (`processor_for_model`), so it is not written; K2.x's
+    processor has no transparency keys."""
+    media = {k: v for k, v in proc.to_dict().items()
+             if k != "processor" and (proc.processor == "kimi_k3" or not k.startswith("transparent"))}
+    return {"media_proc_cfg": media}
+
+
 def load_processing(directory: str | Path, cfg: ModelConfig) -> ProcessorConfig:
     """The checkpoint's preprocessing: its `preprocessor_config.json` if present, else the published defaults."""
     path = Path(directory) / PREPROCESSOR_CONFIG

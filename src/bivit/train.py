@@ -10,10 +10,14 @@ code, running the same ops: its per-item outputs are the bits `Encoder.encode_pi
 from __future__ import annotations
 
 import os
+import weakref
+from typing import Mapping
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from . import ops
+from .config import ModelConfig
 from .dtypes import resolve_dtypes
 from .model import VisionModel
 from .packing import check_pixels
@@ -48,6 +52,48 @@ class TrainableModel(VisionModel):
             return super().forward(pixel_values.to(next(self.parameters()).device), grid_thw)
 
 
+# Every trainable module alive, and per optimizer stepping them the version of each of their parameters before the
+# step: what `_follow_optimizer_steps`' two hooks (registered once per process) share.
+_MODELS: "weakref.WeakSet[TrainableModel]" = weakref.WeakSet()
+_BEFORE_STEP: "weakref.WeakKeyDictionary[object, dict[int, int]]" = weakref.WeakKeyDictionary()
+_hooked = False
+
+
+def _follow_optimizer_steps(net: TrainableModel) -> None:
+    """After any optimizer step that left one of `net`'s parameters with its version counter unchanged, bump it.
+
+    bivit's ops key what they derive from a weight (pre-packed GEMM copies, resampled position tables) on the
+    tensor's version counter. torch's fused optimizers (`AdamW(fused=True)`, transformers' default optimizer
+    `adamw_torch_fused`, on CPU too) write parameters in place without bumping it, and the next forward would
+    compute with the old weights. `mul_(1)` changes no bit of any value and bumps the counter; optimizers that
+    bump it themselves cost nothing here. torch has no per-parameter hook: the two hooks are global, registered
+    once, and look after every trainable module alive.
+    """
+    global _hooked
+    _MODELS.add(net)
+    if not _hooked:
+        register_optimizer_step_pre_hook(_versions_before_step)
+        register_optimizer_step_post_hook(_bump_unchanged_versions)
+        _hooked = True
+
+
+def _owned(optimizer) -> list[torch.Tensor]:
+    mine = {id(p) for m in list(_MODELS) for p in m.parameters()}
+    return [p for group in optimizer.param_groups for p in group["params"] if id(p) in mine]
+
+
+def _versions_before_step(optimizer, args, kwargs) -> None:
+    _BEFORE_STEP[optimizer] = {id(p): p._version for p in _owned(optimizer)}
+
+
+def _bump_unchanged_versions(optimizer, args, kwargs) -> None:
+    before = _BEFORE_STEP.pop(optimizer, {})
+    with torch.no_grad():
+        for p in _owned(optimizer):
+            if before.get(id(p)) == p._version:
+                p.mul_(1)
+
+
 def load_model(model: str | os.PathLike | None = None, *, device: str | torch.device = "cpu",
                dtype: str | torch.dtype = "bfloat16", projector_dtype: str | torch.dtype | None = None,
                batch_invariant: bool = True, activation_checkpointing: bool = False,
@@ -61,9 +107,28 @@ def load_model(model: str | os.PathLike | None = None, *, device: str | torch.de
     device = parse_device(device)
     net, _, _, _ = build_model(model, device=device, dtype=tower_dtype, projector_dtype=proj_dtype,
                                seed=seed, revision=revision, cls=TrainableModel)
+    return _ready(net, batch_invariant, activation_checkpointing)
+
+
+def trainable_from_state(cfg: ModelConfig, state: Mapping[str, torch.Tensor], *, device: torch.device,
+                         dtype: torch.dtype, projector_dtype: torch.dtype, batch_invariant: bool = True,
+                         activation_checkpointing: bool = False) -> TrainableModel:
+    """The trainable module over weights already in memory (checkpoint names, e.g. converted from another
+    implementation's module: `bivit.hf.attach`), ready as `load_model` leaves it."""
+    with torch.device("meta"):
+        net = TrainableModel(cfg)
+    net.load_state_dict(dict(state), strict=True, assign=True)
+    net.vision_tower.to(device=device, dtype=dtype)
+    net.mm_projector.to(device=device, dtype=projector_dtype)
+    ops.backend_for(device).load()  # as build_model: the compiled kernels built (or found) and self-tested now
+    return _ready(net, batch_invariant, activation_checkpointing)
+
+
+def _ready(net: TrainableModel, batch_invariant: bool, activation_checkpointing: bool) -> TrainableModel:
     net.batch_invariant = batch_invariant
     net.activation_checkpointing = activation_checkpointing
     net.requires_grad_(True)
+    _follow_optimizer_steps(net)
     if batch_invariant:  # (the GPU path's forward refuses autograd: bivit.ops.cuda)
-        ops.backend_for(device).prepare(net)
+        ops.backend_for(next(net.parameters()).device).prepare(net)
     return net

@@ -1,8 +1,9 @@
-"""docs/encode-once.md's code, as the tests run it.
+"""The guides' code, as the tests run it: docs/encode-once.md (the default `guide`) and docs/rl.md (`RL_GUIDE`).
 
 Each runnable block is the ```python block after a `<!-- doc-code: NAME -->` line. A test runs the blocks in
 the guide's order in one namespace, with only what is the reader's own substituted: the checkpoint path, the
-encoder-cache folder and the server's address (each must occur, so a guide that drops one fails here).
+encoder-cache folder, the server's address and the folder a trained model is saved to (each must occur, so a
+guide that drops one fails here).
 """
 
 from __future__ import annotations
@@ -11,22 +12,23 @@ import re
 from pathlib import Path
 
 GUIDE = Path(__file__).resolve().parents[2] / "docs" / "encode-once.md"
-CKPT, EC_DIR, URL = "/ckpt/Kimi-K2.6", "/shared/ec", "http://127.0.0.1:8000"
+RL_GUIDE = GUIDE.with_name("rl.md")
+CKPT, EC_DIR, URL, OUT = "/ckpt/Kimi-K2.6", "/shared/ec", "http://127.0.0.1:8000", "/ckpt/Kimi-K2.6-grpo"
 _BLOCK = re.compile(r"<!-- doc-code: ([\w-]+) -->\n```python\n(.*?)\n```", re.S)
 
 
-def blocks() -> dict[str, str]:
-    found = _BLOCK.findall(GUIDE.read_text())
+def blocks(guide: Path = GUIDE) -> dict[str, str]:
+    found = _BLOCK.findall(guide.read_text())
     assert len({name for name, _ in found}) == len(found), "a doc-code name used twice"
     return dict(found)
 
 
-LITERALS = {"ckpt": CKPT, "ec_dir": EC_DIR, "url": URL}
+LITERALS = {"ckpt": CKPT, "ec_dir": EC_DIR, "url": URL, "out": OUT}
 
 
-def block(name: str, **values) -> str:
-    """Block `name` with the reader's values put in where the block has them: ckpt=, ec_dir=, url=."""
-    code = blocks()[name]
+def block(name: str, guide: Path = GUIDE, **values) -> str:
+    """Block `name` with the reader's values put in where the block has them: ckpt=, ec_dir=, url=, out=."""
+    code = blocks(guide)[name]
     for key, value in values.items():
         code = code.replace(f'"{LITERALS[key]}"', repr(None if value is None else str(value)))
     return code
@@ -42,18 +44,18 @@ def line(prefix: str, **values: str) -> str:
     return found
 
 
-def run(names, namespace: dict, *, engine=None, **values) -> dict:
+def run(names, namespace: dict, *, guide: Path = GUIDE, engine=None, **values) -> dict:
     """Run blocks in order in `namespace` (kept between calls) and return it. With `engine`, the blocks'
     `llm = LLM(...)` is answered by `engine(...)` (the same arguments) instead of starting a vLLM engine."""
-    unused = {k for k in values if all(f'"{LITERALS[k]}"' not in blocks()[n] for n in names)}
-    assert not unused, f"{GUIDE.name} {list(names)} no longer have {[LITERALS[k] for k in unused]}"
+    unused = {k for k in values if all(f'"{LITERALS[k]}"' not in blocks(guide)[n] for n in names)}
+    assert not unused, f"{guide.name} {list(names)} no longer have {[LITERALS[k] for k in unused]}"
     for name in names:
-        code = block(name, **values)
+        code = block(name, guide, **values)
         if engine is not None and "LLM(" in code:
-            assert code.count("llm = LLM(") == code.count("LLM(") == 1, f"{GUIDE.name} [{name}]: one LLM(...)"
+            assert code.count("llm = LLM(") == code.count("LLM(") == 1, f"{guide.name} [{name}]: one LLM(...)"
             code = code.replace("llm = LLM(", "llm = __engine__(")
             namespace["__engine__"] = engine
-        exec(compile(code, f"{GUIDE.name}[{name}]", "exec"), namespace)
+        exec(compile(code, f"{guide.name}[{name}]", "exec"), namespace)
     return namespace
 
 

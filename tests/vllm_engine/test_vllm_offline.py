@@ -36,18 +36,14 @@ from PIL import Image
 pytest.importorskip("vllm", reason="vLLM is not installed here; run scripts/vllm-env.sh test (its own venv)")
 
 import vllm_hooks  # noqa: E402
-from engine_support import ASSISTANT, USER, cpu_kind, engine_environment, engine_options  # noqa: E402
+from engine_support import (ASSISTANT, ROWS_RTOL, USER, cpu_kind, engine_environment,  # noqa: E402
+                            engine_options)
 from support import doc_code  # noqa: E402
 from support.media import make_video, random_image  # noqa: E402
 
 from bivit.engines import vllm as bv  # noqa: E402
 from bivit.video import sample_frame_indices  # noqa: E402
 
-# (1): max |bivit - vLLM| / max |vLLM| per item. float32: the kernels differ, the rows by ~1e-6. bfloat16: both
-# sides round every layer's output to 8 significant bits (eps 2^-7), in other orders; 4 eps bounds the
-# accumulated difference of the 2-layer tower and projector with room, and is far below what another item
-# differs by (the control).
-ROWS_RTOL = {"float32": 1e-5, "bfloat16": 4 * 2.0 ** -7}
 LOGPROB_ATOL = 1e-4  # (2), float32: the rows differ by ~1e-6 relative; through two layers the log-probs move less
 MAX_TOKENS = 8
 IMAGE_SIZES = {"square": (112, 112), "wide": (140, 112), "odd": (203, 97), "tall": (60, 250)}

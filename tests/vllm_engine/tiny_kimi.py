@@ -134,10 +134,9 @@ def write_tiny_kimi(directory, *, seed: int = 0, dtype: torch.dtype = torch.floa
     lm = {k: x.to(dtype).contiguous() for k, x in language_model_state(seed + 1).items()}
     save_checkpoint(directory, VISION, random_state_dict(VISION, seed), dtype=dtype, extra_shards=[lm],
                     config=config)
-    from bivit.preprocess_config import K25_PROCESSING
+    from bivit.preprocess_config import K25_PROCESSING, preprocessor_config_dict
 
-    media = {k: v for k, v in K25_PROCESSING.to_dict().items() if not k.startswith(("processor", "transparent"))}
-    (directory / "preprocessor_config.json").write_text(json.dumps({"media_proc_cfg": media}, indent=2))
+    (directory / "preprocessor_config.json").write_text(json.dumps(preprocessor_config_dict(K25_PROCESSING), indent=2))
     (directory / "generation_config.json").write_text(json.dumps({"bos_token_id": ids["[BOS]"],
                                                                   "eos_token_id": ids["[EOS]"]}))
     return directory
