@@ -20,8 +20,9 @@ from typing import Any, Optional
 
 from .. import records
 from ..errors import BivitError
-from ..fileio import TooManyObjects, parse_json
+from ..fileio import TooManyElements, parse_json
 from ..kinds import media_kind
+from ..names import label, shown, stored, too_long
 
 SAFETENSORS_MEDIA_TYPE = "application/vnd.bivit.safetensors"
 
@@ -62,6 +63,20 @@ class BadItem(BivitError):
     """An item that could not even be extracted from the request (bad base64): error kind "bad_item"."""
 
 
+# JSON elements one item takes: its object, the keys "data", "name", "kind" and their values, and one to spare.
+ITEM_ELEMENTS = 8
+
+
+def upload_name(raw: Optional[str], i: int) -> tuple[str, Optional[str]]:
+    """An upload's name as its record stores it (`bivit.names.stored`: lone surrogates escaped; `item{i}` when
+    it has none), and why the item is refused (a name longer than `bivit.names.MAX_NAME_BYTES`: its record then
+    holds the name's start and length), or None."""
+    if not raw:
+        return f"item{i}", None
+    refused = too_long(raw)
+    return (label(raw), refused) if refused else (stored(raw), None)
+
+
 def too_many_items(n: object, max_items: int) -> RequestError:
     return RequestError(413, "too_many_items", f"request has {n} items, more than --max-queue {max_items} "
                         "(every copy and every failed item counted); split it")
@@ -69,17 +84,19 @@ def too_many_items(n: object, max_items: int) -> RequestError:
 
 def parse_json_request(body: bytes, max_items: int) -> list[UploadItem]:
     """The items of a JSON request body; RequestError (400) when the body is not the documented shape, 413 when
-    it holds more than `max_items` items (the parse stops there: nothing is built for the rest).
+    it holds more JSON elements than `max_items` items need (counted before parsing: nothing is built).
 
     A key repeated in one object is refused (which one counts differs between parsers), and so is nesting
     deeper than `bivit.fileio.MAX_JSON_DEPTH`; base64 may be split into lines (MIME's 76 columns), any other
     non-alphabet character is an error.
     """
+    most = ITEM_ELEMENTS * max_items + 64
     try:
-        # The items and the body's own object; numbers are in no item (a few allowed beside them).
-        doc = parse_json(body, max_objects=max_items + 1, max_numbers=max_items + 64)
-    except TooManyObjects:
-        raise too_many_items("more", max_items) from None
+        doc = parse_json(body, max_elements=most)  # counted before anything is built
+    except TooManyElements:
+        raise RequestError(413, "too_many_items", f"request body holds more than {most} JSON elements (arrays, "
+                           f"objects, strings, numbers, literals), more than --max-queue {max_items} items need; "
+                           "split it") from None
     except ValueError as e:  # UnicodeDecodeError included
         raise RequestError(400, "bad_request", f"invalid JSON body: {e}") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("items"), list):
@@ -90,10 +107,17 @@ def parse_json_request(body: bytes, max_items: int) -> list[UploadItem]:
     for i, entry in enumerate(doc["items"]):
         if not isinstance(entry, dict) or not isinstance(entry.get("data"), str):
             raise RequestError(400, "bad_request", f"items[{i}] must be an object with a base64 string 'data'")
-        name = str(entry.get("name") or f"item{i}")
+        raw = entry.get("name")
+        if raw is not None and not isinstance(raw, str):
+            raise RequestError(400, "bad_request", f"items[{i}].name must be a string, got a {type(raw).__name__}")
+        name, refused = upload_name(raw, i)
         kind = entry.get("kind")
         if kind not in (None, "image", "video"):
-            raise RequestError(400, "bad_request", f"items[{i}].kind must be 'image' or 'video', got {kind!r}")
+            raise RequestError(400, "bad_request",
+                               f"items[{i}].kind must be 'image' or 'video', got {shown(repr(kind), 100)}")
+        if refused:
+            items.append(UploadItem(name, None, error=refused))
+            continue
         try:
             data = base64.b64decode("".join(entry["data"].split()), validate=True)
         except (binascii.Error, ValueError) as e:
