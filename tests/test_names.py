@@ -110,4 +110,4 @@ def test_symlinks_leaving_the_folder_are_not_followed(tmp_path):
     assert error.source == "out.png" and "not followed" in error.error and error.sha256 is None
     r = run_cli("encode-dataset", src, "--out", tmp_path / "b.emb", "--follow-symlinks")
     assert r.returncode == 0, r.stderr[-3000:]
-    assert sorted(bivit.open_dataset(tmp_path / "b.emb").sources) == ["in.png", "own.png", "out.png"]
+    assert sorted(bivit.open_dataset(tmp_path / "b.emb").sources) == ["in.png", "out.png", "own.png"]
