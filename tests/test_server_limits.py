@@ -20,7 +20,6 @@ import threading
 import time
 
 import httpx
-import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -28,7 +27,7 @@ from PIL import Image
 import bivit
 
 from support.server import ServerProcess, free_port
-from support.media import png_bytes
+from support.media import png_bytes, tiny_video
 
 pytest.importorskip("fastapi")
 
@@ -256,17 +255,18 @@ def test_copies_of_a_failing_item_are_counted(server):
         assert r.status_code == 413 and r.json()["error"]["kind"] == "too_many_items", r.text[:300]
     r = httpx.post(f"{server.url}/v1/encode", files=[("file", ("e.png", b"", "image/png"))] * 257, timeout=60)
     assert r.status_code == 413 and r.json()["error"]["kind"] == "too_many_items", r.text[:300]
-    # Numbers are in no item, and each is a 24-32 byte object from 2 bytes of JSON: the parse stops at a few.
+    # Numbers are in no item, and each is a 24-32 byte object from 2 bytes of JSON: counted before parsing.
     body = b'{"items": [' + b",".join([b"0.5"] * 1_000_000) + b"]}"
     r = httpx.post(f"{server.url}/v1/encode", content=body, headers={"Content-Type": "application/json"},
                    timeout=60)
-    assert r.status_code == 400 and "more than 320 numbers" in r.json()["error"]["message"], r.text[:300]
+    assert r.status_code == 413 and "more than 2112 JSON elements" in r.json()["error"]["message"], r.text[:300]
     # 100 failing items named with 40 KB each: a 4 MB body, a 12 MB answer (each name in the record, its error
-    # and the message). Refused before anything is decoded.
+    # and the message). A name is now at most 4096 bytes: each of these items is refused for its name, its record
+    # holding the name's start and length; the answer stays small.
     name = "n" * 40_000
     r = httpx.post(f"{server.url}/v1/encode", json={"items": [{"data": "!", "name": name}] * 100}, timeout=60)
-    assert r.status_code == 413 and r.json()["error"]["kind"] == "response_too_large", r.text[:300]
-    assert len(r.content) < 1000
+    assert r.status_code == 422 and r.json()["error"]["kind"] == "bad_item", r.text[:300]
+    assert len(r.content) < 100_000 and r.json()["items"][0]["source"].endswith("... (40000 bytes)")
     # Within the limits, every failed item is answered with its record, and the message stays one line.
     r = httpx.post(f"{server.url}/v1/encode", json={"items": [{"data": "!"}] * 256}, timeout=60)
     assert r.status_code == 422 and len(r.json()["items"]) == 256, r.text[:300]
@@ -505,9 +505,10 @@ def test_answers_in_flight_are_bounded_and_readers_that_stop_are_cut_off(small, 
         refused += s.recv(12).startswith(b"HTTP/1.1 503")
         s.close()
     assert refused == readers - 2
-    # Two answers (16 MB each, and a copy of their rows while the file is made), their pixels and one forward pass
-    # of both; what the others asked for is never computed (before: each of 8 answers held three times over).
-    assert grew < 250, grew
+    # Two answers' embeddings (each 64 copies of one item's 256 KB of rows, made into the file as it is sent), their
+    # pixels and one forward pass; what the others asked for is never computed. Before, each answer was held
+    # whole, with 63 clones of its rows while it was made, and twice more while written: ~64 MB each.
+    assert grew < 100, grew
     assert any("read nothing of its answer" in rec.get("msg", "") for rec in small.log_records())
     normal_request_succeeds(small, 23)
 
@@ -618,28 +619,6 @@ def test_a_planted_encoder_cache_file_is_replaced(tmp_path):
         assert rec.ec_ids == [key]
         rows = load_file(str(ec / key / EC_FILE))[EC_KEY]
         assert torch.equal(rows, rec.embedding) and rows.any()  # the answer's rows, not the planted zeros
-
-
-def tiny_video(frames: int, fps: int, size: int = 16) -> bytes:
-    """An H.264 MP4 of `frames` black `size` x `size` frames at `fps` (~20 us a frame to make)."""
-    import av
-    from fractions import Fraction
-
-    buf = io.BytesIO()
-    out = av.open(buf, "w", format="mp4")
-    stream = out.add_stream("libx264", rate=Fraction(fps))
-    stream.width = stream.height = size
-    stream.pix_fmt = "yuv420p"
-    stream.options = {"preset": "ultrafast", "tune": "zerolatency"}
-    frame = av.VideoFrame.from_ndarray(np.zeros((size, size, 3), np.uint8), format="rgb24").reformat(format="yuv420p")
-    for i in range(frames):
-        frame.pts = i
-        for packet in stream.encode(frame):
-            out.mux(packet)
-    for packet in stream.encode(None):
-        out.mux(packet)
-    out.close()
-    return buf.getvalue()
 
 
 def test_video_work_is_counted_in_frames(tmp_path):

@@ -249,25 +249,51 @@ def metadata(encoder: Mapping[str, Any], records: Sequence[Record]) -> dict[str,
             "items": json.dumps([r.to_json() for r in records], separators=(",", ":"), ensure_ascii=False)}
 
 
-def tensors_of(records: Sequence[Record], embeddings: Sequence[Optional["torch.Tensor"]]) -> dict:
-    """The tensors of a file: each record's embedding under its `tensor` key (a tensor shared by two records,
-    e.g. the same bytes twice in a request, is stored once per key: safetensors refuses shared storage)."""
-    out, seen = {}, set()
+# The most of a tensor's bytes `file_pieces` copies at a time.
+PIECE_BYTES = 2**20
+# Safetensors' names of the dtypes an embedding file holds.
+_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "float64": "F64"}
+
+
+def file_pieces(encoder: Mapping[str, Any], records: Sequence[Record],
+                embeddings: Sequence[Optional["torch.Tensor"]]) -> tuple[int, Iterator[bytes]]:
+    """A whole file as (its length, its bytes in pieces: the header, then each tensor's bytes made when asked
+    for). Each record's embedding is stored under its `tensor` key; copies of one item under several keys are
+    read from one tensor (safetensors' own writer refuses shared storage: a 200-copy answer was the file and 199
+    clones in memory at once). The layout is safetensors' (8-byte header length, JSON header padded to 8 bytes,
+    the tensors' data back to back), which any safetensors reader checks."""
+    import torch
+
+    from .dtypes import dtype_name
+
+    header: dict[str, Any] = {"__metadata__": metadata(encoder, records)}
+    tensors, offset = [], 0
     for r, e in zip(records, embeddings):
-        if r.tensor is None or e is None or r.tensor in out:
+        if r.tensor is None or e is None or r.tensor in header:
             continue
-        ptr = e.untyped_storage().data_ptr()
-        out[r.tensor] = e.clone() if ptr in seen else e
-        seen.add(ptr)
-    return out
+        t = e.detach().cpu().contiguous()
+        size = t.numel() * t.element_size()
+        header[r.tensor] = {"dtype": _DTYPES[dtype_name(t.dtype)], "shape": list(t.shape),
+                            "data_offsets": [offset, offset + size]}
+        tensors.append(t)
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+
+    def pieces() -> Iterator[bytes]:
+        yield struct.pack("<Q", len(text)) + text
+        for t in tensors:
+            data = t.reshape(-1).view(torch.uint8).numpy()
+            for start in range(0, data.size, PIECE_BYTES):
+                yield data[start:start + PIECE_BYTES].tobytes()
+
+    return 8 + len(text) + offset, pieces()
 
 
 def to_bytes(encoder: Mapping[str, Any], records: Sequence[Record], embeddings: Sequence[Optional["torch.Tensor"]]
              ) -> bytes:
-    """A whole file in memory (the service's answer)."""
-    from safetensors.torch import save
-
-    return save(tensors_of(records, embeddings), metadata=metadata(encoder, records))
+    """A whole file in memory (`file_pieces` joined)."""
+    return b"".join(file_pieces(encoder, records, embeddings)[1])
 
 
 def save(path: str | os.PathLike, encoder: Mapping[str, Any], records: Sequence[Record],
@@ -317,8 +343,10 @@ def _json_pieces(encoder: Mapping[str, Any], records: Sequence[Record],
         if not bool(rows.isfinite().all()):
             raise ValueError(f"{r.source}: an embedding holds NaN or Inf, which JSON cannot hold")
         yield "["
-        for i in range(rows.shape[0]):
-            yield ("[" if i == 0 else ",[") + ",".join(map(float.__repr__, rows[i].tolist())) + "]"
+        step = max(1, 16384 // max(1, rows.shape[1]))  # rows made into floats at a time: ~16k values
+        for start in range(0, rows.shape[0], step):
+            yield ("" if start == 0 else ",") + ",".join(
+                "[" + ",".join(map(float.__repr__, row)) + "]" for row in rows[start:start + step].tolist())
         yield "]}"
     yield "]}"
 

@@ -193,10 +193,6 @@ class DecodeBudget:
         self.limit, self.used = limit, 0
         self._lock = threading.Lock()
 
-    @property
-    def left(self) -> int:
-        return self.limit - self.used
-
     def charge(self, pixels: int, name: str) -> None:
         with self._lock:
             self.used += pixels
@@ -214,6 +210,7 @@ def frame_work(pixels: int) -> int:
 class _Limits:
     deadline: Optional[float] = None  # time.monotonic() after which decoding stops (a caller gave up waiting)
     budget: Optional[DecodeBudget] = None  # decoding work (every frame up to the last sampled one is decoded)
+    charged = 0  # what this video has charged to the budget, every pass (the rest is other videos')
     frame_pixels = 0  # as the stream header says (refusing a clear case before decoding)
 
     def __init__(self, name: str, max_frames: Optional[int], max_duration_s: Optional[float],
@@ -243,7 +240,9 @@ class _Limits:
         the frames), its work charged to the budget; then the deadline."""
         self.check_size(frame.width, frame.height)
         if self.budget is not None:
-            self.budget.charge(frame_work(frame.width * frame.height), self.name)
+            work = frame_work(frame.width * frame.height)
+            self.charged += work
+            self.budget.charge(work, self.name)
         self.check_time()
 
     def check_length(self, num_frames: int, fps: float, at_least: bool = False) -> None:
@@ -259,11 +258,11 @@ class _Limits:
                 raise MediaError(f"{self.name}: sampling at {min(self.sample_fps, fps):g} fps gives {more}{n} frames "
                                  f"({seconds:.1f} s of video), more than max_frames={self.max_frames}")
         work = num_frames * frame_work(self.frame_pixels)
-        if self.budget is not None and work > self.budget.left:
+        others = 0 if self.budget is None else self.budget.used - self.charged
+        if self.budget is not None and work > self.budget.limit - others:
             raise MediaError(f"{self.name}: decoding {more}{num_frames} frames of {self.frame_pixels} pixels is "
                              f"{work} pixels (at least {FRAME_MIN_PIXELS} a frame), more than max_decoded_pixels="
-                             f"{self.budget.limit}" + (f" ({self.budget.used} used by other videos)"
-                                                       if self.budget.used else ""))
+                             f"{self.budget.limit}" + (f" ({others} used by other videos)" if others else ""))
 
 
 def _count_frames(source: Container, limits: _Limits) -> int:

@@ -107,7 +107,8 @@ def _list_manifest(manifest: Path) -> list[Source]:
         else:
             name = line
         if too_long(name):  # its record names the line and the start of the path
-            out.append(Source(f"{manifest.name}:{lineno}: {label(name)}", manifest, "image", error=too_long(name)))
+            out.append(Source(stored(f"{manifest.name}:{lineno}: {label(name)}"), manifest, "image",
+                              error=too_long(name)))
             continue
         if "\0" in name:
             out.append(Source(stored(name), manifest, "image", error="the path holds a NUL character, which no "

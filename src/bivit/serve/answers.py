@@ -1,12 +1,14 @@
-"""Writing an answer to its client: in pieces, the JSON one made as it is sent, and what it holds released once it
-is written or its client is gone.
+"""Writing an answer to its client: made in pieces as it is sent, and what it holds released once it is written or
+its client is gone.
 
-A body handed to the server whole is copied twice more (by h11, then into the socket's write buffer) and stays
-there while the client does not read: four clients that asked for ~210 MB answers and read nothing took a
-server from 280 MB to 2.9 GB. In 256 KiB pieces, each sent when the previous one has left the write buffer, an
-answer costs itself and about one piece. A JSON answer (`?format=json`, ~20 bytes a value) was one `json.dumps`
-call of 12 s under the interpreter lock for 145 MB; it is made a row at a time on a worker thread, as it is
-sent (`bivit.records.json_chunks`). A client that reads nothing is cut off by the server's write timeout
+An answer made whole was a file of every copy of every item (safetensors' writer cloning each copy's rows),
+then copied twice more (by h11, then into the socket's write buffer) and kept while the client did not read:
+four clients that asked for ~210 MB answers (200 copies of one image) and read nothing took a server from 280
+MB to 2.9 GB. Made in pieces (`bivit.records.file_pieces`: the header, then each tensor's bytes; copies of an
+item read from its one tensor), each sent when the previous one has left the write buffer, an answer costs its
+embeddings and about one piece. A JSON answer (`?format=json`, ~20 bytes a value) was one `json.dumps` call of
+12 s under the interpreter lock for 145 MB; it is made a row at a time (`bivit.records.json_chunks`). Pieces
+are made on a worker thread. A client that reads nothing is cut off by the server's write timeout
 (`bivit.serve.app`); its answer stops being made.
 """
 
@@ -26,17 +28,17 @@ CLIENT_RECEIVE = "bivit.client_receive"
 
 
 class Answer(Response):
-    """An answer of `content` (bytes, sent in `PIECE`s, or an iterator of pieces, made on a worker thread and sent
-    without a length); `release` runs once it is written or abandoned (what it held against
+    """An answer of `content` (bytes, sent in `PIECE`s, or an iterator of pieces made on a worker thread, of
+    `length` bytes when known); `release` runs once it is written or abandoned (what it held against
     `--max-answers-mb`)."""
 
     def __init__(self, content: Union[bytes, Iterator[bytes]], media_type: str, status_code: int = 200,
-                 release: Optional[Callable[[], None]] = None):
+                 release: Optional[Callable[[], None]] = None, length: Optional[int] = None):
         self.status_code, self.media_type, self.background = status_code, media_type, None
         self._content, self._release = content, release or (lambda: None)
         if isinstance(content, bytes):
-            self.body = content  # for its Content-Length
-        self.init_headers()
+            length = len(content)
+        self.init_headers(None if length is None else {"content-length": str(length)})
 
     async def __call__(self, scope, receive, send) -> None:
         gone = asyncio.Event()

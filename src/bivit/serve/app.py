@@ -29,7 +29,6 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .. import records
 from ..encoder import Encoder
 from ..names import SHOWN_CHARS, shown
 from .answers import CLIENT_RECEIVE, Answer
@@ -245,12 +244,10 @@ async def _answer(svc: Service, request: Request, results: list, info: dict, fmt
         request.state.error = failed[0].error
         body = await asyncio.get_running_loop().run_in_executor(None, failed_answer, info, results)
         return Answer(body, "application/json", 500 if internal else 422, release)
-    if fmt == "json":  # made row by row as it is sent (`bivit.serve.answers`)
-        return Answer(records.json_chunks(info, results, [r.embedding for r in results]), "application/json",
-                      release=release)
-    # Serialising takes a while for big answers; keep it off the event loop.
-    body = await asyncio.get_running_loop().run_in_executor(None, answer, info, results)
-    return Answer(body, SAFETENSORS_MEDIA_TYPE, release=release)
+    # Made as it is sent (`bivit.serve.answers`); the file's header (every record) off the event loop.
+    length, pieces = await asyncio.get_running_loop().run_in_executor(None, answer, info, results, fmt == "json")
+    return Answer(pieces, "application/json" if fmt == "json" else SAFETENSORS_MEDIA_TYPE, release=release,
+                  length=length)
 
 
 async def _unless_disconnected(request: Request, work):

@@ -16,7 +16,7 @@ import base64
 import binascii
 import json
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from .. import records
 from ..errors import BivitError
@@ -131,11 +131,15 @@ def error_body(kind: str, message: str, **extra: Any) -> dict:
     return {"error": {"kind": kind, "message": message}, **extra}
 
 
-def answer(info: dict, recs: list[records.Record], as_json: bool = False) -> bytes:
-    """The answer to a request: an embedding file of its records (or the same as JSON), `info` being the
-    encoder's description (`Encoder.describe()`) at the weights that computed them."""
+def answer(info: dict, recs: list[records.Record], as_json: bool = False) -> tuple[Optional[int], Iterator[bytes]]:
+    """The answer to a request, `info` being the encoder's description (`Encoder.describe()`) at the weights that
+    computed them, in pieces made as they are asked for: an embedding file of its records (its length known,
+    `records.file_pieces`), or the same as JSON (made a row at a time, `records.json_chunks`; its length not
+    known)."""
     embeddings = [r.embedding for r in recs]
-    return records.to_json(info, recs, embeddings) if as_json else records.to_bytes(info, recs, embeddings)
+    if as_json:
+        return None, records.json_chunks(info, recs, embeddings)
+    return records.file_pieces(info, recs, embeddings)
 
 
 def failed_answer(info: dict, recs: list[records.Record]) -> bytes:
