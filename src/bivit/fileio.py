@@ -210,7 +210,7 @@ class JsonCost:
 _SCAN_CHUNK = 1 << 20
 
 
-def json_cost(data: bytes, stop_after: Optional[int] = None) -> JsonCost:
+def json_cost(data: Union[bytes, bytearray], stop_after: Optional[int] = None) -> JsonCost:
     """`JsonCost` of UTF-8 JSON text, in 1 MiB chunks with numpy: a step holds the interpreter lock for about a
     millisecond, memory is at most ~20 bytes per byte of one chunk (~20 MB) whatever the text, and a chunk inside
     one long string (base64 data) costs one comparison. Strings are found as the parser finds them (a quote ends a
@@ -297,7 +297,7 @@ class TooManyElements(ValueError):
 MAX_JSON_ELEMENTS = 4_000_000
 
 
-def parse_json(data: Union[bytes, str], max_depth: int = MAX_JSON_DEPTH,
+def parse_json(data: Union[bytes, bytearray, str], max_depth: int = MAX_JSON_DEPTH,
                max_elements: Optional[int] = MAX_JSON_ELEMENTS) -> Any:
     """The value of JSON text from outside bivit; ValueError if it is not JSON (or not UTF-8/16/32), nests
     deeper than `max_depth` or repeats a key in one object; TooManyElements if it holds more than `max_elements`

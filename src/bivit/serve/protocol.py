@@ -82,7 +82,7 @@ def too_many_items(n: object, max_items: int) -> RequestError:
                         "(every copy and every failed item counted); split it")
 
 
-def parse_json_request(body: bytes, max_items: int) -> list[UploadItem]:
+def parse_json_request(body: bytes | bytearray, max_items: int) -> list[UploadItem]:
     """The items of a JSON request body; RequestError (400) when the body is not the documented shape, 413 when
     it holds more JSON elements than `max_items` items need (counted before parsing: nothing is built).
 
