@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import base64
-import io
 import json
 import os
 import re
@@ -41,37 +40,14 @@ import time
 from pathlib import Path
 
 import httpx
-import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from hostile_load import one_bit_png  # noqa: E402
-from support.media import png_bytes  # noqa: E402
+from support.media import png_bytes, tiny_video  # noqa: E402
 from support.server import HealthProbe, ServerProcess, peak_mb, reset_peak, rss_mb  # noqa: E402
 
 MB = 2**20
-
-
-def tiny_video(frames: int, fps: int, size: int = 16) -> bytes:
-    """An H.264 MP4 of `frames` black `size` x `size` frames at `fps` (x264 ultrafast: ~20 us a frame)."""
-    import av
-    from fractions import Fraction
-
-    buf = io.BytesIO()
-    out = av.open(buf, "w", format="mp4")
-    stream = out.add_stream("libx264", rate=Fraction(fps))
-    stream.width = stream.height = size
-    stream.pix_fmt = "yuv420p"
-    stream.options = {"preset": "ultrafast", "tune": "zerolatency"}
-    frame = av.VideoFrame.from_ndarray(np.zeros((size, size, 3), np.uint8), format="rgb24").reformat(format="yuv420p")
-    for i in range(frames):
-        frame.pts = i
-        for packet in stream.encode(frame):
-            out.mux(packet)
-    for packet in stream.encode(None):
-        out.mux(packet)
-    out.close()
-    return buf.getvalue()
 
 
 class Measured:
@@ -95,9 +71,14 @@ class Measured:
               flush=True)
 
     def post(self, path: str = "/v1/encode", **kw) -> tuple[httpx.Response, float]:
+        headers = {**self.srv.headers, **kw.pop("headers", {})}
+        body = kw.pop("content", None)
+        if body is not None:  # sent in 1 MiB views: httpx slices what is left of a body after every send (copies)
+            view = memoryview(body)
+            kw["content"] = (view[i:i + MB] for i in range(0, len(view), MB))
+            headers["Content-Length"] = str(len(body))
         t0 = time.monotonic()
-        r = httpx.post(f"{self.srv.url}{path}", timeout=600, headers={**self.srv.headers, **kw.pop("headers", {})},
-                       **kw)
+        r = httpx.post(f"{self.srv.url}{path}", timeout=600, headers=headers, **kw)
         return r, time.monotonic() - t0
 
     def close(self) -> None:
