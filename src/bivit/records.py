@@ -29,9 +29,9 @@ key its record names. A record (`Record`, `RECORD_KEYS`) is:
     error         why the item has no embedding (null when it has one)
 
 plus what only one writer knows, under keys of its own (the service: `cached`, `error_kind`; a dataset:
-`shard`, `size`, `mtime_ns`, `seq`; `bivit encode` and the service with --ec-dir: `ec_ids`), read back into
-`Record.extra` (and readable as attributes: `r.cached`). A dataset folder keeps the same
-records in `manifest.jsonl` and the encoder in `dataset.json` (see `bivit.dataset.format`).
+`shard`, `size`, `mtime_ns`, `seq`; --ec-dir: `ec_ids`), read back into `Record.extra` (and readable as
+attributes: `r.cached`). A dataset folder keeps the same records in `manifest.jsonl` and the encoder in
+`dataset.json` (see `bivit.dataset.format`).
 
 Files of older bivit versions still open: `bivit.encode/1` (`bivit encode`: one "bivit" JSON key),
 `bivit.response/1` (the service) and dataset folders written before shards carried records; anything else is
@@ -194,8 +194,7 @@ def record(source: str, *, kind: str, sha256: Optional[str], grid_thw: Sequence,
            tensor: Optional[str] = None, error: Optional[str] = None, tensor_sha256: Optional[str] = None,
            **extra: Any) -> Record:
     """A record for a writer: `placeholders` as `bivit.Placeholder`s or their dicts; `sizes` per chunk (width,
-    height) or None where unknown; `tensor_sha256`: its embedding's `embedding_sha256`; `extra`: the writer's
-    keys."""
+    height) or None where unknown; `tensor_sha256`: `embedding_sha256` of its embedding; `extra`: its own keys."""
     return Record(source=source, kind=kind, sha256=sha256, tokens=sum(int(n) for n in chunk_tokens),
                   grid_thw=[list(map(int, g)) for g in grid_thw], chunk_tokens=[int(n) for n in chunk_tokens],
                   sizes=chunk_sizes(sizes, len(grid_thw)),
@@ -233,8 +232,7 @@ def of_result(result: Any, tensor: Optional[str] = None, **extra: Any) -> Record
 
 
 def embedding_sha256(tensor: "torch.Tensor") -> str:
-    """The sha256 of a tensor's bytes as a safetensors file stores them (C order, little-endian: this machine's
-    order, which bivit's platforms share): a record's `tensor_sha256`."""
+    """A record's `tensor_sha256`: the sha256 of a tensor's bytes as a safetensors file stores them (C order)."""
     import hashlib
 
     import torch
@@ -257,11 +255,9 @@ _DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "float64": "F
 
 def file_pieces(encoder: Mapping[str, Any], records: Sequence[Record],
                 embeddings: Sequence[Optional["torch.Tensor"]]) -> tuple[int, Iterator[bytes]]:
-    """A whole file as (its length, its bytes in pieces: the header, then each tensor's bytes made when asked
-    for). Each record's embedding is stored under its `tensor` key; copies of one item under several keys are
-    read from one tensor (safetensors' own writer refuses shared storage: a 200-copy answer was the file and 199
-    clones in memory at once). The layout is safetensors' (8-byte header length, JSON header padded to 8 bytes,
-    the tensors' data back to back), which any safetensors reader checks."""
+    """A file as (its length, its bytes in pieces made when asked for), safetensors' layout: 8-byte header length,
+    JSON header padded to 8 bytes, the tensors back to back; each record's embedding under its `tensor` key, copies
+    of one item read from one tensor (safetensors' writer refuses shared storage: 199 clones for 200 copies)."""
     import torch
 
     from .dtypes import dtype_name
@@ -303,52 +299,6 @@ def save(path: str | os.PathLike, encoder: Mapping[str, Any], records: Sequence[
     from .fileio import write_atomic
 
     write_atomic(path, to_bytes(encoder, records, embeddings))
-
-
-def to_json(encoder: Mapping[str, Any], records: Sequence[Record], embeddings: Sequence[Optional["torch.Tensor"]]
-            ) -> bytes:
-    """The same as JSON (the service's `?format=json`): each record with `embedding` as nested float lists.
-    Python floats print the shortest repr that round-trips: float32 (and bfloat16) values come back exactly when
-    cast to the encoder's output dtype."""
-    return b"".join(json_chunks(encoder, records, embeddings))
-
-
-def json_chunks(encoder: Mapping[str, Any], records: Sequence[Record],
-                embeddings: Sequence[Optional["torch.Tensor"]], size: int = 2**20) -> Iterator[bytes]:
-    """`to_json`'s text in pieces of about `size` bytes, each made when asked for, one embedding row at a time
-    (a 145 MB answer made by one `json.dumps` call held the interpreter lock for 12 s, and its floats 1 GB)."""
-    pending: list[str] = []
-    held = 0
-    for piece in _json_pieces(encoder, records, embeddings):
-        pending.append(piece)
-        held += len(piece)
-        if held >= size:
-            yield "".join(pending).encode()
-            pending, held = [], 0
-    yield "".join(pending).encode()
-
-
-def _json_pieces(encoder: Mapping[str, Any], records: Sequence[Record],
-                 embeddings: Sequence[Optional["torch.Tensor"]]) -> Iterator[str]:
-    def dumps(obj: Any) -> str:
-        return json.dumps(obj, separators=(",", ":"), allow_nan=False)
-
-    yield dumps({"format": FORMAT, "encoder": dict(encoder)})[:-1] + ',"items":['
-    for k, (r, e) in enumerate(zip(records, embeddings)):
-        yield ("," if k else "") + dumps(r.to_json())[:-1] + ',"embedding":'
-        if e is None:
-            yield "null}"
-            continue
-        rows = e.float()
-        if not bool(rows.isfinite().all()):
-            raise ValueError(f"{r.source}: an embedding holds NaN or Inf, which JSON cannot hold")
-        yield "["
-        step = max(1, 16384 // max(1, rows.shape[1]))  # rows made into floats at a time: ~16k values
-        for start in range(0, rows.shape[0], step):
-            yield ("" if start == 0 else ",") + ",".join(
-                "[" + ",".join(map(float.__repr__, row)) + "]" for row in rows[start:start + step].tolist())
-        yield "]}"
-    yield "]}"
 
 
 # ------------------------------------------------------------------------------------------------ reading
@@ -403,9 +353,8 @@ class Embeddings(Sequence[Record]):
 def check_embedding(embedding: Any, tokens: int, dtype: Optional[str], name: str, checksum: Optional[str] = None,
                     file: Optional[str] = None) -> None:
     """FormatError naming `file` and `name` (the tensor) unless `embedding` is what its record says: a 2-D tensor
-    of `tokens` rows, in `dtype` (a torch dtype's name, when the file states one), whose bytes have the record's
-    `checksum` (`tensor_sha256`; a record without one, of an older file, is read unverified: said once per
-    file)."""
+    of `tokens` rows, in `dtype` (a torch dtype's name, if stated), with the record's `checksum` (`tensor_sha256`;
+    none in older files: read unverified, said once per file)."""
     name = f"{file}: {name}" if file else name
     shape = tuple(getattr(embedding, "shape", ()))
     if len(shape) != 2 or shape[0] != tokens:
@@ -413,21 +362,16 @@ def check_embedding(embedding: Any, tokens: int, dtype: Optional[str], name: str
     stored = str(embedding.dtype).removeprefix("torch.")
     if dtype is not None and stored != dtype:
         raise FormatError(f"{name}: a {stored} tensor, its file says {dtype}")
-    if checksum is None:
-        _unverified(file or name)
-    elif embedding_sha256(embedding) != checksum:
+    if checksum is None and (file or name) not in _UNVERIFIED:
+        _UNVERIFIED.add(file or name)
+        logging.getLogger(__name__).warning(f"{file or name}: written without tensor checksums (an older bivit): "
+                                            "its embeddings are read unverified")
+    elif checksum is not None and embedding_sha256(embedding) != checksum:
         raise FormatError(f"{name}: its bytes do not match the checksum its record holds (tensor_sha256): the file "
                           "is damaged")
 
 
-_UNVERIFIED: set = set()
-
-
-def _unverified(file: str) -> None:
-    if file not in _UNVERIFIED:
-        _UNVERIFIED.add(file)
-        logging.getLogger(__name__).warning(f"{file}: written without tensor checksums (an older bivit): its "
-                                            "embeddings are read unverified")
+_UNVERIFIED: set = set()  # files said to be read unverified
 
 
 def file_metadata(path: str | os.PathLike) -> dict:

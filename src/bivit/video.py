@@ -56,18 +56,15 @@ Decisions this module makes (the reference does not say):
     second whatever the rate, and every frame up to the last sampled one is decoded: a 58 MB MP4 of 4.5 M 16x16
     frames at 4.5 M fps (1 s long) was ~80 s of decoding for 2 sampled frames. No camera short of a scientific
     high-speed one records faster than 1000 fps.
-  * `max_decoded_pixels` (the service's `--max-video-mpixels`): decoding work, each decoded frame counting its
-    pixels but at least `FRAME_MIN_PIXELS` (FFmpeg's and bivit's fixed work per frame: a 16x16 frame costs about
-    12 us to decode, as many as ~1,700 pixels of a large one); from the container's frame count before decoding
-    when it has one, then frame by frame in every pass. A `DecodeBudget` shares one limit between several videos
-    (a request's).
+  * `max_decoded_pixels` (the service's `--max-video-mpixels`): decoding work (`bivit.container.DecodeBudget`:
+    each frame its pixels, at least `FRAME_MIN_PIXELS`), from the container's frame count before decoding when
+    it has one, then frame by frame in every pass; one budget may be shared by several videos (a request's).
 """
 
 from __future__ import annotations
 
 import math
 import os
-import threading
 from datetime import datetime, timezone
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -79,8 +76,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from .container import (TRUNCATION_SLACK, VIDEO_DEMUXERS, Container, VideoInput, check_complete,  # noqa: F401
-                        translate_errors)  # the limits' names re-exported where callers found them
+from .container import (FRAME_MIN_PIXELS, TRUNCATION_SLACK, VIDEO_DEMUXERS, Container, DecodeBudget,  # noqa: F401
+                        VideoInput, check_complete, frame_work, translate_errors)  # the limits' names re-exported
 from .decode import check_deadline, load_image
 from .errors import ConfigError, MediaError
 from .grids import processing_of
@@ -93,10 +90,6 @@ MAX_FRAMES = 1024
 MAX_DURATION_S = 4 * 3600.0
 MAX_FRAME_PIXELS = 7680 * 4320
 MAX_FPS = 1000.0
-# What a decoded frame counts against `max_decoded_pixels` at least (a 128x128 frame): its fixed cost (FFmpeg's
-# per-frame work, bivit's per-frame checks) is ~12 us, what ~1,700 pixels of a large frame cost; counted at 10x
-# that, a video of tiny frames is charged for its frames, not its pixels.
-FRAME_MIN_PIXELS = 128 * 128
 
 
 @dataclass
@@ -181,30 +174,6 @@ def _check_positive(option: str, value: object, integer: bool = False, allow_non
 
 def _describe(src: VideoInput) -> str:
     return f"<video {len(src)} bytes>" if isinstance(src, bytes) else os.fspath(src)
-
-
-class DecodeBudget:
-    """Decoding work (frames x max(frame pixels, `FRAME_MIN_PIXELS`)) that one or several videos may do, charged
-    as frames are decoded; thread-safe, so a request's videos, decoded in parallel, share one. A video over it
-    raises a MediaError naming itself."""
-
-    def __init__(self, limit: int):
-        _check_positive("max_decoded_pixels", limit, integer=True)
-        self.limit, self.used = limit, 0
-        self._lock = threading.Lock()
-
-    def charge(self, pixels: int, name: str) -> None:
-        with self._lock:
-            self.used += pixels
-            over = self.used > self.limit
-        if over:
-            raise MediaError(f"{name}: decoding its frames takes more than max_decoded_pixels={self.limit} "
-                             f"pixels (frames decoded x their pixels, at least {FRAME_MIN_PIXELS} a frame)")
-
-
-def frame_work(pixels: int) -> int:
-    """What decoding one frame of `pixels` pixels counts against a `DecodeBudget`."""
-    return max(pixels, FRAME_MIN_PIXELS)
 
 
 class _Limits:

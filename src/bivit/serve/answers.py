@@ -7,8 +7,8 @@ four clients that asked for ~210 MB answers (200 copies of one image) and read n
 MB to 2.9 GB. Made in pieces (`bivit.records.file_pieces`: the header, then each tensor's bytes; copies of an
 item read from its one tensor), each sent when the previous one has left the write buffer, an answer costs its
 embeddings and about one piece. A JSON answer (`?format=json`, ~20 bytes a value) was one `json.dumps` call of
-12 s under the interpreter lock for 145 MB; it is made a row at a time (`bivit.records.json_chunks`). Pieces
-are made on a worker thread. A client that reads nothing is cut off by the server's write timeout
+12 s under the interpreter lock for 145 MB; it is made a few rows at a time (`bivit.serve.protocol.json_chunks`).
+Pieces are made on a worker thread. A client that reads nothing is cut off by the server's write timeout
 (`bivit.serve.app`); its answer stops being made.
 """
 

@@ -134,11 +134,10 @@ def error_body(kind: str, message: str, **extra: Any) -> dict:
 def answer(info: dict, recs: list[records.Record], as_json: bool = False) -> tuple[Optional[int], Iterator[bytes]]:
     """The answer to a request, `info` being the encoder's description (`Encoder.describe()`) at the weights that
     computed them, in pieces made as they are asked for: an embedding file of its records (its length known,
-    `records.file_pieces`), or the same as JSON (made a row at a time, `records.json_chunks`; its length not
-    known)."""
+    `records.file_pieces`), or the same as JSON (`json_chunks`; its length not known)."""
     embeddings = [r.embedding for r in recs]
     if as_json:
-        return None, records.json_chunks(info, recs, embeddings)
+        return None, json_chunks(info, recs, embeddings)
     return records.file_pieces(info, recs, embeddings)
 
 
@@ -149,3 +148,42 @@ def failed_answer(info: dict, recs: list[records.Record]) -> bytes:
     body = error_body(failed[0].error_kind or "internal", "every item failed: " + shown, format=records.FORMAT,
                       encoder=info, items=[r.to_json() for r in recs])
     return json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+
+
+def json_chunks(encoder: dict, recs: list[records.Record], embeddings: list, size: int = 2**20) -> Iterator[bytes]:
+    """The JSON answer (`?format=json`: `{"format", "encoder", "items"}`, each record with `embedding` as nested
+    float lists; Python floats print the shortest repr that round-trips, so float32 and bfloat16 values come back
+    exactly when cast to the encoder's output dtype) in pieces of about `size` bytes, each made when asked for, a
+    few rows at a time (a 145 MB answer made by one `json.dumps` call held the interpreter lock for 12 s, and its
+    floats 1 GB)."""
+    pending: list[str] = []
+    held = 0
+    for piece in _json_pieces(encoder, recs, embeddings):
+        pending.append(piece)
+        held += len(piece)
+        if held >= size:
+            yield "".join(pending).encode()
+            pending, held = [], 0
+    yield "".join(pending).encode()
+
+
+def _json_pieces(encoder: dict, recs: list[records.Record], embeddings: list) -> Iterator[str]:
+    def dumps(obj: Any) -> str:
+        return json.dumps(obj, separators=(",", ":"), allow_nan=False)
+
+    yield dumps({"format": records.FORMAT, "encoder": dict(encoder)})[:-1] + ',"items":['
+    for k, (r, e) in enumerate(zip(recs, embeddings)):
+        yield ("," if k else "") + dumps(r.to_json())[:-1] + ',"embedding":'
+        if e is None:
+            yield "null}"
+            continue
+        rows = e.float()
+        if not bool(rows.isfinite().all()):
+            raise ValueError(f"{r.source}: an embedding holds NaN or Inf, which JSON cannot hold")
+        yield "["
+        step = max(1, 16384 // max(1, rows.shape[1]))  # rows made into floats at a time: ~16k values
+        for start in range(0, rows.shape[0], step):
+            yield ("" if start == 0 else ",") + ",".join(
+                "[" + ",".join(map(float.__repr__, row)) + "]" for row in rows[start:start + step].tolist())
+        yield "]}"
+    yield "]}"

@@ -13,7 +13,7 @@
 4. Each item's result is `bivit.items.assemble`'s (a video: its chunks joined), answered in input order; the
    answer's bytes are held against `max_answers_mb` from admission until it is written (`bivit.serve.answers`).
 
-A request's videos share one decoding budget (`max_video_mpixels`, `bivit.video.DecodeBudget`), charged from
+A request's videos share one decoding budget (`max_video_mpixels`, `bivit.container.DecodeBudget`), charged from
 their headers before anything is decoded and then frame by frame; heavy videos decode in a pool of their own.
 
 Weight updates (`POST /v1/weights`) pass a gate that requests hold shared and an update holds alone: the
@@ -40,14 +40,16 @@ from dataclasses import replace
 from collections.abc import Mapping
 from typing import Callable, Iterator, NamedTuple, Optional
 
+from .. import records
+from ..container import FRAME_MIN_PIXELS, DecodeBudget
 from ..decode import image_header, image_work_bytes
 from ..encoder import Encoder
-from .. import records
 from ..encoder_cache import EncoderCacheError, Sink
 from ..errors import BivitError, CheckpointError, MediaError
 from ..grids import PATCH_SIZE, grid_tokens, image_grid
 from ..items import ItemResult, Prepared, assemble
-from ..video import FRAME_MIN_PIXELS, DecodeBudget, decode_work
+from ..preprocess_config import ProcessorConfig
+from ..video import decode_work
 from .batcher import Batcher
 from .bodies import BodyReader
 from .embedding_cache import EmbeddingCache
@@ -90,6 +92,19 @@ class _Cost(NamedTuple):
     pixels: Optional[int] = None
     tokens: Optional[int] = None
     work: Optional[int] = None
+
+
+def item_cost(item: UploadItem, processing: ProcessorConfig) -> _Cost:
+    """An item's `_Cost` from its header alone, under the model's `processing` (nothing known when the header is
+    unreadable: decoding will then say what is wrong)."""
+    try:
+        if item.kind == "video":
+            return _Cost(work=decode_work(item.data, name=item.name))
+        head = image_header(item.data, processing)
+    except MediaError:
+        return _Cost()
+    gh, gw = image_grid(head.width, head.height, processing)
+    return _Cost(gh * gw * PATCH_BYTES, grid_tokens(gh, gw), head.work_bytes)
 
 
 class WeightsGate:
@@ -161,12 +176,10 @@ class Service:
 
     @property
     def weights_limit_mb(self) -> float:
-        """The largest `POST /v1/weights` body taken: --max-weights-mb, else the served model's weights as their
-        dtypes store them + 16 MiB (of header), the largest a valid update can be."""
-        if self.settings.max_weights_mb is not None:
-            return self.settings.max_weights_mb
+        """--max-weights-mb, else the served model's weights as their dtypes store them + 16 MiB of header: the
+        largest a valid update can be."""
         weights = sum(t.numel() * t.element_size() for t in self.encoder.model.state_dict().values())
-        return weights / 2**20 + 16
+        return self.settings.max_weights_mb or weights / 2**20 + 16
 
     @property
     def fingerprint(self) -> str:
@@ -198,20 +211,8 @@ class Service:
         return self.encoder.prepare(item.data, name=item.name, kind=item.kind, sha256=sha256, deadline=deadline,
                                     video_options=dict(max_decoded_pixels=decode))
 
-    def _cost(self, item: UploadItem) -> _Cost:
-        """An item's `_Cost` from its header alone, under the model's preprocessing (nothing known when the header
-        is unreadable: decoding will then say what is wrong)."""
-        try:
-            if item.kind == "video":
-                return _Cost(work=decode_work(item.data, name=item.name))
-            head = image_header(item.data, self.encoder.processing)
-        except MediaError:
-            return _Cost()
-        gh, gw = image_grid(head.width, head.height, self.encoder.processing)
-        return _Cost(gh * gw * PATCH_BYTES, grid_tokens(gh, gw), head.work_bytes)
-
     def _pool_for(self, item: UploadItem, work: Optional[int]) -> FairPool:
-        """Heavy and other videos, heavy, light and other images (`work`: `_cost`'s) each their pool."""
+        """Heavy and other videos, heavy, light and other images (`work`: `item_cost`'s) each their pool."""
         if item.kind == "video":
             return self.heavy_video_pool if work is None or work > self.heavy_video_work else self.video_pool
         if work is None:
@@ -221,7 +222,7 @@ class Service:
 
     async def encode_item(self, item: UploadItem, key: tuple, deadline: float, budget: "_Budget", cost: _Cost,
                           copies: int) -> ItemResult:
-        """One distinct item of a request (`cost`: `_cost`'s) -> the core's result (its error: why it failed,
+        """One distinct item of a request (`cost`: `item_cost`'s) -> the core's result (its error: why it failed,
         `error_kind` says which kind)."""
         pool = self._pool_for(item, cost.work)
         prepared = await asyncio.wrap_future(pool.submit(budget, self._prepare, item, key[2], deadline,
@@ -276,8 +277,8 @@ class Service:
                 for it in items]
 
     def _costs(self, items: list[UploadItem]) -> list[_Cost]:
-        """`_cost` of each item; on a worker thread: parsing a header is work too."""
-        return [self._cost(it) for it in items]
+        """`item_cost` of each item; on a worker thread: parsing a header is work too."""
+        return [item_cost(it, self.encoder.processing) for it in items]
 
     async def _encode_request(self, items: list[UploadItem], budget: "_Budget") -> list[records.Record]:
         deadline = time.monotonic() + self.settings.request_timeout_s
@@ -320,8 +321,7 @@ class Service:
                 raise RequestError(429, "queue_full", f"server busy: {items_text} in flight, --max-queue "
                                    f"{self.settings.max_queue}; retry later",
                                    {"Retry-After": str(self.settings.retry_after_s)})
-            # Images are counted from their headers, and videos' decoding work from theirs, before anything is
-            # decoded.
+            # Images are counted from their headers, and videos' decoding work from theirs, before decoding.
             cost = dict(zip(unique, await loop.run_in_executor(None, self._costs, [items[i] for i in unique.values()])))
             budget.check_decoding(sum(c.work for key, c in cost.items() if items[unique[key]].kind == "video"
                                       and c.work is not None))
@@ -452,8 +452,7 @@ class _Budget:
 
 class _LazyTensors(Mapping):
     """The tensors of an open safetensors file, each read when asked for (a weight update checks and copies one at
-    a time: what it holds is one tensor, not the whole body); a tensor that cannot be read is a CheckpointError
-    naming it."""
+    a time, not the whole body); one that cannot be read is a CheckpointError naming it."""
 
     def __init__(self, handle, source: str):
         self.handle, self.source, self._keys = handle, source, list(handle.keys())

@@ -55,7 +55,7 @@ class ServerSettings:
     max_queue_pixels_mb: float = 2048.0  # the same over all admitted requests (429 above)
     max_response_mb: float = 256.0  # one response, every copy of an item counted (JSON: ~20 bytes a value)
     max_answers_mb: Optional[float] = None  # answers being computed or written, all requests (None: 4 x the above)
-    max_video_mpixels: float = 65536.0  # decoding work of one request's videos (`bivit.video.DecodeBudget`), millions
+    max_video_mpixels: float = 65536.0  # decoding work of one request's videos (`bivit.container.DecodeBudget`), millions
     cache_mb: float = 256.0
     preprocess_threads: int = field(default_factory=lambda: max(1, min(4, os.cpu_count() or 1)))
     retry_after_s: int = 1
