@@ -43,22 +43,7 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the test helpers' real server process
 from support.media import blank_png  # noqa: E402
-from support.server import ServerProcess  # noqa: E402
-
-
-def rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
-
-
-def reset_peak(pid: int) -> None:
-    with open(f"/proc/{pid}/clear_refs", "w") as f:
-        f.write("5")  # VmHWM restarts from the current RSS
-
-
-def peak_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
+from support.server import HealthProbe, ServerProcess, peak_mb, reset_peak, rss_mb  # noqa: E402
 
 
 def one_bit_png(size: int, seed: int) -> bytes:
@@ -167,36 +152,6 @@ def chunk_flood(chunks: int) -> bytes:
     at = png.index(b"IDAT") - 4
     empty = struct.pack(">I", 0) + b"tEXt" + struct.pack(">I", zlib.crc32(b"tEXt"))
     return png[:at] + empty * chunks + png[at:]
-
-
-class HealthProbe:
-    """GET /health every 0.1 s on its own connection; `worst()` is the slowest answer since the last reset."""
-
-    def __init__(self, url: str):
-        self.url, self.times, self.failures = url, [], 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            t0 = time.monotonic()
-            try:
-                httpx.get(f"{self.url}/health", timeout=60)
-            except httpx.HTTPError:
-                self.failures += 1
-            self.times.append(time.monotonic() - t0)
-            time.sleep(0.1)
-
-    def worst(self) -> str:
-        out = f"/health worst {max(self.times, default=0):.2f} s over {len(self.times)} probes"
-        out += f", {self.failures} failed" if self.failures else ""
-        self.times, self.failures = [], 0
-        return out
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 def round4() -> None:

@@ -389,7 +389,9 @@ def test_encode_dataset_of_a_missing_source_or_a_bad_option_creates_no_output_fo
     assert f"{tmp_path / 'missing_dir'}: no such file or directory" in one_error_line(r)
     assert not (tmp_path / "x").exists() and "DEMO" not in r.stderr
     for option, says in ((["--engine", "bogus"], "expected 'local' or 'ray'"),
-                         (["--workers", "0"], "must be at least 1"), (["--shard-mb", "0"], "must be positive")):
+                         (["--workers", "0"], "--workers 0: expected a whole number from 1 to 4096"),
+                         (["--shard-mb", "0"], "--shard-mb 0.0: expected a size in MiB above 0"),
+                         (["--shard-mb", "nan"], "--shard-mb nan: expected")):
         r = run("encode-dataset", files["good"][0], "--out", tmp_path / "x", *option)
         assert says in one_error_line(r) and not (tmp_path / "x").exists(), option
 

@@ -520,7 +520,10 @@ def test_fifo_and_links_to_devices_are_refused_without_hanging(tmp_path):
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     errors = {e.source: e.error for e in open_dataset(out).errors}
     assert errors.keys() == {"pipe.png", "zero.png"}
-    assert "a FIFO" in errors["pipe.png"] and "a character device" in errors["zero.png"]
+    assert "a FIFO" in errors["pipe.png"] and "not followed" in errors["zero.png"]  # a link out of SRC
+    r = run_cli(src, "--out", tmp_path / "out1", "--follow-symlinks", timeout=60)  # followed: a device, refused
+    followed = {e.source: e.error for e in open_dataset(tmp_path / "out1").errors}
+    assert r.returncode == 1 and "a character device" in followed["zero.png"]
     manifest = tmp_path / "list.txt"
     manifest.write_text(f"{src / 'pipe.png'}\n{src / 'zero.png'}\n/dev/null\n{src / 'a.png'}\n")
     r = run_cli(manifest, "--out", tmp_path / "out2", timeout=60)

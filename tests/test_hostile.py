@@ -346,6 +346,25 @@ def test_rope_theta_out_of_range_names_the_key(tmp_path, theta):
         load_config(d)
 
 
+@pytest.mark.parametrize("key,value", [("init_pos_emb_time", 300_000), ("init_pos_emb_time", 2_000_000_000),
+                                       ("patch_size", 100_000), ("init_pos_emb_height", 1 << 20),
+                                       ("text_hidden_size", 1 << 30)])
+def test_absurd_config_sizes_are_refused_naming_the_key(tmp_path, key, value):
+    """`init_pos_emb_time` 300,000 was missing from the memory estimate (1154 MB for a 40-frame video instead of
+    312 MB); 2e9 failed the first video with "Unable to allocate 7.45 GiB", the skip line naming no file. Every
+    size key now has a bound and counts in the model's size, checked when config.json is read."""
+    from bivit.checkpoint import moonshot_config_dict
+
+    config = moonshot_config_dict(ModelConfig(pos_emb_height=8, pos_emb_width=8, hidden_size=32, num_layers=1,
+                                              num_heads=2, intermediate_size=64, text_hidden_size=32))
+    config["vision_config"][key] = value
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=rf"config key '{key}' = {value}: more than \d+"):
+        load_config(tmp_path)
+    assert ModelConfig(pos_emb_time=4096).parameter_estimate - ModelConfig(pos_emb_time=4).parameter_estimate \
+        == 4092 * 1152  # the temporal table of every frame the config declares, in the model's size
+
+
 def test_float_config_values_in_range_or_refused():
     for key, value in (("norm_eps", 1e-300), ("norm_eps", 0.0), ("projector_ln_eps", 2.0), ("rope_theta", 1e39)):
         with pytest.raises(ConfigError, match=key):
@@ -485,13 +504,14 @@ def test_a_heavy_image_never_holds_the_thread_a_small_one_needs():
     the pool is free (the control: a busy pool does hold back what is queued in it)."""
     from bivit.media import image_work_bytes
     from bivit.serve.protocol import UploadItem
-    from bivit.serve.serving import Service
+    from bivit.serve.serving import Service, item_cost
     from bivit.serve.settings import ServerSettings
 
     svc = Service(bivit.load_encoder(), ServerSettings(cache_mb=0, preprocess_threads=1))
     svc.heavy_bytes = image_work_bytes(112, 112, "RGB", svc.encoder.processing)  # small limits in tests
     heavy, small = UploadItem("heavy.png", png_bytes(300, 300, 1)), UploadItem("small.png", png_bytes(56, 56, 2))
-    assert svc._image_cost(heavy.data)[2] > svc.heavy_bytes >= svc._image_cost(small.data)[2]
+    assert item_cost(heavy, svc.encoder.processing).work > svc.heavy_bytes \
+        >= item_cost(small, svc.encoder.processing).work
     busy_pool_scenario(svc, "heavy_pool", first=small, held=heavy)
 
 
@@ -505,12 +525,14 @@ def busy_pool_scenario(svc, pool: str, first, held) -> None:
 
         async def scenario() -> None:
             held_task = asyncio.ensure_future(svc.encode_request([held]))
-            results, _ = await asyncio.wait_for(svc.encode_request([first]), 120)
+            results, _, release = await asyncio.wait_for(svc.encode_request([first]), 120)
+            release()
             assert results[0].embedding is not None and results[0].error is None
             await asyncio.sleep(0)
             assert not held_task.done()  # still queued behind the busy pool
             busy.set()
-            results, _ = await asyncio.wait_for(held_task, 120)
+            results, _, release = await asyncio.wait_for(held_task, 120)
+            release()
             assert results[0].embedding is not None and results[0].error is None
 
         asyncio.run(scenario())
@@ -677,17 +699,19 @@ def test_frames_bigger_than_the_header_are_refused_in_every_pass(fmt):
     small sizes: a 12,288-pixel frame limit, frames of 640x480 wherever sampling does not look. FFmpeg's decoder
     now refuses such a frame before allocating it (its own message says so), and every frame decoded in every pass
     counts its real size."""
+    from bivit.container import FRAME_MIN_PIXELS
     from bivit.video import SAMPLE_FPS, sample_frame_indices
 
     sampled = set(sample_frame_indices(30, 10, SAMPLE_FPS))
+    work = 2 * 30 * FRAME_MIN_PIXELS  # two passes (counting, sampling) of 30 frames of at most 128x128
     video = header_lies_video(fmt, (64, 48), (640, 480), sampled)
     with pytest.raises(MediaError, match="a frame is larger than max_frame_pixels=12288"):
         preprocess_video(video, max_frame_pixels=64 * 48 * 4)
     # The work limit counts the frames' real pixels, not the header's 64x48 per frame.
     with pytest.raises(MediaError, match="max_decoded_pixels"):
-        preprocess_video(video, max_decoded_pixels=30 * 64 * 48 * 8)
+        preprocess_video(video, max_decoded_pixels=work)
     honest = header_lies_video(fmt, (64, 48), (64, 48), sampled)  # the control: the same video, frames as declared
-    assert len(preprocess_video(honest, max_frame_pixels=64 * 48 * 4, max_decoded_pixels=30 * 64 * 48 * 8)) == 2
+    assert len(preprocess_video(honest, max_frame_pixels=64 * 48 * 4, max_decoded_pixels=work)) == 2
 
 
 VIDEO_PEAK_CHILD = """
@@ -782,18 +806,38 @@ def test_png_chunk_and_tiff_tag_floods_are_refused_before_parsing():
         load_image(tiff_tag_bomb(MAX_TIFF_TAG_VALUES + 1))
 
 
+def test_a_long_video_never_holds_the_thread_a_short_one_needs(tmp_path):
+    """Two 4.5 M-frame videos held both video threads until small video requests timed out. A video whose decoding
+    work (its header's frame count x frame size, at least 128x128 a frame) is heavy, or not known before
+    decoding, decodes in a pool of its own. Shown without timing, at small sizes: the heavy-video pool is held
+    busy while a long video waits in it; a short one completes meanwhile."""
+    from bivit.serve.protocol import UploadItem
+    from bivit.serve.serving import Service, item_cost
+    from bivit.serve.settings import ServerSettings
+    from bivit.container import FRAME_MIN_PIXELS
+
+    svc = Service(bivit.load_encoder(), ServerSettings(cache_mb=0, preprocess_threads=1))
+    svc.heavy_video_work = 20 * FRAME_MIN_PIXELS  # small limits in tests
+    long = UploadItem("long.mp4", make_video(tmp_path / "long.mp4", frames=40, fps=10).read_bytes())
+    short = UploadItem("short.mp4", make_video(tmp_path / "short.mp4", frames=8, fps=10).read_bytes())
+    assert item_cost(long, svc.encoder.processing).work > svc.heavy_video_work \
+        >= item_cost(short, svc.encoder.processing).work
+    busy_pool_scenario(svc, "heavy_video_pool", first=short, held=long)
+
+
 def test_a_light_image_never_waits_for_a_thread_decoding_a_large_one():
     """Two requests of 13 7500x7500 PNGs (under the heavy threshold) held both image threads; a one-image request
     waited for one of them. Light images (by their header) decode in a pool of their own. Shown without timing:
     the image pool is held busy; a light request completes meanwhile (the control: the busy pool holds back an
     image queued in it)."""
     from bivit.serve.protocol import UploadItem
-    from bivit.serve.serving import Service
+    from bivit.serve.serving import Service, item_cost
     from bivit.serve.settings import ServerSettings
 
     svc = Service(bivit.load_encoder(), ServerSettings(cache_mb=0, preprocess_threads=1))
     light, mid = UploadItem("light.png", png_bytes(56, 56, 21)), UploadItem("mid.png", png_bytes(1200, 1200, 22))
-    assert svc._image_cost(light.data)[2] <= svc.light_bytes < svc._image_cost(mid.data)[2] <= svc.heavy_bytes
+    assert item_cost(light, svc.encoder.processing).work <= svc.light_bytes \
+        < item_cost(mid, svc.encoder.processing).work <= svc.heavy_bytes
     busy_pool_scenario(svc, "pool", first=light, held=mid)
 
 

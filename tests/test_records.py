@@ -21,7 +21,7 @@ from bivit import records
 from support.media import make_image, make_video
 
 INPUTS = ("a.png", "clip.mp4", "b.jpg")
-COMPARED = ("source", "kind", "sha256", "tokens", "grid_thw", "chunk_tokens", "sizes", "timestamps",
+COMPARED = ("tensor_sha256", "source", "kind", "sha256", "tokens", "grid_thw", "chunk_tokens", "sizes", "timestamps",
             "placeholders", "error", "model", "fingerprint", "dtype")
 
 
@@ -170,3 +170,79 @@ def test_other_files_fail_naming_what_they_are(tmp_path):
         bivit.load_embeddings(text)
     with pytest.raises(bivit.BivitError, match="does not exist"):
         bivit.load_embeddings(tmp_path / "missing.safetensors")
+
+
+# ------------------------------------------------------------------------------ rows that prove they are the rows
+
+def _flip_tensor_bits(path: Path, every: int = 1024) -> None:
+    """One bit flipped per `every` bytes of a safetensors file's tensor data (its header kept)."""
+    data = bytearray(path.read_bytes())
+    start = 8 + int.from_bytes(data[:8], "little")
+    for at in range(start, len(data), every):
+        data[at] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("writer", ["encode", "answer", "folder"])
+def test_a_damaged_file_is_refused_naming_file_and_tensor(written, tmp_path, writer):
+    """One bit flipped per KB of a dataset shard's tensor data: `load_embeddings` and `open_dataset` returned 8 of
+    8 embeddings wrong (one with NaN), silently. Every record now holds its tensor's sha256 (`tensor_sha256`) and
+    every reader checks it: the first damaged tensor is a FormatError naming the file and the tensor. The
+    control: the same files undamaged read back equal."""
+    import shutil
+
+    src = written[writer]
+    copy = tmp_path / src.name
+    (shutil.copytree if src.is_dir() else shutil.copy)(src, copy)
+    damaged = next(copy.glob("shard-*.safetensors")) if copy.is_dir() else copy
+    readers = [lambda: [r.embedding for r in bivit.load_embeddings(copy)]]
+    if writer == "answer":  # the client reads an answer from memory
+        readers.append(lambda: records.from_bytes(damaged.read_bytes(), str(damaged)))
+    if writer == "folder":
+        readers += [lambda: [bivit.open_dataset(copy).tensor(r) for r in bivit.open_dataset(copy)],
+                    lambda: [r.embedding for r in bivit.load_embeddings(damaged)]]
+    for read in readers:
+        read()  # undamaged: read back, and checked
+    _flip_tensor_bits(damaged)
+    for read in readers:
+        with pytest.raises(records.FormatError, match=rf"{damaged.name}: tensor '\w+' of '[\w.]+': its bytes do not "
+                                                      "match the checksum its record holds"):
+            read()
+
+
+def test_files_without_checksums_still_open_said_once(written, tmp_path, caplog):
+    """Files written before records held `tensor_sha256` open as before; that they are read unverified is said
+    once per file."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    with safe_open(str(written["encode"]), "pt") as f:
+        meta = f.metadata()
+    items = [{k: v for k, v in item.items() if k != "tensor_sha256"} for item in json.loads(meta["items"])]
+    old = tmp_path / "old.safetensors"
+    save_file(load_file(str(written["encode"])), str(old), metadata={**meta, "items": json.dumps(items)})
+    with caplog.at_level("WARNING", logger="bivit.records"):
+        opened = bivit.load_embeddings(old)
+        new = bivit.load_embeddings(written["encode"])
+        for r, want in zip(opened, new):
+            assert r.tensor_sha256 is None and torch.equal(r.embedding, want.embedding)
+    said = [rec.getMessage() for rec in caplog.records if "unverified" in rec.getMessage()]
+    assert said == [f"{old}: written without tensor checksums (an older bivit): its embeddings are read unverified"]
+
+
+def test_a_header_of_empty_arrays_is_refused_before_it_is_built(tmp_path):
+    """A crafted embedding file whose header held 40 MB of `[]` took `load_embeddings` to 1.13 GB (the 256 MB
+    header cap allowed ~7 GB). JSON read from outside is counted first (elements of every kind): here 15 MB of
+    `[],` (5 million lists, ~450 MB if built) is refused before anything is built."""
+    bomb = tmp_path / "bomb.safetensors"
+    header = b'{"__metadata__": {"format": "bivit.embeddings/1"}, "x": [' + b"[]," * 5_000_000 + b"[]]}"
+    bomb.write_bytes(len(header).to_bytes(8, "little") + header)
+    code = ("import resource, sys, bivit\n"
+            "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+            "try:\n    bivit.load_embeddings(sys.argv[1])\nexcept bivit.BivitError as e:\n    print(e)\n"
+            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)")
+    r = subprocess.run([sys.executable, "-c", code, str(bomb)], capture_output=True, text=True, timeout=300)
+    message, grew_kb = r.stdout.splitlines()
+    assert message == f"{bomb}: not a safetensors file (unreadable header)", r.stdout + r.stderr
+    print(f"\nheader of 5,000,000 empty arrays: peak RSS +{int(grew_kb) / 1024:.0f} MB")
+    assert int(grew_kb) < 100 * 1024  # the 15 MB header and one chunk of counting

@@ -20,6 +20,12 @@ from .fileio import read_json
 # Bounds on what a config may ask bivit to build: K2.6 has 27 layers and 0.47B parameters.
 MAX_LAYERS = 1024
 MAX_PARAMETERS = 20_000_000_000
+# Each size key's own bound, so that no one key asks for a table or a layer nobody built (`init_pos_emb_time`
+# 2e9 failed the first video with "Unable to allocate 7.45 GiB"): K2.6's values are 14, 64x64x4, widths of 1152
+# to 7168; these are at least 64x them. The model's size as a whole is bounded by MAX_PARAMETERS.
+MAX_SIZES = {"patch_size": 1024, "pos_emb_height": 4096, "pos_emb_width": 4096, "pos_emb_time": 4096,
+             "hidden_size": 1 << 17, "intermediate_size": 1 << 19, "qkv_hidden_size": 1 << 17,
+             "mm_hidden_size": 1 << 17, "text_hidden_size": 1 << 19, "num_heads": 4096}
 # The float values' ranges, so that no accepted config makes every output NaN. The model computes in float32 or
 # narrower: an eps below float32's smallest normal number rounds to zero or loses precision (a constant row then
 # divides 0 by 0), one above 1 outweighs any normalised activation's variance; a RoPE base at or below 1 gives
@@ -81,6 +87,8 @@ class ModelConfig:
         for key in ("hidden_size", "num_layers", "intermediate_size", "text_hidden_size",
                     "pos_emb_height", "pos_emb_width", "pos_emb_time"):
             _check(getattr(self, key) > 0, key, getattr(self, key))
+        for key, most in MAX_SIZES.items():
+            _check(getattr(self, key) <= most, key, getattr(self, key), f"more than {most}")
         for key in ("norm_eps", "projector_ln_eps"):
             eps = getattr(self, key)
             _check(eps is None or (_is_number(eps) and EPS_RANGE[0] <= eps <= EPS_RANGE[1]), key, eps,
@@ -94,15 +102,17 @@ class ModelConfig:
                               f"more than the {MAX_PARAMETERS / 1e9:g}B bivit will build (hidden_size "
                               f"{self.hidden_size}, num_layers {self.num_layers}, intermediate_size "
                               f"{self.intermediate_size}, qkv_hidden_size {self.qkv_hidden_size}, text_hidden_size "
-                              f"{self.text_hidden_size}, pos_emb {self.pos_emb_height}x{self.pos_emb_width})")
+                              f"{self.text_hidden_size}, pos_emb {self.pos_emb_height}x{self.pos_emb_width}x"
+                              f"{self.pos_emb_time}, patch_size {self.patch_size})")
 
     @property
     def parameter_estimate(self) -> int:
-        """Weights of the tower and projector, give or take biases and norms (K2.6: 471M)."""
+        """Weights of the tower and projector, give or take biases and norms, and the temporal table the model
+        builds of every size key (K2.6: 471M)."""
         d, a, m = self.hidden_size, self.attn_width, self.projector_input_size * self.merge_area
         per_layer = 4 * a * d + 2 * d * self.intermediate_size
         return (self.num_layers * per_layer + self.pos_emb_height * self.pos_emb_width * d
-                + 3 * self.patch_size ** 2 * d + m * m + m * self.text_hidden_size)
+                + self.pos_emb_time * d + 3 * self.patch_size ** 2 * d + m * m + m * self.text_hidden_size)
 
     @property
     def attn_width(self) -> int:

@@ -3,13 +3,15 @@ FFmpeg sees it (`still_image`), then only the demuxers of `VIDEO_DEMUXERS`, no p
 so nothing nests another open), the stream and its frame rate read, frames above the size limit refused by
 the decoder before it allocates them, the length the container declares for the
 truncation check (`TRUNCATION_SLACK`), and anything PyAV raises turned into a MediaError naming the input
-(docs/limits.md). Sampling and chunking the frames is `bivit.video`'s.
+(docs/limits.md); and what decoding frames costs (`DecodeBudget`). Sampling and chunking the frames is
+`bivit.video`'s.
 """
 
 from __future__ import annotations
 
 import io
 import os
+import threading
 from contextlib import contextmanager
 from typing import BinaryIO, Iterator, Optional, Union
 
@@ -40,6 +42,37 @@ _PNG_CHUNKS_READ = 64
 TRUNCATION_SLACK = {"frames": 2, "seconds": 0.5, "fraction": 0.02}
 
 VideoInput = Union[str, os.PathLike, bytes]
+
+
+# What a decoded frame counts against `max_decoded_pixels` at least (a 128x128 frame): its fixed cost (FFmpeg's
+# per-frame work, bivit's per-frame checks) is ~12 us, what ~1,700 pixels of a large frame cost; counted at 10x
+# that, a video of tiny frames is charged for its frames, not its pixels.
+FRAME_MIN_PIXELS = 128 * 128
+
+
+class DecodeBudget:
+    """Decoding work (frames x max(frame pixels, `FRAME_MIN_PIXELS`)) that one or several videos may do, charged
+    as frames are decoded; thread-safe, so a request's videos, decoded in parallel, share one. A video over it
+    raises a MediaError naming itself."""
+
+    def __init__(self, limit: int):
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise ConfigError(f"max_decoded_pixels must be a positive integer, got {limit!r}")
+        self.limit, self.used = limit, 0
+        self._lock = threading.Lock()
+
+    def charge(self, pixels: int, name: str) -> None:
+        with self._lock:
+            self.used += pixels
+            over = self.used > self.limit
+        if over:
+            raise MediaError(f"{name}: decoding its frames takes more than max_decoded_pixels={self.limit} "
+                             f"pixels (frames decoded x their pixels, at least {FRAME_MIN_PIXELS} a frame)")
+
+
+def frame_work(pixels: int) -> int:
+    """What decoding one frame of `pixels` pixels counts against a `DecodeBudget`."""
+    return max(pixels, FRAME_MIN_PIXELS)
 
 
 def decoder_max_pixels(max_frame_pixels: int) -> int:

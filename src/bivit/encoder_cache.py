@@ -51,10 +51,11 @@ def ec_id(fingerprint: str, sha256: str, kind: str, chunk: int) -> str:
 
 def write_rows(directory: Union[str, os.PathLike], ids: Sequence[str], chunks: Sequence["torch.Tensor"]) -> None:
     """Write each chunk's rows under its id. Atomic per file (a reader sees no file or a whole one); an id already
-    holding a readable file of these rows' shape and dtype is left as it is, so concurrent producers of the same
-    items are safe (the id pins the encoder and the content, and each writer's file is complete). Anything else
-    at an id is replaced, never written through: an empty, truncated or foreign file, a symbolic link (file or
-    id folder). OSError naming the file when one cannot be written."""
+    holding exactly these rows is left as it is, so concurrent producers of the same items are safe (the id pins
+    the encoder and the content, and each writer's file is complete). Anything else at an id is replaced, never
+    written through: other rows (a zero tensor of the right shape planted at a predictable id was answered as
+    the image, and vLLM would have read zeros), an empty, truncated or foreign file, a symbolic link (file or id
+    folder). OSError naming the file when one cannot be written."""
     from safetensors.torch import save
 
     from .fileio import write_atomic
@@ -74,7 +75,9 @@ def write_rows(directory: Union[str, os.PathLike], ids: Sequence[str], chunks: S
 
 
 def _holds(path: Path, rows: "torch.Tensor") -> bool:
-    """Whether `path` is a regular file (not a link) holding an encoder-cache tensor of `rows`' shape and dtype."""
+    """Whether `path` is a regular file (not a link) holding exactly `rows` (shape, dtype and bits) as its
+    encoder-cache tensor."""
+    import torch
     from safetensors import safe_open
 
     from .dtypes import dtype_name
@@ -84,10 +87,14 @@ def _holds(path: Path, rows: "torch.Tensor") -> bool:
     try:
         with safe_open(str(path), framework="pt") as f:
             sl = f.get_slice(EC_KEY)
-            return (list(sl.get_shape()) == list(rows.shape)
-                    and sl.get_dtype() == SAFETENSORS_DTYPES.get(dtype_name(rows.dtype)))
+            if list(sl.get_shape()) != list(rows.shape) or sl.get_dtype() != SAFETENSORS_DTYPES.get(
+                    dtype_name(rows.dtype)):
+                return False
+            stored = f.get_tensor(EC_KEY)
     except Exception:  # noqa: BLE001 - a truncated or foreign file is replaced
         return False
+    # Bits, not values: -0.0 and 0.0 (and NaN payloads) are rows vLLM would read differently.
+    return torch.equal(stored.view(torch.uint8), rows.detach().cpu().contiguous().view(torch.uint8))
 
 
 class Sink:

@@ -5,9 +5,11 @@ Reading: `open_regular` opens only regular files, without blocking, so a FIFO or
 file is expected) is refused at once instead of hanging or reading forever; `read_regular` can refuse a file
 larger than the caller will hold in memory.
 
-JSON from outside (checkpoint files, request bodies, manifests) goes through `parse_json`: nesting deeper than
-`MAX_JSON_DEPTH` is refused before Python's recursive parser sees it (200k nested `[` would otherwise raise
-RecursionError), and a key repeated in one object is refused (parsers disagree on which one counts).
+JSON from outside (checkpoint files, request bodies, manifests, embedding file headers) goes through
+`parse_json`: what parsing would build is counted first (`json_cost`: elements of every kind, nesting), so text
+that would nest deeper than `MAX_JSON_DEPTH` (200k nested `[` would otherwise raise RecursionError) or build more
+than the reader's element limit (40 MB of `[]` is 13 million lists, 1.1 GB) is refused before anything is built;
+and a key repeated in one object is refused (parsers disagree on which one counts).
 
 A reader (or a process killed at any instant) sees either the old file or the complete new one: the data goes
 to a temp file in the same folder, is fsynced, renamed over the target, and the folder is fsynced so the
@@ -18,6 +20,7 @@ rename itself survives a crash. A replaced file keeps its permission bits; a new
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import json
 import os
@@ -119,7 +122,8 @@ def check_writable(path: Union[str, os.PathLike], inputs: Sequence[Union[str, os
 
 
 def append_lines(path: Union[str, os.PathLike], lines: Sequence[str]) -> None:
-    """Append whole lines with one write, then fsync: a kill leaves at most a trailing partial line."""
+    """Append whole lines with one write, then fsync: a kill leaves at most a trailing partial line. A write that
+    fails (a full disk, a file size limit) raises OSError naming `path`."""
     if not lines:
         return
     data = "".join(line + "\n" for line in lines).encode("utf-8")
@@ -127,6 +131,10 @@ def append_lines(path: Union[str, os.PathLike], lines: Sequence[str]) -> None:
     try:
         _write_all(fd, data)
         os.fsync(fd)
+    except OSError as e:
+        if e.filename is None and e.errno is not None:  # os.write names no file
+            raise OSError(e.errno, e.strerror, str(path)) from None
+        raise
     finally:
         os.close(fd)
 
@@ -188,58 +196,124 @@ def unique_keys(pairs: list) -> dict:
     return out
 
 
-# A JSON string: the quote, then runs of plain characters or escapes (unrolled: linear, no backtracking).
-_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
-_BRACKETS = {ord("["): 1, ord("{"): 1, ord("]"): -1, ord("}"): -1}
+class JsonCost:
+    """What parsing a JSON text would build, counted without parsing it (`json_cost`): `elements` (arrays, objects,
+    strings (keys included), numbers, true/false/null), `depth` (nesting of arrays and objects), `string_bytes`
+    (the bytes between quotes). Counting stops early once `elements` passes the caller's limit."""
+
+    __slots__ = ("elements", "depth", "string_bytes")
+
+    def __init__(self) -> None:
+        self.elements = self.depth = self.string_bytes = 0
 
 
-def json_depth(text: str, chunk: int = 1 << 22) -> int:
-    """How deeply arrays and objects nest in JSON text (strings skipped), computed without recursion and in
-    chunks (a 64 MB body of `[` needs 16 MB of counters at a time, not 512 MB)."""
+_SCAN_CHUNK = 1 << 20
+
+
+def json_cost(data: Union[bytes, bytearray], stop_after: Optional[int] = None) -> JsonCost:
+    """`JsonCost` of UTF-8 JSON text, in 1 MiB chunks with numpy: a step holds the interpreter lock for about a
+    millisecond, memory is at most ~20 bytes per byte of one chunk (~20 MB) whatever the text, and a chunk inside
+    one long string (base64 data) costs one comparison. Strings are found as the parser finds them (a quote ends a
+    string unless an odd run of backslashes precedes it); the counts may differ from the parser's only after text
+    the parser refuses (a backslash outside a string), where it stops. Stops once more than `stop_after`
+    elements are counted."""
     import numpy as np
 
-    rest = np.frombuffer(_JSON_STRING.sub("", text).encode("utf-8", "surrogatepass"), np.uint8)
-    step = np.zeros(256, np.int32)
-    for byte, delta in _BRACKETS.items():
-        step[byte] = delta
-    deepest = level = 0
-    for start in range(0, rest.size, chunk):
-        levels = np.cumsum(step[rest[start:start + chunk]], dtype=np.int64) + level
-        deepest, level = max(deepest, int(levels.max())), int(levels[-1])
-    return deepest
+    tables = _scan_tables()
+    cost = JsonCost()
+    inside, run, level, after_scalar = False, 0, 0, False  # carried from one chunk to the next
+    view = memoryview(data)
+    for start in range(0, len(data), _SCAN_CHUNK):
+        end = min(start + _SCAN_CHUNK, len(data))
+        a = np.frombuffer(view[start:end], np.uint8)
+        n = a.size
+        quotes = a == 34
+        if run or data.find(b"\\", start, end) >= 0:
+            real, run = _unescaped(a, quotes, run)
+        else:
+            real = quotes
+        count = int(np.count_nonzero(real))
+        if count == 0 and inside:  # the middle of a long string
+            cost.string_bytes += n
+            continue
+        if count:
+            parity = ((np.cumsum(real, dtype=np.uint8) + np.uint8(inside)) & 1).view(bool)  # wraps: parity holds
+            outside = ~(parity | real)
+            cost.string_bytes += n - int(np.count_nonzero(outside)) - count
+            cost.elements += int(np.count_nonzero(real & parity))  # opening quotes
+            inside = bool(parity[-1])
+        else:
+            outside = np.ones(n, bool)
+        cost.elements += int(np.count_nonzero(tables.opens[a] & outside))
+        scalar = tables.scalar[a] & outside
+        cost.elements += int(np.count_nonzero(scalar[1:] & ~scalar[:-1])) + int(bool(scalar[0]) and not after_scalar)
+        after_scalar = bool(scalar[-1])
+        levels = np.cumsum(tables.step[a] * outside, dtype=np.int64) + level
+        cost.depth, level = max(cost.depth, int(levels.max())), int(levels[-1])
+        if stop_after is not None and cost.elements > stop_after:
+            break
+    return cost
 
 
-class TooManyObjects(ValueError):
-    """JSON text holding more objects than its reader allows (`parse_json`'s `max_objects`)."""
+def _unescaped(a: Any, quotes: Any, run: int) -> tuple[Any, int]:
+    """(the quotes of chunk `a` that no odd run of backslashes escapes, the run of backslashes ending the chunk),
+    `run` being the run that ended the previous chunk."""
+    import numpy as np
+
+    n = a.size
+    idx = np.arange(n, dtype=np.int32)
+    # For each position, the last index at or before it that is not a backslash (-1 - run: the carried run).
+    last = np.maximum.accumulate(np.where(a == 92, np.int32(-1 - run), idx))
+    before = np.empty(n, np.int32)
+    before[0], before[1:] = -1 - run, last[:-1]
+    even_run = ((idx - before) & 1).astype(bool)  # idx - 1 - before backslashes precede position idx
+    return quotes & even_run, n - 1 - int(last[-1])
 
 
-def parse_json(data: Union[bytes, str], max_depth: int = MAX_JSON_DEPTH, max_objects: Optional[int] = None,
-               max_numbers: Optional[int] = None) -> Any:
+class _ScanTables:
+    def __init__(self) -> None:
+        import numpy as np
+
+        self.scalar = np.zeros(256, bool)  # bytes of numbers and literals: each run outside strings is one element
+        self.scalar[list(b"+-.0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")] = True
+        self.opens = np.zeros(256, bool)
+        self.opens[list(b"[{")] = True
+        self.step = np.zeros(256, np.int8)
+        self.step[list(b"[{")], self.step[list(b"]}")] = 1, -1
+
+
+@functools.lru_cache(maxsize=1)
+def _scan_tables() -> _ScanTables:
+    return _ScanTables()
+
+
+class TooManyElements(ValueError):
+    """JSON text holding more elements than its reader allows (`parse_json`'s `max_elements`)."""
+
+
+# JSON bivit reads from outside builds at most this many elements (~100 bytes of memory each at most: a header of
+# 40 MB of `[]` took 1.13 GB). Kimi-K2.6's weight index holds ~2,000; an embedding file's header about 30 per
+# item (a full 256 MB dataset shard of real embeddings: a few hundred items).
+MAX_JSON_ELEMENTS = 4_000_000
+
+
+def parse_json(data: Union[bytes, bytearray, str], max_depth: int = MAX_JSON_DEPTH,
+               max_elements: Optional[int] = MAX_JSON_ELEMENTS) -> Any:
     """The value of JSON text from outside bivit; ValueError if it is not JSON (or not UTF-8/16/32), nests
-    deeper than `max_depth`, repeats a key in one object, or holds more than `max_numbers` numbers (each a
-    Python object of 24-32 bytes from 2 bytes of text); TooManyObjects as soon as it has made more than
-    `max_objects` objects (so 4 MB of `{}` never becomes 300,000 dicts)."""
-    text = data.decode(json.detect_encoding(data), "surrogatepass") if isinstance(data, bytes) else data
-    depth = json_depth(text)
-    if depth > max_depth:
-        raise ValueError(f"nested {depth} levels deep, more than the {max_depth} bivit reads")
-    made = {"objects": 0, "numbers": 0}
-
-    def count(what: str, limit: Optional[int], error: type) -> None:
-        made[what] += 1
-        if limit is not None and made[what] > limit:
-            raise error(f"more than {limit} {what}")
-
-    def hook(pairs: list) -> dict:
-        count("objects", max_objects, TooManyObjects)
-        return unique_keys(pairs)
-
-    def number(parse: Callable[[str], Any]) -> Callable[[str], Any]:
-        def counted(text: str) -> Any:
-            count("numbers", max_numbers, ValueError)
-            return parse(text)
-        return counted
-    return json.loads(text, object_pairs_hook=hook, parse_int=number(int), parse_float=number(float))
+    deeper than `max_depth` or repeats a key in one object; TooManyElements if it holds more than `max_elements`
+    elements of any kind (arrays, objects, strings, numbers, literals). Both counted before parsing (`json_cost`),
+    so nothing is built for text over a limit."""
+    if isinstance(data, str):
+        data = data.encode("utf-8", "surrogatepass")
+    encoding = json.detect_encoding(data)
+    if encoding != "utf-8":  # UTF-16/32 text: counted in its UTF-8 form (at most 1.5x its size)
+        data = data.decode(encoding, "surrogatepass").encode("utf-8", "surrogatepass")
+    cost = json_cost(data, max_elements)
+    if cost.depth > max_depth:  # first: a count that stopped early may still have seen the nesting
+        raise ValueError(f"nested {cost.depth} levels deep, more than the {max_depth} bivit reads")
+    if max_elements is not None and cost.elements > max_elements:
+        raise TooManyElements(f"more than {max_elements} elements (arrays, objects, strings, numbers, literals)")
+    return json.loads(data, object_pairs_hook=unique_keys)
 
 
 def read_json(path: Union[str, os.PathLike], max_bytes: int = MAX_JSON_BYTES) -> Any:

@@ -38,6 +38,7 @@ from .errors import BivitError, MediaError
 from .fileio import NotRegularFile, open_regular, sha256_file
 from .grids import grid_tokens, image_grid, processing_of
 from .kinds import media_kind
+from .names import stored
 from .media import MediaBatch, Placeholder, batch_placeholders, image_placeholder_text, preprocess_images
 from .preprocess_config import ProcessorConfig, check_alpha
 from .video import preprocess_frames, preprocess_video
@@ -115,10 +116,21 @@ class ItemResult(_Item):
     raised."""
 
     embedding: Optional[torch.Tensor] = None
+    _embedding_sha256: Optional[str] = field(default=None, repr=False, compare=False)
 
     @property
     def tokens(self) -> int:
         return 0 if self.embedding is None else int(self.embedding.shape[0])
+
+    @property
+    def embedding_sha256(self) -> Optional[str]:
+        """`bivit.records.embedding_sha256` of its embedding (its record's `tensor_sha256`), computed once: copies
+        made with `dataclasses.replace` keep it."""
+        if self._embedding_sha256 is None and self.embedding is not None:
+            from .records import embedding_sha256
+
+            self._embedding_sha256 = embedding_sha256(self.embedding)
+        return self._embedding_sha256
 
     @property
     def chunks(self) -> list[torch.Tensor]:
@@ -134,19 +146,21 @@ def prepare(src: Any, *, processing: ProcessorConfig | str | None = None, alpha:
 
     Never raises for a bad input: a BivitError (MediaError for an unreadable or undecodable input) becomes
     `Prepared.error`; a bad `processing` (a ProcessorConfig or a preset name; default K2.x's) or `alpha` raises
-    ConfigError. `name`: how results and messages call it (default: its path, `<N bytes>`, ...); `kind`: "image"
-    or "video" when the caller has decided (else `bivit.kinds` decides); `sha256`: its content hash when the
-    caller has computed it already. `pixels=False`: images are read up to their header only (grid and
-    placeholders without pixels); videos are decoded all the same (their chunks come from the frames).
-    `deadline` (a `time.monotonic()` value): decoding stops with a MediaError once it has passed (nobody waits for
-    the result any more). `video_options`: passed to `bivit.video.preprocess_video` (its limits).
+    ConfigError. `name`: how results and messages call it, as records store it (`bivit.names.stored`; default:
+    its path so stored, `<N bytes>`, ...); `kind`: "image" or "video" when the caller has decided (else
+    `bivit.kinds` decides); `sha256`: its content hash when the caller has computed it already. `pixels=False`:
+    images are read up to their header only (grid and placeholders without pixels); videos are decoded all the
+    same (their chunks come from the frames). `deadline` (a `time.monotonic()` value): decoding stops with a
+    MediaError once it has passed (nobody waits for the result any more). `video_options`: passed to
+    `bivit.video.preprocess_video` (its limits).
     """
     proc = processing_of(processing)  # a bad option is the caller's mistake, not the input's: it raises
     check_alpha(alpha)
     if isinstance(src, VideoFrames):
-        name = name or src.name or "<video frames>"
+        name = name or stored(src.name or "<video frames>")
     else:
-        name = name or (f"<video {len(src)} bytes>" if kind == "video" and isinstance(src, bytes) else input_name(src))
+        name = name or stored(f"<video {len(src)} bytes>" if kind == "video" and isinstance(src, bytes)
+                              else input_name(src))
     try:
         return _prepare(src, name, kind, sha256, proc, alpha, pixels, deadline, video_options or {})
     except BivitError as e:
@@ -214,7 +228,7 @@ def check_input(path: str | os.PathLike, name: Optional[str] = None) -> str:
     not an image or video). An image is read up to its header (its size checked against the pixel limit); a
     video's container is opened and its stream list read, no frame decoded. What decoding finds later (a
     truncated stream, a corrupt frame) is still reported then."""
-    name = name or os.fspath(path)
+    name = name or stored(os.fspath(path))
     try:
         with open_regular(path) as f:
             head = f.read(4096)

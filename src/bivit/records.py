@@ -13,6 +13,8 @@ and one tensor per item that has an embedding, `[tokens, text_hidden]` in the en
 key its record names. A record (`Record`, `RECORD_KEYS`) is:
 
     tensor        key of its embedding in the file (null: the item failed)
+    tensor_sha256 sha256 of that tensor's bytes as the file stores them; every reader checks it (files of
+                  older versions have none: read unverified, said once per file)
     source        the input's name: its path, an upload's file name, a dataset source
     kind          "image" or "video"
     sha256        content hash of the input (see `bivit.items`)
@@ -27,9 +29,9 @@ key its record names. A record (`Record`, `RECORD_KEYS`) is:
     error         why the item has no embedding (null when it has one)
 
 plus what only one writer knows, under keys of its own (the service: `cached`, `error_kind`; a dataset:
-`shard`, `size`, `mtime_ns`, `seq`; `bivit encode` and the service with --ec-dir: `ec_ids`), read back into
-`Record.extra` (and readable as attributes: `r.cached`). A dataset folder keeps the same
-records in `manifest.jsonl` and the encoder in `dataset.json` (see `bivit.dataset.format`).
+`shard`, `size`, `mtime_ns`, `seq`; --ec-dir: `ec_ids`), read back into `Record.extra` (and readable as
+attributes: `r.cached`). A dataset folder keeps the same records in `manifest.jsonl` and the encoder in
+`dataset.json` (see `bivit.dataset.format`).
 
 Files of older bivit versions still open: `bivit.encode/1` (`bivit encode`: one "bivit" JSON key),
 `bivit.response/1` (the service) and dataset folders written before shards carried records; anything else is
@@ -42,9 +44,10 @@ embedding read.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional, Sequence
 
@@ -60,8 +63,8 @@ ENCODE_FORMAT_1 = "bivit.encode/1"
 RESPONSE_FORMAT_1 = "bivit.response/1"
 READS = (FORMAT, ENCODE_FORMAT_1, RESPONSE_FORMAT_1)
 # The keys of a record, in the order files list them.
-RECORD_KEYS = ("tensor", "source", "kind", "sha256", "tokens", "grid_thw", "chunk_tokens", "sizes", "timestamps",
-               "placeholders", "error")
+RECORD_KEYS = ("tensor", "tensor_sha256", "source", "kind", "sha256", "tokens", "grid_thw", "chunk_tokens", "sizes",
+               "timestamps", "placeholders", "error")
 # A safetensors header longer than this is not one bivit wrote (it bounds what a corrupt file makes us read).
 MAX_HEADER_BYTES = 256 * 2**20
 
@@ -87,10 +90,12 @@ class Record:
     placeholders: list = field(default_factory=list)
     error: Optional[str] = None
     tensor: Optional[str] = None
+    tensor_sha256: Optional[str] = None
     extra: dict = field(default_factory=dict)
     encoder: dict = field(default_factory=dict, repr=False, compare=False)
     _load: Optional[Callable[[str], "torch.Tensor"]] = field(default=None, repr=False, compare=False)
     _embedding: Optional["torch.Tensor"] = field(default=None, repr=False, compare=False)
+    _file: Optional[str] = field(default=None, repr=False, compare=False)  # where `_load` reads, for messages
 
     def __getattr__(self, name: str) -> Any:
         # A writer's own keys read as attributes too (`r.cached` of a service answer); only those.
@@ -105,12 +110,12 @@ class Record:
 
     @property
     def embedding(self) -> Optional["torch.Tensor"]:
-        """`[tokens, text_hidden]` in the encoder's output dtype (None for an item that failed); FormatError when
-        the stored tensor does not match its record (rows, dtype)."""
+        """`[tokens, text_hidden]` in the encoder's output dtype (None for an item that failed); FormatError naming
+        the file and the tensor when the stored tensor does not match its record (rows, dtype, checksum)."""
         if self._embedding is None and self.tensor is not None and self._load is not None:
             embedding = self._load(self.tensor)
             check_embedding(embedding, self.tokens or sum(self.chunk_tokens), self.dtype,
-                            f"tensor {self.tensor!r} of {self.source!r}")
+                            f"tensor {self.tensor!r} of {self.source!r}", self.tensor_sha256, self._file)
             self._embedding = embedding
         return self._embedding
 
@@ -135,7 +140,8 @@ class Record:
 
     def to_json(self) -> dict:
         """The record as files list it: `RECORD_KEYS`, then the writer's own keys."""
-        out = {"tensor": self.tensor, "source": self.source, "kind": self.kind, "sha256": self.sha256,
+        out = {"tensor": self.tensor, "tensor_sha256": self.tensor_sha256, "source": self.source, "kind": self.kind,
+               "sha256": self.sha256,
                "tokens": int(self.tokens), "grid_thw": [list(map(int, g)) for g in self.grid_thw],
                "chunk_tokens": [int(n) for n in self.chunk_tokens],
                "sizes": chunk_sizes(self.sizes, len(self.grid_thw)), "timestamps": self.timestamps,
@@ -145,18 +151,20 @@ class Record:
 
     @staticmethod
     def from_json(obj: Mapping[str, Any], encoder: Optional[dict] = None,
-                  load: Optional[Callable[[str], "torch.Tensor"]] = None) -> "Record":
+                  load: Optional[Callable[[str], "torch.Tensor"]] = None, file: Optional[str] = None) -> "Record":
+        """A record as a file lists it (`load` reads its tensor from `file`)."""
         if not isinstance(obj, Mapping) or not isinstance(obj.get("source"), str):
             raise FormatError(f"not a bivit record (no 'source'): {str(obj)[:200]}")
         try:
-            return Record._from_json(obj, encoder, load)
+            return replace(Record._from_json(obj, encoder, load), _file=file)
         except (TypeError, ValueError, AttributeError) as e:  # a value of the wrong type, from a file
             raise FormatError(f"not a bivit record ({type(e).__name__}: {e}): {str(obj)[:200]}") from None
 
     @staticmethod
     def _from_json(obj: Mapping[str, Any], encoder: Optional[dict],
                    load: Optional[Callable[[str], "torch.Tensor"]]) -> "Record":
-        for key, types in (("tensor", (str, type(None))), ("tokens", (int, type(None))),
+        for key, types in (("tensor", (str, type(None))), ("tensor_sha256", (str, type(None))),
+                           ("tokens", (int, type(None))),
                            ("sha256", (str, type(None))), ("kind", (str, type(None)))):
             if not isinstance(obj.get(key), types) or isinstance(obj.get(key), bool):
                 raise TypeError(f"{key!r} is a {type(obj.get(key)).__name__}")
@@ -168,7 +176,7 @@ class Record:
                       tokens=int(obj.get("tokens") or 0), grid_thw=grid, chunk_tokens=[int(n) for n in chunk_tokens],
                       sizes=chunk_sizes(obj.get("sizes"), len(grid)),  # older files: not recorded
                       timestamps=obj.get("timestamps"), placeholders=list(obj.get("placeholders") or []),
-                      error=obj.get("error"), tensor=obj.get("tensor"),
+                      error=obj.get("error"), tensor=obj.get("tensor"), tensor_sha256=obj.get("tensor_sha256"),
                       extra={k: v for k, v in obj.items() if k not in RECORD_KEYS},
                       encoder=encoder if encoder is not None else {}, _load=load)
 
@@ -183,15 +191,17 @@ def chunk_sizes(sizes: Optional[Sequence], chunks: int) -> list:
 
 def record(source: str, *, kind: str, sha256: Optional[str], grid_thw: Sequence, chunk_tokens: Sequence[int],
            timestamps: Optional[Sequence[str]], placeholders: Sequence[Any], sizes: Optional[Sequence] = None,
-           tensor: Optional[str] = None, error: Optional[str] = None, **extra: Any) -> Record:
+           tensor: Optional[str] = None, error: Optional[str] = None, tensor_sha256: Optional[str] = None,
+           **extra: Any) -> Record:
     """A record for a writer: `placeholders` as `bivit.Placeholder`s or their dicts; `sizes` per chunk (width,
-    height) or None where unknown; `extra`: the writer's keys."""
+    height) or None where unknown; `tensor_sha256`: `embedding_sha256` of its embedding; `extra`: its own keys."""
     return Record(source=source, kind=kind, sha256=sha256, tokens=sum(int(n) for n in chunk_tokens),
                   grid_thw=[list(map(int, g)) for g in grid_thw], chunk_tokens=[int(n) for n in chunk_tokens],
                   sizes=chunk_sizes(sizes, len(grid_thw)),
                   timestamps=None if timestamps is None else list(timestamps),
                   placeholders=[p if isinstance(p, dict) else p.to_dict() for p in placeholders], error=error,
-                  tensor=tensor if error is None else None, extra=dict(extra))
+                  tensor=tensor if error is None else None,
+                  tensor_sha256=tensor_sha256 if error is None and tensor is not None else None, extra=dict(extra))
 
 
 def error_text(error: BaseException, source: str) -> str:
@@ -212,11 +222,23 @@ def of_result(result: Any, tensor: Optional[str] = None, **extra: Any) -> Record
     if result.error is not None:
         return record(result.source, kind=result.kind, sha256=result.sha256, grid_thw=[], chunk_tokens=[],
                       timestamps=None, placeholders=[], error=error_text(result.error, result.source), **extra)
+    embedding = getattr(result, "embedding", None)  # a `Prepared` (Ray's rows) has none yet
     out = record(result.source, kind=result.kind, sha256=result.sha256, grid_thw=result.grid_thw,
                  chunk_tokens=result.chunk_tokens, timestamps=result.timestamps, placeholders=result.placeholders,
-                 sizes=result.sizes, tensor=tensor, **extra)
-    out._embedding = getattr(result, "embedding", None)  # a `Prepared` (Ray's rows) has none yet
+                 sizes=result.sizes, tensor=tensor,
+                 tensor_sha256=None if embedding is None else result.embedding_sha256, **extra)
+    out._embedding = embedding
     return out
+
+
+def embedding_sha256(tensor: "torch.Tensor") -> str:
+    """A record's `tensor_sha256`: the sha256 of a tensor's bytes as a safetensors file stores them (C order)."""
+    import hashlib
+
+    import torch
+
+    data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+    return hashlib.sha256(data).hexdigest()
 
 
 def metadata(encoder: Mapping[str, Any], records: Sequence[Record]) -> dict[str, str]:
@@ -225,25 +247,49 @@ def metadata(encoder: Mapping[str, Any], records: Sequence[Record]) -> dict[str,
             "items": json.dumps([r.to_json() for r in records], separators=(",", ":"), ensure_ascii=False)}
 
 
-def tensors_of(records: Sequence[Record], embeddings: Sequence[Optional["torch.Tensor"]]) -> dict:
-    """The tensors of a file: each record's embedding under its `tensor` key (a tensor shared by two records,
-    e.g. the same bytes twice in a request, is stored once per key: safetensors refuses shared storage)."""
-    out, seen = {}, set()
+# The most of a tensor's bytes `file_pieces` copies at a time.
+PIECE_BYTES = 2**20
+# Safetensors' names of the dtypes an embedding file holds.
+_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "float64": "F64"}
+
+
+def file_pieces(encoder: Mapping[str, Any], records: Sequence[Record],
+                embeddings: Sequence[Optional["torch.Tensor"]]) -> tuple[int, Iterator[bytes]]:
+    """A file as (its length, its bytes in pieces made when asked for), safetensors' layout: 8-byte header length,
+    JSON header padded to 8 bytes, the tensors back to back; each record's embedding under its `tensor` key, copies
+    of one item read from one tensor (safetensors' writer refuses shared storage: 199 clones for 200 copies)."""
+    import torch
+
+    from .dtypes import dtype_name
+
+    header: dict[str, Any] = {"__metadata__": metadata(encoder, records)}
+    tensors, offset = [], 0
     for r, e in zip(records, embeddings):
-        if r.tensor is None or e is None or r.tensor in out:
+        if r.tensor is None or e is None or r.tensor in header:
             continue
-        ptr = e.untyped_storage().data_ptr()
-        out[r.tensor] = e.clone() if ptr in seen else e
-        seen.add(ptr)
-    return out
+        t = e.detach().cpu().contiguous()
+        size = t.numel() * t.element_size()
+        header[r.tensor] = {"dtype": _DTYPES[dtype_name(t.dtype)], "shape": list(t.shape),
+                            "data_offsets": [offset, offset + size]}
+        tensors.append(t)
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+
+    def pieces() -> Iterator[bytes]:
+        yield struct.pack("<Q", len(text)) + text
+        for t in tensors:
+            data = t.reshape(-1).view(torch.uint8).numpy()
+            for start in range(0, data.size, PIECE_BYTES):
+                yield data[start:start + PIECE_BYTES].tobytes()
+
+    return 8 + len(text) + offset, pieces()
 
 
 def to_bytes(encoder: Mapping[str, Any], records: Sequence[Record], embeddings: Sequence[Optional["torch.Tensor"]]
              ) -> bytes:
-    """A whole file in memory (the service's answer)."""
-    from safetensors.torch import save
-
-    return save(tensors_of(records, embeddings), metadata=metadata(encoder, records))
+    """A whole file in memory (`file_pieces` joined)."""
+    return b"".join(file_pieces(encoder, records, embeddings)[1])
 
 
 def save(path: str | os.PathLike, encoder: Mapping[str, Any], records: Sequence[Record],
@@ -253,18 +299,6 @@ def save(path: str | os.PathLike, encoder: Mapping[str, Any], records: Sequence[
     from .fileio import write_atomic
 
     write_atomic(path, to_bytes(encoder, records, embeddings))
-
-
-def to_json(encoder: Mapping[str, Any], records: Sequence[Record], embeddings: Sequence[Optional["torch.Tensor"]]
-            ) -> bytes:
-    """The same as JSON (the service's `?format=json`): each record with `embedding` as nested float lists.
-    Python floats print the shortest repr that round-trips: float32 (and bfloat16) values come back exactly when
-    cast to the encoder's output dtype."""
-    items = []
-    for r, e in zip(records, embeddings):
-        items.append({**r.to_json(), "embedding": None if e is None else e.float().tolist()})
-    return json.dumps({"format": FORMAT, "encoder": dict(encoder), "items": items}, separators=(",", ":"),
-                      allow_nan=False).encode()
 
 
 # ------------------------------------------------------------------------------------------------ reading
@@ -316,15 +350,28 @@ class Embeddings(Sequence[Record]):
         return f"Embeddings({where}{len(self)} items, format {self.format}, model {self.encoder.get('model')!r})"
 
 
-def check_embedding(embedding: Any, tokens: int, dtype: Optional[str], name: str) -> None:
-    """FormatError unless `embedding` is what its record says: a 2-D tensor of `tokens` rows, in `dtype` (a
-    torch dtype's name, when the file states one)."""
+def check_embedding(embedding: Any, tokens: int, dtype: Optional[str], name: str, checksum: Optional[str] = None,
+                    file: Optional[str] = None) -> None:
+    """FormatError naming `file` and `name` (the tensor) unless `embedding` is what its record says: a 2-D tensor
+    of `tokens` rows, in `dtype` (a torch dtype's name, if stated), with the record's `checksum` (`tensor_sha256`;
+    none in older files: read unverified, said once per file)."""
+    name = f"{file}: {name}" if file else name
     shape = tuple(getattr(embedding, "shape", ()))
     if len(shape) != 2 or shape[0] != tokens:
         raise FormatError(f"{name}: a tensor of shape {list(shape)}, its record says {tokens} rows")
     stored = str(embedding.dtype).removeprefix("torch.")
     if dtype is not None and stored != dtype:
         raise FormatError(f"{name}: a {stored} tensor, its file says {dtype}")
+    if checksum is None and (file or name) not in _UNVERIFIED:
+        _UNVERIFIED.add(file or name)
+        logging.getLogger(__name__).warning(f"{file or name}: written without tensor checksums (an older bivit): "
+                                            "its embeddings are read unverified")
+    elif checksum is not None and embedding_sha256(embedding) != checksum:
+        raise FormatError(f"{name}: its bytes do not match the checksum its record holds (tensor_sha256): the file "
+                          "is damaged")
+
+
+_UNVERIFIED: set = set()  # files said to be read unverified
 
 
 def file_metadata(path: str | os.PathLike) -> dict:
@@ -447,4 +494,4 @@ def _records(meta: dict, name: str, load: Callable, close: Optional[Callable]) -
 def _build(rows: Any, encoder: Any, fmt: str, name: str, load: Callable, close: Optional[Callable]) -> Embeddings:
     if not isinstance(rows, list) or not isinstance(encoder, dict):
         raise FormatError(f"{name}: {fmt} metadata of the wrong shape (items must be a list, encoder an object)")
-    return Embeddings([Record.from_json(r, encoder, load) for r in rows], encoder, fmt, name, close)
+    return Embeddings([Record.from_json(r, encoder, load, name) for r in rows], encoder, fmt, name, close)

@@ -52,6 +52,13 @@ Decisions this module makes (the reference does not say):
   * `max_duration_s=4 h`: bounds decoding work (every frame is decoded) when the frame cap does not bind
     (sparse low-fps videos, or a raised `max_frames`); checked from metadata before decoding when possible.
   * `max_frame_pixels=7680*4320` (8K UHD): one decoded RGB frame is then at most ~100 MB.
+  * `max_fps=1000`: the frame rate a container declares, checked before decoding. Sampling takes 2 frames a
+    second whatever the rate, and every frame up to the last sampled one is decoded: a 58 MB MP4 of 4.5 M 16x16
+    frames at 4.5 M fps (1 s long) was ~80 s of decoding for 2 sampled frames. No camera short of a scientific
+    high-speed one records faster than 1000 fps.
+  * `max_decoded_pixels` (the service's `--max-video-mpixels`): decoding work (`bivit.container.DecodeBudget`:
+    each frame its pixels, at least `FRAME_MIN_PIXELS`), from the container's frame count before decoding when
+    it has one, then frame by frame in every pass; one budget may be shared by several videos (a request's).
 """
 
 from __future__ import annotations
@@ -69,8 +76,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from .container import (TRUNCATION_SLACK, VIDEO_DEMUXERS, Container, VideoInput, check_complete,  # noqa: F401
-                        translate_errors)  # the limits' names re-exported where callers found them
+from .container import (FRAME_MIN_PIXELS, TRUNCATION_SLACK, VIDEO_DEMUXERS, Container, DecodeBudget,  # noqa: F401
+                        VideoInput, check_complete, frame_work, translate_errors)  # the limits' names re-exported
 from .decode import check_deadline, load_image
 from .errors import ConfigError, MediaError
 from .grids import processing_of
@@ -82,6 +89,7 @@ SAMPLE_FPS = K25_PROCESSING.sample_fps
 MAX_FRAMES = 1024
 MAX_DURATION_S = 4 * 3600.0
 MAX_FRAME_PIXELS = 7680 * 4320
+MAX_FPS = 1000.0
 
 
 @dataclass
@@ -170,14 +178,14 @@ def _describe(src: VideoInput) -> str:
 
 class _Limits:
     deadline: Optional[float] = None  # time.monotonic() after which decoding stops (a caller gave up waiting)
-    max_decoded_pixels: Optional[int] = None  # frames decoded x frame pixels (every frame is decoded)
+    budget: Optional[DecodeBudget] = None  # decoding work (every frame up to the last sampled one is decoded)
+    charged = 0  # what this video has charged to the budget, every pass (the rest is other videos')
     frame_pixels = 0  # as the stream header says (refusing a clear case before decoding)
-    decoded_pixels = 0  # pixels of the frames this pass has decoded (`check_frame`)
 
     def __init__(self, name: str, max_frames: Optional[int], max_duration_s: Optional[float],
-                 max_frame_pixels: Optional[int], sample_fps: float):
+                 max_frame_pixels: Optional[int], sample_fps: float, max_fps: Optional[float] = MAX_FPS):
         self.name, self.max_frames, self.max_duration_s = name, max_frames, max_duration_s
-        self.max_frame_pixels, self.sample_fps = max_frame_pixels, sample_fps
+        self.max_frame_pixels, self.sample_fps, self.max_fps = max_frame_pixels, sample_fps, max_fps
 
     def check_time(self) -> None:
         check_deadline(self.deadline, self.name, "the video")
@@ -188,19 +196,22 @@ class _Limits:
                              f"max_frame_pixels={self.max_frame_pixels}")
 
     def open(self, src: VideoInput) -> Container:
-        """A fresh decoding pass: FFmpeg's decoder refuses a frame above max_frame_pixels before allocating it,
-        and the pixels this pass decodes are counted from zero (`check_frame`)."""
-        self.decoded_pixels = 0
-        return Container(src, self.name, self.max_frame_pixels)
+        """A decoding pass: FFmpeg's decoder refuses a frame above max_frame_pixels before allocating it; the frame
+        rate is checked before any frame is decoded."""
+        source = Container(src, self.name, self.max_frame_pixels)
+        if self.max_fps is not None and source.fps > self.max_fps:
+            source.close()
+            raise MediaError(f"{self.name}: frame rate {source.fps:g} fps, more than max_fps={self.max_fps:g}")
+        return source
 
     def check_frame(self, frame: av.VideoFrame) -> None:
         """Every decoded frame, sampled or not, in every pass: its own size (a header of 64x48 says nothing about
-        the frames), and the pixels decoded so far in this pass against max_decoded_pixels; then the deadline."""
+        the frames), its work charged to the budget; then the deadline."""
         self.check_size(frame.width, frame.height)
-        self.decoded_pixels += frame.width * frame.height
-        if self.max_decoded_pixels is not None and self.decoded_pixels > self.max_decoded_pixels:
-            raise MediaError(f"{self.name}: decoding its frames takes more than max_decoded_pixels="
-                             f"{self.max_decoded_pixels} pixels")
+        if self.budget is not None:
+            work = frame_work(frame.width * frame.height)
+            self.charged += work
+            self.budget.charge(work, self.name)
         self.check_time()
 
     def check_length(self, num_frames: int, fps: float, at_least: bool = False) -> None:
@@ -215,10 +226,12 @@ class _Limits:
             if n > self.max_frames:
                 raise MediaError(f"{self.name}: sampling at {min(self.sample_fps, fps):g} fps gives {more}{n} frames "
                                  f"({seconds:.1f} s of video), more than max_frames={self.max_frames}")
-        work = num_frames * self.frame_pixels
-        if self.max_decoded_pixels is not None and work > self.max_decoded_pixels:
+        work = num_frames * frame_work(self.frame_pixels)
+        others = 0 if self.budget is None else self.budget.used - self.charged
+        if self.budget is not None and work > self.budget.limit - others:
             raise MediaError(f"{self.name}: decoding {more}{num_frames} frames of {self.frame_pixels} pixels is "
-                             f"{work} pixels, more than max_decoded_pixels={self.max_decoded_pixels}")
+                             f"{work} pixels (at least {FRAME_MIN_PIXELS} a frame), more than max_decoded_pixels="
+                             f"{self.budget.limit}" + (f" ({others} used by other videos)" if others else ""))
 
 
 def _count_frames(source: Container, limits: _Limits) -> int:
@@ -348,7 +361,8 @@ def preprocess_video(path: VideoInput, *, max_frames: Optional[int] = MAX_FRAMES
                      max_frame_pixels: Optional[int] = MAX_FRAME_PIXELS, sample_fps: Optional[float] = None,
                      chunk_size: Optional[int] = None, patch_limit: Optional[int] = None,
                      processing: ProcessorConfig | str | None = None, name: Optional[str] = None,
-                     deadline: Optional[float] = None, max_decoded_pixels: Optional[int] = None) -> MediaBatch:
+                     deadline: Optional[float] = None, max_decoded_pixels: Optional[int | DecodeBudget] = None,
+                     max_fps: Optional[float] = MAX_FPS) -> MediaBatch:
     """Decode, sample and chunk a video (a path or its bytes) into a MediaBatch: one item per chunk.
 
     `processing` is the model's preprocessing (default K2.x's); `sample_fps`, `chunk_size` (frames per chunk)
@@ -356,20 +370,24 @@ def preprocess_video(path: VideoInput, *, max_frames: Optional[int] = MAX_FRAMES
     `"{path}#chunk{i}"`. Raises MediaError naming the file (or `name`, how messages call the input) for
     unreadable, empty or frameless videos, for videos beyond a limit and for a model whose processor takes images
     only; ConfigError for a bad option. `deadline` (a `time.monotonic()` value): decoding stops with a MediaError
-    once it has passed, so work nobody waits for any more does not go on. `max_decoded_pixels` bounds the
-    decoding work (every frame is decoded, sampled or not): checked from the container's frame count before
-    decoding, else while counting.
+    once it has passed, so work nobody waits for any more does not go on. `max_decoded_pixels` (a number, or a
+    `DecodeBudget` shared with other videos) bounds the decoding work (every frame up to the last sampled one is
+    decoded, in every pass): checked from the container's frame count before decoding, then frame by frame.
+    `max_fps`: the frame rate the container may declare.
     """
     proc = processing_of(processing)
     sample_fps = proc.sample_fps if sample_fps is None else sample_fps
     chunk_size = proc.temporal_merge_kernel_size if chunk_size is None else chunk_size
     _check_positive("chunk_size", chunk_size, integer=True)
     _check_positive("patch_limit", patch_limit, integer=True, allow_none=True)
-    name, limits = _prepare(path, max_frames, max_duration_s, max_frame_pixels, sample_fps, name)
+    name, limits = _prepare(path, max_frames, max_duration_s, max_frame_pixels, sample_fps, name, max_fps)
     if not proc.accepts_video:
         raise MediaError(f"{name}: this model's processor ({proc.processor}) accepts images only, as its published "
                          "code does; videos cannot be encoded for it", name)
-    limits.deadline, limits.max_decoded_pixels = deadline, max_decoded_pixels
+    limits.deadline = deadline
+    if max_decoded_pixels is not None:
+        limits.budget = max_decoded_pixels if isinstance(max_decoded_pixels, DecodeBudget) \
+            else DecodeBudget(max_decoded_pixels)
     limits.check_time()  # queued until after its deadline: not started
     with _naming(name):
         return _preprocess(path, name, limits, sample_fps, chunk_size, patch_limit, proc)
@@ -402,11 +420,25 @@ def _preprocess(path: VideoInput, name: str, limits: _Limits, sample_fps: float,
 
 def probe_video(path: VideoInput, *, max_frames: Optional[int] = MAX_FRAMES,
                 max_duration_s: Optional[float] = MAX_DURATION_S,
-                max_frame_pixels: Optional[int] = MAX_FRAME_PIXELS, sample_fps: float = SAMPLE_FPS) -> VideoInfo:
+                max_frame_pixels: Optional[int] = MAX_FRAME_PIXELS, sample_fps: float = SAMPLE_FPS,
+                max_fps: Optional[float] = MAX_FPS) -> VideoInfo:
     """Frame count, fps and size of a video, with the limits checked (decodes it when the container has no count)."""
-    name, limits = _prepare(path, max_frames, max_duration_s, max_frame_pixels, sample_fps)
+    name, limits = _prepare(path, max_frames, max_duration_s, max_frame_pixels, sample_fps, max_fps=max_fps)
     with _naming(name):
         return _probe(path, name, limits)
+
+
+def decode_work(path: VideoInput, *, name: Optional[str] = None, max_frame_pixels: Optional[int] = MAX_FRAME_PIXELS,
+                max_fps: Optional[float] = MAX_FPS) -> Optional[int]:
+    """What decoding a video will count against a `DecodeBudget`, from its header alone (no frame decoded): its
+    frame count (or, for Matroska/WebM, its declared length at its frame rate) times `frame_work` of its frame
+    size; None when the container declares no length. MediaError when it cannot be opened, or breaks
+    `max_frame_pixels` or `max_fps` by its header."""
+    name, limits = _prepare(path, None, None, max_frame_pixels, SAMPLE_FPS, name, max_fps)
+    with _naming(name), limits.open(path) as source:
+        limits.check_size(source.width, source.height)
+        frames = source.reported_frames or (math.ceil(source.declared_s * source.fps) if source.declared_s else 0)
+        return frames * frame_work(source.width * source.height) if frames > 0 else None
 
 
 @contextmanager
@@ -419,9 +451,11 @@ def _naming(name: str) -> Iterator[None]:
 
 
 def _prepare(path: VideoInput, max_frames: Optional[int], max_duration_s: Optional[float],
-             max_frame_pixels: Optional[int], sample_fps: float, name: Optional[str] = None) -> tuple[str, _Limits]:
+             max_frame_pixels: Optional[int], sample_fps: float, name: Optional[str] = None,
+             max_fps: Optional[float] = MAX_FPS) -> tuple[str, _Limits]:
     """Validate the options and the input before FFmpeg sees it: a clear message beats a demuxer's."""
     _check_positive("sample_fps", sample_fps)
+    _check_positive("max_fps", max_fps, allow_none=True)
     _check_positive("max_frames", max_frames, integer=True, allow_none=True)
     _check_positive("max_duration_s", max_duration_s, allow_none=True)
     _check_positive("max_frame_pixels", max_frame_pixels, integer=True, allow_none=True)
@@ -439,7 +473,7 @@ def _prepare(path: VideoInput, max_frames: Optional[int], max_duration_s: Option
             raise MediaError(f"{name}: not a regular file", name)
         if p.stat().st_size == 0:
             raise MediaError(f"{name}: file is empty", name)
-    return name, _Limits(name, max_frames, max_duration_s, max_frame_pixels, float(sample_fps))
+    return name, _Limits(name, max_frames, max_duration_s, max_frame_pixels, float(sample_fps), max_fps)
 
 
 def video_chunks(batch: MediaBatch, embeddings: Sequence[torch.Tensor]) -> list[VideoChunk]:

@@ -223,3 +223,22 @@ def blank_png(width: int, height: int, color_type: int = 0) -> bytes:
 
     ihdr = struct.pack(">IIBBBBB", width, height, 8, color_type, 0, 0, 0)
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", b"".join(parts)) + chunk(b"IEND", b"")
+
+
+def tiny_video(frames: int, fps: int, size: int = 16) -> bytes:
+    """An H.264 MP4 of `frames` black `size` x `size` frames at `fps` (~20 us a frame to make)."""
+    buf = io.BytesIO()
+    out = av.open(buf, "w", format="mp4")
+    stream = out.add_stream("libx264", rate=Fraction(fps))
+    stream.width = stream.height = size
+    stream.pix_fmt = "yuv420p"
+    stream.options = {"preset": "ultrafast", "tune": "zerolatency"}
+    frame = av.VideoFrame.from_ndarray(np.zeros((size, size, 3), np.uint8), format="rgb24").reformat(format="yuv420p")
+    for i in range(frames):
+        frame.pts = i
+        for packet in stream.encode(frame):
+            out.mux(packet)
+    for packet in stream.encode(None):
+        out.mux(packet)
+    out.close()
+    return buf.getvalue()

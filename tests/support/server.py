@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence
@@ -143,3 +144,50 @@ def metric_values(text: str) -> dict[str, float]:
             labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
             out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
     return out
+
+
+def rss_mb(pid: int) -> float:
+    """A process's resident memory now, MB."""
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+
+def reset_peak(pid: int) -> None:
+    with open(f"/proc/{pid}/clear_refs", "w") as f:
+        f.write("5")  # VmHWM restarts from the current RSS
+
+
+def peak_mb(pid: int) -> float:
+    """A process's peak resident memory (VmHWM) since it started or since `reset_peak`, MB."""
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
+
+
+class HealthProbe:
+    """GET /health every 0.1 s on its own connection; `worst()` is the slowest answer since the last reset."""
+
+    def __init__(self, url: str):
+        self.url, self.times, self.failures = url, [], 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            t0 = time.monotonic()
+            try:
+                httpx.get(f"{self.url}/health", timeout=60)
+            except httpx.HTTPError:
+                self.failures += 1
+            self.times.append(time.monotonic() - t0)
+            time.sleep(0.1)
+
+    def worst(self) -> str:
+        out = f"/health worst {max(self.times, default=0):.2f} s over {len(self.times)} probes"
+        out += f", {self.failures} failed" if self.failures else ""
+        self.times, self.failures = [], 0
+        return out
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()

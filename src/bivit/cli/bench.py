@@ -8,7 +8,7 @@ from typing import List, Optional
 import typer
 
 from ..errors import BivitError
-from .common import FAILURE, command, fail, writable
+from .common import FAILURE, command, fail, in_range, writable
 
 
 @command()
@@ -39,8 +39,9 @@ def bench(
 
     if dtype not in b.DTYPE_CHOICES:
         fail(f"--dtype {dtype!r}: expected bfloat16, float32 or both")
-    if repeats < 1 or warmup < 0 or (threads is not None and threads < 1):
-        fail("--repeats and --threads must be >= 1, --warmup >= 0")
+    for flag, value, low, high in (("--repeats", repeats, 1, 1000), ("--warmup", warmup, 0, 1000),
+                                   ("--threads", threads, 1, 4096), ("--seed", seed, 0, 2**32 - 1)):
+        in_range(flag, value, low, high)
     writable(out_dir / "bench.json", option="--out-dir")
     try:
         chosen = b.select_cases(cases, seed)

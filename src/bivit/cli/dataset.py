@@ -36,6 +36,9 @@ def encode_dataset(
                                         help="Exit 0 even when some inputs could not be encoded."),
     alpha: str = AlphaOpt,
     ec_dir: Optional[Path] = EcDirOpt,
+    follow_symlinks: bool = typer.Option(False, "--follow-symlinks",
+                                         help="Read files that symbolic links in SRC point to outside SRC (by "
+                                              "default they are listed as failed, not read)."),
 ) -> None:
     """Encode a folder or manifest into a dataset folder.
 
@@ -59,7 +62,8 @@ def encode_dataset(
         summary = run(src, out, model=model, dtype=dtype, projector_dtype=projector_dtype, output_dtype=output_dtype,
                       device=device, engine=engine, ray_address=ray_address, workers=workers,
                       cpus_per_worker=cpus_per_worker, max_batch_patches=max_batch_patches, ec_dir=ec_dir,
-                      shard_mb=shard_mb, progress=progress and progress_shown(), alpha=alpha)
+                      shard_mb=shard_mb, progress=progress and progress_shown(), alpha=alpha,
+                      follow_symlinks=follow_symlinks)
     except KeyboardInterrupt:
         typer.echo(f"interrupted; everything encoded so far is in {out}, run the same command to resume", err=True)
         raise typer.Exit(130) from None

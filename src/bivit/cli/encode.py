@@ -46,15 +46,21 @@ def encode(
     from ..encoder_cache import EncoderCacheError, Sink
     from ..items import check_input
     from ..kinds import media_kind
+    from ..names import label, shown, stored, too_long
 
     results: list[Any] = [None] * len(files)  # per input: its result, or its error before any model loaded
+    # How each input is named in the file (a name that is not UTF-8 escaped; one too long to keep, cut)
+    refused = [too_long(str(p)) for p in files]
+    names = [label(str(p)) if why else stored(str(p)) for p, why in zip(files, refused)]
     kinds = {}
     for i, path in enumerate(files):  # each input's existence, kind and header
         try:
-            kinds[i] = check_input(path)
+            if refused[i]:
+                raise BivitError(f"{names[i]}: {refused[i]}")
+            kinds[i] = check_input(path, names[i])
         except BivitError as e:
             results[i] = e
-            typer.echo(f"bivit: skipped: {e}", err=True)
+            typer.echo(f"bivit: skipped: {shown(str(e))}", err=True)
     if not kinds:
         typer.echo(f"encoded 0 of {plural(len(files), 'input')} (nothing written); {len(files)} failed")
         raise typer.Exit(FAILURE)
@@ -66,8 +72,8 @@ def encode(
         def prepared():
             for i, kind in kinds.items():
                 if kind == "video":  # decoding a long video takes a while of its own
-                    bar.set_description(f"decoding {files[i].name}")
-                p = enc.prepare(files[i])
+                    bar.set_description(f"decoding {shown(stored(files[i].name), 80)}")
+                p = enc.prepare(files[i], name=names[i])
                 bar.total += len(p.grid_thw)
                 bar.set_description("encoding")
                 yield p
@@ -84,13 +90,14 @@ def encode(
                     extra["ec_error"] = str(e)
                     ec_failed.append(e)
             results[i] = (r, extra)
-            if r.error is not None:
-                bar.write(f"bivit: skipped: {r.error}", file=sys.stderr)
+            if r.error is not None:  # named, whatever raised it (an allocation failure names no file)
+                bar.write(f"bivit: skipped: {shown(names[i])}: {shown(rec.error_text(r.error, r.source))}",
+                          file=sys.stderr)
 
     records, embeddings = [], []
     for i, (path, r) in enumerate(zip(files, results)):
         if isinstance(r, BaseException):  # refused before the model loaded
-            records.append(rec.record(str(path), kind=media_kind(path) or "image", sha256=None, grid_thw=[],
+            records.append(rec.record(names[i], kind=media_kind(path) or "image", sha256=None, grid_thw=[],
                                       chunk_tokens=[], timestamps=None, placeholders=[], error=str(r)))
             embeddings.append(None)
             continue

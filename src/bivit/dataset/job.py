@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib.util
+import math
 import os
 import sys
 import time
@@ -52,10 +53,11 @@ def check_job(engine: str = "local", device: str = "cpu", workers: int = 1, cpus
         raise BivitError("--engine ray needs Ray Data: pip install 'bivit[ray]'")
     if engine == "ray" and str(device) != "cpu":
         raise BivitError(f"--device {device}: the Ray engine's workers encode on CPU; use --engine local")
-    if workers < 1 or cpus_per_worker < 1:
-        raise BivitError("--workers and --cpus-per-worker must be at least 1")
-    if shard_mb <= 0:
-        raise BivitError("--shard-mb must be positive")
+    for flag, value, most in (("--workers", workers, 4096), ("--cpus-per-worker", cpus_per_worker, 1024)):
+        if not 1 <= value <= most:
+            raise BivitError(f"{flag} {value}: expected a whole number from 1 to {most}")
+    if not (math.isfinite(shard_mb) and 0 < shard_mb <= 2**20):  # a tiny one: one item per shard
+        raise BivitError(f"--shard-mb {shard_mb!r}: expected a size in MiB above 0, at most 1048576 (1 TiB)")
 
 
 def encode_dataset(src: str | os.PathLike, out: str | os.PathLike, *, model: Optional[str] = None,
@@ -65,13 +67,15 @@ def encode_dataset(src: str | os.PathLike, out: str | os.PathLike, *, model: Opt
                    max_batch_patches: Optional[int] = None,
                    shard_mb: float = DEFAULT_SHARD_MB, flush_seconds: float = DEFAULT_FLUSH_SECONDS,
                    progress: bool = True, alpha: str = "model",
-                   ec_dir: Optional[str | os.PathLike] = None) -> Summary:
+                   ec_dir: Optional[str | os.PathLike] = None, follow_symlinks: bool = False) -> Summary:
     """Encode every image/video named by `src` into `out` (see `bivit.dataset`). Returns the summary.
 
     `max_batch_patches`: patches per forward pass (`bivit.packing`: a memory bound, results do not depend on
     it). `device`: where the local engine's model runs (the Ray engine's workers encode on CPU). `ec_dir`: also
     write each input this run encodes to vLLM's encoder cache there (`bivit.encoder_cache`), as it is encoded;
     one whose files cannot be written keeps its embedding and is listed in `Summary.ec_failed`.
+    `follow_symlinks`: read the files that symbolic links in a `src` folder point to outside it (by default
+    such a link is a failed input: `bivit.dataset.sources.list_sources`).
     """
     t0 = time.monotonic()
     check_job(engine, device, workers, cpus_per_worker, shard_mb)
@@ -80,7 +84,7 @@ def encode_dataset(src: str | os.PathLike, out: str | os.PathLike, *, model: Opt
                 output_dtype=canonical_name(output_dtype, "--output-dtype"), alpha=alpha,
                 max_batch_patches=max_batch_patches)
     out = Path(out)
-    sources = list_sources(src, exclude=out)
+    sources = list_sources(src, exclude=out, follow_symlinks=follow_symlinks)
 
     from ..encoder import load_encoder
 

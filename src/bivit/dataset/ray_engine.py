@@ -60,7 +60,7 @@ def prepare_rows(table: pa.Table, processing: Any = None, alpha: str = "model") 
     rows whose record has `error` set."""
     out = {name: [] for name in PREPARED_SCHEMA.names}
     for row in table.to_pylist():
-        p = prepare(row["sha256"], row["kind"], Path(row["path"]), row["name"], processing, alpha)
+        p = prepare(row["sha256"], row["kind"], Path(os.fsdecode(row["path"])), row["name"], processing, alpha)
         pixels = None if p.batch is None else p.batch.pixel_values.contiguous()
         out["record"].append(_record_json(p))
         out["pixels"].append(None if pixels is None else pixels.numpy().tobytes())
@@ -181,8 +181,9 @@ def run_ray(work: Sequence[Work], sink: Callable[[ItemResult], None], *, model: 
         data_log = logging.getLogger("ray.data")
         level = data_log.level
         data_log.setLevel(logging.ERROR)  # e.g. "Progress bars disabled": bivit shows its own
-        items = [{"sha256": w.sha256, "kind": w.kind, "path": str(Path(w.path).resolve()), "name": w.sources[0].source}
-                 for w in work]
+        # The path as bytes: a file name that is not UTF-8 is no Arrow string.
+        items = [{"sha256": w.sha256, "kind": w.kind, "path": os.fsencode(Path(w.path).resolve()),
+                  "name": w.sources[0].source} for w in work]
         try:
             ds = ray.data.from_items(items, override_num_blocks=max(1, min(len(items), 4 * workers, 256)))
             ds = ds.map_batches(prepare_rows, fn_kwargs=dict(processing=processing, alpha=opts.get("alpha", "model")),

@@ -85,10 +85,20 @@ class EncodedDataset:
 
     def tensor(self, item: "str | Record") -> "torch.Tensor":
         """The stored embedding of a record: read from its shard, a regular file inside this folder (a link out
-        of it is refused), and checked against the record (rows, dtype); FormatError otherwise."""
-        from ..records import FormatError, check_embedding
+        of it is refused), and checked against the record (rows, dtype, checksum); FormatError naming the shard
+        and the tensor otherwise."""
+        from ..records import check_embedding
 
         rec = item if isinstance(item, Record) else self[item]
+        tensor = self._read(rec)
+        check_embedding(tensor, rec.tokens, self.header.get("output_dtype"), f"tensor {rec.tensor!r} of "
+                        f"{rec.source!r}", rec.tensor_sha256, str(self.path / rec.shard))
+        return tensor
+
+    def _read(self, rec: Record) -> "torch.Tensor":
+        """A record's tensor from its shard, unchecked."""
+        from ..records import FormatError
+
         path = self.path / rec.shard  # a plain file name: checked when the manifest was read
         handle = self._handles.get(rec.shard)
         if handle is None:
@@ -106,12 +116,9 @@ class EncodedDataset:
                 raise FormatError(f"{path}: not a readable safetensors file ({e})") from None
             self._handles[rec.shard] = handle
         try:
-            tensor = handle.get_tensor(rec.tensor)
+            return handle.get_tensor(rec.tensor)
         except Exception as e:
             raise FormatError(f"{path}: no tensor {rec.tensor!r} for {rec.source!r} ({e})") from None
-        check_embedding(tensor, rec.tokens, self.header.get("output_dtype"), f"{path}: tensor {rec.tensor!r} of "
-                        f"{rec.source!r}")
-        return tensor
 
     def numpy(self, item: "str | Record") -> "np.ndarray":
         import torch
@@ -130,7 +137,9 @@ class EncodedDataset:
         from ..kinds import media_kind
 
         encoder = encoder_of(self.header)
-        recs = [dataclasses.replace(r, encoder=encoder, _load=lambda key, r=r: self.tensor(r)) for r in self.records
+        # Each record checks what it reads (`Record.embedding`), against its shard.
+        recs = [dataclasses.replace(r, encoder=encoder, _load=lambda key, r=r: self._read(r),
+                                    _file=str(self.path / r.shard)) for r in self.records
                 if shard is None or r.shard == shard]
         if shard is None:
             # The reason alone, as a `bivit encode` record keeps it: the record names the source already.

@@ -15,24 +15,31 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from ..errors import BivitError
-from ..fileio import check_regular, file_kind, parse_json, sha256_file
+from ..fileio import check_regular, file_kind, parse_json, read_regular, sha256_file
 from ..kinds import media_kind
+from ..names import label, stored, too_long
 from .pipeline import Source, Work
 from .writer import DatasetWriter, source_line
 
 
-def list_sources(src: str | os.PathLike, exclude: Optional[os.PathLike] = None) -> list[Source]:
+def list_sources(src: str | os.PathLike, exclude: Optional[os.PathLike] = None,
+                 follow_symlinks: bool = False) -> list[Source]:
     """The inputs named by SRC: a directory (recursive, by extension, sorted), a manifest file, or one media file.
 
     A manifest is one path per line, or JSONL objects with a `path` field; relative paths resolve against the
     manifest's folder. Blank lines and lines starting with `#` are ignored. A manifest may name files with any
     extension (an unknown one is treated as an image). `exclude` (the output directory) is never listed.
+
+    Names of any bytes: a source is named as `bivit.names.stored` keeps it (a file name that is not UTF-8 is
+    escaped) and read at its real path; a manifest path with a NUL or longer than `MAX_NAME_BYTES` is a source
+    that failed, with its reason. In a folder, a symbolic link whose target is outside SRC is a source that
+    failed ("not followed"), unless `follow_symlinks`: what SRC names is what the job reads.
     """
     root = check_source(src)
     if root.is_dir():
-        return _list_dir(root, exclude)
+        return _list_dir(root, exclude, follow_symlinks)
     if media_kind(root) is not None:  # a single image or video
-        return [Source(root.name, root, media_kind(root))]
+        return [Source(stored(root.name), root, media_kind(root))]
     return _list_manifest(root)
 
 
@@ -46,16 +53,18 @@ def check_source(src: str | os.PathLike) -> Path:
     raise BivitError(f"{src}: no such file or directory")
 
 
-def _list_dir(root: Path, exclude: Optional[os.PathLike]) -> list[Source]:
+def _list_dir(root: Path, exclude: Optional[os.PathLike], follow_symlinks: bool = False) -> list[Source]:
     skip = Path(exclude).resolve() if exclude is not None else None
+    inside = root.resolve()
     out = []
 
     def unreadable(e: OSError) -> None:  # a folder os.walk cannot list: its files must not vanish silently
         where = Path(e.filename or root)
         name = where.relative_to(root).as_posix() + "/" if where != root else "./"
-        out.append(Source(name, where, "image", error=f"cannot list the folder ({e.strerror or e})"))
+        out.append(Source(stored(name), where, "image", error=f"cannot list the folder ({e.strerror or e})"))
 
-    # Symlinked folders are not followed (cycles); symlinked files are listed.
+    # Symlinked folders are not followed (cycles); symlinked files are listed, those leading out of SRC as failed
+    # (a link to a system file put that file's sha256 in errors.jsonl) unless `follow_symlinks`.
     for dirpath, dirnames, filenames in os.walk(root, onerror=unreadable):
         here = Path(dirpath)
         if skip is not None:
@@ -66,7 +75,10 @@ def _list_dir(root: Path, exclude: Optional[os.PathLike]) -> list[Source]:
             if kind is None or name.startswith("."):
                 continue
             path = here / name
-            out.append(Source(path.relative_to(root).as_posix(), path, kind))
+            error = None
+            if not follow_symlinks and path.is_symlink() and not path.resolve().is_relative_to(inside):
+                error = "a symbolic link to a file outside the folder, not followed (--follow-symlinks reads it)"
+            out.append(Source(stored(path.relative_to(root).as_posix()), path, kind, error=error))
     out.sort(key=lambda s: s.source)
     return out
 
@@ -75,16 +87,18 @@ def _list_manifest(manifest: Path) -> list[Source]:
     base = manifest.resolve().parent
     out, seen = [], set()
     try:
-        text = manifest.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise BivitError(f"{manifest}: cannot read the manifest ({e})") from None
+        # A path that is not UTF-8 (as `find` writes one) is the file's name all the same: decoded as the file
+        # system decodes names, so it opens that file.
+        text = os.fsdecode(read_regular(manifest))
+    except OSError as e:
+        raise BivitError(f"{manifest}: cannot read the manifest ({e.strerror or e})") from None
     for lineno, line in enumerate(text.splitlines(), 1):
         line = line.strip()
         if not line or line.startswith("#"):
             continue
         if line.startswith("{"):
             try:
-                obj = parse_json(line)
+                obj = parse_json(line.encode("utf-8", "surrogateescape"))
             except ValueError as e:  # not JSON, nested too deeply, a repeated key
                 raise BivitError(f"{manifest}:{lineno}: invalid JSON ({getattr(e, 'msg', e)})") from None
             name = obj.get("path") if isinstance(obj, dict) else None
@@ -92,6 +106,14 @@ def _list_manifest(manifest: Path) -> list[Source]:
                 raise BivitError(f"{manifest}:{lineno}: a JSON line needs a non-empty string field 'path'")
         else:
             name = line
+        if too_long(name):  # its record names the line and the start of the path
+            out.append(Source(stored(f"{manifest.name}:{lineno}: {label(name)}"), manifest, "image",
+                              error=too_long(name)))
+            continue
+        if "\0" in name:
+            out.append(Source(stored(name), manifest, "image", error="the path holds a NUL character, which no "
+                              "file name can"))
+            continue
         p = Path(name)
         # The manifest names a file relative to its folder (or absolutely): that name, normalised, is the source,
         # and the file read is the one the normalised name means (`x/../a.png` is `a.png` even without `x/`).
@@ -100,7 +122,7 @@ def _list_manifest(manifest: Path) -> list[Source]:
         if source in seen:
             continue
         seen.add(source)
-        out.append(Source(source, path, media_kind(name) or "image"))
+        out.append(Source(stored(source), path, media_kind(name) or "image"))
     return out
 
 
@@ -122,8 +144,8 @@ def plan(sources: Sequence[Source], writer: DatasetWriter, hash_threads: int = 4
             try:
                 st = os.stat(s.path)
                 check_regular(s.path, st)  # a FIFO or a link to /dev/zero would block or never end
-            except OSError as e:
-                reason = f"cannot read ({e.strerror or e})"
+            except (OSError, ValueError) as e:  # ValueError: a name the OS cannot take (a NUL)
+                reason = f"cannot read ({getattr(e, 'strerror', None) or e})"
         if reason is not None:
             writer.add_error([s], reason)
             result.failed += 1

@@ -30,6 +30,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..encoder import Encoder
+from ..names import SHOWN_CHARS, shown
+from .answers import CLIENT_RECEIVE, Answer
 from .protocol import SAFETENSORS_MEDIA_TYPE, RequestError, answer, error_body, failed_answer
 from .bodies import content_type
 from .serving import Service, log
@@ -60,6 +62,8 @@ class JsonFormatter(logging.Formatter):
         out = {"ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
                "level": record.levelname.lower(), "logger": record.name, "msg": record.getMessage()}
         out.update(getattr(record, "fields", {}))
+        # What a line quotes (an upload's name, an error naming it) is cut: a 60 MB name was a 60 MB line.
+        out = {k: shown(v) if isinstance(v, str) and len(v) > SHOWN_CHARS else v for k, v in out.items()}
         if record.exc_info:
             out["exc"] = "".join(traceback.format_exception(*record.exc_info))
         return json.dumps(out, default=str)
@@ -126,18 +130,27 @@ def create_app(encoder: Encoder, settings: Optional[ServerSettings] = None) -> F
     async def _frame(request: Request, call_next):
         # Request id, auth, structured request log. Auth guards every route except /health.
         rid = _request_id(request.headers.get("x-request-id"))
-        request.scope[_CLIENT_RECEIVE] = request.receive
+        request.scope[CLIENT_RECEIVE] = request.receive
         request.state.items = 0
         request.state.failed = 0
         request.state.error = None
         t0 = time.perf_counter()
-        if settings.api_key and request.url.path != "/health" and \
+        if "content-length" in request.headers and "transfer-encoding" in request.headers:
+            # Which one frames the body is where a proxy and this server can disagree (request smuggling): refused,
+            # and the connection closed after the answer, so nothing behind it on the connection is read
+            # (RFC 9112, section 6.1).
+            svc.metrics.errors.labels("bad_request").inc()
+            request.state.error = "both Content-Length and Transfer-Encoding"
+            response: Response = JSONResponse(
+                error_body("bad_request", "a request may not carry both Content-Length and Transfer-Encoding"), 400,
+                headers={"Connection": "close"})
+        elif settings.api_key and request.url.path != "/health" and \
                 not _bearer_ok(request.headers.get("authorization"), settings.api_key):
             svc.metrics.errors.labels("auth").inc()
             request.state.error = "missing or wrong API key"
-            response: Response = JSONResponse(error_body("auth", "missing or wrong API key "
-                                                          "(send 'Authorization: Bearer <key>')"), 401,
-                                              headers={"WWW-Authenticate": "Bearer"})
+            response = JSONResponse(error_body("auth", "missing or wrong API key "
+                                               "(send 'Authorization: Bearer <key>')"), 401,
+                                    headers={"WWW-Authenticate": "Bearer"})
         else:
             try:
                 response = await call_next(request)
@@ -191,23 +204,12 @@ def create_app(encoder: Encoder, settings: Optional[ServerSettings] = None) -> F
         if not items:
             raise RequestError(400, "bad_request", "no items: send at least one 'file' part or JSON item")
         request.state.items = len(items)
-        results, info = await _unless_disconnected(request, svc.encode_request(items, json_response=fmt == "json"))
-
-        failed = [r for r in results if r.error is not None]
-        request.state.failed = len(failed)
-        for r in failed:
-            svc.metrics.errors.labels(r.error_kind or "internal").inc()
-        for r in results:
-            svc.metrics.items.labels("error" if r.error else ("cached" if r.cached else "encoded")).inc()
-        if len(failed) == len(results):
-            # Nothing to return: a client error unless the server itself broke.
-            internal = any(r.error_kind == "internal" for r in failed)
-            request.state.error = failed[0].error
-            body = await asyncio.get_running_loop().run_in_executor(None, failed_answer, info, results)
-            return Response(body, 500 if internal else 422, media_type="application/json")
-        # Serialising can take a while for big answers (JSON above all); keep it off the event loop.
-        body = await asyncio.get_running_loop().run_in_executor(None, answer, info, results, fmt == "json")
-        return Response(body, media_type="application/json" if fmt == "json" else SAFETENSORS_MEDIA_TYPE)
+        results, info, release = await _unless_disconnected(request, svc.encode_request(items, fmt == "json"))
+        try:
+            return await _answer(svc, request, results, info, fmt, release)
+        except BaseException:
+            release()
+            raise
 
     @app.post("/v1/weights")
     async def weights(request: Request) -> JSONResponse:
@@ -216,15 +218,36 @@ def create_app(encoder: Encoder, settings: Optional[ServerSettings] = None) -> F
                                "(or --allow-weight-updates-without-key on a trusted machine)")
         content_type(request, ("application/octet-stream", SAFETENSORS_MEDIA_TYPE),
                      "send the weights as a safetensors file, application/octet-stream")
-        body = await svc.bodies.read(request, settings.max_weights_mb, "--max-weights-mb")
-        return JSONResponse(await svc.update_weights(body))
+        if svc.updating.locked():  # one weights body at a time: each may be gigabytes (on disk)
+            await svc.bodies.discard(request)
+            raise RequestError(503, "busy", "a weight update is in progress; retry later",
+                               {"Retry-After": str(settings.retry_after_s), "Connection": "close"})
+        async with svc.updating:
+            async with svc.bodies.spooled(request, svc.weights_limit_mb, "--max-weights-mb") as path:
+                return JSONResponse(await svc.update_weights(path))
 
     return app
 
 
-# Where the request frame keeps the server's own `receive` (the endpoint's is wrapped by the middleware, and
-# cannot see a disconnect without waiting for one).
-_CLIENT_RECEIVE = "bivit.client_receive"
+async def _answer(svc: Service, request: Request, results: list, info: dict, fmt: str, release) -> Response:
+    """The answer to an encoded request (`release`: what lets go of its bytes held against --max-answers-mb,
+    once it is written)."""
+    failed = [r for r in results if r.error is not None]
+    request.state.failed = len(failed)
+    for r in failed:
+        svc.metrics.errors.labels(r.error_kind or "internal").inc()
+    for r in results:
+        svc.metrics.items.labels("error" if r.error else ("cached" if r.cached else "encoded")).inc()
+    if len(failed) == len(results):
+        # Nothing to return: a client error unless the server itself broke.
+        internal = any(r.error_kind == "internal" for r in failed)
+        request.state.error = failed[0].error
+        body = await asyncio.get_running_loop().run_in_executor(None, failed_answer, info, results)
+        return Answer(body, "application/json", 500 if internal else 422, release)
+    # Made as it is sent (`bivit.serve.answers`); the file's header (every record) off the event loop.
+    length, pieces = await asyncio.get_running_loop().run_in_executor(None, answer, info, results, fmt == "json")
+    return Answer(pieces, "application/json" if fmt == "json" else SAFETENSORS_MEDIA_TYPE, release=release,
+                  length=length)
 
 
 async def _unless_disconnected(request: Request, work):
@@ -232,7 +255,7 @@ async def _unless_disconnected(request: Request, work):
     has for this request is its disconnect): its queued decodes and forward passes are dropped (a decode
     already running stops at its item's end), and the request is logged as 499."""
     task = asyncio.ensure_future(work)
-    receive = request.scope.get(_CLIENT_RECEIVE)
+    receive = request.scope.get(CLIENT_RECEIVE)
 
     async def hung_up() -> None:
         if receive is None:
@@ -265,7 +288,7 @@ def run(encoder: Encoder, settings: ServerSettings, *, host: str, port: int, log
     limit = max_connections()
     config = uvicorn.Config(create_app(encoder, settings), host=host, port=port, log_config=None,
                             access_log=False, log_level=log_level.lower(), backlog=accept_burst(limit),
-                            http=_header_timeout(settings.header_timeout_s, limit),
+                            http=_protocol(settings.header_timeout_s, settings.write_timeout_s, limit),
                             timeout_graceful_shutdown=int(settings.request_timeout_s + settings.body_timeout_s) + 10)
     uvicorn.Server(config).run()
 
@@ -299,22 +322,28 @@ _BUSY_RESPONSE = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: applicatio
                   b"Connection: close\r\nContent-Length: " + str(len(_BUSY)).encode() + b"\r\n\r\n" + _BUSY)
 
 
-def _header_timeout(seconds: float, limit: int) -> type:
-    """uvicorn's h11 protocol, closing a connection whose request headers take longer than `seconds`, and
-    keeping at most `limit` connections open.
+def _protocol(seconds: float, write_seconds: float, limit: int) -> type:
+    """uvicorn's h11 protocol, closing a connection whose request headers take longer than `seconds` or whose
+    client reads nothing of its answer for `write_seconds`, and keeping at most `limit` connections open.
 
     uvicorn times out idle kept-alive connections but not a request whose headers trickle in (one byte a
     second holds a connection and a buffer forever). The timer starts with the connection or with the first
     bytes of the next request on a kept-alive one, and stops when the headers are complete. A connection past
     `limit` closes the connection that has been sending its headers longest (a slow client makes room for a
     new one, a probe included); if none is, the new one is answered 503 and closed.
+
+    Nor does uvicorn time out a client that stops reading: its answer waits in memory for as long as it keeps
+    the connection (four such clients held 2.4 GB, for good). The write timer starts when the socket's write
+    buffer fills (asyncio's `pause_writing`) and stops when it drains (`resume_writing`); if it runs out, the
+    connection is aborted and what was buffered for it is dropped.
     """
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     waiting: "collections.OrderedDict[H11Protocol, None]" = collections.OrderedDict()  # headers not complete
 
-    class HeaderTimeoutProtocol(H11Protocol):
+    class Protocol(H11Protocol):
         _header_timer: Optional[asyncio.TimerHandle] = None
+        _write_timer: Optional[asyncio.TimerHandle] = None
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -339,7 +368,26 @@ def _header_timeout(seconds: float, limit: int) -> type:
 
         def connection_lost(self, exc: Optional[Exception]) -> None:
             self._disarm()
+            if self._write_timer is not None:
+                self._write_timer.cancel()
             super().connection_lost(exc)
+
+        def pause_writing(self) -> None:
+            super().pause_writing()
+            if self._write_timer is None:
+                self._write_timer = self.loop.call_later(write_seconds, self._write_expired)
+
+        def resume_writing(self) -> None:
+            if self._write_timer is not None:
+                self._write_timer.cancel()
+                self._write_timer = None
+            super().resume_writing()
+
+        def _write_expired(self) -> None:
+            self._write_timer = None
+            log.info("connection closed: its client read nothing of its answer within --write-timeout-s",
+                     extra={"fields": {"client": self.client, "write_timeout_s": write_seconds}})
+            self.transport.abort()
 
         def _arm(self) -> None:
             if self._header_timer is None:
@@ -359,4 +407,4 @@ def _header_timeout(seconds: float, limit: int) -> type:
                      extra={"fields": {"client": self.client, "header_timeout_s": seconds}})
             self.transport.close()
 
-    return HeaderTimeoutProtocol
+    return Protocol

@@ -5,12 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Optional
+import os
+import re
+import tempfile
+import urllib.parse
+from typing import AsyncIterator, Optional
 
 from fastapi import Request
+from starlette.formparsers import MultiPartParser
 from starlette.requests import ClientDisconnect
 
-from .protocol import RequestError, UploadItem, parse_json_request, too_many_items
+from .protocol import RequestError, UploadItem, parse_json_request, too_many_items, upload_name
 from .metrics import Metrics
 from .settings import ServerSettings
 
@@ -26,7 +31,7 @@ def content_type(request: Request, accepted: tuple[str, ...] = ENCODE_MEDIA_TYPE
     return ctype
 
 
-# How long the rest of a refused body is read and dropped before the answer (see `_discard_body`).
+# How long the rest of a refused body is read and dropped before the answer (see `BodyReader.discard`).
 DISCARD_S = 5.0
 
 
@@ -50,11 +55,38 @@ class BodyReader:
         """The request is answered: its body no longer counts (called by the request frame, always)."""
         self._hold(request, -getattr(request.state, "body_bytes", 0))
 
-    async def read(self, request: Request, limit_mb: Optional[float] = None, option: str = "--max-body-mb") -> bytes:
-        """The whole body, at most `limit_mb` (default --max-body-mb; 413 above) and within --body-timeout-s (408).
-        An encode body (the default limit) also counts against `max_bodies_mb` as it arrives: 503 beyond."""
-        counted = limit_mb is None
-        limit_mb = self.settings.max_body_mb if limit_mb is None else limit_mb
+    async def read(self, request: Request) -> bytearray:
+        """An encode body: at most --max-body-mb (413 above), within --body-timeout-s (408), counted against
+        `max_bodies_mb` as it arrives (503 beyond). Gathered in one growing buffer (chunks joined at the end held
+        the body twice)."""
+        body = bytearray()
+        async for chunk in self._chunks(request, self.settings.max_body_mb, "--max-body-mb", counted=True):
+            body += chunk
+        return body
+
+    @contextlib.asynccontextmanager
+    async def spooled(self, request: Request, limit_mb: float, option: str) -> AsyncIterator[str]:
+        """A body streamed to a temporary file (at most `limit_mb`, 413 above; within --body-timeout-s, 408),
+        its path while the block runs: what it holds in memory is one chunk at a time (an 800 MiB weights body
+        held whole took +2.4 GB, and was never given back)."""
+        fd, path = tempfile.mkstemp(prefix="bivit-body-")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                async for chunk in self._chunks(request, limit_mb, option, counted=False):
+                    try:
+                        f.write(chunk)
+                    except OSError as e:  # a full disk is the server's state, not the request's fault
+                        await self.discard(request)
+                        raise RequestError(507, "insufficient_storage", f"cannot hold the body in "
+                                           f"{tempfile.gettempdir()} ({e.strerror or e})",
+                                           {"Connection": "close"}) from None
+            yield path
+        finally:
+            os.unlink(path)
+
+    async def _chunks(self, request: Request, limit_mb: float, option: str, counted: bool) -> AsyncIterator[bytes]:
+        """The body's chunks, at most `limit_mb` (413 above) and within --body-timeout-s (408); `counted`: each
+        counts against `max_bodies_mb` as it arrives (503 beyond), until the request is answered."""
         limit = self.settings.mb(limit_mb)
         declared = request.headers.get("content-length")
         if declared is not None:
@@ -63,45 +95,47 @@ class BodyReader:
             except ValueError:
                 raise RequestError(400, "bad_request", f"invalid Content-Length {declared!r}") from None
             if n > limit:
-                await self._discard_body(request, n)
+                await self.discard(request, n)
                 raise RequestError(413, "too_large", f"request body of {n} bytes exceeds {option} "
                                    f"{limit_mb:g} ({limit} bytes)")
-        try:
-            return await asyncio.wait_for(self._read(request, limit, f"{option} {limit_mb:g}", counted),
-                                          self.settings.body_timeout_s)
-        except asyncio.TimeoutError:
-            # A client sending slower than this holds a connection and a buffer: drop it (408 closes it).
-            raise RequestError(408, "body_timeout", f"request body not received within --body-timeout-s "
-                               f"{self.settings.body_timeout_s:g}", {"Connection": "close"}) from None
-
-    async def _read(self, request: Request, limit: int, option: str, counted: bool) -> bytes:
-        chunks, size = [], 0
+        deadline = asyncio.get_running_loop().time() + self.settings.body_timeout_s
         all_bodies = self.settings.mb(self.settings.max_bodies_mb)
-        try:
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > limit:  # a chunked or lying body: stop at the limit, never hold more than it
-                    await self._discard_body(request, limit)
-                    raise RequestError(413, "too_large", f"request body exceeds {option} ({limit} bytes)")
-                if counted:
-                    if self.held + len(chunk) > all_bodies:
-                        await self._discard_body(request, limit)
-                        raise RequestError(503, "busy", f"server busy: {self.held} bytes of request bodies held, "
-                                           f"max_bodies_mb {self.settings.max_bodies_mb:g}; retry later",
-                                           {"Retry-After": str(self.settings.retry_after_s), "Connection": "close"})
-                    self._hold(request, len(chunk))
-                chunks.append(chunk)
-        except ClientDisconnect:
-            raise RequestError(400, "bad_request", "client disconnected while sending the body") from None
-        return b"".join(chunks)
+        stream = request.stream().__aiter__()
+        size = 0
+        while True:
+            try:
+                async with asyncio.timeout_at(deadline):
+                    chunk = await stream.__anext__()
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                # A client sending slower than this holds a connection and a buffer: drop it (408 closes it).
+                raise RequestError(408, "body_timeout", f"request body not received within --body-timeout-s "
+                                   f"{self.settings.body_timeout_s:g}", {"Connection": "close"}) from None
+            except ClientDisconnect:
+                raise RequestError(400, "bad_request", "client disconnected while sending the body") from None
+            size += len(chunk)
+            if size > limit:  # a chunked or lying body: stop at the limit, never hold more than it
+                await self.discard(request, limit)
+                raise RequestError(413, "too_large", f"request body exceeds {option} {limit_mb:g} ({limit} bytes)")
+            if counted:
+                if self.held + len(chunk) > all_bodies:
+                    await self.discard(request, limit)
+                    raise RequestError(503, "busy", f"server busy: {self.held} bytes of request bodies held, "
+                                       f"max_bodies_mb {self.settings.max_bodies_mb:g}; retry later",
+                                       {"Retry-After": str(self.settings.retry_after_s), "Connection": "close"})
+                self._hold(request, len(chunk))
+            yield chunk
 
-    async def _discard_body(self, request: Request, up_to: int) -> None:
-        # Read and drop (a bounded amount of) the rest of the body before answering 413: closing a socket with
-        # unread data sends a TCP reset, and the client would see "connection reset" instead of the 413.
-        # A client that sent `Expect: 100-continue` has not sent the body; reading would invite it to.
+    async def discard(self, request: Request, up_to: Optional[int] = None) -> None:
+        """Read and drop (a bounded amount of, at most `up_to` bytes) the rest of a body that is refused, before
+        the answer: closing a socket with unread data sends a TCP reset, and the client would see "connection
+        reset" instead of the refusal. A client that sent `Expect: 100-continue` has not sent the body; reading
+        would invite it to."""
         if "100-continue" in request.headers.get("expect", "").lower():
             return
-        budget = min(up_to, self.settings.mb(self.settings.max_body_mb) + 64 * 2**20)
+        budget = self.settings.mb(self.settings.max_body_mb) + 64 * 2**20
+        budget = budget if up_to is None else min(up_to, budget)
 
         async def drain() -> None:
             seen = 0
@@ -113,7 +147,7 @@ class BodyReader:
         with contextlib.suppress(Exception):  # a client that stalls is not waited for past 5 s either
             await asyncio.wait_for(drain(), DISCARD_S)
 
-    async def parse_items(self, ctype: str, request: Request, body: bytes) -> list[UploadItem]:
+    async def parse_items(self, ctype: str, request: Request, body: bytearray) -> list[UploadItem]:
         """The items of a body of media type `ctype` (as `content_type` returned it), parsed on a worker thread:
         the parsers' work grows with what the body holds (5M empty multipart parts, 300,000 JSON objects), and
         the event loop answers every other connection meanwhile."""
@@ -123,7 +157,7 @@ class BodyReader:
             return await loop.run_in_executor(None, lambda: asyncio.run(self._parse_multipart(scope, body)))
         return await loop.run_in_executor(None, parse_json_request, body, self.settings.max_queue)
 
-    async def _parse_multipart(self, scope: dict, body: bytes) -> list[UploadItem]:
+    async def _parse_multipart(self, scope: dict, body: bytearray) -> list[UploadItem]:
         """Runs in its own event loop on a worker thread (`parse_items`)."""
         sent = False
 
@@ -135,10 +169,11 @@ class BodyReader:
             return {"type": "http.request", "body": body, "more_body": False}
 
         max_items = self.settings.max_queue
+        request = Request(scope, replay)
         try:
-            form = await Request(scope, replay).form(max_files=max_items, max_fields=max_items)
+            form = await _Parser(request.headers, request.stream(), max_files=max_items, max_fields=max_items).parse()
         except Exception as e:  # noqa: BLE001 - malformed multipart in any of the parser's ways
-            reason = str(getattr(e, "detail", None) or e)
+            reason = str(getattr(e, "message", None) or e)
             if reason.startswith(("Too many files", "Too many fields")):
                 raise too_many_items("more", max_items) from None
             raise RequestError(400, "bad_request", f"malformed multipart body: {reason}") from None
@@ -151,9 +186,39 @@ class BodyReader:
                 if isinstance(value, str):
                     raise RequestError(400, "bad_request",
                                        "form field 'file' must be a file part (curl -F file=@path)")
-                data = await value.read()
-                name = value.filename or f"item{len(items)}"
-                items.append(UploadItem(name, data, (value.content_type or "").lower().startswith("video/")))
+                name, refused = upload_name(value.filename, len(items))
+                data = None if refused else await value.read()
+                items.append(UploadItem(name, data, (value.content_type or "").lower().startswith("video/"),
+                                        error=refused))
         finally:
             await form.close()
         return items
+
+
+# A part's plain `filename=` parameter; when a part has only RFC 5987's `filename*=`, `_Parser` adds one.
+_FILENAME = re.compile(rb";\s*filename\s*=", re.I)
+_FILENAME_STAR = re.compile(rb";\s*filename\*\s*=\s*(\"[^\"]*\"|[^;]*)", re.I)
+
+
+class _Parser(MultiPartParser):
+    """Starlette's multipart parser, which also takes a part's file name from RFC 5987's `filename*=` when the
+    part has no plain `filename=`. RFC 7578 forbids that syntax in forms and python-multipart ignores it, so such
+    a part was a text field and refused with a misleading 400; clients still send it for non-ASCII names
+    (urllib3 1.x)."""
+
+    def on_headers_finished(self) -> None:
+        part = self._current_part
+        disposition = part.content_disposition or b""
+        star = _FILENAME_STAR.search(disposition)
+        if star and not _FILENAME.search(disposition):
+            value = star.group(1).strip().strip(b'"').decode("latin-1")
+            charset, _, rest = value.partition("'")
+            _, _, encoded = rest.partition("'")
+            try:
+                name = urllib.parse.unquote(encoded, encoding=charset or "utf-8", errors="strict")
+            except (LookupError, UnicodeDecodeError):
+                name = urllib.parse.unquote(encoded, encoding="latin-1")
+            # As a quoted string the parser unquotes, in the bytes it decodes names from (UTF-8 by default).
+            quoted = name.replace("\\", "\\\\").replace('"', '\\"').encode("utf-8", "surrogatepass")
+            part.content_disposition = disposition + b'; filename="' + quoted + b'"'
+        super().on_headers_finished()

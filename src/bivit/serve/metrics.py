@@ -13,6 +13,7 @@ class Metrics:
         self.queue_depth = Gauge("bivit_queue_depth", "Items waiting for the batching worker", registry=r)
         self.inflight_items = Gauge("bivit_inflight_items", "Items admitted and not yet answered", registry=r)
         self.body_bytes = Gauge("bivit_body_bytes", "Bytes of /v1/encode bodies received and held", registry=r)
+        self.answer_bytes = Gauge("bivit_answer_bytes", "Bytes of answers being computed or written", registry=r)
         self.pixel_bytes = Gauge("bivit_pixel_bytes", "Preprocessed pixel bytes held for admitted requests",
                                  registry=r)
         self.batch_items = Histogram("bivit_batch_items", "Items per forward pass", registry=r,

@@ -16,12 +16,13 @@ import base64
 import binascii
 import json
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from .. import records
 from ..errors import BivitError
-from ..fileio import TooManyObjects, parse_json
+from ..fileio import TooManyElements, parse_json
 from ..kinds import media_kind
+from ..names import label, shown, stored, too_long
 
 SAFETENSORS_MEDIA_TYPE = "application/vnd.bivit.safetensors"
 
@@ -62,24 +63,40 @@ class BadItem(BivitError):
     """An item that could not even be extracted from the request (bad base64): error kind "bad_item"."""
 
 
+# JSON elements one item takes: its object, the keys "data", "name", "kind" and their values, and one to spare.
+ITEM_ELEMENTS = 8
+
+
+def upload_name(raw: Optional[str], i: int) -> tuple[str, Optional[str]]:
+    """An upload's name as its record stores it (`bivit.names.stored`: lone surrogates escaped; `item{i}` when
+    it has none), and why the item is refused (a name longer than `bivit.names.MAX_NAME_BYTES`: its record then
+    holds the name's start and length), or None."""
+    if not raw:
+        return f"item{i}", None
+    refused = too_long(raw)
+    return (label(raw), refused) if refused else (stored(raw), None)
+
+
 def too_many_items(n: object, max_items: int) -> RequestError:
     return RequestError(413, "too_many_items", f"request has {n} items, more than --max-queue {max_items} "
                         "(every copy and every failed item counted); split it")
 
 
-def parse_json_request(body: bytes, max_items: int) -> list[UploadItem]:
+def parse_json_request(body: bytes | bytearray, max_items: int) -> list[UploadItem]:
     """The items of a JSON request body; RequestError (400) when the body is not the documented shape, 413 when
-    it holds more than `max_items` items (the parse stops there: nothing is built for the rest).
+    it holds more JSON elements than `max_items` items need (counted before parsing: nothing is built).
 
     A key repeated in one object is refused (which one counts differs between parsers), and so is nesting
     deeper than `bivit.fileio.MAX_JSON_DEPTH`; base64 may be split into lines (MIME's 76 columns), any other
     non-alphabet character is an error.
     """
+    most = ITEM_ELEMENTS * max_items + 64
     try:
-        # The items and the body's own object; numbers are in no item (a few allowed beside them).
-        doc = parse_json(body, max_objects=max_items + 1, max_numbers=max_items + 64)
-    except TooManyObjects:
-        raise too_many_items("more", max_items) from None
+        doc = parse_json(body, max_elements=most)  # counted before anything is built
+    except TooManyElements:
+        raise RequestError(413, "too_many_items", f"request body holds more than {most} JSON elements (arrays, "
+                           f"objects, strings, numbers, literals), more than --max-queue {max_items} items need; "
+                           "split it") from None
     except ValueError as e:  # UnicodeDecodeError included
         raise RequestError(400, "bad_request", f"invalid JSON body: {e}") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("items"), list):
@@ -90,10 +107,17 @@ def parse_json_request(body: bytes, max_items: int) -> list[UploadItem]:
     for i, entry in enumerate(doc["items"]):
         if not isinstance(entry, dict) or not isinstance(entry.get("data"), str):
             raise RequestError(400, "bad_request", f"items[{i}] must be an object with a base64 string 'data'")
-        name = str(entry.get("name") or f"item{i}")
+        raw = entry.get("name")
+        if raw is not None and not isinstance(raw, str):
+            raise RequestError(400, "bad_request", f"items[{i}].name must be a string, got a {type(raw).__name__}")
+        name, refused = upload_name(raw, i)
         kind = entry.get("kind")
         if kind not in (None, "image", "video"):
-            raise RequestError(400, "bad_request", f"items[{i}].kind must be 'image' or 'video', got {kind!r}")
+            raise RequestError(400, "bad_request",
+                               f"items[{i}].kind must be 'image' or 'video', got {shown(repr(kind), 100)}")
+        if refused:
+            items.append(UploadItem(name, None, error=refused))
+            continue
         try:
             data = base64.b64decode("".join(entry["data"].split()), validate=True)
         except (binascii.Error, ValueError) as e:
@@ -107,11 +131,14 @@ def error_body(kind: str, message: str, **extra: Any) -> dict:
     return {"error": {"kind": kind, "message": message}, **extra}
 
 
-def answer(info: dict, recs: list[records.Record], as_json: bool = False) -> bytes:
-    """The answer to a request: an embedding file of its records (or the same as JSON), `info` being the
-    encoder's description (`Encoder.describe()`) at the weights that computed them."""
+def answer(info: dict, recs: list[records.Record], as_json: bool = False) -> tuple[Optional[int], Iterator[bytes]]:
+    """The answer to a request, `info` being the encoder's description (`Encoder.describe()`) at the weights that
+    computed them, in pieces made as they are asked for: an embedding file of its records (its length known,
+    `records.file_pieces`), or the same as JSON (`json_chunks`; its length not known)."""
     embeddings = [r.embedding for r in recs]
-    return records.to_json(info, recs, embeddings) if as_json else records.to_bytes(info, recs, embeddings)
+    if as_json:
+        return None, json_chunks(info, recs, embeddings)
+    return records.file_pieces(info, recs, embeddings)
 
 
 def failed_answer(info: dict, recs: list[records.Record]) -> bytes:
@@ -121,3 +148,42 @@ def failed_answer(info: dict, recs: list[records.Record]) -> bytes:
     body = error_body(failed[0].error_kind or "internal", "every item failed: " + shown, format=records.FORMAT,
                       encoder=info, items=[r.to_json() for r in recs])
     return json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+
+
+def json_chunks(encoder: dict, recs: list[records.Record], embeddings: list, size: int = 2**20) -> Iterator[bytes]:
+    """The JSON answer (`?format=json`: `{"format", "encoder", "items"}`, each record with `embedding` as nested
+    float lists; Python floats print the shortest repr that round-trips, so float32 and bfloat16 values come back
+    exactly when cast to the encoder's output dtype) in pieces of about `size` bytes, each made when asked for, a
+    few rows at a time (a 145 MB answer made by one `json.dumps` call held the interpreter lock for 12 s, and its
+    floats 1 GB)."""
+    pending: list[str] = []
+    held = 0
+    for piece in _json_pieces(encoder, recs, embeddings):
+        pending.append(piece)
+        held += len(piece)
+        if held >= size:
+            yield "".join(pending).encode()
+            pending, held = [], 0
+    yield "".join(pending).encode()
+
+
+def _json_pieces(encoder: dict, recs: list[records.Record], embeddings: list) -> Iterator[str]:
+    def dumps(obj: Any) -> str:
+        return json.dumps(obj, separators=(",", ":"), allow_nan=False)
+
+    yield dumps({"format": records.FORMAT, "encoder": dict(encoder)})[:-1] + ',"items":['
+    for k, (r, e) in enumerate(zip(recs, embeddings)):
+        yield ("," if k else "") + dumps(r.to_json())[:-1] + ',"embedding":'
+        if e is None:
+            yield "null}"
+            continue
+        rows = e.float()
+        if not bool(rows.isfinite().all()):
+            raise ValueError(f"{r.source}: an embedding holds NaN or Inf, which JSON cannot hold")
+        yield "["
+        step = max(1, 16384 // max(1, rows.shape[1]))  # rows made into floats at a time: ~16k values
+        for start in range(0, rows.shape[0], step):
+            yield ("" if start == 0 else ",") + ",".join(
+                "[" + ",".join(map(float.__repr__, row)) + "]" for row in rows[start:start + step].tolist())
+        yield "]}"
+    yield "]}"

@@ -10,7 +10,11 @@
    deadline (an item still queued then is never started).
 3. Each prepared item's chunks (one for an image) go to the Batcher, whose single worker coalesces queued
    chunks from all concurrent requests into forward passes by the packing rule.
-4. Each item's result is `bivit.items.assemble`'s (a video: its chunks joined), answered in input order.
+4. Each item's result is `bivit.items.assemble`'s (a video: its chunks joined), answered in input order; the
+   answer's bytes are held against `max_answers_mb` from admission until it is written (`bivit.serve.answers`).
+
+A request's videos share one decoding budget (`max_video_mpixels`, `bivit.container.DecodeBudget`), charged from
+their headers before anything is decoded and then frame by frame; heavy videos decode in a pool of their own.
 
 Weight updates (`POST /v1/weights`) pass a gate that requests hold shared and an update holds alone: the
 update waits for the requests in flight (they finish on the old weights, none is lost), new requests wait for
@@ -33,15 +37,19 @@ import hashlib
 import logging
 import time
 from dataclasses import replace
-from typing import Optional
+from collections.abc import Mapping
+from typing import Callable, Iterator, NamedTuple, Optional
 
+from .. import records
+from ..container import FRAME_MIN_PIXELS, DecodeBudget
 from ..decode import image_header, image_work_bytes
 from ..encoder import Encoder
-from .. import records
 from ..encoder_cache import EncoderCacheError, Sink
-from ..errors import BivitError, MediaError
+from ..errors import BivitError, CheckpointError, MediaError
 from ..grids import PATCH_SIZE, grid_tokens, image_grid
 from ..items import ItemResult, Prepared, assemble
+from ..preprocess_config import ProcessorConfig
+from ..video import decode_work
 from .batcher import Batcher
 from .bodies import BodyReader
 from .embedding_cache import EmbeddingCache
@@ -69,6 +77,34 @@ HEAVY_IMAGE_SIZE = (8192, 8192)
 # (in tens of milliseconds), so a small request never waits for a thread that decodes a large image (two
 # requests of 13 7500x7500 PNGs held both image threads for ~10 s at a time on 2 busy cores).
 LIGHT_IMAGE_SIZE = (1024, 1024)
+# A video whose decoding work (`bivit.video.decode_work`, from its header) is above this, or not known before
+# decoding, is heavy: decoded in a one-thread pool of its own, so a short clip never waits for a thread that
+# decodes a long video (two 200,000-frame videos held both video threads until the small ones' deadline).
+# About 500 frames of 1080p, or 60,000 tiny frames: a few seconds of decoding on one core.
+HEAVY_VIDEO_WORK = 10**9
+
+
+class _Cost(NamedTuple):
+    """What an item costs, from its header, before anything is decoded: preprocessed pixel bytes and tokens (an
+    image; a video's are counted once decoded: None), and the work of decoding it (an image: the memory
+    `image_work_bytes` estimates; a video: `bivit.video.decode_work`), None where the header does not say."""
+
+    pixels: Optional[int] = None
+    tokens: Optional[int] = None
+    work: Optional[int] = None
+
+
+def item_cost(item: UploadItem, processing: ProcessorConfig) -> _Cost:
+    """An item's `_Cost` from its header alone, under the model's `processing` (nothing known when the header is
+    unreadable: decoding will then say what is wrong)."""
+    try:
+        if item.kind == "video":
+            return _Cost(work=decode_work(item.data, name=item.name))
+        head = image_header(item.data, processing)
+    except MediaError:
+        return _Cost()
+    gh, gw = image_grid(head.width, head.height, processing)
+    return _Cost(gh * gw * PATCH_BYTES, grid_tokens(gh, gw), head.work_bytes)
 
 
 class WeightsGate:
@@ -123,10 +159,13 @@ class Service:
         self.heavy_pool: Optional[FairPool] = None
         self.light_pool: Optional[FairPool] = None
         self.video_pool: Optional[FairPool] = None
+        self.heavy_video_pool: Optional[FairPool] = None
         self.heavy_bytes = image_work_bytes(*HEAVY_IMAGE_SIZE, "RGB", encoder.processing)
         self.light_bytes = image_work_bytes(*LIGHT_IMAGE_SIZE, "RGB", encoder.processing)
+        self.heavy_video_work = HEAVY_VIDEO_WORK
         self.inflight = 0  # items admitted and not yet answered; touched only on the event loop
         self.pixels_held = 0  # preprocessed pixel bytes of admitted requests (see _Budget); event loop only
+        self.answers_held = 0  # bytes of answers being computed or written (see _Budget); event loop only
         self.draining = False
         # What computes the answers (Encoder.describe(): every answer's `encoder`, /v1/info). It hashes every
         # weight (the fingerprint): done once here, never on the event loop during a request.
@@ -134,6 +173,13 @@ class Service:
         self.ec = None if settings.ec_dir is None else Sink(settings.ec_dir, self.fingerprint)
         self.gate = WeightsGate()
         self.updating = asyncio.Lock()  # one weight update at a time
+
+    @property
+    def weights_limit_mb(self) -> float:
+        """--max-weights-mb, else the served model's weights as their dtypes store them + 16 MiB of header: the
+        largest a valid update can be."""
+        weights = sum(t.numel() * t.element_size() for t in self.encoder.model.state_dict().values())
+        return self.settings.max_weights_mb or weights / 2**20 + 16
 
     @property
     def fingerprint(self) -> str:
@@ -146,52 +192,44 @@ class Service:
         self.heavy_pool = FairPool(1, "bivit-heavy")
         self.light_pool = FairPool(1, "bivit-light")
         self.video_pool = FairPool(self.settings.preprocess_threads, "bivit-video")
+        self.heavy_video_pool = FairPool(1, "bivit-heavy-video")
         self.batcher.start()
 
     def stop(self) -> None:
         self.draining = True
         self.batcher.stop()
-        for pool in (self.pool, self.heavy_pool, self.light_pool, self.video_pool):
+        for pool in (self.pool, self.heavy_pool, self.light_pool, self.video_pool, self.heavy_video_pool):
             if pool is not None:
                 pool.shutdown()
 
     # -- encoding
-    def _prepare(self, item: UploadItem, sha256: str, deadline: float) -> Prepared:
+    def _prepare(self, item: UploadItem, sha256: str, deadline: float, decode: DecodeBudget) -> Prepared:
         """Runs in a thread pool: the item's bytes -> its chunks (the model's preprocessing and the server's
         --alpha, as offline). From the bytes (no temp file); decoding stops at the request's deadline, so a
-        request that timed out does not keep a preprocessing thread from the next one."""
+        request that timed out does not keep a preprocessing thread from the next one, and a video's decoding is
+        charged to the request's `decode` budget frame by frame."""
         return self.encoder.prepare(item.data, name=item.name, kind=item.kind, sha256=sha256, deadline=deadline,
-                                    video_options=dict(max_decoded_pixels=int(self.settings.max_video_mpixels * 1e6)))
-
-    def _image_cost(self, data: bytes) -> Optional[tuple[int, int, int]]:
-        """(preprocessed pixel bytes, tokens, memory to decode and preprocess) of an image from its header alone,
-        under the model's preprocessing; None if the header is unreadable (decoding will then say what is
-        wrong)."""
-        try:
-            head = image_header(data, self.encoder.processing)
-        except MediaError:
-            return None
-        gh, gw = image_grid(head.width, head.height, self.encoder.processing)
-        return gh * gw * PATCH_BYTES, grid_tokens(gh, gw), head.work_bytes
+                                    video_options=dict(max_decoded_pixels=decode))
 
     def _pool_for(self, item: UploadItem, work: Optional[int]) -> FairPool:
-        """Videos; heavy, light and other images (`work`: `_image_cost`'s, None when unknown) each their pool."""
+        """Heavy and other videos, heavy, light and other images (`work`: `item_cost`'s) each their pool."""
         if item.kind == "video":
-            return self.video_pool
+            return self.heavy_video_pool if work is None or work > self.heavy_video_work else self.video_pool
         if work is None:
             return self.pool
         return self.heavy_pool if work > self.heavy_bytes else self.light_pool if work <= self.light_bytes \
             else self.pool
 
-    async def encode_item(self, item: UploadItem, key: tuple, deadline: float, budget: "_Budget",
-                          cost: Optional[tuple[int, int, int]], copies: int) -> ItemResult:
-        """One distinct item of a request (`cost`: `_image_cost`'s, None if not known before decoding) -> the
-        core's result (its error: why it failed, `error_kind` says which kind)."""
-        pool = self._pool_for(item, None if cost is None else cost[2])
-        prepared = await asyncio.wrap_future(pool.submit(budget, self._prepare, item, key[2], deadline))
+    async def encode_item(self, item: UploadItem, key: tuple, deadline: float, budget: "_Budget", cost: _Cost,
+                          copies: int) -> ItemResult:
+        """One distinct item of a request (`cost`: `item_cost`'s) -> the core's result (its error: why it failed,
+        `error_kind` says which kind)."""
+        pool = self._pool_for(item, cost.work)
+        prepared = await asyncio.wrap_future(pool.submit(budget, self._prepare, item, key[2], deadline,
+                                                         budget.decode))
         if prepared.error is not None:
             return assemble(prepared)
-        if cost is None:  # a video (or an image whose header said nothing): counted once decoded
+        if cost.pixels is None:  # a video (or an image whose header said nothing): counted once decoded
             budget.take(prepared.batch.pixel_values.nbytes, prepared.tokens * copies)
         futures = [asyncio.wrap_future(self.batcher.submit(chunk)) for chunk in prepared.chunks()]
         try:
@@ -220,28 +258,32 @@ class Service:
             return result, {"ec_error": str(e)}
 
     async def encode_request(self, items: list[UploadItem], json_response: bool = False
-                             ) -> tuple[list[records.Record], dict]:
+                             ) -> tuple[list[records.Record], dict, Callable[[], None]]:
         """-> (one record per item, its embedding in memory; the encoder's description with the fingerprint of
-        the weights used)."""
-        async with self.gate.shared():
-            return await self._encode_request(items, json_response), self.info
+        the weights used; what releases the bytes its answer holds against `max_answers_mb`, to call once the
+        answer is written or abandoned)."""
+        budget = _Budget(self, self.encoder.config.text_hidden_size * (
+            JSON_BYTES_PER_VALUE if json_response else self.encoder.output_dtype.itemsize))
+        try:
+            async with self.gate.shared():
+                return await self._encode_request(items, budget), self.info, budget.release_answer
+        except BaseException:
+            budget.release_answer()
+            raise
 
     def _keys(self, items: list[UploadItem], fingerprint: str) -> list[Optional[tuple]]:
         """Each item's cache key (None for an item that could not be extracted); on a worker thread."""
         return [None if it.data is None else (fingerprint, it.kind, hashlib.sha256(it.data).hexdigest())
                 for it in items]
 
-    def _costs(self, items: list[UploadItem]) -> list[Optional[tuple[int, int, int]]]:
-        """`_image_cost` of each item (None for a video); on a worker thread: parsing a header is work too."""
-        return [self._image_cost(it.data) if it.kind == "image" else None for it in items]
+    def _costs(self, items: list[UploadItem]) -> list[_Cost]:
+        """`item_cost` of each item; on a worker thread: parsing a header is work too."""
+        return [item_cost(it, self.encoder.processing) for it in items]
 
-    async def _encode_request(self, items: list[UploadItem], json_response: bool) -> list[records.Record]:
+    async def _encode_request(self, items: list[UploadItem], budget: "_Budget") -> list[records.Record]:
         deadline = time.monotonic() + self.settings.request_timeout_s
         if len(items) > self.settings.max_queue:
             raise too_many_items(len(items), self.settings.max_queue)
-        token_bytes = self.encoder.config.text_hidden_size * (
-            JSON_BYTES_PER_VALUE if json_response else self.encoder.output_dtype.itemsize)
-        budget = _Budget(self, token_bytes)
         # Every byte of the answer is counted, records included: a failed item has no tokens but a record.
         budget.take(0, 0, sum(RECORD_BYTES + 3 * len(it.name.encode("utf-8", "surrogatepass")) for it in items))
         results: list[Optional[tuple[ItemResult, dict]]] = [None] * len(items)
@@ -279,11 +321,13 @@ class Service:
                 raise RequestError(429, "queue_full", f"server busy: {items_text} in flight, --max-queue "
                                    f"{self.settings.max_queue}; retry later",
                                    {"Retry-After": str(self.settings.retry_after_s)})
-            # Images are counted from their headers, before anything is decoded.
+            # Images are counted from their headers, and videos' decoding work from theirs, before decoding.
             cost = dict(zip(unique, await loop.run_in_executor(None, self._costs, [items[i] for i in unique.values()])))
+            budget.check_decoding(sum(c.work for key, c in cost.items() if items[unique[key]].kind == "video"
+                                      and c.work is not None))
             try:
-                budget.take(sum(c[0] for c in cost.values() if c),
-                            sum(c[1] * copies[key] for key, c in cost.items() if c))
+                budget.take(sum(c.pixels for c in cost.values() if c.pixels is not None),
+                            sum(c.tokens * copies[key] for key, c in cost.items() if c.tokens is not None))
                 self.inflight += n
                 self.metrics.inflight_items.set(self.inflight)
                 tasks = [asyncio.ensure_future(self.encode_item(items[i], key, deadline, budget, cost[key], copies[key]))
@@ -308,18 +352,21 @@ class Service:
             for i, key in todo:
                 results[i] = by_key[key]
             self.metrics.cache_bytes.set(self.cache.nbytes)
-        return [_record(i, it.name, *r) for i, (it, r) in enumerate(zip(items, results))]  # type: ignore[misc]
+        # Off the event loop: each distinct embedding is hashed for its record (`tensor_sha256`).
+        return await loop.run_in_executor(None, lambda: [_record(i, it.name, *r)  # type: ignore[misc]
+                                                         for i, (it, r) in enumerate(zip(items, results))])
 
     # -- weight sync
-    async def update_weights(self, body: bytes) -> dict:
-        """A safetensors body -> the encoder's new weights (all or nothing) -> {fingerprint, previous, tensors}."""
-        from safetensors import SafetensorError
-        from safetensors.torch import load
+    async def update_weights(self, path: str) -> dict:
+        """A safetensors file (a spooled body) -> the encoder's new weights (all or nothing) -> {fingerprint,
+        previous, tensors}. The caller holds `updating` (one update, and one body, at a time)."""
+        from safetensors import SafetensorError, safe_open
 
         try:
-            tensors = await asyncio.get_running_loop().run_in_executor(None, load, body)
+            handle = await asyncio.get_running_loop().run_in_executor(None, lambda: safe_open(path, "pt"))
         except (SafetensorError, ValueError, OSError) as e:
             raise RequestError(400, "bad_weights", f"body is not a safetensors file ({e})") from None
+        tensors = _LazyTensors(handle, "POST /v1/weights")
 
         def apply() -> str:  # on the batching worker, between forward passes
             fingerprint = self.encoder.update_weights(tensors, source="POST /v1/weights")
@@ -330,7 +377,7 @@ class Service:
             self.metrics.cache_bytes.set(self.cache.nbytes)
             return fingerprint
 
-        async with self.updating, self.gate.exclusive():
+        async with self.gate.exclusive():
             previous = self.fingerprint
             swap = asyncio.wrap_future(self.batcher.call(apply))
             try:
@@ -347,12 +394,23 @@ class Service:
 
 class _Budget:
     """What one request holds against the limits: preprocessed pixel bytes (its own, and the service's total over
-    admitted requests) and the size its response will have. Used on the event loop only."""
+    admitted requests), the size its answer will have (its own, and the service's total of answers being
+    computed or written), and the decoding work of its videos (`decode`, shared by their decode threads). Used
+    on the event loop only, but for `decode`."""
 
     def __init__(self, service: Service, token_bytes: int):
         self.svc, self.token_bytes = service, token_bytes
         self.pixels = 0
         self.response = 0
+        self.decode = DecodeBudget(int(service.settings.max_video_mpixels * 1e6))
+
+    def check_decoding(self, work: int) -> None:
+        """413 when the decoding work its videos' headers announce is more than the request may do."""
+        if work > self.decode.limit:
+            raise RequestError(413, "too_large", f"the request's videos need {work / 1e6:.0f} M frame pixels of "
+                               f"decoding (frames x their pixels, at least {FRAME_MIN_PIXELS} a frame), more than "
+                               f"--max-video-mpixels {self.svc.settings.max_video_mpixels:g}; send fewer or "
+                               "shorter videos")
 
     def take(self, pixels: int, tokens: int, other_bytes: int = 0) -> None:
         s = self.svc.settings
@@ -361,6 +419,11 @@ class _Budget:
             raise RequestError(413, "response_too_large", f"the response would exceed --max-response-mb "
                                f"{s.max_response_mb:g} ({self.response + answer} bytes); "
                                "send fewer items (every copy of an item is answered)")
+        if self.svc.answers_held + answer > s.mb(s.max_answers_mb):
+            # Answers wait for their clients to read them: clients that never read held 2.9 GB at four of them.
+            raise RequestError(503, "busy", f"server busy: {self.svc.answers_held} bytes of answers being "
+                               f"computed or written, --max-answers-mb {s.max_answers_mb:g}; retry later",
+                               {"Retry-After": str(s.retry_after_s)})
         if self.pixels + pixels > min(s.mb(s.max_request_pixels_mb), s.mb(s.max_queue_pixels_mb)):
             raise RequestError(413, "too_large", f"request needs more than --max-request-pixels-mb "
                                f"{s.max_request_pixels_mb:g} of decoded pixels; send fewer or smaller items")
@@ -370,12 +433,43 @@ class _Budget:
         self.pixels += pixels
         self.response += answer
         self.svc.pixels_held += pixels
+        self.svc.answers_held += answer
         self.svc.metrics.pixel_bytes.set(self.svc.pixels_held)
+        self.svc.metrics.answer_bytes.set(self.svc.answers_held)
 
     def release(self) -> None:
+        """Its pixels are encoded (or dropped)."""
         self.svc.pixels_held -= self.pixels
         self.pixels = 0
         self.svc.metrics.pixel_bytes.set(self.svc.pixels_held)
+
+    def release_answer(self) -> None:
+        """Its answer is written (or abandoned); idempotent."""
+        self.svc.answers_held -= self.response
+        self.response = 0
+        self.svc.metrics.answer_bytes.set(self.svc.answers_held)
+
+
+class _LazyTensors(Mapping):
+    """The tensors of an open safetensors file, each read when asked for (a weight update checks and copies one at
+    a time, not the whole body); one that cannot be read is a CheckpointError naming it."""
+
+    def __init__(self, handle, source: str):
+        self.handle, self.source, self._keys = handle, source, list(handle.keys())
+
+    def __getitem__(self, key: str):
+        if key not in self._keys:
+            raise KeyError(key)
+        try:
+            return self.handle.get_tensor(key)
+        except Exception as e:  # noqa: BLE001 - a damaged or truncated body
+            raise CheckpointError(f"{self.source}: tensor {key!r} cannot be read ({e})") from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
 
 
 class EncodeFailed(BivitError):
@@ -399,6 +493,7 @@ def _record(i: int, name: str, result: ItemResult, extra: dict) -> records.Recor
     (copies of one item and cache hits share a result computed under another name); a failed item's reason
     names it."""
     if result.error is None:
+        result.embedding_sha256  # noqa: B018 - computed once on the shared result, kept by its copies
         return records.of_result(replace(result, source=name), tensor=str(i), cached=extra.get("cached", False),
                                  error_kind=None, **{k: v for k, v in extra.items() if k != "cached"})
     return records.record(name, kind=result.kind, sha256=result.sha256, grid_thw=[], chunk_tokens=[],

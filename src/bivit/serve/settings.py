@@ -11,15 +11,35 @@ from typing import Optional
 from ..errors import ConfigError
 
 
+# The range of each number option, and how a message says it: a value outside is refused at start (`bivit serve`
+# says so in one line and exits 2, before loading anything). Sizes from 1 KiB to 1 TiB and times from 1 ms to 11
+# days: a smaller size (`--max-body-mb 1e-9` is 0 bytes) refuses every request, a longer wait overflows a timer
+# (`--max-wait-ms 1e300` killed the batching thread, and every request then timed out).
+_MIB = (2.0 ** -10, 2.0 ** 20, "a size in MiB from 0.0009765625 (1 KiB) to 1048576 (1 TiB)")
+_SECONDS = (1e-3, 1e6, "a time in seconds from 0.001 to 1000000 (11 days)")
+RANGES: dict[str, tuple[float, float, str]] = {
+    "max_body_mb": _MIB, "max_bodies_mb": _MIB, "max_request_pixels_mb": _MIB, "max_queue_pixels_mb": _MIB,
+    "max_response_mb": _MIB, "max_answers_mb": _MIB, "max_weights_mb": _MIB,
+    "cache_mb": (0.0, 2.0 ** 20, "a size in MiB from 0 (no cache) to 1048576 (1 TiB)"),
+    "request_timeout_s": _SECONDS, "header_timeout_s": _SECONDS, "body_timeout_s": _SECONDS,
+    "write_timeout_s": _SECONDS, "max_wait_ms": (0.0, 60_000.0, "a time in milliseconds from 0 to 60000"),
+    "max_video_mpixels": (1e-3, 1e9, "a number of million pixels from 0.001 to 1000000000"),
+    "max_queue": (1, 1_000_000, "a whole number from 1 to 1000000"),
+    "preprocess_threads": (1, 1024, "a whole number from 1 to 1024"),
+    "retry_after_s": (1, 3600, "a whole number of seconds from 1 to 3600"),
+}
+WHOLE = ("max_queue", "preprocess_threads", "retry_after_s")
+
+
 @dataclass
 class ServerSettings:
-    """Operational limits of the service (the `bivit serve` options); every one is checked here. Forward passes
-    are cut by the encoder's own `max_batch_patches` (`bivit.packing`), as in every front end.
+    """Operational limits of the service (the `bivit serve` options); every one is checked here (`RANGES`).
+    Forward passes are cut by the encoder's own `max_batch_patches` (`bivit.packing`), as in every front end.
 
     Memory the service holds for requests is bounded by `max_queue_pixels_mb` (preprocessed pixels of every
     admitted request) plus what is being decoded (one item per preprocessing thread: `preprocess_threads` for
-    images, as many again at most for videos) plus responses being written
-    (each at most `max_response_mb`) plus the cache (`cache_mb`) plus the request bodies held (`max_bodies_mb`).
+    images, as many again at most for videos) plus answers being computed or written (`max_answers_mb`, each at
+    most `max_response_mb`) plus the cache (`cache_mb`) plus the request bodies held (`max_bodies_mb`).
     """
 
     api_key: Optional[str] = None
@@ -30,33 +50,37 @@ class ServerSettings:
     request_timeout_s: float = 120.0  # from the end of the body to the answer; decoding stops at it too
     header_timeout_s: float = 10.0  # to receive a request's headers (a connection that is slower is closed)
     body_timeout_s: float = 60.0  # to receive a request's body (408 after)
+    write_timeout_s: float = 30.0  # an answer's client reads nothing of it this long: the connection is closed
     max_request_pixels_mb: float = 512.0  # preprocessed float32 pixels of one request's distinct items
     max_queue_pixels_mb: float = 2048.0  # the same over all admitted requests (429 above)
     max_response_mb: float = 256.0  # one response, every copy of an item counted (JSON: ~20 bytes a value)
-    max_video_mpixels: float = 65536.0  # decoding work of one video: frames decoded x frame pixels, in millions
+    max_answers_mb: Optional[float] = None  # answers being computed or written, all requests (None: 4 x the above)
+    max_video_mpixels: float = 65536.0  # decoding work of one request's videos (`bivit.container.DecodeBudget`), millions
     cache_mb: float = 256.0
     preprocess_threads: int = field(default_factory=lambda: max(1, min(4, os.cpu_count() or 1)))
     retry_after_s: int = 1
-    max_weights_mb: float = 8192.0  # body limit of POST /v1/weights (a full K2.6 vision part in fp32: ~1.9 GB)
+    # POST /v1/weights body limit; None: the served model's weights as their dtypes store them + 16 MiB, the
+    # largest body a valid update can be (`Service.weights_limit_mb`)
+    max_weights_mb: Optional[float] = None
     allow_weight_updates_without_key: bool = False  # POST /v1/weights is refused while api_key is unset
     ec_dir: Optional[str] = None  # also write each item's rows to vLLM's encoder cache here (item meta "ec_ids")
 
     def __post_init__(self) -> None:
-        for name in ("max_queue", "preprocess_threads", "retry_after_s"):
+        for name in WHOLE:
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} {value!r}: expected a whole number >= 1")
-        if self.max_bodies_mb is None:
-            self.max_bodies_mb = 4 * self.max_body_mb if isinstance(self.max_body_mb, (int, float)) else None
-        for name in ("max_body_mb", "max_bodies_mb", "request_timeout_s", "header_timeout_s", "body_timeout_s",
-                     "max_request_pixels_mb", "max_queue_pixels_mb", "max_response_mb", "max_video_mpixels",
-                     "max_wait_ms", "cache_mb", "max_weights_mb"):
+            lo, hi, expected = RANGES[name]
+            if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+                raise ConfigError(f"--{name.replace('_', '-')} {value!r}: expected {expected}")
+        for name, share in (("max_bodies_mb", "max_body_mb"), ("max_answers_mb", "max_response_mb")):
+            if getattr(self, name) is None and isinstance(getattr(self, share), (int, float)):
+                setattr(self, name, 4 * getattr(self, share))
+        for name, (lo, hi, expected) in RANGES.items():
             value = getattr(self, name)
-            zero_ok = name in ("max_wait_ms", "cache_mb")
+            if name in WHOLE or (value is None and name == "max_weights_mb"):
+                continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-                    or value < 0 or (value == 0 and not zero_ok):
-                raise ConfigError(f"--{name.replace('_', '-')} {value!r}: expected a finite number "
-                                  f"{'>= 0' if zero_ok else '> 0'}")
+                    or not lo <= value <= hi:
+                raise ConfigError(f"--{name.replace('_', '-')} {value!r}: expected {expected}")
 
     @staticmethod
     def mb(value: float) -> int:
