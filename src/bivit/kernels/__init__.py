@@ -36,7 +36,6 @@ import logging
 import math
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Sequence
 
 import torch
@@ -44,7 +43,8 @@ import torch
 from .. import notices
 from . import abi
 from .abi import CONSTS, AttentionArgs, NormArgs, RopeArgs, fill
-from .cache import CACHE_ENV, Build, KernelUnavailable, Loaded, cache_dir, compiler, find_compiler, load
+from .cache import CACHE_ENV, KernelUnavailable, Loaded, cache_dir, compiler, find_compiler, load
+from .cpu import VARIANTS, Variant, amx_unused, cpu_info, has_amx
 from .gemm import ETYPES, GemmKernel
 
 __all__ = ["ATTENTION_ENV", "CACHE_ENV", "Attention", "GemmKernel", "KernelUnavailable", "Library", "Norm", "Rope",
@@ -54,52 +54,10 @@ __all__ = ["ATTENTION_ENV", "CACHE_ENV", "Attention", "GemmKernel", "KernelUnava
 
 log = logging.getLogger("bivit")
 
-_HERE = Path(__file__).parent
 ATTENTION_ENV = "BIVIT_ATTENTION"
 DTYPES = (torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 128  # every variant's register blocking covers head dims up to this (K2.x: 72, K3: 128)
-# -ffp-contract=off: a product and a sum written apart stay apart (rounded twice, as PyTorch rounds them), so
-# the RoPE kernel computes PyTorch's bits; the attention's fused multiply-adds are explicit intrinsics.
-COMMON_CFLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
-
-
-@dataclass(frozen=True)
-class Variant:
-    """One instruction-set variant of the compiled kernels."""
-
-    name: str
-    source: str
-    needs: tuple[str, ...]                  # /proc/cpuinfo flags the code executes
-    capabilities: tuple[str, ...] | None    # PyTorch CPU capabilities under which it may run (None: any)
-    cflags: tuple[str, ...]
-
-    def build(self) -> Build:
-        # Every header: the sources include each other's definitions (arith.h's arithmetic is every variant's).
-        return Build(_HERE / self.source, tuple(sorted(_HERE.glob("*.h"))), (*COMMON_CFLAGS, *self.cflags))
-
-
-VARIANTS = (
-    Variant("avx512", "attention_avx512.c", ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "f16c"),
-            ("AVX512",),
-            ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-mf16c")),
-    Variant("avx2", "attention_avx2.c", ("avx2", "fma", "f16c"), ("AVX2", "AVX512"), ("-mavx2", "-mfma", "-mf16c")),
-    # No instruction-set flags: it runs on any CPU the compiler targets (fmaf is the C library's there).
-    Variant("portable", "portable.c", (), None, ()),
-)
 ATTENTION_CHOICES = ("auto", "bivit", *(v.name for v in VARIANTS), "sdpa")
-
-
-@functools.cache
-def cpu_info() -> tuple[str, frozenset[str]]:
-    """(model name, instruction-set flags) from /proc/cpuinfo; ("", empty) where there is none."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return "", frozenset()
-    model = next((l.split(":", 1)[1].strip() for l in lines if l.startswith("model name")), "")
-    flags = frozenset(next((l.split(":", 1)[1].split() for l in lines if l.startswith("flags")), []))
-    return model, flags
 
 
 def _attention_choice() -> str:
@@ -136,7 +94,7 @@ def attention_declined(choice: str, flags: frozenset[str]) -> str | None:
     """Why `choice` leaves PyTorch's attention in place on a CPU with `flags` (None: the compiled one runs)."""
     if choice == "sdpa":
         return f"{ATTENTION_ENV}=sdpa"
-    if choice == "auto" and "amx_bf16" in flags:
+    if choice == "auto" and has_amx(flags):
         return (f"AMX-BF16 CPU: in default mode PyTorch's fused attention runs on AMX here ({ATTENTION_ENV}=bivit "
                 "overrides; invariant mode runs the compiled one)")
     return None
@@ -290,14 +248,13 @@ def _gemm_kernels(lib: ctypes.CDLL, variant: str, flags: frozenset[str]) -> tupl
     kinds = ["fp32"]
     if variant == "avx512":
         kinds.insert(0, "avx512_bf16")
-        if {"amx_bf16", "amx_tile"} <= flags:
-            if lib.bivit_amx_init() == 0:
+        if has_amx(flags):
+            lost = amx_unused(flags, lib.bivit_amx_init() == 0)
+            if lost is None:
                 kinds[:0] = ["amx", "amx_swapped"]
             else:
-                notices.fallback("amx", "AMX not used", "the CPU has AMX but the OS does not grant its tile state to "
-                                 "this process (Linux before 5.16, or a VM that hides it)",
-                                 "bf16 GEMMs run on AVX-512 BF16 instead, slower",
-                                 "a Linux kernel >= 5.16 with AMX enabled for this machine")
+                notices.fallback("amx", "AMX not used", lost[0], "bf16 GEMMs run on AVX-512 BF16 instead, slower",
+                                 lost[1])
     return tuple(GemmKernel(lib, variant, k) for k in kinds)
 
 

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 
 from .. import notices
 from ..dtypes import dtype_name
+from ..kernels import cpu
 from . import bits
 
 log = logging.getLogger("bivit")
@@ -275,30 +276,15 @@ def _packed_gemm_runs(dtype: torch.dtype, gelu: str | None) -> bool:
             and bool(torch.allclose(y.float(), ref, rtol=tol, atol=tol * float(ref.abs().max()))))
 
 
-def amx_unused(flags: frozenset[str], tiles_granted: bool, onednn_isa: str | None) -> tuple[str, str] | None:
-    """(why, fix) when a CPU with AMX (`flags` from /proc/cpuinfo) runs its bf16 GEMMs without it, else None.
-    `tiles_granted`: PyTorch got the kernel's permission to use AMX tiles; `onednn_isa`: $ONEDNN_MAX_CPU_ISA."""
-    if "amx_bf16" not in flags:
-        return None
-    if not tiles_granted:
-        return ("the CPU has AMX but the OS does not grant its tile state to this process (Linux before 5.16, or "
-                "a VM that hides it)", "a Linux kernel >= 5.16 with AMX enabled for this machine")
-    if onednn_isa and "AMX" not in onednn_isa.upper() and onednn_isa.upper() != "ALL":
-        return f"ONEDNN_MAX_CPU_ISA={onednn_isa} keeps oneDNN below AMX", "unset ONEDNN_MAX_CPU_ISA"
-    return None
-
-
 def _check_amx() -> None:
-    from ..kernels import cpu_info
-
     def granted() -> bool:
         try:
             return bool(torch.cpu._is_amx_tile_supported() and torch._C._cpu._init_amx())
         except Exception:  # an odd build: treat as not granted
             return False
 
-    flags = cpu_info()[1]
-    lost = amx_unused(flags, granted() if "amx_bf16" in flags else False, os.environ.get("ONEDNN_MAX_CPU_ISA"))
+    flags = cpu.cpu_info()[1]
+    lost = cpu.amx_unused(flags, cpu.has_amx(flags) and granted(), os.environ.get("ONEDNN_MAX_CPU_ISA"))
     if lost:
         notices.fallback("amx", "AMX not used", lost[0], "bf16 GEMMs run on AVX-512 instead, slower", lost[1])
 
