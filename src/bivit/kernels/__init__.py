@@ -31,7 +31,6 @@ the rotated q and k out.
 from __future__ import annotations
 
 import ctypes
-import functools
 import logging
 import math
 import os
@@ -40,7 +39,7 @@ from typing import Sequence
 
 import torch
 
-from .. import notices
+from .. import notices, state
 from . import abi
 from .abi import CONSTS, AttentionArgs, NormArgs, RopeArgs, fill
 from .cache import CACHE_ENV, KernelUnavailable, Loaded, cache_dir, compiler, find_compiler, load
@@ -318,7 +317,7 @@ def _self_test(kernel: Attention, dtype: torch.dtype, bound: float) -> None:
                                 f"(max error {err:.3g})")
 
 
-@functools.cache
+@state.memo(state.FIXED)
 def library() -> Library | None:
     """This process's compiled kernels (the variant `pick_variant` chooses), or None: PyTorch's kernels are
     used instead, and why is said once, with the fix."""
@@ -350,7 +349,7 @@ def rope() -> Rope | None:
     return None if lib is None else lib.rope
 
 
-@functools.cache
+@state.memo(state.FIXED)
 def attention() -> Attention | None:
     """The compiled attention for this process, or None (PyTorch's fused attention is used instead; why is said
     once: `bivit.notices`)."""

@@ -6,10 +6,10 @@ from the variants' needs).
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from pathlib import Path
 
+from .. import state
 from .cache import Build
 
 _HERE = Path(__file__).parent
@@ -56,7 +56,7 @@ AMX_NOT_GRANTED = ("the CPU has AMX but the OS does not grant its tile state to 
                    "or a VM that hides it)", "a Linux kernel >= 5.16 with AMX enabled for this machine")
 
 
-@functools.cache
+@state.memo(state.FIXED)
 def cpu_info() -> tuple[str, frozenset[str]]:
     """(model name, instruction-set flags) from /proc/cpuinfo; ("", empty) where there is none."""
     try:

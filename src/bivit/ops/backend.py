@@ -28,7 +28,6 @@ The choices, per dtype `D` of a GEMM's weights:
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import os
@@ -38,28 +37,29 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .. import notices
+from .. import notices, state
 from ..dtypes import dtype_name
+from .. import kernels
 from ..kernels import cpu
+from ..kernels.gemm import self_test
 from . import bits
 
 log = logging.getLogger("bivit")
 
 
 # (op, path) -> why: paths the load-time proof refused on this machine (bivit.ops.proof), for this process.
-_refused: dict[tuple[str, str], str] = {}
+_refused: dict[tuple[str, str], str] = state.table(state.PROOFS)
 
 
 def refuse(op: str, path: str, why: str) -> None:
-    """Never use `path` for `op` again in this process: the proof found it not invariant here. Said once."""
+    """Never use `path` for `op` again in this process: the proof found it not invariant here. Said once; every
+    kernel choice is made again without it (`bivit.state.CHOICES`)."""
     if (op, path) in _refused:
         return
     _refused[(op, path)] = why
     notices.fallback(f"refused-{op}-{path}", f"{op} path {path} refused", why,
                      "the next proven path runs instead", None)
-    _decide_gemm_kernel.cache_clear()
-    _decide_attention.cache_clear()
-    _decide_norm.cache_clear()
+    state.reset(state.CHOICES)
 
 
 def refused(op: str, path: str) -> bool:
@@ -80,11 +80,8 @@ extra_gemm_kernels: list = []
 GEMM_ENV = "BIVIT_GEMM"  # a GEMM kernel's name: run that one wherever it takes the dtype (how tests force each)
 
 
-@functools.cache
+@state.memo(state.CHOICES)
 def _decide_gemm_kernel(dtype: torch.dtype, device_type: str):
-    from .. import kernels
-    from ..kernels.gemm import self_test
-
     if device_type != "cpu":
         return None
     name = dtype_name(dtype)
@@ -129,7 +126,7 @@ def _decide_gemm_kernel(dtype: torch.dtype, device_type: str):
     return None
 
 
-@functools.cache
+@state.memo(state.PROOFS)
 def _gemm_self_test(kernel, dtype: torch.dtype, test: Callable) -> str | None:
     return test(kernel, dtype)
 
@@ -141,10 +138,8 @@ def attention_kernel(dtype: torch.dtype):
     return _decide_attention(dtype)
 
 
-@functools.cache
+@state.memo(state.CHOICES)
 def _decide_attention(dtype: torch.dtype):
-    from .. import kernels
-
     if dtype not in kernels.DTYPES:
         return None
     for kernel in kernels.attention_candidates():
@@ -173,10 +168,8 @@ def norm_kernel(dtype: torch.dtype):
     return _decide_norm(dtype)
 
 
-@functools.cache
+@state.memo(state.CHOICES)
 def _decide_norm(dtype: torch.dtype):
-    from .. import kernels
-
     kernel = kernels.norm()
     if kernel is None or refused("norm", "bivit") or dtype not in kernels.ETYPES:
         return None
@@ -295,7 +288,7 @@ def gemm_path(dtype: torch.dtype, device_type: str = "cpu") -> GemmPath:
     return _decide_gemm_path(dtype, device_type)
 
 
-@functools.cache
+@state.memo(state.CHOICES)
 def _decide_gemm_path(dtype: torch.dtype, device_type: str) -> GemmPath:
     if device_type != "cpu":
         return GemmPath(dtype, dtype, packed=False, fused_gelu=False)
@@ -328,7 +321,7 @@ def _decide_gemm_path(dtype: torch.dtype, device_type: str) -> GemmPath:
     return path
 
 
-@functools.cache
+@state.memo(state.FIXED)
 def gelu_out() -> Callable | None:
     """GELU with an `out=` argument (`torch._C._nn.gelu`), or None: F.gelu computes the same bits, with a
     temporary per call."""
@@ -346,7 +339,7 @@ def gelu_out() -> Callable | None:
     return fn
 
 
-@functools.cache
+@state.memo(state.FIXED)
 def flash_attention_backward() -> Callable | None:
     """PyTorch's flash-attention backward for CPU (a private op), or None where this build lacks it or it does not
     run: gradients then come from autograd through PyTorch's attention (same math, its own rounding)."""
