@@ -55,7 +55,7 @@ log = logging.getLogger("bivit")
 
 ATTENTION_ENV = "BIVIT_ATTENTION"
 DTYPES = (torch.bfloat16, torch.float32)
-MAX_HEAD_DIM = 128  # every variant's register blocking covers head dims up to this (K2.x: 72, K3: 128)
+MAX_HEAD_DIM = CONSTS["MAX_D"]  # every variant's register blocking covers head dims up to this (K2.x: 72, K3: 128)
 ATTENTION_CHOICES = ("auto", "bivit", *(v.name for v in VARIANTS), "sdpa")
 
 
@@ -131,12 +131,12 @@ class Attention:
         else:
             fn = self.lib.bivit_attention_f32
         rc = fn(args)
-        if rc == 1:
+        if rc == CONSTS["RC_NO_MEMORY"]:
             raise MemoryError(f"bivit attention: no memory for the scratch of {len(seqlens)} item(s) of up to "
                               f"{max(seqlens)} patches")
-        if rc == 2:
+        if rc == CONSTS["RC_UNSUPPORTED"]:
             raise ValueError(f"bivit attention: unsupported head dim {args.d}")
-        if rc != 0:
+        if rc != CONSTS["RC_OK"]:
             raise ValueError(f"bivit attention: bad item lengths {list(seqlens)}")
 
     def args(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, seqlens: Sequence[int],
@@ -184,13 +184,13 @@ class Rope:
         rc = fn(fill(RopeArgs, x=x.data_ptr(), out=out.data_ptr(), cos=cos.data_ptr(), sin=sin.data_ptr(), rows=rows,
                      slots=slots, d=d, x_row=x.stride(0), x_slot=x.stride(1), out_row=out.stride(0),
                      out_slot=out.stride(1), threads=torch.get_num_threads()))
-        if rc != 0:
+        if rc != CONSTS["RC_OK"]:
             raise ValueError(f"bivit rope: unsupported head dim {d}")
 
     @staticmethod
     def supports(x: torch.Tensor, cos: torch.Tensor) -> bool:
         return (x.dtype in DTYPES and x.device.type == "cpu" and x.dim() == 3 and x.stride(2) == 1
-                and x.shape[2] % 2 == 0 and x.shape[2] <= 256 and cos.dtype == torch.float32
+                and x.shape[2] % 2 == 0 and x.shape[2] <= CONSTS["ROPE_MAX_D"] and cos.dtype == torch.float32
                 and cos.is_contiguous() and tuple(cos.shape) == (x.shape[0], x.shape[2]))
 
 
@@ -214,9 +214,9 @@ class Norm:
             rows=rows, d=d, x_row=x.stride(0), y_row=out.stride(0), eps=eps, rms=int(rms), xt=ETYPES[x.dtype],
             wt=ETYPES[wt.dtype] if wt is not None else CONSTS["E_F32"], yt=ETYPES[out.dtype],
             threads=torch.get_num_threads()))
-        if rc == 1:
+        if rc == CONSTS["RC_NO_MEMORY"]:
             raise MemoryError(f"bivit norm: no memory for a row of {d}")
-        if rc != 0:
+        if rc != CONSTS["RC_OK"]:
             raise ValueError(f"bivit norm: bad sizes {rows}x{d}")
         return out
 
