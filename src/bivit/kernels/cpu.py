@@ -30,7 +30,9 @@ class Variant:
 
     def build(self) -> Build:
         # Every header: the sources include each other's definitions (arith.h's arithmetic is every variant's).
-        return Build(_HERE / self.source, tuple(sorted(_HERE.glob("*.h"))), (*COMMON_CFLAGS, *self.cflags))
+        # Labelled by the variant, not the source: one library holds every kernel (GEMMs, attention, norms, RoPE).
+        return Build(_HERE / self.source, tuple(sorted(_HERE.glob("*.h"))), (*COMMON_CFLAGS, *self.cflags),
+                     f"bivit_{self.name}")
 
 
 VARIANTS = (

@@ -37,9 +37,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .. import notices, state
+from .. import kernels, notices, state
 from ..dtypes import dtype_name
-from .. import kernels
 from ..kernels import cpu
 from ..kernels.gemm import self_test
 from . import bits
