@@ -9,6 +9,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest
 import torch
 
+from bivit import state
 from support.checkpoints import K3_SMALL, KIMI_SMALL, write_checkpoint
 
 
@@ -49,6 +50,16 @@ def tiny_kimi_ckpt(tmp_path_factory):
 @pytest.fixture(scope="session")
 def k3_ckpt(tmp_path_factory):
     return write_checkpoint(tmp_path_factory.mktemp("k3"), K3_SMALL)
+
+
+@pytest.fixture
+def fresh_state():
+    """bivit's per-process kernel choices, proofs, plans and prepared weights (`bivit.state.reset`) forgotten before
+    the test and again after it: what the test decides under conditions of its own (a forced kernel, a private
+    kernel cache, a patched PyTorch) neither sees what came before it nor outlives it."""
+    state.reset()
+    yield
+    state.reset()
 
 
 @pytest.fixture(autouse=True)

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import bivit
-from bivit import golden, kernels, ops
+from bivit import golden, kernels, ops, state
 from bivit.ops import backend, bits
 from support import arith_model, arith_reference as R
 from support.variants import CAPABILITY, FLAGS, RUNNABLE, library_or_skip
@@ -122,12 +122,12 @@ def test_the_avx512_variant_computes_the_committed_bits_emulated(emulated_avx512
     assert bits.conformance("attention", kernels.Attention(lib, "avx512", True), torch.bfloat16) is not None
     for upper_first, conforming in ((1, "amx_swapped"), (0, "amx")):
         lib.emu_set_amx_order(upper_first)
-        bits._conformance.cache_clear()  # (cached per kernel; the same kernels compute otherwise now)
+        state.reset(state.PROOFS)  # (proven per kernel; the same kernels compute otherwise now)
         for name in ("amx", "amx_swapped"):
             kernel = GemmKernel(lib, "avx512", name)
             assert (bits.conformance("gemm", kernel, torch.bfloat16) is None) == (name == conforming), \
                 (upper_first, name)
-    bits._conformance.cache_clear()
+    state.reset()
 
 
 @pytest.fixture(scope="module", params=[v.name for v in kernels.VARIANTS])

@@ -10,7 +10,6 @@ float32, as on an AVX2 CPU) by monkeypatching what oneDNN reports, with fresh pe
 from __future__ import annotations
 
 import dataclasses
-import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -21,11 +20,11 @@ import torch
 from PIL import Image
 
 import bivit
-from bivit import ops
+from bivit import ops, state
 from bivit.client import parse_response
 from bivit.kernels import cache as kernels_cache
 from bivit.media import preprocess_images
-from bivit.ops import backend, proof, tiles
+from bivit.ops import backend
 from support.server import ServerProcess
 from support.controls import differences_found_by_check, differing
 from support.media import make_video, random_image
@@ -38,19 +37,16 @@ def _broken(*args, **kwargs):
 
 
 def _fresh_decisions(monkeypatch) -> None:
-    """The fallback GEMM, with per-process decisions, plans, plan records read, proofs and prepared weights that
-    live for this test only (monkeypatch restores the real ones): `ops.gemm_path` decides again, from what oneDNN
-    reports now."""
+    """The fallback GEMM from now on, with the process's decisions, plans, proofs and prepared weights forgotten:
+    `ops.gemm_path` decides again, from what oneDNN reports now. (The test takes `fresh_state`, which forgets
+    them again after it.)"""
     monkeypatch.setattr(backend, "_decide_gemm_kernel", lambda *a: None)
-    monkeypatch.setattr(backend, "_decide_gemm_path", functools.cache(backend._decide_gemm_path.__wrapped__))
-    monkeypatch.setattr(tiles, "_plans", tiles._Plans())
-    monkeypatch.setattr(tiles, "_records", {})
-    monkeypatch.setattr(proof, "_proven", {})
+    state.reset()
 
 
 # ------------------------------------------------------------------------------------------ the decision
 
-def test_the_decision_is_per_dtype():
+def test_the_decision_is_per_dtype(fresh_state):
     """What oneDNN says about bf16 decides bf16's path and nothing else: forced one way and the other, bf16's
     compute dtype follows it, and the float32 and float16 paths are exactly this process's real ones."""
     real = {d: backend.gemm_path(d) for d in DTYPES}
@@ -60,7 +56,7 @@ def test_the_decision_is_per_dtype():
     with pytest.MonkeyPatch.context() as mp:
         for native in (False, True):
             mp.setattr(torch.ops.mkldnn, query, lambda native=native: native)
-            mp.setattr(backend, "_decide_gemm_path", functools.cache(backend._decide_gemm_path.__wrapped__))
+            state.reset(state.CHOICES)
             decided[native] = {d: ops.gemm_path(d) for d in DTYPES}
             mp.setattr(torch.ops.mkldnn, query, _broken)  # asked again after the decision: never
             assert all(ops.gemm_path(d) is decided[native][d] and ops.gemm_path(d, "cpu") is decided[native][d]
@@ -76,7 +72,7 @@ def test_the_decision_is_per_dtype():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_kernel_failing_after_the_decision_raises_and_switches_nothing(monkeypatch, dtype):
+def test_a_kernel_failing_after_the_decision_raises_and_switches_nothing(monkeypatch, fresh_state, dtype):
     """The pre-packed GEMM raising mid-run, or the weight packing raising for a new weight (what a bf16 load
     did on an AVX2 CPU), is `KernelFailed`: nothing is switched to another kernel that rounds differently, so
     once the kernel runs again, the same call gives the same bits as before, on the same path."""
@@ -103,11 +99,11 @@ def test_a_kernel_failing_after_the_decision_raises_and_switches_nothing(monkeyp
         # The control: the kernel the old code switched to (PyTorch's GEMM) gives other bits for the same rows.
         monkeypatch.setattr(backend, "_decide_gemm_path", lambda *a: dataclasses.replace(path, packed=False,
                                                                                          fused_gelu=False))
-        monkeypatch.setattr(tiles, "_plans", tiles._Plans())
+        state.reset(state.PROOFS, state.WEIGHTS)
         assert not torch.equal(ops.linear(x, w, b, gelu="tanh"), before)
 
 
-def test_a_failed_load_leaves_the_float32_bits_alone(monkeypatch, kimi_ckpt, tmp_path):
+def test_a_failed_load_leaves_the_float32_bits_alone(monkeypatch, fresh_state, kimi_ckpt, tmp_path):
     """The old failure, end to end: loading a bf16 encoder whose weights cannot be packed raises `KernelFailed`
     (it used to switch the whole process to other kernels); a float32 encoder loaded before keeps its bits.
     A kernel cache of its own: with no plan recorded, the load proves the plans and packs then (where a plan is
@@ -131,7 +127,7 @@ def test_a_failed_load_leaves_the_float32_bits_alone(monkeypatch, kimi_ckpt, tmp
 
 # ------------------------------------------------------------------------------ bf16 widened to float32
 
-def test_widened_bf16_is_invariant_and_within_bf16_rounding_of_stock(monkeypatch, kimi_ckpt):
+def test_widened_bf16_is_invariant_and_within_bf16_rounding_of_stock(monkeypatch, fresh_state, kimi_ckpt):
     """The path of a CPU without a bf16 GEMM (AVX2): bf16 weights widened to float32 once, exact products,
     results rounded to bf16. Forced here by what oneDNN reports. It is batch-invariant (control: the same check
     finds items that change with their batch on a default-mode encoder) and within bf16 rounding of the path
@@ -162,7 +158,7 @@ def test_widened_bf16_is_invariant_and_within_bf16_rounding_of_stock(monkeypatch
 _IN_ONE_PROCESS = """
 import dataclasses, functools, sys
 import torch, bivit
-from bivit.ops import backend, proof, tiles
+from bivit.ops import backend
 
 ckpt, out, *inputs = sys.argv[1:]
 run = lambda enc: [enc.encode([p])[0] for p in inputs]

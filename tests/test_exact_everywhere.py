@@ -197,13 +197,12 @@ def test_the_proof_refuses_a_gemm_that_is_not_invariant(tmp_path):
         assert len(said) == 1, done.stderr
 
 
-def test_proofs_that_disagree_are_a_failure(tmp_path, monkeypatch):
+def test_proofs_that_disagree_are_a_failure(tmp_path, monkeypatch, fresh_state):
     """A proof run now whose outcome differs from what another process recorded for the same facts (here: a
     record saying an op was not invariant) is itself a failure: invariant mode cannot be trusted there."""
     from bivit.ops import proof
 
     monkeypatch.setenv("BIVIT_KERNEL_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(proof, "_proven", {})
     enc = bivit.load_encoder(None, dtype="bfloat16")
     name = proof._record_name(enc.model)
     record = kernels.cache.read_record(name)

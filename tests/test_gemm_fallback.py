@@ -12,12 +12,11 @@ from support.media import random_image
 
 
 @pytest.fixture
-def fallback(monkeypatch):
+def fallback(monkeypatch, fresh_state):
     """This process without a compiled GEMM (as on a machine without a C compiler), for the test's duration."""
-    from bivit.ops import backend, proof
+    from bivit.ops import backend
 
     monkeypatch.setattr(backend, "_decide_gemm_kernel", lambda *a: None)
-    monkeypatch.setattr(proof, "_proven", {})
 
 
 def _item(h: int, w: int, seed: int):
@@ -30,7 +29,6 @@ def test_exact_fallback_path_is_invariant_and_exact(monkeypatch, fallback, kimi_
     from bivit.ops import tiles
 
     monkeypatch.setattr(tiles, "_probe", lambda *a: ops.GemmPlan(()))
-    monkeypatch.setattr(tiles._plans, "by_shape", {})
     enc = bivit.load_encoder(str(kimi_ckpt), dtype="float32")
     items = [_item(h, w, 2) for h, w in ((28, 28), (28, 56), (84, 28), (56, 56))]
     assert differing(enc, items, [3, 1, 0, 2], None) == []
@@ -66,11 +64,11 @@ def test_self_check_proves_tiles_on_this_machine(fallback):
 def _fresh_plans(monkeypatch, cache_dir) -> list:
     """Forget every plan this process knows and point the kernel cache at `cache_dir`; returns the list the
     shapes proven from now on are appended to."""
+    from bivit import state
     from bivit.ops import tiles
 
     monkeypatch.setenv("BIVIT_KERNEL_CACHE", str(cache_dir))
-    monkeypatch.setattr(tiles._plans, "by_shape", {})
-    monkeypatch.setattr(tiles, "_records", {})
+    state.reset(state.PROOFS)
     proven = []
     real = tiles._prove
     monkeypatch.setattr(tiles, "_prove", lambda g: proven.append(g.plan_key()) or real(g))

@@ -252,7 +252,7 @@ def test_argument_structs_have_the_librarys_layout(library):
     """Python's mirrors of abi.h's structs have every field at the offset and size the compiled library
     reports, so a named field reaches the C field of that name. Controls: a mirror with two fields in the
     other order, or with a field the library lacks, is refused at load; a struct filled with a field missing
-    (which ctypes would leave 0: a zero stride) is an error."""
+    (which ctypes would leave 0: a zero stride) is an error; so is a constant whose value is not the library's."""
     lib = library.loaded.lib
     abi.check(lib)
     fields = list(abi.AttentionArgs._fields_)
@@ -266,6 +266,10 @@ def test_argument_structs_have_the_librarys_layout(library):
         abi.check(lib, {"bivit_gemm_args": extra})
     with pytest.raises(TypeError, match="missing.*'v_row'"):
         abi.fill(abi.AttentionArgs, **{name: 0 for name, _ in abi.AttentionArgs._fields_ if name != "v_row"})
+    with pytest.MonkeyPatch.context() as mp:  # a constant (return code, size limit, kind) copied wrong
+        mp.setitem(abi.CONSTS, "RC_NO_MEMORY", 4)
+        with pytest.raises(kernels.KernelUnavailable, match="RC_NO_MEMORY = 1; bivit passes 4"):
+            abi.check(lib, {})
 
 
 @needs_cpu

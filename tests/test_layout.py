@@ -99,7 +99,7 @@ def test_module_and_class_sizes():
 
 # The engine's floors, lowest first: a module imports its own floor and the ones below, never one above (the
 # kernels know nothing of the op layer, the op layer nothing of the model, the encoder or the front ends).
-FLOORS = [("bivit.kernels", {"bivit.errors", "bivit.notices", "bivit.dtypes"}), ("bivit.ops", set())]
+FLOORS = [("bivit.kernels", {"bivit.errors", "bivit.notices", "bivit.dtypes", "bivit.state"}), ("bivit.ops", set())]
 
 
 def _arrows_up(graph: dict[str, set[str]]) -> list[str]:
@@ -118,3 +118,26 @@ def test_no_arrow_back_up_from_the_kernel_floor_and_the_op_layer():
     assert _arrows_up(graph) == []
     assert _arrows_up({**graph, "bivit.kernels.cuda": graph["bivit.kernels.cuda"] | {"bivit.ops.device"}})  # control
     assert _arrows_up({**graph, "bivit.ops.device": graph["bivit.ops.device"] | {"bivit.gpu"}})
+
+
+def _unregistered_caches(source: str) -> list[str]:
+    """Functions of `source` cached with `functools.cache` (or an unbounded `lru_cache`), i.e. process state that
+    `bivit.state.reset` would not know of."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for d in node.decorator_list:
+                text = ast.unparse(d)
+                if text in ("functools.cache", "cache") or "maxsize=None" in text:
+                    found.append(node.name)
+    return found
+
+
+def test_the_engines_process_state_is_made_through_bivit_state():
+    """Kernel choices, proofs and caches of the kernel floor, the op layer and the notices are made with
+    `bivit.state.memo`/`table`, so the one reset (`refuse`, the tests' `fresh_state`) forgets them all; bounded
+    `lru_cache`s of values (RoPE tables) are not state. Control: a bare `functools.cache` is found."""
+    paths = [*(ROOT / "ops").rglob("*.py"), *(ROOT / "kernels").rglob("*.py"), ROOT / "notices.py"]
+    assert {p.name for p in paths} >= {"backend.py", "tiles.py", "notices.py", "cpu.py"}
+    assert [f"{p.name}: {f}" for p in paths for f in _unregistered_caches(p.read_text())] == []
+    assert _unregistered_caches("import functools\n@functools.cache\ndef f():\n    return 1\n") == ["f"]

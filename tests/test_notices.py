@@ -14,7 +14,7 @@ import torch
 from PIL import Image
 
 from bivit import kernels, notices
-from bivit.ops.backend import amx_unused
+from bivit.kernels.cpu import amx_unused
 from support.media import random_image
 
 

@@ -640,3 +640,21 @@ def test_video_work_is_counted_in_frames(tmp_path):
         small_clip = tiny_video(20, 10, 64)  # 20 frames: well within both
         r = httpx.post(f"{srv.url}/v1/encode", files=[("file", ("ok.mp4", small_clip, "video/mp4"))], timeout=120)
         assert r.status_code == 200, r.text[:300]
+
+
+def test_uvicorn_is_the_minor_the_connection_limits_were_read_against():
+    """The header, slow-reader and connection limits subclass uvicorn's private H11Protocol
+    (`bivit.serve.app.UVICORN_TESTED` says what they rely on): pyproject.toml pins that minor, and another one
+    installed fails here rather than losing the limits silently."""
+    import importlib.metadata
+    import re
+    from pathlib import Path
+
+    from bivit.serve.app import UVICORN_TESTED
+
+    installed = importlib.metadata.version("uvicorn")
+    assert installed.split(".")[:2] == UVICORN_TESTED.split("."), \
+        f"uvicorn {installed} installed; bivit serve's limits were read against {UVICORN_TESTED}.x"
+    pyproject = (Path(__file__).parents[1] / "pyproject.toml").read_text()
+    major, minor = UVICORN_TESTED.split(".")
+    assert re.search(rf'"uvicorn>={major}\.{minor},<{major}\.{int(minor) + 1}"', pyproject)

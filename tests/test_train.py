@@ -287,24 +287,24 @@ def test_checkpoint_recomputes_in_the_forward_mode():
 
 # ------------------------------------------------------------------------------ private kernels fall back
 
-def test_private_kernels_missing_or_raising_fall_back_and_stay_invariant(monkeypatch, paths):
+def test_private_kernels_missing_or_raising_fall_back_and_stay_invariant(monkeypatch, fresh_state, paths):
     """Where no compiled GEMM runs, a build whose oneDNN packed GEMM raises and that lacks GELU with `out=`: the
     paths chosen for the process avoid them from the start (decided on a tiny tensor, not by a failure mid-run),
     and stay invariant — or, on a CPU where stock GEMMs at proven tiles are not thread-invariant, the load-time
     proof refuses invariant mode (InvarianceError) instead of serving bits that change with the threads."""
     import functools
 
-    from bivit.ops import backend, pointwise, proof, tiles
+    from bivit import state
+    from bivit.ops import backend, pointwise
 
     def broken(*args, **kwargs):
         raise RuntimeError("simulated: kernel not available in this build")
 
-    # Fresh per-process decisions and weight copies for this test only (monkeypatch restores the real ones).
-    monkeypatch.setattr(backend, "_decide_gemm_kernel", lambda *a: None)  # the fallback GEMM
-    monkeypatch.setattr(backend, "_decide_gemm_path", functools.cache(backend._decide_gemm_path.__wrapped__))
+    # The fallback GEMM, deciding afresh (`fresh_state`); GELU with `out=` is a fact of the build, fixed for the
+    # process, so a fresh copy of that decision for this test only (monkeypatch restores the real one).
+    monkeypatch.setattr(backend, "_decide_gemm_kernel", lambda *a: None)
     monkeypatch.setattr(pointwise, "gelu_out", functools.cache(backend.gelu_out.__wrapped__))
-    monkeypatch.setattr(tiles, "_plans", tiles._Plans())
-    monkeypatch.setattr(proof, "_proven", {})
+    state.reset()
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", broken)  # present but raising
     monkeypatch.setattr(torch._C._nn, "gelu", None)  # missing
     with pytest.raises(RuntimeError):

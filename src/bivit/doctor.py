@@ -24,9 +24,6 @@ from typing import Any, Callable
 
 from .notices import Notice
 
-# The instruction sets bivit's kernel choices depend on (as /proc/cpuinfo spells them).
-CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16",
-             "amx_fp16")
 # Environment variables that change a kernel choice, the threads, or where kernels are cached.
 ENV_VARS = ("BIVIT_ARITH", "BIVIT_ATTENTION", "BIVIT_GEMM", "BIVIT_KERNEL_CACHE", "CC", "ATEN_CPU_CAPABILITY",
             "ONEDNN_MAX_CPU_ISA", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
@@ -42,7 +39,7 @@ def _section(fn: Callable[[], Any]) -> Any:
 
 
 def cpu() -> dict:
-    from .kernels import cpu_info
+    from .kernels.cpu import FLAGS, cpu_info
 
     model, flags = cpu_info()
     try:
@@ -51,7 +48,7 @@ def cpu() -> dict:
         usable = None
     return {"model": model or platform.processor() or "unknown", "machine": platform.machine(),
             "cores": os.cpu_count(), "cores_usable": usable,
-            "flags": {f: f in flags for f in CPU_FLAGS} if flags else "unknown (no /proc/cpuinfo)"}
+            "flags": {f: f in flags for f in FLAGS} if flags else "unknown (no /proc/cpuinfo)"}
 
 
 def pytorch() -> dict:

@@ -22,6 +22,8 @@ import threading
 from dataclasses import asdict, dataclass
 from typing import Optional
 
+from . import state
+
 log = logging.getLogger("bivit")
 
 
@@ -46,7 +48,7 @@ class Notice:
 
 
 _lock = threading.Lock()
-_said: dict[str, Notice] = {}
+_said: dict[str, Notice] = state.table(state.SAID)
 
 
 def _say(notice: Notice) -> Notice:

@@ -27,13 +27,12 @@ import torch
 
 from ..config import PRESETS
 from ..errors import BivitError
+from ..kernels import cpu
 from .roofline import PEAK_ROWS, attention_gflops, attention_flops_per_item, case_flops, gemm_gflops, gemm_shapes
 from .workers import InProcessWorker, Worker, hf_unavailable_reason
 from .workload import BIVIT_IMPLS, HF_IMPL, IMPLS, TORCH_DTYPES, Case, save_cases, standard_cases, \
     write_checkpoint, write_checkpoint_isolated
 
-# CPU features that decide which kernels run (AMX tiles, AVX-512 BF16 dot products, AVX2).
-CPU_FLAGS = ("amx_bf16", "amx_tile", "avx512_bf16", "avx512f", "avx2", "fma")
 
 
 # ------------------------------------------------------------------------------------------- the machine
@@ -42,7 +41,7 @@ def environment(threads: int) -> dict:
     """The machine and software a run measured (recorded in every result)."""
     from .. import kernels, notices, ops
 
-    model, present = kernels.cpu_info()
+    model, present = cpu.cpu_info()
     lib = kernels.library()
     attention = ops.attention_kernel(torch.bfloat16)  # invariant mode's (default mode may keep PyTorch's on AMX)
     # The invariant-mode GEMM kernels of the dtypes bench runs, and every faster path this machine leaves off.
@@ -63,7 +62,7 @@ def environment(threads: int) -> dict:
         git = None
     return {"python": platform.python_version(), "torch": torch.__version__, "transformers": tf_version,
             "git_head": git, "cpu": model or platform.processor(),
-            "cpu_flags": [f for f in CPU_FLAGS if f in present],
+            "cpu_flags": [f for f in cpu.FLAGS if f in present],
             "torch_capability": torch.backends.cpu.get_cpu_capability(),
             "isa_limits": {k: v for k, v in os.environ.items() if k in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY",
                                                                      "MKL_ENABLE_INSTRUCTIONS")},
@@ -79,8 +78,8 @@ def machine_line(env: dict) -> str:
     """'CPU AMD EPYC (avx2, avx512_bf16; no amx_bf16; PyTorch AVX512 kernels; attention: ...), 2 threads, ...'"""
     flags = env.get("cpu_flags")
     have = "CPU flags unknown" if flags is None else ", ".join(
-        f for f in ("avx2", "avx512_bf16", "amx_bf16") if f in flags) or "no AVX2"
-    lacks = [f for f in ("avx512_bf16", "amx_bf16") if flags is not None and f not in flags]
+        f for f in cpu.TIERS if f in flags) or "no AVX2"
+    lacks = [f for f in cpu.TIERS[1:] if flags is not None and f not in flags]
     limits = ", ".join(f"{k}={v}" for k, v in (env.get("isa_limits") or {}).items())
     parts = [have + (f"; no {', '.join(lacks)}" if lacks else ""),
              f"PyTorch {env.get('torch_capability', '?')} kernels", f"attention: {env.get('attention', '?')}"]

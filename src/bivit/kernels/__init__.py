@@ -31,20 +31,19 @@ the rotated q and k out.
 from __future__ import annotations
 
 import ctypes
-import functools
 import logging
 import math
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Sequence
 
 import torch
 
-from .. import notices
+from .. import notices, state
 from . import abi
 from .abi import CONSTS, AttentionArgs, NormArgs, RopeArgs, fill
-from .cache import CACHE_ENV, Build, KernelUnavailable, Loaded, cache_dir, compiler, find_compiler, load
+from .cache import CACHE_ENV, KernelUnavailable, Loaded, cache_dir, compiler, find_compiler, load
+from .cpu import VARIANTS, Variant, amx_unused, cpu_info, has_amx
 from .gemm import ETYPES, GemmKernel
 
 __all__ = ["ATTENTION_ENV", "CACHE_ENV", "Attention", "GemmKernel", "KernelUnavailable", "Library", "Norm", "Rope",
@@ -54,52 +53,10 @@ __all__ = ["ATTENTION_ENV", "CACHE_ENV", "Attention", "GemmKernel", "KernelUnava
 
 log = logging.getLogger("bivit")
 
-_HERE = Path(__file__).parent
 ATTENTION_ENV = "BIVIT_ATTENTION"
 DTYPES = (torch.bfloat16, torch.float32)
-MAX_HEAD_DIM = 128  # every variant's register blocking covers head dims up to this (K2.x: 72, K3: 128)
-# -ffp-contract=off: a product and a sum written apart stay apart (rounded twice, as PyTorch rounds them), so
-# the RoPE kernel computes PyTorch's bits; the attention's fused multiply-adds are explicit intrinsics.
-COMMON_CFLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
-
-
-@dataclass(frozen=True)
-class Variant:
-    """One instruction-set variant of the compiled kernels."""
-
-    name: str
-    source: str
-    needs: tuple[str, ...]                  # /proc/cpuinfo flags the code executes
-    capabilities: tuple[str, ...] | None    # PyTorch CPU capabilities under which it may run (None: any)
-    cflags: tuple[str, ...]
-
-    def build(self) -> Build:
-        # Every header: the sources include each other's definitions (arith.h's arithmetic is every variant's).
-        return Build(_HERE / self.source, tuple(sorted(_HERE.glob("*.h"))), (*COMMON_CFLAGS, *self.cflags))
-
-
-VARIANTS = (
-    Variant("avx512", "attention_avx512.c", ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "f16c"),
-            ("AVX512",),
-            ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-mf16c")),
-    Variant("avx2", "attention_avx2.c", ("avx2", "fma", "f16c"), ("AVX2", "AVX512"), ("-mavx2", "-mfma", "-mf16c")),
-    # No instruction-set flags: it runs on any CPU the compiler targets (fmaf is the C library's there).
-    Variant("portable", "portable.c", (), None, ()),
-)
+MAX_HEAD_DIM = CONSTS["MAX_D"]  # every variant's register blocking covers head dims up to this (K2.x: 72, K3: 128)
 ATTENTION_CHOICES = ("auto", "bivit", *(v.name for v in VARIANTS), "sdpa")
-
-
-@functools.cache
-def cpu_info() -> tuple[str, frozenset[str]]:
-    """(model name, instruction-set flags) from /proc/cpuinfo; ("", empty) where there is none."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return "", frozenset()
-    model = next((l.split(":", 1)[1].strip() for l in lines if l.startswith("model name")), "")
-    flags = frozenset(next((l.split(":", 1)[1].split() for l in lines if l.startswith("flags")), []))
-    return model, flags
 
 
 def _attention_choice() -> str:
@@ -136,7 +93,7 @@ def attention_declined(choice: str, flags: frozenset[str]) -> str | None:
     """Why `choice` leaves PyTorch's attention in place on a CPU with `flags` (None: the compiled one runs)."""
     if choice == "sdpa":
         return f"{ATTENTION_ENV}=sdpa"
-    if choice == "auto" and "amx_bf16" in flags:
+    if choice == "auto" and has_amx(flags):
         return (f"AMX-BF16 CPU: in default mode PyTorch's fused attention runs on AMX here ({ATTENTION_ENV}=bivit "
                 "overrides; invariant mode runs the compiled one)")
     return None
@@ -174,12 +131,12 @@ class Attention:
         else:
             fn = self.lib.bivit_attention_f32
         rc = fn(args)
-        if rc == 1:
+        if rc == CONSTS["RC_NO_MEMORY"]:
             raise MemoryError(f"bivit attention: no memory for the scratch of {len(seqlens)} item(s) of up to "
                               f"{max(seqlens)} patches")
-        if rc == 2:
+        if rc == CONSTS["RC_UNSUPPORTED"]:
             raise ValueError(f"bivit attention: unsupported head dim {args.d}")
-        if rc != 0:
+        if rc != CONSTS["RC_OK"]:
             raise ValueError(f"bivit attention: bad item lengths {list(seqlens)}")
 
     def args(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, seqlens: Sequence[int],
@@ -227,13 +184,13 @@ class Rope:
         rc = fn(fill(RopeArgs, x=x.data_ptr(), out=out.data_ptr(), cos=cos.data_ptr(), sin=sin.data_ptr(), rows=rows,
                      slots=slots, d=d, x_row=x.stride(0), x_slot=x.stride(1), out_row=out.stride(0),
                      out_slot=out.stride(1), threads=torch.get_num_threads()))
-        if rc != 0:
+        if rc != CONSTS["RC_OK"]:
             raise ValueError(f"bivit rope: unsupported head dim {d}")
 
     @staticmethod
     def supports(x: torch.Tensor, cos: torch.Tensor) -> bool:
         return (x.dtype in DTYPES and x.device.type == "cpu" and x.dim() == 3 and x.stride(2) == 1
-                and x.shape[2] % 2 == 0 and x.shape[2] <= 256 and cos.dtype == torch.float32
+                and x.shape[2] % 2 == 0 and x.shape[2] <= CONSTS["ROPE_MAX_D"] and cos.dtype == torch.float32
                 and cos.is_contiguous() and tuple(cos.shape) == (x.shape[0], x.shape[2]))
 
 
@@ -257,9 +214,9 @@ class Norm:
             rows=rows, d=d, x_row=x.stride(0), y_row=out.stride(0), eps=eps, rms=int(rms), xt=ETYPES[x.dtype],
             wt=ETYPES[wt.dtype] if wt is not None else CONSTS["E_F32"], yt=ETYPES[out.dtype],
             threads=torch.get_num_threads()))
-        if rc == 1:
+        if rc == CONSTS["RC_NO_MEMORY"]:
             raise MemoryError(f"bivit norm: no memory for a row of {d}")
-        if rc != 0:
+        if rc != CONSTS["RC_OK"]:
             raise ValueError(f"bivit norm: bad sizes {rows}x{d}")
         return out
 
@@ -290,14 +247,13 @@ def _gemm_kernels(lib: ctypes.CDLL, variant: str, flags: frozenset[str]) -> tupl
     kinds = ["fp32"]
     if variant == "avx512":
         kinds.insert(0, "avx512_bf16")
-        if {"amx_bf16", "amx_tile"} <= flags:
-            if lib.bivit_amx_init() == 0:
+        if has_amx(flags):
+            lost = amx_unused(flags, lib.bivit_amx_init() == 0)
+            if lost is None:
                 kinds[:0] = ["amx", "amx_swapped"]
             else:
-                notices.fallback("amx", "AMX not used", "the CPU has AMX but the OS does not grant its tile state to "
-                                 "this process (Linux before 5.16, or a VM that hides it)",
-                                 "bf16 GEMMs run on AVX-512 BF16 instead, slower",
-                                 "a Linux kernel >= 5.16 with AMX enabled for this machine")
+                notices.fallback("amx", "AMX not used", lost[0], "bf16 GEMMs run on AVX-512 BF16 instead, slower",
+                                 lost[1])
     return tuple(GemmKernel(lib, variant, k) for k in kinds)
 
 
@@ -361,7 +317,7 @@ def _self_test(kernel: Attention, dtype: torch.dtype, bound: float) -> None:
                                 f"(max error {err:.3g})")
 
 
-@functools.cache
+@state.memo(state.FIXED)
 def library() -> Library | None:
     """This process's compiled kernels (the variant `pick_variant` chooses), or None: PyTorch's kernels are
     used instead, and why is said once, with the fix."""
@@ -393,7 +349,7 @@ def rope() -> Rope | None:
     return None if lib is None else lib.rope
 
 
-@functools.cache
+@state.memo(state.FIXED)
 def attention() -> Attention | None:
     """The compiled attention for this process, or None (PyTorch's fused attention is used instead; why is said
     once: `bivit.notices`)."""

@@ -15,6 +15,9 @@
 #include <stdint.h>
 #include <string.h>
 
+/* What every entry point returns (abi.py's CONSTS names them; checked at load like the structs). */
+enum { RC_OK = 0, RC_NO_MEMORY = 1, RC_UNSUPPORTED = 2, RC_BAD_SIZES = 3 };
+
 /* Each struct's fields are listed once, as X(struct, type, name): the struct is declared from the list and so is
  * the table `bivit_abi_field` reads (a field cannot be in one and not the other). */
 

@@ -60,10 +60,12 @@ STRUCTS = {"bivit_attention_args": AttentionArgs, "bivit_gemm_pack_args": GemmPa
            "bivit_gemm_args": GemmArgs, "bivit_rope_args": RopeArgs, "bivit_norm_args": NormArgs}
 
 
-# The constants Python passes (element types, GELU kinds, GEMM kernels), with the values the C sources give them
-# (gemm.h's BIVIT_CONSTS): `check` asks the loaded library for each, so a drifted copy refuses the library.
+# The constants Python passes (element types, GELU kinds, GEMM kernels) or reads (return codes, the head dims the
+# kernels take), with the values the C sources give them (gemm.h's BIVIT_CONSTS): `check` asks the loaded
+# library for each, so a drifted copy refuses the library. The Triton kernels take theirs from here too.
 CONSTS = {"E_F32": 0, "E_BF16": 1, "E_F16": 2, "ACT_NONE": 0, "ACT_GELU_TANH": 1, "ACT_GELU_ERF": 2,
-          "GEMM_FP32": 0, "GEMM_AVX512_BF16": 1, "GEMM_AMX": 2, "GEMM_AMX_SWAPPED": 3}
+          "GEMM_FP32": 0, "GEMM_AVX512_BF16": 1, "GEMM_AMX": 2, "GEMM_AMX_SWAPPED": 3,
+          "RC_OK": 0, "RC_NO_MEMORY": 1, "RC_UNSUPPORTED": 2, "RC_BAD_SIZES": 3, "MAX_D": 128, "ROPE_MAX_D": 256}
 
 
 def fill(cls: type[ctypes.Structure], **fields) -> ctypes.Structure:

@@ -27,19 +27,14 @@
 #define QK_C 2       /* 8-key vectors per q.k^T microtile */
 #define PV_R 4       /* rows per p.v microtile */
 #define PV_V 3       /* 8-column vectors per p.v microtile */
-#define PV_CHUNK 128 /* keys per chunk of the values' sums (arith.h; every variant) */
 
-/* 2^x for x <= 0 (arith.h's exp2_neg_s): n = round(x), 2^(x-n) by EXP2_POLY, times 2^n built in the exponent
- * field. Clamped at -126 (the smallest normal power): terms below 2^-126 of the largest cannot move a sum. */
-static inline __m256 exp2_neg(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(EXP2_LO));
-    __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 f = _mm256_sub_ps(x, n);
-    __m256 p;
-    EXP2_POLY(p, f, _mm256_fmadd_ps, _mm256_set1_ps);
+/* p * 2^n for an integral n >= -126: 2^n built in the exponent field (AVX2 has no scalef). */
+static inline __m256 scale_pow2(__m256 p, __m256 n) {
     __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
+
+EXP2_NEG_DEF(__m256, _mm256, _mm256_round_ps, scale_pow2)
 
 static inline float hmax(__m256 v) {
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

@@ -33,16 +33,7 @@ typedef uint32_t word;  /* a pair of bf16 values, or one float */
 #define QK_R 6         /* query rows per QK^T microtile */
 #define QK_C 4         /* 16-key vectors per QK^T microtile */
 
-/* 2^x for x <= 0 (arith.h's exp2_neg_s): n = round(x), 2^(x-n) by EXP2_POLY, scaled by 2^n (n >= -126: exact
- * power, one rounding). */
-static inline __m512 exp2_neg(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(EXP2_LO));
-    __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 f = _mm512_sub_ps(x, n);
-    __m512 p;
-    EXP2_POLY(p, f, _mm512_fmadd_ps, _mm512_set1_ps);
-    return _mm512_scalef_ps(p, n);
-}
+EXP2_NEG_DEF(__m512, _mm512, _mm512_roundscale_ps, _mm512_scalef_ps)
 
 /* acc + a . b for one 32-bit word a (broadcast) against 16 words b: a pair product (bf16) or a product (fp32). */
 static inline __attribute__((always_inline)) __m512 madd(__m512 acc, const word *a, __m512i b, const int bf) {
@@ -96,10 +87,6 @@ static inline __attribute__((always_inline)) void clear_rows(__m512 full[4][8], 
         for (int v = 0; v < 8; v++) full[r][v] = _mm512_setzero_ps();
     }
 }
-
-/* Keys per chunk of the values' sums, chunk sums added in order (arith.h; every variant): an fp32 sum of
- * thousands of terms loses less than one running accumulator does. */
-#define PV_CHUNK 128
 
 /* 16 floats -> their bf16 bits in the low halves of the lanes, exactly as arith.h's f32_to_bf16 rounds: to
  * nearest even, any NaN to 0x7FC0 (vcvtneps2bf16 keeps a NaN's sign and payload, and reads denormals as zero). */

@@ -58,15 +58,17 @@ WRITABLE_CACHE = f"set {CACHE_ENV} to a writable folder of your own"
 
 @dataclass(frozen=True)
 class Build:
-    """One library: a C source (plus the headers it includes) compiled with `cflags`."""
+    """One library: a C source (plus the headers it includes) compiled with `cflags`; `label` names it (in the
+    cache and in what is said; default: the source's name)."""
 
     source: Path
     headers: tuple[Path, ...]
     cflags: tuple[str, ...]
+    label: str = ""
 
     @property
     def name(self) -> str:
-        return self.source.stem
+        return self.label or self.source.stem
 
 
 def find_compiler() -> tuple[str | None, str]:
@@ -253,7 +255,8 @@ def library_bytes(build: Build) -> tuple[bytes, Path]:
             log.warning("bivit: kernel cache %s: not loading %s; rebuilding it", path, e)
         # The first load on a machine takes seconds longer because of this; say why, on a logger the CLI shows.
         logging.getLogger("bivit.kernels.build").info(
-            "bivit: compiling the CPU kernels for this machine (%s with %s, once; cached in %s)", build.name, cc, path)
+            "bivit: compiling the CPU kernels for this machine (%s: GEMMs, attention, norms, RoPE; with %s, once; "
+            "cached in %s)", build.name, cc, path)
         data = _compile(build, cc)
         try:
             _write_private(dir_fd, digest, hashlib.sha256(data).hexdigest().encode() + b"\n")

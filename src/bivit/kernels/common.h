@@ -36,20 +36,30 @@
 typedef uint16_t bf16;
 
 #define MAX_D 128  /* the register blocking of every variant covers head dims up to this (K2.x: 72, K3: 128) */
+/* Keys per chunk of the values' sums, chunk sums added in order (arith.h; every variant): an fp32 sum of
+ * thousands of terms loses less than one running accumulator does. */
+#define PV_CHUNK 128
 
-/* p = 2^f for f in [-0.5, 0.5]: arith.h's degree-7 polynomial (coefficients ln2^k / k!), by Horner's rule with
- * the variant's fused multiply-add and broadcast: exp2_neg_s's bits. */
-#define EXP2_POLY(p, f, FMADD, SET1)                      \
-    do {                                                  \
-        p = SET1(EXP2_C7);                                \
-        p = FMADD(p, f, SET1(EXP2_C6));                   \
-        p = FMADD(p, f, SET1(EXP2_C5));                   \
-        p = FMADD(p, f, SET1(EXP2_C4));                   \
-        p = FMADD(p, f, SET1(EXP2_C3));                   \
-        p = FMADD(p, f, SET1(EXP2_C2));                   \
-        p = FMADD(p, f, SET1(EXP2_C1));                   \
-        p = FMADD(p, f, SET1(1.0f));                      \
-    } while (0)
+/* `static V exp2_neg(V x)`: 2^x for x <= 0 on a vector of floats, arith.h's exp2_neg_s lane by lane. x is clamped
+ * at EXP2_LO (-126, the smallest normal power: terms below 2^-126 of the largest cannot move a sum), n = ROUND(x)
+ * to nearest, p = 2^(x - n) for x - n in [-0.5, 0.5] by arith.h's degree-7 polynomial (coefficients ln2^k / k!)
+ * in Horner's rule with the variant's fused multiply-add, then SCALE(p, n) = p * 2^n (exact: a power of two
+ * times a normal number, one rounding). V: the vector type; P: its intrinsics' prefix (_mm256, _mm512). */
+#define EXP2_NEG_DEF(V, P, ROUND, SCALE)                                                                         \
+    static inline V exp2_neg(V x) {                                                                             \
+        x = P##_max_ps(x, P##_set1_ps(EXP2_LO));                                                                \
+        const V n = ROUND(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);                                    \
+        const V f = P##_sub_ps(x, n);                                                                           \
+        V p = P##_set1_ps(EXP2_C7);                                                                             \
+        p = P##_fmadd_ps(p, f, P##_set1_ps(EXP2_C6));                                                           \
+        p = P##_fmadd_ps(p, f, P##_set1_ps(EXP2_C5));                                                           \
+        p = P##_fmadd_ps(p, f, P##_set1_ps(EXP2_C4));                                                           \
+        p = P##_fmadd_ps(p, f, P##_set1_ps(EXP2_C3));                                                           \
+        p = P##_fmadd_ps(p, f, P##_set1_ps(EXP2_C2));                                                           \
+        p = P##_fmadd_ps(p, f, P##_set1_ps(EXP2_C1));                                                           \
+        p = P##_fmadd_ps(p, f, P##_set1_ps(1.0f));                                                              \
+        return SCALE(p, n);                                                                                     \
+    }
 
 static inline size_t round_up(size_t x, size_t m) { return (x + m - 1) / m * m; }
 
@@ -168,18 +178,18 @@ static int64_t head_group(const struct item *items, int64_t count, int64_t heads
     return small * heads >= (int64_t)HEAD_GROUP * 16 * threads ? HEAD_GROUP : 1;
 }
 
-/* Returns 0 on success, 1 if memory could not be allocated, 2 for an unsupported head dim (or an odd one with
- * RoPE tables), 3 for bad offsets. */
+/* Returns RC_OK, RC_NO_MEMORY, RC_UNSUPPORTED for an unsupported head dim (or an odd one with RoPE tables), or
+ * RC_BAD_SIZES for bad offsets (abi.h). */
 static int run_call(const struct variant *V, struct call *C, const int64_t *cu, int64_t count, int threads) {
-    if (C->d < 1 || C->d > MAX_D || (C->cos && C->d % 2)) return 2;
+    if (C->d < 1 || C->d > MAX_D || (C->cos && C->d % 2)) return RC_UNSUPPORTED;
     if (count <= 0 || C->heads <= 0) return 0;
     struct item *items = malloc((size_t)count * sizeof *items);
-    if (!items) return 1;
+    if (!items) return RC_NO_MEMORY;
     size_t kbytes = 0, vbytes = 0, kbuf_bytes = 64, vbuf_bytes = 64;
     int64_t tasks = 0, nmax = 0;
     for (int64_t i = 0; i < count; i++) {
         const int64_t n = cu[i + 1] - cu[i];
-        if (n < 0) { free(items); return 3; }
+        if (n < 0) { free(items); return RC_BAD_SIZES; }
         struct item *it = &items[i];
         it->n = n;
         it->row0 = cu[i];
@@ -204,7 +214,7 @@ static int run_call(const struct variant *V, struct call *C, const int64_t *cu, 
         if (items[i].n) tasks += items[i].small ? (C->heads + C->hgroup - 1) / C->hgroup : C->heads * items[i].qblocks;
     }
     char *kpack = alloc64(kbytes), *vpack = alloc64(vbytes);
-    if (!kpack || !vpack) { free(kpack); free(vpack); free(items); return 1; }
+    if (!kpack || !vpack) { free(kpack); free(vpack); free(items); return RC_NO_MEMORY; }
     for (int64_t i = 0, ko = 0, vo = 0; i < count; i++) {
         if (items[i].small) continue;
         items[i].kpack = kpack + ko;
@@ -226,7 +236,7 @@ static int run_call(const struct variant *V, struct call *C, const int64_t *cu, 
         char *buf = alloc64(scratch + kbuf_bytes + vbuf_bytes);
         if (!buf) {
 #pragma omp atomic write
-            failed = 1;
+            failed = RC_NO_MEMORY;
         }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < tasks; t++) {

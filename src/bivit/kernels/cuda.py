@@ -28,7 +28,7 @@ from typing import Iterator
 
 import torch
 
-from .. import notices
+from .. import notices, state
 from ..errors import ConfigError
 from .gemm import ACTS
 
@@ -113,7 +113,7 @@ def require_interpreter() -> None:
     _fixed_order_interpreter_dot()
 
 
-@functools.cache
+@state.memo(state.FIXED)
 def _fixed_order_interpreter_dot() -> None:
     """Triton's interpreter computes `tl.dot` with numpy's matmul, i.e. the CPU's BLAS, whose bits for a row can
     depend on where the row sits in the tile (seen: OpenBLAS's Haswell sgemm on an AVX2-only AMD EPYC, one row

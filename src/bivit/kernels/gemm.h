@@ -31,11 +31,12 @@
 /* The GEMM kernels (`kind` of the arguments); a variant's gemm_kernel_of returns NULL for those it lacks. */
 enum { GEMM_FP32 = 0, GEMM_AVX512_BF16 = 1, GEMM_AMX = 2, GEMM_AMX_SWAPPED = 3 };
 
-/* Every constant Python passes to these kernels, by name: `bivit_abi_const` lets it check at load that its own
+/* Every constant Python passes to these kernels or reads from them (return codes, size limits), by name: `bivit_abi_const` lets it check at load that its own
  * copy of each (bivit/kernels/abi.py's CONSTS) is this library's. */
 #define BIVIT_CONSTS(X)                                                                                          \
     X(E_F32) X(E_BF16) X(E_F16) X(ACT_NONE) X(ACT_GELU_TANH) X(ACT_GELU_ERF)                                     \
-    X(GEMM_FP32) X(GEMM_AVX512_BF16) X(GEMM_AMX) X(GEMM_AMX_SWAPPED)
+    X(GEMM_FP32) X(GEMM_AVX512_BF16) X(GEMM_AMX) X(GEMM_AMX_SWAPPED)                                             \
+    X(RC_OK) X(RC_NO_MEMORY) X(RC_UNSUPPORTED) X(RC_BAD_SIZES) X(MAX_D) X(ROPE_MAX_D)
 
 #define BIVIT_CONST_ENTRY(N) {#N, (int64_t)(N)},
 static const struct { const char *name; int64_t value; } BIVIT_CONST_TABLE[] = {BIVIT_CONSTS(BIVIT_CONST_ENTRY)};
@@ -114,7 +115,7 @@ static inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 /* Pack w ([N] rows of K elements of type wt, w_row apart) panel by panel into out (packed_bytes(N, K) bytes). */
 static int gemm_pack(const struct gemm_kernel *G, const void *w, int64_t w_row, int wt, int64_t N, int64_t K,
                      void *out, int threads) {
-    if (N <= 0 || K <= 0) return 3;
+    if (N <= 0 || K <= 0) return RC_BAD_SIZES;
     const int64_t panels = ceil_div(N, G->nr);
     const size_t panel_bytes = G->packed_bytes(G->nr, K);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
@@ -132,9 +133,9 @@ static inline int64_t panels_per_task(const struct gemm_kernel *G, int64_t K, in
     return pt < panels ? pt : panels;
 }
 
-/* Returns 0, 1 when scratch memory could not be allocated, 3 for bad sizes. */
+/* Returns RC_OK, RC_NO_MEMORY when scratch memory could not be allocated, RC_BAD_SIZES for bad sizes. */
 static int gemm_run(const struct gemm_kernel *G, const struct gemm_call *C, int threads) {
-    if (C->M < 0 || C->N <= 0 || C->K <= 0) return 3;
+    if (C->M < 0 || C->N <= 0 || C->K <= 0) return RC_BAD_SIZES;
     if (C->M == 0) return 0;
     const int64_t panels = ceil_div(C->N, G->nr), pt = panels_per_task(G, C->K, panels);
     const int64_t mblocks = ceil_div(C->M, G->mb), pgroups = ceil_div(panels, pt), tasks = mblocks * pgroups;
@@ -147,7 +148,7 @@ static int gemm_run(const struct gemm_kernel *G, const struct gemm_call *C, int 
         void *buf = alloc64(scratch);
         if (!buf) {
 #pragma omp atomic write
-            failed = 1;
+            failed = RC_NO_MEMORY;
         } else if (G->enter) {
             G->enter();
         }
@@ -220,11 +221,11 @@ static int gemm_run(const struct gemm_kernel *G, const struct gemm_call *C, int 
     }                                                                                                           \
     int bivit_gemm_pack(const struct bivit_gemm_pack_args *a) {                                                 \
         const struct gemm_kernel *G = gemm_kernel_of(a->kind);                                                  \
-        return G ? gemm_pack(G, a->w, a->w_row, a->wt, a->N, a->K, a->out, a->threads) : 2;                     \
+        return G ? gemm_pack(G, a->w, a->w_row, a->wt, a->N, a->K, a->out, a->threads) : RC_UNSUPPORTED;        \
     }                                                                                                           \
     int bivit_gemm(const struct bivit_gemm_args *a) {                                                           \
         const struct gemm_kernel *G = gemm_kernel_of(a->kind);                                                  \
-        if (!G) return 2;                                                                                       \
+        if (!G) return RC_UNSUPPORTED;                                                                          \
         const struct gemm_call C = {.x = a->x, .x_row = a->x_row, .xt = a->xt, .w = a->w, .bias = a->bias,     \
                                     .y = a->y, .y_row = a->y_row, .yt = a->yt, .act = a->act,                   \
                                     .flush = a->flush, .M = a->M, .N = a->N, .K = a->K};                        \

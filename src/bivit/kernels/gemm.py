@@ -61,7 +61,7 @@ class GemmKernel:
         buf = torch.empty(self.lib.bivit_gemm_packed_bytes(args), dtype=torch.uint8)
         args.out = buf.data_ptr()
         rc = self.lib.bivit_gemm_pack(args)
-        if rc != 0:
+        if rc != CONSTS["RC_OK"]:
             raise ValueError(f"bivit gemm: cannot pack a {tuple(weight.shape)} {weight.dtype} weight (code {rc})")
         return buf
 
@@ -75,9 +75,9 @@ class GemmKernel:
         kernel gets widened."""
         m, k = x.shape
         rc = self.lib.bivit_gemm(self.args(x, packed, n, bias, out, gelu, threads, bf16))
-        if rc == 1:
+        if rc == CONSTS["RC_NO_MEMORY"]:
             raise MemoryError(f"bivit gemm: no memory for the scratch of a {m}x{k} by {k}x{n} GEMM")
-        if rc != 0:
+        if rc != CONSTS["RC_OK"]:
             raise ValueError(f"bivit gemm: bad sizes {m}x{k} by {k}x{n} (code {rc})")
         return out
 

@@ -59,9 +59,10 @@ static void norm_row(const struct bivit_norm_args *a, int64_t r, float *buf) {
     }
 }
 
-/* abi.h's bivit_norm_args. Returns 0, 1 when scratch memory could not be allocated, 3 for bad sizes. */
+/* abi.h's bivit_norm_args. Returns RC_OK, RC_NO_MEMORY when scratch memory could not be allocated, RC_BAD_SIZES
+ * for bad sizes. */
 int bivit_norm(const struct bivit_norm_args *a) {
-    if (a->rows < 0 || a->d < 1) return 3;
+    if (a->rows < 0 || a->d < 1) return RC_BAD_SIZES;
     const size_t bytes = 2 * (size_t)((a->d + NORM_LANES - 1) / NORM_LANES * NORM_LANES) * sizeof(float);
     int failed = 0;
 #pragma omp parallel num_threads(a->threads)
@@ -70,7 +71,7 @@ int bivit_norm(const struct bivit_norm_args *a) {
         float *buf = malloc(bytes);
         if (!buf) {
 #pragma omp atomic write
-            failed = 1;
+            failed = RC_NO_MEMORY;
         }
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < a->rows; r++)

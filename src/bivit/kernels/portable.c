@@ -17,7 +17,6 @@
 /* ---------------------------------------------------------------------------------------------- attention */
 
 #define BQ 16          /* query rows per work unit */
-#define PV_CHUNK 128   /* keys per chunk of the values' sums (arith.h; every variant) */
 
 /* Keys and values of a head as [n][d] floats: keys rotated (rope.h's bits, rounded to the input dtype). */
 static size_t kpack_bytes(int64_t n, int64_t d, int bf) { (void)bf; return (size_t)n * d * sizeof(float); }

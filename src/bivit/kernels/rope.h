@@ -25,6 +25,8 @@
 #include "abi.h"
 #include "arith.h"
 
+#define ROPE_MAX_D 256  /* the widest head a row's scratch holds */
+
 /* Element c of a row (bf16 or float) as a float, exactly. */
 static inline float load_elem(const void *row, int64_t c, int bf) {
     return bf ? bf16_to_f32(((const uint16_t *)row)[c]) : ((const float *)row)[c];
@@ -52,7 +54,7 @@ static inline __attribute__((always_inline)) void rope_rows(const char *x, char 
         for (int64_t j = 0; j < slots; j++) {
             const char *xr = x + (l * x_row + j * x_slot) * es;
             char *orow = out + (l * out_row + j * out_slot) * es;
-            float xf[256], y[256];
+            float xf[ROPE_MAX_D], y[ROPE_MAX_D];
             for (int64_t i = 0; i < d; i++) xf[i] = load_elem(xr, i, bf);
             for (int64_t i = 0; i < d; i += 2) {
                 y[i] = rope_elem(xf[i], xf[i + 1], c[i], s[i]);
@@ -68,11 +70,11 @@ static inline __attribute__((always_inline)) void rope_rows(const char *x, char 
     }
 }
 
-/* abi.h's bivit_rope_args: x, out [rows][slots][d] (head_dim contiguous, even, at most 256), any row and slot
- * strides; cos, sin: contiguous fp32 [rows][d]. Returns 0, or 2 for an unsupported d. */
+/* abi.h's bivit_rope_args: x, out [rows][slots][d] (head_dim contiguous, even, at most ROPE_MAX_D), any row
+ * and slot strides; cos, sin: contiguous fp32 [rows][d]. Returns RC_OK, or RC_UNSUPPORTED for another d. */
 #define BIVIT_ROPE_ENTRY(FN, BF)                                                                                 \
     int FN(const struct bivit_rope_args *a) {                                                                   \
-        if (a->d < 2 || a->d > 256 || a->d % 2) return 2;                                                       \
+        if (a->d < 2 || a->d > ROPE_MAX_D || a->d % 2) return RC_UNSUPPORTED;                                   \
         rope_rows(a->x, a->out, a->cos, a->sin, a->rows, a->slots, a->d, a->x_row, a->x_slot, a->out_row,       \
                   a->out_slot, a->threads, BF);                                                                 \
         return 0;                                                                                               \

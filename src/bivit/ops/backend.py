@@ -28,7 +28,6 @@ The choices, per dtype `D` of a GEMM's weights:
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import os
@@ -38,27 +37,28 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .. import notices
+from .. import kernels, notices, state
 from ..dtypes import dtype_name
+from ..kernels import cpu
+from ..kernels.gemm import self_test
 from . import bits
 
 log = logging.getLogger("bivit")
 
 
 # (op, path) -> why: paths the load-time proof refused on this machine (bivit.ops.proof), for this process.
-_refused: dict[tuple[str, str], str] = {}
+_refused: dict[tuple[str, str], str] = state.table(state.PROOFS)
 
 
 def refuse(op: str, path: str, why: str) -> None:
-    """Never use `path` for `op` again in this process: the proof found it not invariant here. Said once."""
+    """Never use `path` for `op` again in this process: the proof found it not invariant here. Said once; every
+    kernel choice is made again without it (`bivit.state.CHOICES`)."""
     if (op, path) in _refused:
         return
     _refused[(op, path)] = why
     notices.fallback(f"refused-{op}-{path}", f"{op} path {path} refused", why,
                      "the next proven path runs instead", None)
-    _decide_gemm_kernel.cache_clear()
-    _decide_attention.cache_clear()
-    _decide_norm.cache_clear()
+    state.reset(state.CHOICES)
 
 
 def refused(op: str, path: str) -> bool:
@@ -79,11 +79,8 @@ extra_gemm_kernels: list = []
 GEMM_ENV = "BIVIT_GEMM"  # a GEMM kernel's name: run that one wherever it takes the dtype (how tests force each)
 
 
-@functools.cache
+@state.memo(state.CHOICES)
 def _decide_gemm_kernel(dtype: torch.dtype, device_type: str):
-    from .. import kernels
-    from ..kernels.gemm import self_test
-
     if device_type != "cpu":
         return None
     name = dtype_name(dtype)
@@ -128,7 +125,7 @@ def _decide_gemm_kernel(dtype: torch.dtype, device_type: str):
     return None
 
 
-@functools.cache
+@state.memo(state.PROOFS)
 def _gemm_self_test(kernel, dtype: torch.dtype, test: Callable) -> str | None:
     return test(kernel, dtype)
 
@@ -140,10 +137,8 @@ def attention_kernel(dtype: torch.dtype):
     return _decide_attention(dtype)
 
 
-@functools.cache
+@state.memo(state.CHOICES)
 def _decide_attention(dtype: torch.dtype):
-    from .. import kernels
-
     if dtype not in kernels.DTYPES:
         return None
     for kernel in kernels.attention_candidates():
@@ -172,10 +167,8 @@ def norm_kernel(dtype: torch.dtype):
     return _decide_norm(dtype)
 
 
-@functools.cache
+@state.memo(state.CHOICES)
 def _decide_norm(dtype: torch.dtype):
-    from .. import kernels
-
     kernel = kernels.norm()
     if kernel is None or refused("norm", "bivit") or dtype not in kernels.ETYPES:
         return None
@@ -275,30 +268,15 @@ def _packed_gemm_runs(dtype: torch.dtype, gelu: str | None) -> bool:
             and bool(torch.allclose(y.float(), ref, rtol=tol, atol=tol * float(ref.abs().max()))))
 
 
-def amx_unused(flags: frozenset[str], tiles_granted: bool, onednn_isa: str | None) -> tuple[str, str] | None:
-    """(why, fix) when a CPU with AMX (`flags` from /proc/cpuinfo) runs its bf16 GEMMs without it, else None.
-    `tiles_granted`: PyTorch got the kernel's permission to use AMX tiles; `onednn_isa`: $ONEDNN_MAX_CPU_ISA."""
-    if "amx_bf16" not in flags:
-        return None
-    if not tiles_granted:
-        return ("the CPU has AMX but the OS does not grant its tile state to this process (Linux before 5.16, or "
-                "a VM that hides it)", "a Linux kernel >= 5.16 with AMX enabled for this machine")
-    if onednn_isa and "AMX" not in onednn_isa.upper() and onednn_isa.upper() != "ALL":
-        return f"ONEDNN_MAX_CPU_ISA={onednn_isa} keeps oneDNN below AMX", "unset ONEDNN_MAX_CPU_ISA"
-    return None
-
-
 def _check_amx() -> None:
-    from ..kernels import cpu_info
-
     def granted() -> bool:
         try:
             return bool(torch.cpu._is_amx_tile_supported() and torch._C._cpu._init_amx())
         except Exception:  # an odd build: treat as not granted
             return False
 
-    flags = cpu_info()[1]
-    lost = amx_unused(flags, granted() if "amx_bf16" in flags else False, os.environ.get("ONEDNN_MAX_CPU_ISA"))
+    flags = cpu.cpu_info()[1]
+    lost = cpu.amx_unused(flags, cpu.has_amx(flags) and granted(), os.environ.get("ONEDNN_MAX_CPU_ISA"))
     if lost:
         notices.fallback("amx", "AMX not used", lost[0], "bf16 GEMMs run on AVX-512 instead, slower", lost[1])
 
@@ -309,7 +287,7 @@ def gemm_path(dtype: torch.dtype, device_type: str = "cpu") -> GemmPath:
     return _decide_gemm_path(dtype, device_type)
 
 
-@functools.cache
+@state.memo(state.CHOICES)
 def _decide_gemm_path(dtype: torch.dtype, device_type: str) -> GemmPath:
     if device_type != "cpu":
         return GemmPath(dtype, dtype, packed=False, fused_gelu=False)
@@ -342,7 +320,7 @@ def _decide_gemm_path(dtype: torch.dtype, device_type: str) -> GemmPath:
     return path
 
 
-@functools.cache
+@state.memo(state.FIXED)
 def gelu_out() -> Callable | None:
     """GELU with an `out=` argument (`torch._C._nn.gelu`), or None: F.gelu computes the same bits, with a
     temporary per call."""
@@ -360,7 +338,7 @@ def gelu_out() -> Callable | None:
     return fn
 
 
-@functools.cache
+@state.memo(state.FIXED)
 def flash_attention_backward() -> Callable | None:
     """PyTorch's flash-attention backward for CPU (a private op), or None where this build lacks it or it does not
     run: gradients then come from autograd through PyTorch's attention (same math, its own rounding)."""

@@ -25,7 +25,6 @@ ones (`bivit.golden`).
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import os
@@ -34,19 +33,20 @@ from typing import Callable
 import numpy as np
 import torch
 
+from .. import notices, state
+from ..kernels.cpu import cpu_info
+
 ARITH = "bivit-arith/1"
 ARITH_ENV = "BIVIT_ARITH"
 MODES = ("canonical", "native")
 
 
-@functools.cache
+@state.memo(state.FIXED)
 def mode() -> str:
     """`BIVIT_ARITH`: `canonical` (default: bivit-arith/1 wherever a compiled library runs) or `native` (the
     fastest kernels of this machine, their own class where they compute another order). Read once per process."""
     value = os.environ.get(ARITH_ENV, "canonical").strip().lower() or "canonical"
     if value not in MODES:
-        from .. import notices
-
         notices.note("arith", f"{ARITH_ENV}={value!r} not understood", f"not one of {', '.join(MODES)}",
                      "canonical arithmetic (bivit-arith/1) runs")
         return "canonical"
@@ -152,7 +152,7 @@ def conformance(op: str, kernel, dtype: torch.dtype) -> str | None:
     return _conformance(op, kernel, dtype)
 
 
-@functools.cache
+@state.memo(state.PROOFS)
 def _conformance(op: str, kernel, dtype: torch.dtype) -> str | None:
     name = str(dtype).removeprefix("torch.")
     want = CONFORMANCE.get((op, name))
@@ -169,8 +169,6 @@ def _conformance(op: str, kernel, dtype: torch.dtype) -> str | None:
 def machine_tag() -> str:
     """What a class of bits other than bivit-arith/1 is a function of on this CPU: the CPU model and flags, the
     PyTorch build and its dispatch (16 hex digits of their hash, with the CPU's name)."""
-    from ..kernels import cpu_info
-
     model, flags = cpu_info()
     facts = [model, sorted(flags), torch.__version__, torch.version.git_version,
              torch.backends.cpu.get_cpu_capability()]

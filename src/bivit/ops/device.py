@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import json
 from contextvars import ContextVar
@@ -22,7 +21,7 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from .. import kernels
+from .. import kernels, state
 from ..dtypes import dtype_name
 from ..errors import ConfigError
 from ..kernels import cuda
@@ -49,7 +48,7 @@ CPU_OPS = Ops(gemm.linear, gemm.residual_linear, gemm.patch_conv, norms.layer_no
               attend.attention, pointwise.temporal_mean)
 
 
-@functools.cache
+@state.memo(state.FIXED)
 def cuda_ops() -> Ops:
     """The Triton ops (imported on first use: they need triton); triton checked once per process."""
     from . import cuda as ops

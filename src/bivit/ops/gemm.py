@@ -18,35 +18,20 @@ from typing import Sequence
 
 import torch
 import torch.nn.functional as F
-from torch.utils.weak import WeakIdKeyDictionary
 
-from . import tiles
+from . import packs, tiles
 from .backend import gemm_kernel
 from .mode import emit, is_batch_invariant, needs_grad
 from .pointwise import chunked_gelu_backward
 
 Layer = tuple[torch.Tensor, "torch.Tensor | None", "str | None"]  # (weight, bias, GELU after it or None)
 
-# Per weight tensor (the Linear's or the conv's): {(kernel, transposed?): (version, packed weight, fp32 bias)}.
-_packed: WeakIdKeyDictionary = WeakIdKeyDictionary()
-
-
-def _version(t: torch.Tensor) -> int:
-    try:
-        return t._version
-    except RuntimeError:  # an inference tensor: cannot be updated in place outside inference mode
-        return -1
-
-
 def _prepared(kernel, weight: torch.Tensor, bias: torch.Tensor | None, key: torch.Tensor,
               transposed: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    slot = _packed.setdefault(key, {})
-    version, packed, bias32 = slot.get((kernel, transposed), (None, None, None))
-    if version != _version(key) or packed is None:
-        packed = kernel.pack(weight.detach())
-        bias32 = None if bias is None else bias.detach().float().contiguous()  # exact: bias is never wider
-        slot[(kernel, transposed)] = (_version(key), packed, bias32)
-    return packed, bias32
+    """(packed weight, float32 bias) for `kernel` (`bivit.ops.packs`); the bias widened exactly: it is never
+    wider than float32."""
+    return packs.prepared(key, (kernel, transposed), lambda: (
+        kernel.pack(weight.detach()), None if bias is None else bias.detach().float().contiguous()))
 
 
 def _widened(kernel, x2: torch.Tensor) -> torch.Tensor:

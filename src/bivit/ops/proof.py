@@ -36,7 +36,7 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from .. import kernels
+from .. import kernels, state
 from ..dtypes import dtype_name
 from ..errors import BivitError
 from .attend import attention
@@ -259,7 +259,7 @@ def _run(model: torch.nn.Module) -> Proof:
     return Proof(checks, refused, time.perf_counter() - start)
 
 
-_proven: dict[str, Proof] = {}  # by record name, this process
+_proven: dict[str, Proof] = state.table(state.PROOFS)  # by record name, this process
 
 
 def _record_name(model: torch.nn.Module) -> str:

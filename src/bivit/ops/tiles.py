@@ -18,19 +18,18 @@ Which kernel a GEMM uses (pre-packed oneDNN or not, fused GELU or not, bf16 wide
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import logging
 import os
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
-from .. import kernels
+from .. import kernels, state
+from . import packs
 from .backend import KernelFailed, gemm_path
 from .pointwise import chunked_gelu
 
@@ -60,40 +59,24 @@ class GemmPlan:
         return not self.tiles
 
 
-@dataclass
-class _Plans:
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    by_shape: dict[tuple, GemmPlan] = field(default_factory=dict)
-    # Weights prepared for the GEMM kernel (pre-packed for oneDNN, or widened to the compute dtype), per weight
-    # tensor -> {(transposed?, packed?): (version, prepared)}: dropped with the weight, prepared again when the
-    # weight is updated in place (optimizer step, update_weights).
-    prepared: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)
-
-
-_plans = _Plans()
-
-
-def _version(t: torch.Tensor) -> int:
-    try:
-        return t._version
-    except RuntimeError:  # an inference tensor: cannot be updated in place outside inference mode
-        return -1
+# The proven plan per GEMM shape (`gemm_plan`), for this process; probing one takes the lock.
+_plans: dict[tuple, GemmPlan] = state.table(state.PROOFS)
+_plans_lock = threading.Lock()
 
 
 def _prepared(weight: torch.Tensor, key: torch.Tensor, transposed: bool, compute: torch.dtype,
               packed: bool) -> torch.Tensor:
-    """`weight` in `compute` dtype, pre-packed for oneDNN when `packed`; made once per version of `key`."""
-    slot = _plans.prepared.setdefault(key, {})
-    version, ready = slot.get((transposed, packed), (None, None))
-    if version != _version(key) or ready is None:
+    """`weight` in `compute` dtype, pre-packed for oneDNN when `packed` (`bivit.ops.packs`)."""
+    def make() -> torch.Tensor:
         ready = weight.detach().to(compute).contiguous()
         if packed:
             try:
                 ready = torch.ops.mkldnn._reorder_linear_weight(ready, REFERENCE_TILE)
             except Exception as e:
                 raise KernelFailed(f"oneDNN weight packing of a {tuple(weight.shape)} weight failed: {e}") from e
-        slot[(transposed, packed)] = (_version(key), ready)
-    return ready
+        return ready
+
+    return packs.prepared(key, ("tiles", packed, transposed), make)
 
 
 class Gemm:
@@ -168,7 +151,7 @@ class Gemm:
 PLAN_FORMAT = 2
 
 
-@functools.cache
+@state.memo(state.FIXED)
 def _build_facts() -> str:
     model, flags = kernels.cpu_info()
     env = sorted((k, v) for k, v in os.environ.items()
@@ -185,7 +168,7 @@ def _plan_record_name() -> str:
     return f"gemm-plans-{hashlib.sha256(facts.encode()).hexdigest()[:16]}.json"
 
 
-_records: dict[str, dict] = {}  # plan records read or written by this process, by name
+_records: dict[str, dict] = state.table(state.PROOFS)  # plan records read or written by this process, by name
 
 
 def _probe(gemm: Gemm) -> GemmPlan:
@@ -234,17 +217,17 @@ def _prove(gemm: Gemm) -> GemmPlan:
 def gemm_plan(gemm: Gemm) -> GemmPlan:
     """The proven plan for GEMMs of this weight's shape, dtype, device and kernel (probed once, then cached)."""
     key = gemm.plan_key()
-    plan = _plans.by_shape.get(key)
+    plan = _plans.get(key)
     if plan is None:
-        with _plans.lock:
-            plan = _plans.by_shape.get(key)
+        with _plans_lock:
+            plan = _plans.get(key)
             if plan is None:
                 plan = _probe(gemm)
                 if plan.exact_fallback and not gemm.fuses:
                     w = gemm.weight
                     log.warning("bivit: GEMM %sx%s %s is not row-position invariant on this machine; using the "
                                 "exact row-by-row path (slower)", w.shape[0], w.shape[1], w.dtype)
-                _plans.by_shape[key] = plan
+                _plans[key] = plan
     return plan
 
 

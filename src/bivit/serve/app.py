@@ -316,6 +316,14 @@ def accept_burst(limit: int) -> int:
     return max(8, min(2048, limit // 8))
 
 
+# The uvicorn minor `_protocol` was read against (pyproject.toml pins it). uvicorn's public settings have no
+# timeout for headers that trickle in nor for a client that stops reading, so `_protocol` subclasses its private
+# H11Protocol and relies on its internals (`connections`, `cycle.response_complete`, `loop`, `transport`, `client`,
+# and when it calls `data_received`, `pause_writing`, `resume_writing`): a new minor may rename any of them and
+# silently lose the limits. To move the pin: re-read uvicorn/protocols/http/h11_impl.py, run
+# tests/test_server_limits.py, then change this and pyproject.toml together.
+UVICORN_TESTED = "0.55"
+
 # The answer to a connection over the limit when no connection is still sending its headers.
 _BUSY = json.dumps(error_body("busy", "server busy: too many open connections; retry later")).encode()
 _BUSY_RESPONSE = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"

@@ -1,0 +1,37 @@
+"""Weights prepared for a GEMM kernel (packed into its blocked layout, widened to the dtype it multiplies in):
+made once per weight tensor, kernel and layout, made again when the weight is updated in place (an optimizer
+step, `update_weights`: a new tensor version), and dropped with the tensor. One cache for both GEMM paths (bivit's
+compiled GEMM, `gemm`, and PyTorch's at proven tiles, `tiles`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Hashable, TypeVar
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .. import state
+
+T = TypeVar("T")
+
+# weight tensor -> {how it was prepared: (the tensor's version then, the prepared weight)}
+_prepared: WeakIdKeyDictionary = state.table(state.WEIGHTS, WeakIdKeyDictionary)
+
+
+def _version(t: torch.Tensor) -> int:
+    try:
+        return t._version
+    except RuntimeError:  # an inference tensor: cannot be updated in place outside inference mode
+        return -1
+
+
+def prepared(key: torch.Tensor, how: Hashable, make: Callable[[], T]) -> T:
+    """`make()`'s weight for `key` (the Linear or conv weight it belongs to) prepared `how` (the kernel and
+    layout it is for), made on the first call and again after `key` was updated in place."""
+    slot = _prepared.setdefault(key, {})
+    version, ready = slot.get(how, (None, None))
+    if version != _version(key) or ready is None:
+        ready = make()
+        slot[how] = (_version(key), ready)
+    return ready
