@@ -26,10 +26,11 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..config import PRESETS
-from ..errors import BivitError
+from ..dtypes import canonical_name
+from ..errors import BivitError, ConfigError
 from .roofline import PEAK_ROWS, attention_gflops, attention_flops_per_item, case_flops, gemm_gflops, gemm_shapes
 from .workers import InProcessWorker, Worker, hf_unavailable_reason
-from .workload import BIVIT_IMPLS, HF_IMPL, IMPLS, TORCH_DTYPES, Case, save_cases, standard_cases, \
+from .workload import BIVIT_IMPLS, HF_IMPL, IMPLS, TORCH_DTYPES, Case, bench_dtypes, save_cases, standard_cases, \
     write_checkpoint, write_checkpoint_isolated
 
 # CPU features that decide which kernels run (AMX tiles, AVX-512 BF16 dot products, AVX2).
@@ -120,12 +121,20 @@ def script_args(description: str, *, dtype: str = "bfloat16", dtypes: Sequence[s
     """A parser with the options every benchmark script shares: --preset, --dtype, --repeats, --threads, --seed."""
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--preset", default="kimi-k2.6", choices=sorted(PRESETS))
-    p.add_argument("--dtype", default=dtype, choices=list(dtypes))
+    p.add_argument("--dtype", default=dtype, choices=list(dtypes), type=_script_dtype)
     p.add_argument("--repeats", type=int, default=repeats)
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: torch's); 1 makes a shared machine's ratios less noisy")
     p.add_argument("--seed", type=int, default=0)
     return p
+
+
+def _script_dtype(value: str) -> str:
+    """A script's --dtype in any spelling the commands accept ("both" too), as its canonical name."""
+    try:
+        return value if value == "both" else canonical_name(value, "--dtype")
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def start(args: argparse.Namespace) -> dict:
@@ -152,9 +161,7 @@ def run_benchmark(*, preset: str = "kimi-k2.6", dtypes: Sequence[str] = ("bfloat
     log = log or (lambda s: print(s, file=sys.stderr, flush=True))
     if preset not in PRESETS:
         raise BivitError(f"unknown preset {preset!r}; choose one of {', '.join(sorted(PRESETS))}")
-    for d in dtypes:
-        if d not in TORCH_DTYPES:
-            raise BivitError(f"dtype {d!r}: expected bfloat16 or float32")
+    dtypes = [n for d in dtypes for n in bench_dtypes(d, "dtypes")]
     for impl in impls:
         if impl not in IMPLS:
             raise BivitError(f"unknown implementation {impl!r}; choose from {', '.join(IMPLS)}")

@@ -12,15 +12,22 @@ import torch
 from PIL import Image
 
 from ..config import PRESETS, ModelConfig
-from ..dtypes import parse_dtype
+from ..dtypes import dtype_option, parse_dtype
 from ..errors import BivitError
 from ..media import MediaBatch, frames_to_item
 
 IMPLS = ("bivit-invariant", "bivit-default", "hf-sdpa")
 BIVIT_IMPLS = IMPLS[:2]
 HF_IMPL = "hf-sdpa"
-DTYPE_CHOICES = {"bfloat16": ("bfloat16",), "float32": ("float32",), "both": ("bfloat16", "float32")}
-TORCH_DTYPES = {name: parse_dtype(name, "--dtype") for name in ("bfloat16", "float32")}  # what bench runs
+BENCH_DTYPES = ("bfloat16", "float32")  # what bench measures
+DTYPE_CHOICES = {"bfloat16": ("bfloat16",), "float32": ("float32",), "both": BENCH_DTYPES}
+TORCH_DTYPES = {name: parse_dtype(name, "--dtype") for name in BENCH_DTYPES}
+
+
+def bench_dtypes(value: str, option: str = "--dtype") -> tuple[str, ...]:
+    """The dtypes a `--dtype` of bench (or a benchmark script) names: "both", or one in any spelling every
+    command accepts (`bivit.dtypes`)."""
+    return BENCH_DTYPES if value == "both" else (dtype_option(value, option, BENCH_DTYPES),)
 
 
 @dataclass

@@ -8,12 +8,13 @@ from typing import List, Optional
 import typer
 
 from ..errors import BivitError
-from .common import FAILURE, command, fail, in_range, writable
+from ..options import whole
+from .common import FAILURE, command, fail, writable
 
 
 @command()
 def bench(
-    dtype: str = typer.Option("both", "--dtype", help="bfloat16, float32 or both."),
+    dtype: str = typer.Option("both", "--dtype", help="bfloat16, float32 (any spelling --dtype takes elsewhere) or both."),
     repeats: int = typer.Option(3, "--repeats", help="Timed repeats per case and implementation (median reported)."),
     warmup: int = typer.Option(1, "--warmup", help="Untimed rounds first (kernel selection, caches)."),
     out_dir: Path = typer.Option(Path("bench-results"), "--out-dir", help="Where bench.json/.md/.png go."),
@@ -37,11 +38,11 @@ def bench(
     """
     from .. import bench as b
 
-    if dtype not in b.DTYPE_CHOICES:
-        fail(f"--dtype {dtype!r}: expected bfloat16, float32 or both")
+    dtypes = b.bench_dtypes(dtype)
     for flag, value, low, high in (("--repeats", repeats, 1, 1000), ("--warmup", warmup, 0, 1000),
                                    ("--threads", threads, 1, 4096), ("--seed", seed, 0, 2**32 - 1)):
-        in_range(flag, value, low, high)
+        if value is not None:
+            whole(value, flag, low, high)
     writable(out_dir / "bench.json", option="--out-dir")
     try:
         chosen = b.select_cases(cases, seed)
@@ -49,7 +50,7 @@ def bench(
         fail(str(e))
     command_line = b.command_line()
     typer.echo(f"$ {command_line}")
-    record = b.run_benchmark(preset=preset, dtypes=b.DTYPE_CHOICES[dtype], impls=b.BIVIT_IMPLS if skip_hf else b.IMPLS,
+    record = b.run_benchmark(preset=preset, dtypes=dtypes, impls=b.BIVIT_IMPLS if skip_hf else b.IMPLS,
                              repeats=repeats, warmup=warmup, threads=threads, seed=seed, isolate=not in_process,
                              cases=chosen)
     record["command"] = command_line

@@ -80,12 +80,6 @@ def fail(message: str, code: int = USAGE) -> None:
     raise typer.Exit(code)
 
 
-def in_range(flag: str, value: Any, low: int, high: int, what: str = "a whole number") -> None:
-    """Exit 2 (one line) unless the option's `value` is from `low` to `high`, before any work is done."""
-    if value is not None and not low <= value <= high:
-        fail(f"{flag} {value}: expected {what} from {low} to {high}")
-
-
 def need_extra(command: str, module: str, extra: str) -> None:
     """Exit with one line when an optional dependency of `command` is not installed."""
     if importlib.util.find_spec(module) is None:

@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from .common import FAILURE, DtypeOpt, ModelOpt, ProjDtypeOpt, command, fail
+from .common import FAILURE, DtypeOpt, ModelOpt, ProjDtypeOpt, check_options, command, fail
 
 
 @command()
@@ -29,6 +29,7 @@ def doctor(
     load-time proof runs on --model (default: the demo) at --dtype, whatever this machine recorded, and must
     agree with the record, and the demo model's rows for bivit's golden inputs are compared with the committed
     ones ("bits bivit-arith/1: match"); exit 1 where an op has no invariant path here or the rows differ."""
+    check_options(model, dtype, projector_dtype)  # refused as every command refuses them, --prove or not
     from ..doctor import format_report, prove as run_proof, report
     from ..ops import InvarianceError
 

@@ -8,8 +8,9 @@ from typing import List, Optional
 
 import typer
 
+from ..options import whole
 from .common import (DTYPE_CHOICES, FAILURE, DeviceOpt, ModelOpt, OutDtypeOpt, ProjDtypeOpt, check_options, command,
-                     in_range, need_extra, open_encoder, plural, writable)
+                     need_extra, open_encoder, plural, writable)
 
 # Why float32: stock float32 GEMMs (MKL/oneDNN, AVX2 or AVX-512; float32 never runs on AMX tiles, so AMX Xeons
 # behave like AVX-512 CPUs here) compute a single row (a 1-token item alone: M = 1) with another kernel and
@@ -45,8 +46,8 @@ def verify(
     from ..dtypes import dtype_name
 
     check_options(model, dtype, projector_dtype, output_dtype, device=device)  # before --plot's folder is made
-    in_range("--layouts", layouts, 1, 10_000)
-    in_range("--seed", seed, 0, 2**32 - 1)
+    whole(layouts, "--layouts", 1, 10_000)
+    whole(seed, "--seed", 0, 2**32 - 1)
     if plot is not None:
         need_extra("verify --plot", "matplotlib", "plot")
         writable(plot, files or (), "--plot")

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib.util
-import math
 import os
 import sys
 import time
@@ -23,6 +22,7 @@ from ..dtypes import canonical_name
 from ..errors import BivitError
 from ..encoder_cache import EncoderCacheError, Sink
 from ..items import ItemResult
+from ..options import BYTE_IN_MIB, size_mb, whole
 from .format import DEFAULT_SHARD_MB
 from .local import run_local
 from .sources import list_sources, plan
@@ -53,11 +53,9 @@ def check_job(engine: str = "local", device: str = "cpu", workers: int = 1, cpus
         raise BivitError("--engine ray needs Ray Data: pip install 'bivit[ray]'")
     if engine == "ray" and str(device) != "cpu":
         raise BivitError(f"--device {device}: the Ray engine's workers encode on CPU; use --engine local")
-    for flag, value, most in (("--workers", workers, 4096), ("--cpus-per-worker", cpus_per_worker, 1024)):
-        if not 1 <= value <= most:
-            raise BivitError(f"{flag} {value}: expected a whole number from 1 to {most}")
-    if not (math.isfinite(shard_mb) and 0 < shard_mb <= 2**20):  # a tiny one: one item per shard
-        raise BivitError(f"--shard-mb {shard_mb!r}: expected a size in MiB above 0, at most 1048576 (1 TiB)")
+    whole(workers, "--workers", 1, 4096)
+    whole(cpus_per_worker, "--cpus-per-worker", 1, 1024)
+    size_mb(shard_mb, "--shard-mb", BYTE_IN_MIB)  # a tiny one: one item per shard
 
 
 def encode_dataset(src: str | os.PathLike, out: str | os.PathLike, *, model: Optional[str] = None,
