@@ -349,6 +349,28 @@ def test_rerun_skips_and_picks_up_changes(media, tmp_path, encoder):
     assert ds["new_copy.png"].tensor == ds["img5.png"].tensor
 
 
+def test_a_deleted_bad_file_leaves_no_error_behind(media, tmp_path):
+    """A dataset's error records are facts about files still in its source: once the bad file is deleted, a
+    rerun exits 0 and neither errors.jsonl, `open_dataset().errors` nor `load_embeddings` lists it."""
+    src, out = tmp_path / "src", tmp_path / "out"
+    src.mkdir()
+    for name in ("img0.png", "photo.jpg", "text.png"):
+        shutil.copy(media / name, src / name)
+
+    def run():
+        return subprocess.run([sys.executable, "-m", "bivit", "encode-dataset", str(src), "--out", str(out),
+                               "--no-progress"], capture_output=True, text=True, timeout=300)
+
+    r = run()
+    assert r.returncode == 1 and "1 input failed" in r.stderr, r.stderr
+    assert [x.source for x in bivit.load_embeddings(out)] == ["img0.png", "photo.jpg", "text.png"]
+    (src / "text.png").unlink()
+    r = run()
+    assert r.returncode == 0, r.stderr
+    assert (out / ERRORS).read_text() == "" and open_dataset(out).errors == []
+    assert [x.source for x in bivit.load_embeddings(out)] == ["img0.png", "photo.jpg"]
+
+
 def _run_cli_until(src: Path, out: Path, pause: str, ready, timeout: float = 60.0) -> None:
     """Run the real CLI in a subprocess, wait until `ready(out)` holds while it sits at a pause point, kill -9."""
     env = dict(os.environ, **{PAUSE_ENV: pause if ":" in pause else f"{pause}:120"})

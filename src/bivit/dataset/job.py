@@ -138,7 +138,7 @@ def encode_dataset(src: str | os.PathLike, out: str | os.PathLike, *, model: Opt
         finally:
             bar.close()
         writer.commit()
-        writer.compact_errors(folders_failing={s.source for s in sources if s.error is not None})
+        writer.compact_errors(listed={s.source for s in sources})
         summary.tokens = writer.tokens_written
         summary.ec_written = 0 if ec is None else ec.written
     summary.seconds = time.monotonic() - t0

@@ -176,16 +176,17 @@ class DatasetWriter:
         self._seq += 1
         return self._seq
 
-    def compact_errors(self, folders_failing: Optional[set[str]] = None) -> None:
+    def compact_errors(self, listed: Optional[set[str]] = None) -> None:
         """Keep one line per source that is failed now (its latest error); drop the rest.
 
-        `folders_failing`: after a run that listed SRC, the folders (sources ending in "/") it could not list;
-        the error of a folder that could be listed this time is dropped (its files speak for themselves now).
+        `listed`: after a run that listed SRC, every source it listed (files, and folders it could not list):
+        an error is a fact about a source still there, so that of a file deleted or taken out of the manifest,
+        or of a folder that could be listed this time (its files speak for themselves now), is dropped.
         """
         error_rows, _ = read_jsonl(self.dir / ERRORS)
         _, failed = state_from_rows(read_jsonl(self.dir / MANIFEST)[0], error_rows)
-        if folders_failing is not None:
-            failed = {s: e for s, e in failed.items() if not s.endswith("/") or s in folders_failing}
+        if listed is not None:
+            failed = {s: e for s, e in failed.items() if s in listed}
         self._write_errors(failed, len(error_rows))
 
     def _write_errors(self, failed: dict[str, ErrorRecord], lines: int) -> None:
