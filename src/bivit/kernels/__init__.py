@@ -75,7 +75,10 @@ class Variant:
 
     def build(self) -> Build:
         # Every header: the sources include each other's definitions (arith.h's arithmetic is every variant's).
-        return Build(_HERE / self.source, tuple(sorted(_HERE.glob("*.h"))), (*COMMON_CFLAGS, *self.cflags))
+        # One library per variant holds every kernel (its source is named after the first one written): the
+        # compile line names the library, not the attention alone.
+        return Build(_HERE / self.source, tuple(sorted(_HERE.glob("*.h"))), (*COMMON_CFLAGS, *self.cflags),
+                     what=f"the {self.name} library of GEMM, attention, norm and RoPE kernels from {self.source}")
 
 
 VARIANTS = (

@@ -63,6 +63,7 @@ class Build:
     source: Path
     headers: tuple[Path, ...]
     cflags: tuple[str, ...]
+    what: str = ""  # what the library holds, for the line that says it is being compiled (default: its source)
 
     @property
     def name(self) -> str:
@@ -253,7 +254,8 @@ def library_bytes(build: Build) -> tuple[bytes, Path]:
             log.warning("bivit: kernel cache %s: not loading %s; rebuilding it", path, e)
         # The first load on a machine takes seconds longer because of this; say why, on a logger the CLI shows.
         logging.getLogger("bivit.kernels.build").info(
-            "bivit: compiling the CPU kernels for this machine (%s with %s, once; cached in %s)", build.name, cc, path)
+            "bivit: compiling the CPU kernels for this machine (%s, with %s, once; cached in %s)",
+            build.what or build.source.name, cc, path)
         data = _compile(build, cc)
         try:
             _write_private(dir_fd, digest, hashlib.sha256(data).hexdigest().encode() + b"\n")
