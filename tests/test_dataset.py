@@ -277,7 +277,6 @@ def test_ray_engine_matches_local(media, reference, tmp_path, ray_local, workers
     assert_same_tensors(reference, tmp_path / "out")
 
 
-@pytest.mark.filterwarnings("ignore:The minimum number of concurrent actors")
 def test_idle_ray_workers_change_nothing(media, reference, tmp_path, ray_local):
     """More workers than items: two of three actors never get a row (vLLM's idle-rank dtype hazard)."""
     src = tmp_path / "one"

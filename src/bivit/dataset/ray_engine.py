@@ -172,7 +172,10 @@ def run_ray(work: Sequence[Work], sink: Callable[[ItemResult], None], *, model: 
     if model is not None and Path(model).exists():
         model = str(Path(model).resolve())  # workers do not share the driver's working directory (a hub repo
         # id stays as it is: each worker resolves it from its own Hugging Face cache)
-    with _ray_session(address, workers * cpus_per_worker + 1) as ray:
+    with _ray_session(address, workers * cpus_per_worker + 1) as ray, warnings.catch_warnings():
+        # Ray's warnings stay out of the output (docs/dataset.md), e.g. that an actor pool larger than the blocks
+        # it gets will not use all its actors: advice about Ray's own tuning that bivit's user cannot act on.
+        warnings.filterwarnings("ignore", module=r"ray(\.|$)")
         import ray.data
 
         ctx = ray.data.DataContext.get_current()
