@@ -56,7 +56,7 @@ def dtype_option(value: str, option: str, runs: Optional[Sequence[str]] = None) 
 
 def parse_dtype(value: DtypeLike, option: str) -> Optional["torch.dtype"]:
     """A torch dtype from an accepted spelling (a torch dtype passes through); None stays None."""
-    import torch
+    import torch  # the CLI checks spellings (`canonical_name`) before torch loads; this is for the library
 
     if value is None or isinstance(value, torch.dtype):
         return value

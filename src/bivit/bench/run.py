@@ -17,14 +17,17 @@ import argparse
 import os
 import platform
 import shlex
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 
+from .. import kernels, notices, ops
 from ..config import PRESETS
 from ..dtypes import canonical_name
 from ..errors import BivitError, ConfigError
@@ -41,8 +44,6 @@ CPU_FLAGS = ("amx_bf16", "amx_tile", "avx512_bf16", "avx512f", "avx2", "fma")
 
 def environment(threads: int) -> dict:
     """The machine and software a run measured (recorded in every result)."""
-    from .. import kernels, notices, ops
-
     model, present = kernels.cpu_info()
     lib = kernels.library()
     attention = ops.attention_kernel(torch.bfloat16)  # invariant mode's (default mode may keep PyTorch's on AMX)
@@ -51,13 +52,11 @@ def environment(threads: int) -> dict:
                    f"{ops.gemm_path(TORCH_DTYPES[name]).describe()} at proven tiles")
             for name in TORCH_DTYPES}
     try:
-        import transformers
+        import transformers  # optional, and seconds to import: only its version is wanted
         tf_version = transformers.__version__
     except ImportError:
         tf_version = None
     try:
-        import subprocess
-
         git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
                              cwd=Path(__file__).parent).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
@@ -280,8 +279,6 @@ def _run_dtype(cfg, dtype, impls, cases, checkpoint, inputs, repeats, warmup, th
 
 
 def _rel_diff(a, b) -> dict[str, float]:
-    import numpy as np
-
     x, y = np.concatenate([t.ravel() for t in a]), np.concatenate([t.ravel() for t in b])
     scale = float(np.abs(y).max()) or 1.0
     d = np.abs(x.astype(np.float64) - y)

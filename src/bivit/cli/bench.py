@@ -14,7 +14,8 @@ from .common import FAILURE, command, fail, writable
 
 @command()
 def bench(
-    dtype: str = typer.Option("both", "--dtype", help="bfloat16, float32 (any spelling --dtype takes elsewhere) or both."),
+    dtype: str = typer.Option("both", "--dtype",
+                              help="bfloat16, float32 (any spelling --dtype takes elsewhere) or both."),
     repeats: int = typer.Option(3, "--repeats", help="Timed repeats per case and implementation (median reported)."),
     warmup: int = typer.Option(1, "--warmup", help="Untimed rounds first (kernel selection, caches)."),
     out_dir: Path = typer.Option(Path("bench-results"), "--out-dir", help="Where bench.json/.md/.png go."),
@@ -36,7 +37,7 @@ def bench(
     implementation in its own process. Per case: GEMM / attention / other FLOPs, this machine's GEMM and attention
     rates and the roofline they give. Prints Markdown tables; writes bench.json, bench.md and bench.png.
     """
-    from .. import bench as b
+    from .. import bench as b  # torch: not for --help
 
     dtypes = b.bench_dtypes(dtype)
     for flag, value, low, high in (("--repeats", repeats, 1, 1000), ("--warmup", warmup, 0, 1000),

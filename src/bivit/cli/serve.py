@@ -86,7 +86,7 @@ def serve(
     check_options(model, dtype, projector_dtype, output_dtype, alpha, device, max_batch_patches)
     if ec_dir is not None:
         writable(ec_dir / EC_PROBE, option="--ec-dir")
-    from ..serve.app import configure_logging, run
+    from ..serve.app import configure_logging, run  # FastAPI, uvicorn and torch: once the options are good
 
     configure_logging(log_level)  # the service logs JSON lines, its demo warning included
     encoder = open_encoder(model, dtype, projector_dtype, output_dtype, batch_invariant, alpha=alpha, device=device,
@@ -96,7 +96,7 @@ def serve(
 
 def _check_listen(host: str, port: int) -> None:
     """Exit 2 unless a socket can listen on `host`:`port` now (it is closed again at once)."""
-    import socket
+    import socket  # 7 ms every command's start (--help) would pay
 
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,

@@ -8,6 +8,7 @@ from typing import List, Optional
 
 import typer
 
+from ..dtypes import dtype_name
 from ..options import whole
 from .common import (DTYPE_CHOICES, FAILURE, DeviceOpt, ModelOpt, OutDtypeOpt, ProjDtypeOpt, check_options, command,
                      need_extra, open_encoder, plural, writable)
@@ -42,8 +43,7 @@ def verify(
 
     Encodes each item alone and inside random batch layouts, in invariant and default mode, and prints per item
     "bit-identical" or the max difference; exit 1 unless invariant mode is bit-stable."""
-    from .. import verify as v
-    from ..dtypes import dtype_name
+    from .. import verify as v  # torch and the model: loaded once the options are good
 
     check_options(model, dtype, projector_dtype, output_dtype, device=device)  # before --plot's folder is made
     whole(layouts, "--layouts", 1, 10_000)
@@ -51,7 +51,7 @@ def verify(
     if plot is not None:
         need_extra("verify --plot", "matplotlib", "plot")
         writable(plot, files or (), "--plot")
-    from ..items import check_input
+    from ..items import check_input  # torch: as above
 
     for f in files or ():
         check_input(f)  # every input exists and is an image or video, before the models load

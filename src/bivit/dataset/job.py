@@ -17,9 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from tqdm import tqdm
+
 from .. import records
 from ..dtypes import canonical_name
 from ..errors import BivitError
+from ..encoder import load_encoder
 from ..encoder_cache import EncoderCacheError, Sink
 from ..items import ItemResult
 from ..options import BYTE_IN_MIB, size_mb, whole
@@ -84,8 +87,6 @@ def encode_dataset(src: str | os.PathLike, out: str | os.PathLike, *, model: Opt
     out = Path(out)
     sources = list_sources(src, exclude=out, follow_symlinks=follow_symlinks)
 
-    from ..encoder import load_encoder
-
     # The driver always loads the model: its fingerprint goes into (or is checked against) the header, and each
     # Ray worker checks that it loaded the same thing.
     encoder = load_encoder(model, batch_invariant=True, device=device, **opts)
@@ -122,7 +123,7 @@ def encode_dataset(src: str | os.PathLike, out: str | os.PathLike, *, model: Opt
                 processing = encoder.processing  # the preprocessing tasks follow the driver's model
                 del encoder  # workers load their own; free the driver's copy
                 try:
-                    from .ray_engine import run_ray
+                    from .ray_engine import run_ray  # Ray: optional, seconds to import, only for --engine ray
                 except ImportError as e:
                     raise BivitError(f"--engine ray needs Ray Data ({e.name or e} is missing): "
                                      "pip install 'bivit[ray]'") from None
@@ -146,6 +147,4 @@ def encode_dataset(src: str | os.PathLike, out: str | os.PathLike, *, model: Opt
 
 
 def _progress(total: int, enabled: bool) -> Any:
-    from tqdm import tqdm
-
     return tqdm(total=total, unit="item", desc="encoding", disable=not enabled, file=sys.stderr, dynamic_ncols=True)

@@ -23,8 +23,9 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import torch
+from safetensors.torch import save
 
-from .. import records
+from .. import __version__, records
 from ..dtypes import dtype_name
 from ..errors import BivitError
 from ..fileio import append_lines, fsync_dir, temp_target, write_atomic
@@ -64,8 +65,6 @@ def _own_temp(name: str) -> bool:
 def header_for(encoder: Any, model: Optional[str]) -> dict:
     """What a dataset folder records about the encoder that wrote it (`Encoder.describe`, under this format's key
     names); a later run must match the checked keys."""
-    from .. import __version__
-
     about = encoder.describe()
     return {"format": FORMAT, "format_version": FORMAT_VERSION, "bivit_version": __version__, "model": model,
             "model_name": about.pop("model"), "is_demo": about.pop("demo"), **about,
@@ -242,8 +241,6 @@ class DatasetWriter:
         """Write the pending tensors as one durable shard, then append their manifest lines."""
         if not self._pending:
             return
-        from safetensors.torch import save
-
         name = f"shard-{self._next_shard:06d}.safetensors"
         self._next_shard += 1
         tensors = {k: t for k, (t, _) in self._pending.items()}
