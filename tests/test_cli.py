@@ -395,7 +395,8 @@ def test_encode_dataset_of_a_missing_source_or_a_bad_option_creates_no_output_fo
     assert not (tmp_path / "x").exists() and "DEMO" not in r.stderr
     for option, says in ((["--engine", "bogus"], "expected 'local' or 'ray'"),
                          (["--workers", "0"], "--workers 0: expected a whole number from 1 to 4096"),
-                         (["--shard-mb", "0"], "--shard-mb 0.0: expected a size in MiB from 9.5367431640625e-07 (1 byte)"),
+                         (["--shard-mb", "0"],
+                          "--shard-mb 0.0: expected a size in MiB from 9.5367431640625e-07 (1 byte)"),
                          (["--shard-mb", "nan"], "--shard-mb nan: expected")):
         r = run("encode-dataset", files["good"][0], "--out", tmp_path / "x", *option)
         assert says in one_error_line(r) and not (tmp_path / "x").exists(), option
