@@ -9,6 +9,7 @@ from pathlib import Path
 from . import records
 from .dataset import format as dataset_format
 from .dataset.reader import open_dataset
+from .fileio import open_regular
 from .kinds import SNIFF_BYTES, sniff
 from .records import Embeddings, FormatError
 
@@ -40,7 +41,7 @@ def load_embeddings(path: str | os.PathLike) -> Embeddings:
 def _media(path: Path) -> str | None:
     """What media a file that is not an embedding file is ("a PNG image"), when it is media."""
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:  # never waits on a FIFO put in the file's place since
             return sniff(f.read(SNIFF_BYTES))
     except OSError:
         return None
