@@ -248,10 +248,13 @@ def test_encode_dataset_says_the_demo_notice_once_and_a_local_ray_run_adds_no_no
     for p in files["good"][:2]:
         (src / p.name).write_bytes(p.read_bytes())
     for engine in ("local", "ray"):
-        r = run("encode-dataset", src, "--out", tmp_path / engine, "--engine", engine, "--no-progress")
+        # Two workers for two files: Ray warns that the pool will not use all its actors, which stays out.
+        r = run("encode-dataset", src, "--out", tmp_path / engine, "--engine", engine, "--no-progress",
+                *(["--workers", "2"] if engine == "ray" else []))
         assert r.returncode == 0, r.stderr
         assert r.stderr.count("DEMO model") == 1, r.stderr
-        for noise in ("core_worker", "Token authentication", "\x1b[", "pid=", "Progress bars", "Traceback"):
+        for noise in ("core_worker", "Token authentication", "\x1b[", "pid=", "Progress bars", "Traceback",
+                      "Warning", "warnings.warn"):
             assert noise not in r.stderr, (noise, r.stderr)
 
 
@@ -278,7 +281,9 @@ def test_the_first_load_on_a_machine_says_it_compiles_the_kernels_once(files, tm
         r = run("encode", files["good"][0], "--out", tmp_path / "e.safetensors", env=env)
         assert r.returncode == 0, r.stderr
         lines.append([ln for ln in r.stderr.splitlines() if "compiling" in ln])
-    assert len(lines[0]) == 1 and lines[0][0].startswith("bivit: compiling the CPU kernels for this machine (")
+    assert len(lines[0]) == 1 and lines[0][0].startswith("bivit: compiling the CPU kernels for this machine (bivit_")
+    # The library holds every kernel of its variant, the GEMMs too, not the attention its source is named after.
+    assert ": GEMMs, attention, norms, RoPE; with " in lines[0][0]
     assert lines[0][0].endswith(f"once; cached in {tmp_path / 'kernels'})") and lines[1] == []  # cached
 
 
@@ -390,7 +395,8 @@ def test_encode_dataset_of_a_missing_source_or_a_bad_option_creates_no_output_fo
     assert not (tmp_path / "x").exists() and "DEMO" not in r.stderr
     for option, says in ((["--engine", "bogus"], "expected 'local' or 'ray'"),
                          (["--workers", "0"], "--workers 0: expected a whole number from 1 to 4096"),
-                         (["--shard-mb", "0"], "--shard-mb 0.0: expected a size in MiB above 0"),
+                         (["--shard-mb", "0"],
+                          "--shard-mb 0.0: expected a size in MiB from 9.5367431640625e-07 (1 byte)"),
                          (["--shard-mb", "nan"], "--shard-mb nan: expected")):
         r = run("encode-dataset", files["good"][0], "--out", tmp_path / "x", *option)
         assert says in one_error_line(r) and not (tmp_path / "x").exists(), option
@@ -413,3 +419,38 @@ def test_import_client_loads_neither_torch_nor_pyav():
             "print(sorted(m for m in ('torch', 'av', 'numpy', 'PIL', 'httpx', 'bivit.video') if m in sys.modules))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
+
+
+# Each command with what it needs besides --dtype, and a later option that is refused once --dtype is accepted.
+_DTYPE_COMMANDS = {
+    "encode": (["x.png"], ["--projector-dtype", "int8"]),
+    "encode-dataset": (["x", "--out", "y"], ["--projector-dtype", "int8"]),
+    "serve": (["--port", "0"], ["--projector-dtype", "int8"]),
+    "verify": ([], ["--projector-dtype", "int8"]),
+    "doctor": ([], ["--projector-dtype", "int8"]),
+    "bench": ([], ["--repeats", "0"]),
+}
+
+
+def test_every_command_takes_the_same_dtype_spellings_with_the_same_refusal(tmp_path):
+    import concurrent.futures
+
+    def line(command, spelling, later):
+        needs, refused_later = _DTYPE_COMMANDS[command]
+        return one_error_line(run(command, *needs, "--dtype", spelling, *(refused_later if later else ()),
+                                  cwd=tmp_path))
+
+    # One accepted and one refused spelling per command (a process each); `bivit.dtypes` lists them all.
+    jobs = [(c, s, later) for c in _DTYPE_COMMANDS for s, later in (("bf16", True), ("Int8", False))]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        lines = dict(zip(jobs, pool.map(lambda j: line(*j), jobs)))
+    for (command, spelling, later), said in lines.items():
+        if later:  # accepted: the command went on to the next option
+            assert "--dtype" not in said and ("--projector-dtype" in said or "--repeats" in said), (command, said)
+        else:
+            assert said == f"bivit: error: --dtype {spelling!r}: expected bfloat16, float32 or float16", command
+    # bench measures two of the three: float16 in any spelling is refused naming them, "both" is its own word.
+    assert one_error_line(run("bench", "--dtype", "half")) == \
+        "bivit: error: --dtype 'half': this command runs bfloat16 or float32, not float16"
+    assert "--repeats 0" in one_error_line(run("bench", "--dtype", "both", "--repeats", "0"))
+

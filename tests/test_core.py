@@ -21,6 +21,7 @@ from PIL import Image
 from safetensors import safe_open
 
 import bivit
+import bivit.packing
 from bivit.items import ItemResult, Prepared, VideoFrames, pixels_sha256
 from bivit.media import MediaBatch
 from bivit.packing import pack
@@ -146,6 +147,40 @@ def test_stream_cuts_passes_by_the_rule_and_streams(enc, monkeypatch):
     # Results come out in order as soon as their pass ran: the first two before the last inputs were prepared.
     assert first_at == [3, 3, 4, 5, 5]
     assert all(torch.equal(r.embedding, _alone(enc, img)) for r, img in zip(results, images))
+
+
+def _passes_of_both_users(enc, monkeypatch, images, budget):
+    """The passes `encode_stream` and the service's batching worker run for the same queue of items (patch
+    counts per pass) and the embeddings each gives."""
+    from bivit.serve.batcher import Batcher
+    from bivit.serve.metrics import Metrics
+
+    monkeypatch.setattr(enc, "max_batch_patches", budget)
+    passes = {"stream": [], "service": []}
+    user = "stream"
+    forward = enc.forward
+    monkeypatch.setattr(enc, "forward", lambda batch: passes[user].append(batch.patch_counts) or forward(batch))
+    stream = [r.embedding for r in enc.encode_stream(enc.prepare(img) for img in images)]
+    user = "service"
+    batcher = Batcher(enc, max_wait_s=0.0, metrics=Metrics())
+    # Every item is queued before the worker starts: where a batch ends is then decided by the rule alone.
+    futures = [batcher.submit(enc.prepare(img).batch) for img in images]
+    batcher.start()
+    batcher.stop()
+    return passes, stream, [f.result(timeout=60) for f in futures]
+
+
+def test_stream_and_service_fill_passes_by_one_rule(enc, monkeypatch):
+    images = _images([28, 56, 112, 56, 28, 28, 56, 28])  # 4, 16, 64, 16, 4, 4, 16, 4 patches
+    counts = [4, 16, 64, 16, 4, 4, 16, 4]
+    passes, stream, service = _passes_of_both_users(enc, monkeypatch, images, 20)
+    assert passes["stream"] == passes["service"] == [[counts[i] for i in p] for p in pack(counts, 20)]
+    assert len(passes["stream"]) == 5
+    assert all(torch.equal(a, b) for a, b in zip(stream, service))
+    # Control: both users ask `Pass.fits` and nothing else; change the rule and both follow it.
+    monkeypatch.setattr(bivit.packing.Pass, "fits", lambda self, patches: not self.items)
+    passes, _, _ = _passes_of_both_users(enc, monkeypatch, images, 20)
+    assert passes["stream"] == passes["service"] == [[n] for n in counts]
 
 
 def test_encode_prepares_inputs_as_passes_fill(enc, monkeypatch):

@@ -172,6 +172,21 @@ def test_other_files_fail_naming_what_they_are(tmp_path):
         bivit.load_embeddings(tmp_path / "missing.safetensors")
 
 
+def test_media_given_as_an_embedding_file_is_named_for_what_it_is(tmp_path):
+    """An image or video passed to `load_embeddings` is said to be one (bivit's own sniffing, `bivit.kinds`),
+    whatever its name, not read as a safetensors header of absurd length."""
+    make_image(tmp_path / "a.png", (28, 28), seed=1)
+    make_image(tmp_path / "b.jpg", (28, 28), seed=2)
+    (tmp_path / "c.safetensors").write_bytes((tmp_path / "b.jpg").read_bytes())
+    make_video(tmp_path / "d.mp4", frames=4, fps=4, size=(28, 28))
+    for name, what in (("a.png", "a PNG image"), ("b.jpg", "a JPEG image"), ("c.safetensors", "a JPEG image"),
+                       ("d.mp4", "a video")):
+        with pytest.raises(records.FormatError) as e:
+            bivit.load_embeddings(tmp_path / name)
+        assert str(e.value) == f"{tmp_path / name}: {what}, not an embedding file (encode it first: bivit encode " \
+                               f"{tmp_path / name})"
+
+
 # ------------------------------------------------------------------------------ rows that prove they are the rows
 
 def _flip_tensor_bits(path: Path, every: int = 1024) -> None:

@@ -9,7 +9,7 @@ Imports no torch at module level: the CLI reads the names and defaults for its h
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Union
+from typing import TYPE_CHECKING, Optional, Sequence, Union
 
 from .errors import ConfigError
 
@@ -44,9 +44,19 @@ def canonical_name(value: DtypeLike, option: str) -> Optional[str]:
     return ALIASES[name]
 
 
+def dtype_option(value: str, option: str, runs: Optional[Sequence[str]] = None) -> str:
+    """A command's dtype option -> its canonical name. Every command accepts the same spellings and refuses the
+    others with the same line (`canonical_name`); `runs`: the dtypes this command can run when it cannot run all
+    (a dtype outside them is refused naming them)."""
+    name = canonical_name(value, option)
+    if runs is not None and name not in runs:
+        raise ConfigError(f"{option} {value!r}: this command runs {' or '.join(runs)}, not {name}")
+    return name
+
+
 def parse_dtype(value: DtypeLike, option: str) -> Optional["torch.dtype"]:
     """A torch dtype from an accepted spelling (a torch dtype passes through); None stays None."""
-    import torch
+    import torch  # the CLI checks spellings (`canonical_name`) before torch loads; this is for the library
 
     if value is None or isinstance(value, torch.dtype):
         return value

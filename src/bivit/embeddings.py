@@ -9,6 +9,8 @@ from pathlib import Path
 from . import records
 from .dataset import format as dataset_format
 from .dataset.reader import open_dataset
+from .fileio import open_regular
+from .kinds import SNIFF_BYTES, sniff
 from .records import Embeddings, FormatError
 
 
@@ -20,7 +22,13 @@ def load_embeddings(path: str | os.PathLike) -> Embeddings:
     p = Path(path)
     if p.is_dir():
         return open_dataset(p).embeddings()
-    meta = records.file_metadata(p)
+    try:
+        meta = records.file_metadata(p)
+    except FormatError:
+        what = _media(p)
+        if what is None:
+            raise
+        raise FormatError(f"{p}: {what}, not an embedding file (encode it first: bivit encode {p})") from None
     if meta.get("format") == dataset_format.FORMAT:  # a shard of an older dataset folder: its records are there
         if not (p.parent / dataset_format.HEADER).is_file():
             raise FormatError(f"{p}: a dataset shard written by an older bivit, whose records are in its folder's "
@@ -28,3 +36,13 @@ def load_embeddings(path: str | os.PathLike) -> Embeddings:
                               f"next to it)")
         return open_dataset(p.parent).embeddings(shard=p.name)
     return records.read_file(p, meta)
+
+
+def _media(path: Path) -> str | None:
+    """What media a file that is not an embedding file is ("a PNG image"), when it is media."""
+    try:
+        with open_regular(path) as f:  # never waits on a FIFO put in the file's place since
+            return sniff(f.read(SNIFF_BYTES))
+    except OSError:
+        return None
+

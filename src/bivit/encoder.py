@@ -24,7 +24,7 @@ from .items import ItemResult, Prepared, assemble, prepare
 from .grids import image_token_count
 from .media import MediaBatch, Placeholder, preprocess_images
 from .model import VisionModel
-from .packing import MAX_BATCH_PATCHES, check_budget, check_pixels, starts_new_pass
+from .packing import MAX_BATCH_PATCHES, Pass, check_budget, check_pixels
 from .preprocess_config import ProcessorConfig, check_alpha, default_processing, resolve_processing
 from .video import preprocess_video, video_chunks
 from .weights import DEMO_NOTICE, DEMO_SEED, build_model, fingerprint, parse_device, replace_weights
@@ -140,21 +140,17 @@ class Encoder:
         the inputs the iterable has produced and not yet handed back. A pass that raises is run again item by
         item (`forward_each`): one bad item fails only itself. `on_pass(chunks)` is called after each forward
         pass (a progress bar)."""
-        budget = self.max_batch_patches
         waiting: collections.deque[tuple[Prepared, list]] = collections.deque()
-        chunks: list[tuple[list, int, MediaBatch]] = []  # the pass being filled: (outputs slot, index, chunk)
-        used = 0
+        filling: Pass[tuple[list, int, MediaBatch]] = Pass(self.max_batch_patches)  # (outputs slot, index, chunk)
 
         def run() -> None:
-            nonlocal used
-            if chunks:
+            if filling:
+                chunks = filling.take()
                 outs = self.forward_each(MediaBatch.concat([c for _, _, c in chunks]))
                 for (slot, i, _), out in zip(chunks, outs):
                     slot[i] = out
                 if on_pass is not None:
                     on_pass(len(chunks))
-                chunks.clear()
-                used = 0
 
         def done() -> Iterator[ItemResult]:
             while waiting and all(o is not None for o in waiting[0][1]):
@@ -166,11 +162,10 @@ class Encoder:
             waiting.append((p, slot))
             for i, chunk in enumerate(p.chunks() if p.error is None else ()):
                 n = sum(chunk.patch_counts)
-                if starts_new_pass(len(chunks), used, n, budget):
+                if not filling.fits(n):
                     run()
                     yield from done()
-                chunks.append((slot, i, chunk))
-                used += n
+                filling.add((slot, i, chunk), n)
             yield from done()
         run()
         yield from done()

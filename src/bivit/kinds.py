@@ -55,3 +55,23 @@ def media_kind(name: Union[str, os.PathLike], data: Optional[bytes] = None) -> O
     if data is not None and looks_like_video(data):
         return "video"
     return None
+
+
+# Leading bytes of the image formats bivit reads (a GIF is a video to bivit: `is_video_path`).
+_IMAGE_MAGIC = ((b"\x89PNG\r\n\x1a\n", "PNG"), (b"\xff\xd8\xff", "JPEG"), (b"GIF87a", "GIF"), (b"GIF89a", "GIF"),
+                (b"BM", "BMP"), (b"II*\x00", "TIFF"), (b"MM\x00*", "TIFF"))
+SNIFF_BYTES = 512  # enough for every signature above and `looks_like_video`
+
+
+def sniff(data: bytes) -> Optional[str]:
+    """What media the first bytes of a file are, in words ("a PNG image", "a video"), or None: for messages
+    about a file given where it does not belong (an image passed as an embedding file)."""
+    for magic, name in _IMAGE_MAGIC:
+        if data.startswith(magic):
+            return f"a {name} image"
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "a WebP image"
+    if len(data) >= 12 and data[4:8] == b"ftyp" and data[8:12] in _STILL_IMAGE_BRANDS:
+        return "an HEIF/AVIF image"
+    return "a video" if looks_like_video(data) else None
+

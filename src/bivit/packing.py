@@ -1,9 +1,10 @@
 """The one packing rule: how the model's items (images, video chunks) are cut into forward passes.
 
 A forward pass holds consecutive items. The next item starts a new pass when the pass already holds one and the
-item would take it past the budget; an item larger than the budget runs alone. `pack` applies the rule to a
-list, `starts_new_pass` is the rule itself for callers that fill passes as items arrive (the service's
-batching worker, `Encoder.encode_stream`); `check_pixels` validates a packed pass a caller made itself. In
+item would take it past the budget; an item larger than the budget runs alone. `Pass` is the rule for callers
+that fill passes as items arrive (`Encoder.encode_stream`, the service's batching worker): each asks the pass
+whether the next item still fits, and nothing else decides it; `pack` applies the same rule to a list;
+`check_pixels` validates a packed pass a caller made itself. In
 invariant mode the cut never changes an item's bits, it only bounds memory; in default mode it does (which is
 what invariant mode is for).
 
@@ -16,9 +17,10 @@ frames 4t (its frames are averaged into one set of tokens).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Generic, Sequence, TypeVar
 
-from .errors import ConfigError, MediaError
+from .errors import MediaError
+from .options import whole
 
 if TYPE_CHECKING:
     import torch
@@ -33,29 +35,55 @@ MAX_BATCH_PATCHES = 16384
 def check_budget(value: Any, option: str = "max_batch_patches") -> int:
     """The budget: `MAX_BATCH_PATCHES` for None, `value` if it is a positive integer, else ConfigError naming
     `option` (how the caller spelled it: a keyword or a command's flag)."""
-    if value is None:
-        return MAX_BATCH_PATCHES
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{option} {value!r}: expected a whole number >= 1")
-    return value
+    return MAX_BATCH_PATCHES if value is None else whole(value, option, 1)
 
 
-def starts_new_pass(items: int, patches: int, item_patches: int, budget: int) -> bool:
-    """Whether an item of `item_patches` patches starts a new pass after a pass of `items` items and `patches`
-    patches, under `budget`."""
-    return items > 0 and patches + item_patches > budget
+T = TypeVar("T")
+
+
+class Pass(Generic[T]):
+    """The forward pass being filled under `budget` patches: its items (whatever the caller keeps per item) and
+    their patches. The one pass-filling rule: the caller asks `fits` before each `add`, runs the pass (`take`)
+    when the next item does not fit, and may stop waiting for more once the pass is `full`."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.items: list[T] = []
+        self.patches = 0
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def fits(self, patches: int) -> bool:
+        """Whether an item of `patches` patches joins this pass (else it starts the next one): an empty pass
+        takes any item, so one larger than the budget runs alone."""
+        return not self.items or self.patches + patches <= self.budget
+
+    @property
+    def full(self) -> bool:
+        """No item can join any more (nothing is gained by waiting for one)."""
+        return self.patches >= self.budget
+
+    def add(self, item: T, patches: int) -> None:
+        self.items.append(item)
+        self.patches += patches
+
+    def take(self) -> list[T]:
+        """The pass's items, in order; the pass is empty again."""
+        items, self.items, self.patches = self.items, [], 0
+        return items
 
 
 def pack(patch_counts: Sequence[int], budget: int) -> list[range]:
     """Consecutive items (by their patch counts) cut into passes by the rule: one range of item indices each."""
-    passes, first, used = [], 0, 0
+    passes: list[range] = []
+    filling: Pass[int] = Pass(budget)
     for i, n in enumerate(patch_counts):
-        if starts_new_pass(i - first, used, n, budget):
-            passes.append(range(first, i))
-            first, used = i, 0
-        used += n
-    if patch_counts:
-        passes.append(range(first, len(patch_counts)))
+        if not filling.fits(n):
+            passes.append(range(filling.take()[0], i))
+        filling.add(i, n)
+    if filling:
+        passes.append(range(filling.take()[0], len(patch_counts)))
     return passes
 
 

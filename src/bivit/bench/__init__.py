@@ -8,7 +8,7 @@ implementations, the input mix, the seeded checkpoint), `workers` (one process p
 
 The scripts in `benchmarks/` use this surface, and nothing else of the package's:
 * the workload: `Case`, `standard_cases`, `select_cases`, `make_case`, `square_case`, `noise_image`; `DTYPE_CHOICES`,
-  `TORCH_DTYPES`, `IMPLS`, `BIVIT_IMPLS`;
+  `bench_dtypes`, `BENCH_DTYPES`, `TORCH_DTYPES`, `IMPLS`, `BIVIT_IMPLS`;
 * the model and inputs on disk: `write_checkpoint_isolated`, `save_cases`;
 * measuring: `Worker` (one implementation in its own process), `count_subnormals`, `case_flops`,
   `gemm_shapes`, `gemm_gflops`, `attention_gflops`, `PEAK_ROWS`;
@@ -21,12 +21,14 @@ from .report import format_report, save_figure, summarize, write_outputs, write_
 from .roofline import PEAK_ROWS, Flops, attention_gflops, case_flops, gemm_gflops, gemm_shapes
 from .run import command_line, environment, load_line, machine_line, run_benchmark, script_args, start
 from .workers import Worker, count_subnormals, hf_unavailable_reason
-from .workload import BIVIT_IMPLS, DTYPE_CHOICES, IMPLS, TORCH_DTYPES, Case, hf_supports, make_case, noise_image, \
-    save_cases, select_cases, square_case, standard_cases, write_checkpoint, write_checkpoint_isolated
+from .workload import BENCH_DTYPES, BIVIT_IMPLS, DTYPE_CHOICES, IMPLS, TORCH_DTYPES, Case, bench_dtypes, \
+    hf_supports, make_case, noise_image, save_cases, select_cases, square_case, standard_cases, write_checkpoint, \
+    write_checkpoint_isolated
 
 __all__ = [
-    "BIVIT_IMPLS", "DTYPE_CHOICES", "IMPLS", "PEAK_ROWS", "TORCH_DTYPES", "Case", "Flops", "Worker",
-    "attention_gflops", "case_flops", "command_line", "count_subnormals", "environment", "format_report",
+    "BENCH_DTYPES", "BIVIT_IMPLS", "DTYPE_CHOICES", "IMPLS", "PEAK_ROWS", "TORCH_DTYPES", "Case", "Flops", "Worker",
+    "attention_gflops", "bench_dtypes",
+    "case_flops", "command_line", "count_subnormals", "environment", "format_report",
     "gemm_gflops", "gemm_shapes", "hf_supports", "hf_unavailable_reason", "load_line", "machine_line",
     "make_case", "noise_image", "run_benchmark", "save_cases", "save_figure", "script_args", "select_cases",
     "square_case", "standard_cases", "start", "summarize", "write_checkpoint", "write_checkpoint_isolated",

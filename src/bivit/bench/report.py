@@ -210,10 +210,10 @@ def _pct(v: float | None) -> str:
 
 def plot_report(summary: dict, path: Path, title: str) -> None:
     """Bar charts: tokens/s and % of roofline per case, one column per dtype, one bar per implementation."""
-    import matplotlib
+    import matplotlib  # optional (the plot extra)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after choosing the backend that needs no display
 
     dtypes = list(summary)
     fig, axes = plt.subplots(2, len(dtypes), figsize=(7 * len(dtypes), 8), squeeze=False)

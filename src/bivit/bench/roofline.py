@@ -27,6 +27,7 @@ from typing import Callable, Iterable
 import torch
 import torch.nn.functional as F
 
+from .. import ops
 from ..config import ModelConfig
 from ..model import VisionModel, flops_per_item
 from ..ops import gemms
@@ -101,8 +102,6 @@ def gemm_gflops(dtype: torch.dtype, shapes: Iterable[tuple[int, int]], rows: int
                 tries: int = TRIES, seed: int = 0) -> dict[str, float]:
     """Best-of-`tries` GFLOP/s per (out, in) shape, with bias as the model calls it: `how` = "stock"
     (`F.linear`) or "bivit" (bivit's invariant GEMM on prepared weights, one call of `rows` rows)."""
-    from .. import ops
-
     g = torch.Generator().manual_seed(seed)
     result = {}
     with torch.inference_mode():
@@ -124,9 +123,7 @@ def attention_gflops(dtype: torch.dtype, cfg: ModelConfig, lengths: Iterable[int
                      tries: int = TRIES, seed: int = 0) -> dict[int, float] | None:
     """Best-of-`tries` GFLOP/s of one item of n patches, per n in `lengths`: `how` = "sdpa" (PyTorch's fused
     attention) or "bivit" (bivit's compiled attention; None where it does not run here)."""
-    from ..ops import attention_kernel
-
-    kernel = attention_kernel(dtype) if how == "bivit" else None
+    kernel = ops.attention_kernel(dtype) if how == "bivit" else None
     if how == "bivit" and kernel is None:
         return None
     g = torch.Generator().manual_seed(seed)

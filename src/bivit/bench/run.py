@@ -17,20 +17,24 @@ import argparse
 import os
 import platform
 import shlex
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 
+from .. import kernels, notices, ops
 from ..config import PRESETS
-from ..errors import BivitError
+from ..dtypes import canonical_name
+from ..errors import BivitError, ConfigError
 from ..kernels import cpu
 from .roofline import PEAK_ROWS, attention_gflops, attention_flops_per_item, case_flops, gemm_gflops, gemm_shapes
 from .workers import InProcessWorker, Worker, hf_unavailable_reason
-from .workload import BIVIT_IMPLS, HF_IMPL, IMPLS, TORCH_DTYPES, Case, save_cases, standard_cases, \
+from .workload import BIVIT_IMPLS, HF_IMPL, IMPLS, TORCH_DTYPES, Case, bench_dtypes, save_cases, standard_cases, \
     write_checkpoint, write_checkpoint_isolated
 
 
@@ -39,8 +43,6 @@ from .workload import BIVIT_IMPLS, HF_IMPL, IMPLS, TORCH_DTYPES, Case, save_case
 
 def environment(threads: int) -> dict:
     """The machine and software a run measured (recorded in every result)."""
-    from .. import kernels, notices, ops
-
     model, present = cpu.cpu_info()
     lib = kernels.library()
     attention = ops.attention_kernel(torch.bfloat16)  # invariant mode's (default mode may keep PyTorch's on AMX)
@@ -49,13 +51,11 @@ def environment(threads: int) -> dict:
                    f"{ops.gemm_path(TORCH_DTYPES[name]).describe()} at proven tiles")
             for name in TORCH_DTYPES}
     try:
-        import transformers
+        import transformers  # optional, and seconds to import: only its version is wanted
         tf_version = transformers.__version__
     except ImportError:
         tf_version = None
     try:
-        import subprocess
-
         git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
                              cwd=Path(__file__).parent).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
@@ -119,12 +119,20 @@ def script_args(description: str, *, dtype: str = "bfloat16", dtypes: Sequence[s
     """A parser with the options every benchmark script shares: --preset, --dtype, --repeats, --threads, --seed."""
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--preset", default="kimi-k2.6", choices=sorted(PRESETS))
-    p.add_argument("--dtype", default=dtype, choices=list(dtypes))
+    p.add_argument("--dtype", default=dtype, choices=list(dtypes), type=_script_dtype)
     p.add_argument("--repeats", type=int, default=repeats)
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: torch's); 1 makes a shared machine's ratios less noisy")
     p.add_argument("--seed", type=int, default=0)
     return p
+
+
+def _script_dtype(value: str) -> str:
+    """A script's --dtype in any spelling the commands accept ("both" too), as its canonical name."""
+    try:
+        return value if value == "both" else canonical_name(value, "--dtype")
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def start(args: argparse.Namespace) -> dict:
@@ -151,9 +159,7 @@ def run_benchmark(*, preset: str = "kimi-k2.6", dtypes: Sequence[str] = ("bfloat
     log = log or (lambda s: print(s, file=sys.stderr, flush=True))
     if preset not in PRESETS:
         raise BivitError(f"unknown preset {preset!r}; choose one of {', '.join(sorted(PRESETS))}")
-    for d in dtypes:
-        if d not in TORCH_DTYPES:
-            raise BivitError(f"dtype {d!r}: expected bfloat16 or float32")
+    dtypes = [n for d in dtypes for n in bench_dtypes(d, "dtypes")]
     for impl in impls:
         if impl not in IMPLS:
             raise BivitError(f"unknown implementation {impl!r}; choose from {', '.join(IMPLS)}")
@@ -272,8 +278,6 @@ def _run_dtype(cfg, dtype, impls, cases, checkpoint, inputs, repeats, warmup, th
 
 
 def _rel_diff(a, b) -> dict[str, float]:
-    import numpy as np
-
     x, y = np.concatenate([t.ravel() for t in a]), np.concatenate([t.ravel() for t in b])
     scale = float(np.abs(y).max()) or 1.0
     d = np.abs(x.astype(np.float64) - y)

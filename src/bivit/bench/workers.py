@@ -14,6 +14,8 @@ CPU seconds, page faults, memory, subnormal values.
 from __future__ import annotations
 
 import gc
+import hashlib
+import multiprocessing
 import os
 import resource
 import sys
@@ -24,7 +26,10 @@ from typing import Any, Callable
 
 import torch
 
+from .. import ops
+from ..allocator import tune
 from ..config import ModelConfig
+from ..encoder import load_encoder
 from ..errors import BivitError
 from ..media import MediaBatch
 from .workload import BIVIT_IMPLS, HF_IMPL, TORCH_DTYPES, hf_supports, load_cases
@@ -71,8 +76,6 @@ def memory_snapshot() -> dict[str, float | None]:
 def load_runner(impl: str, checkpoint: Path, dtype: str) -> Callable[[MediaBatch], list[torch.Tensor]]:
     """A callable batch -> one embedding per item, for one implementation. Load time is not timed by callers."""
     if impl in BIVIT_IMPLS:
-        from ..encoder import load_encoder
-
         enc = load_encoder(checkpoint, dtype=dtype, batch_invariant=impl == "bivit-invariant")
         return enc.encode_batch
     if impl == HF_IMPL:
@@ -81,12 +84,12 @@ def load_runner(impl: str, checkpoint: Path, dtype: str) -> Callable[[MediaBatch
 
 
 def _hf_runner(checkpoint: Path, dtype: torch.dtype) -> Callable[[MediaBatch], list[torch.Tensor]]:
-    import transformers
-    from transformers import Kimi_K25Model
+    import transformers  # optional (the port), and only its worker imports it: its memory is the port's
 
     transformers.logging.set_verbosity_error()  # the stand-in text model's "newly initialized" notice
     transformers.logging.disable_progress_bar()
-    model = Kimi_K25Model.from_pretrained(str(checkpoint), dtype=dtype, attn_implementation="sdpa").eval()
+    model = transformers.Kimi_K25Model.from_pretrained(str(checkpoint), dtype=dtype,
+                                                       attn_implementation="sdpa").eval()
     merge = model.vision_tower.merge_kernel_size
 
     def run(batch: MediaBatch) -> list[torch.Tensor]:
@@ -122,7 +125,7 @@ def hf_unavailable_reason(cfg: ModelConfig) -> str | None:
     if not hf_supports(cfg):
         return "the transformers port implements only the Kimi-K2.x vision design"
     try:
-        import transformers
+        import transformers  # optional: its absence is the reason returned
     except ImportError:
         return "transformers is not installed (pip install transformers==5.23.0, or the 'test' extra)"
     if not hasattr(transformers, "Kimi_K25Model"):
@@ -136,8 +139,6 @@ def hf_unavailable_reason(cfg: ModelConfig) -> str | None:
 def source_hash() -> str:
     """Short hash of the bivit sources this process has imported and of the compiled kernels' C sources: the
     lead edits them while benchmarks run, so the record says which version every worker measured."""
-    import hashlib
-
     h = hashlib.sha256()
     for name in sorted(m for m in sys.modules if m == "bivit" or m.startswith("bivit.")):
         path = getattr(sys.modules[name], "__file__", None)
@@ -154,8 +155,6 @@ def count_subnormals(runner: Callable[[MediaBatch], Any], batch: MediaBatch) -> 
     """Subnormal values among all op outputs of one bivit forward (`bivit.ops.trace`). Random weights at the
     wrong scale make a deep tower chaotic and full of denormals, which time the FPU's slow path, not the model:
     the benchmark weights (std 1/sqrt(fan_in)) must show none."""
-    from .. import ops
-
     counts = {"subnormal": 0, "values": 0}
 
     def seen(kind: str, out: torch.Tensor) -> None:
@@ -187,8 +186,6 @@ def _minor_faults() -> int:
 def _worker_main(conn, impl: str, checkpoint: str, dtype: str, threads: int, inputs: str) -> None:
     """Worker process: load one implementation, then serve ("run", case, want_output) requests until "close"."""
     try:
-        from ..allocator import tune
-
         tune()  # every implementation's worker alike (the port too); BIVIT_MALLOC_TUNE=0 turns it off
         torch.set_num_threads(threads)
         cases = load_cases(Path(inputs))
@@ -230,8 +227,6 @@ class Worker:
     """One implementation in its own spawned process (see the module docstring for why)."""
 
     def __init__(self, impl: str, checkpoint: Path, dtype: str, threads: int, inputs: Path) -> None:
-        import multiprocessing
-
         self.impl = impl
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -10,17 +11,27 @@ from typing import Sequence
 import numpy as np
 import torch
 from PIL import Image
+from safetensors import safe_open
+from safetensors.torch import save_file
 
+from ..checkpoint import random_state_dict, save_checkpoint, transformers_config_dict
 from ..config import PRESETS, ModelConfig
-from ..dtypes import parse_dtype
+from ..dtypes import dtype_option, parse_dtype
 from ..errors import BivitError
 from ..media import MediaBatch, frames_to_item
 
 IMPLS = ("bivit-invariant", "bivit-default", "hf-sdpa")
 BIVIT_IMPLS = IMPLS[:2]
 HF_IMPL = "hf-sdpa"
-DTYPE_CHOICES = {"bfloat16": ("bfloat16",), "float32": ("float32",), "both": ("bfloat16", "float32")}
-TORCH_DTYPES = {name: parse_dtype(name, "--dtype") for name in ("bfloat16", "float32")}  # what bench runs
+BENCH_DTYPES = ("bfloat16", "float32")  # what bench measures
+DTYPE_CHOICES = {"bfloat16": ("bfloat16",), "float32": ("float32",), "both": BENCH_DTYPES}
+TORCH_DTYPES = {name: parse_dtype(name, "--dtype") for name in BENCH_DTYPES}
+
+
+def bench_dtypes(value: str, option: str = "--dtype") -> tuple[str, ...]:
+    """The dtypes a `--dtype` of bench (or a benchmark script) names: "both", or one in any spelling every
+    command accepts (`bivit.dtypes`)."""
+    return BENCH_DTYPES if value == "both" else (dtype_option(value, option, BENCH_DTYPES),)
 
 
 @dataclass
@@ -102,8 +113,6 @@ def hf_supports(cfg: ModelConfig) -> bool:
 
 def write_checkpoint(directory: Path, preset: str, seed: int = 0) -> Path:
     """Seeded random weights of `preset`, bf16 on disk like the published checkpoint."""
-    from ..checkpoint import random_state_dict, save_checkpoint, transformers_config_dict
-
     # A transformers-native config.json, which bivit reads too: one directory serves both implementations.
     cfg = PRESETS[preset]
     config = transformers_config_dict(cfg) if hf_supports(cfg) else None
@@ -116,8 +125,6 @@ def _write_checkpoint_child(directory: str, preset: str, seed: int) -> None:
 
 def write_checkpoint_isolated(directory: Path, preset: str, seed: int = 0) -> None:
     """Write the checkpoint in a child process, so the fp32 random weights never inflate this process."""
-    import multiprocessing
-
     proc = multiprocessing.get_context("spawn").Process(target=_write_checkpoint_child,
                                                          args=(str(directory), preset, seed))
     proc.start()
@@ -128,8 +135,6 @@ def write_checkpoint_isolated(directory: Path, preset: str, seed: int = 0) -> No
 
 def save_cases(path: Path, cases: Sequence[Case]) -> None:
     """The cases' pixels in one safetensors file: the parent preprocesses once, every worker reads the same."""
-    from safetensors.torch import save_file
-
     tensors = {}
     for i, c in enumerate(cases):
         tensors[f"{i}.pixel_values"] = c.batch.pixel_values.contiguous()
@@ -138,8 +143,6 @@ def save_cases(path: Path, cases: Sequence[Case]) -> None:
 
 
 def load_cases(path: Path) -> list[Case]:
-    from safetensors import safe_open
-
     with safe_open(str(path), framework="pt") as f:
         names = json.loads(f.metadata()["names"])
         return [Case(name, MediaBatch(f.get_tensor(f"{i}.pixel_values"), f.get_tensor(f"{i}.grid_thw"), None,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 
+from ..allocator import tune
 from . import encode, verify, serve, dataset, bench, doctor  # noqa: F401  (registers the commands, in help order)
 from .common import app
 
@@ -36,8 +37,6 @@ class _Once(logging.Filter):
 
 
 def main() -> None:
-    from ..allocator import tune
-
     tune()  # this process is bivit's own: keep freed activation memory for the next forward pass
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     # The library's warnings (the demo notice, a fast path that is off and why: bivit.notices) are one line each

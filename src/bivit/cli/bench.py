@@ -8,12 +8,14 @@ from typing import List, Optional
 import typer
 
 from ..errors import BivitError
-from .common import FAILURE, command, fail, in_range, writable
+from ..options import whole
+from .common import FAILURE, command, fail, writable
 
 
 @command()
 def bench(
-    dtype: str = typer.Option("both", "--dtype", help="bfloat16, float32 or both."),
+    dtype: str = typer.Option("both", "--dtype",
+                              help="bfloat16, float32 (any spelling --dtype takes elsewhere) or both."),
     repeats: int = typer.Option(3, "--repeats", help="Timed repeats per case and implementation (median reported)."),
     warmup: int = typer.Option(1, "--warmup", help="Untimed rounds first (kernel selection, caches)."),
     out_dir: Path = typer.Option(Path("bench-results"), "--out-dir", help="Where bench.json/.md/.png go."),
@@ -35,13 +37,13 @@ def bench(
     implementation in its own process. Per case: GEMM / attention / other FLOPs, this machine's GEMM and attention
     rates and the roofline they give. Prints Markdown tables; writes bench.json, bench.md and bench.png.
     """
-    from .. import bench as b
+    from .. import bench as b  # torch: not for --help
 
-    if dtype not in b.DTYPE_CHOICES:
-        fail(f"--dtype {dtype!r}: expected bfloat16, float32 or both")
+    dtypes = b.bench_dtypes(dtype)
     for flag, value, low, high in (("--repeats", repeats, 1, 1000), ("--warmup", warmup, 0, 1000),
                                    ("--threads", threads, 1, 4096), ("--seed", seed, 0, 2**32 - 1)):
-        in_range(flag, value, low, high)
+        if value is not None:
+            whole(value, flag, low, high)
     writable(out_dir / "bench.json", option="--out-dir")
     try:
         chosen = b.select_cases(cases, seed)
@@ -49,7 +51,7 @@ def bench(
         fail(str(e))
     command_line = b.command_line()
     typer.echo(f"$ {command_line}")
-    record = b.run_benchmark(preset=preset, dtypes=b.DTYPE_CHOICES[dtype], impls=b.BIVIT_IMPLS if skip_hf else b.IMPLS,
+    record = b.run_benchmark(preset=preset, dtypes=dtypes, impls=b.BIVIT_IMPLS if skip_hf else b.IMPLS,
                              repeats=repeats, warmup=warmup, threads=threads, seed=seed, isolate=not in_process,
                              cases=chosen)
     record["command"] = command_line

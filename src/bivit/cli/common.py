@@ -16,8 +16,11 @@ from typing import Any, Callable, Optional
 
 import typer
 
-from ..dtypes import CHOICES as DTYPE_CHOICES, DEFAULT_DTYPE
+from .. import __version__
+from ..dtypes import CHOICES as DTYPE_CHOICES, DEFAULT_DTYPE, canonical_name
 from ..errors import BivitError
+from ..fileio import check_writable
+from ..packing import check_budget
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="bivit: batch-invariant vision encoding for Kimi-K2.5/K2.6/K3.")
@@ -65,25 +68,17 @@ def progress_shown() -> bool:
 
 
 def version() -> str:
-    import importlib.metadata
+    import importlib.metadata  # 35 ms that every other command's start would pay for --version
 
     try:
         return importlib.metadata.version("bivit")
     except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
-        from .. import __version__
-
         return __version__
 
 
 def fail(message: str, code: int = USAGE) -> None:
     typer.echo(f"bivit: error: {message}", err=True)
     raise typer.Exit(code)
-
-
-def in_range(flag: str, value: Any, low: int, high: int, what: str = "a whole number") -> None:
-    """Exit 2 (one line) unless the option's `value` is from `low` to `high`, before any work is done."""
-    if value is not None and not low <= value <= high:
-        fail(f"{flag} {value}: expected {what} from {low} to {high}")
 
 
 def need_extra(command: str, module: str, extra: str) -> None:
@@ -115,8 +110,6 @@ def _os_message(e: OSError) -> str:
 
 def writable(path: Path, inputs: Any = (), option: str = "--out") -> None:
     """Exit 2 now if the output cannot be written later (before any encoding is done)."""
-    from ..fileio import check_writable
-
     try:
         check_writable(path, inputs)
     except OSError as e:
@@ -128,10 +121,8 @@ def check_options(model: Any = None, dtype: Optional[str] = None, projector_dtyp
                   max_batch_patches: Optional[int] = None) -> None:
     """The encoder options a command was given, checked before its inputs are read, before any output is
     created and before the model loads (ConfigError, one line, exit 2)."""
-    from ..dtypes import canonical_name
-    from ..hub import check_model
-    from ..packing import check_budget
-    from ..preprocess_config import check_alpha
+    from ..hub import check_model  # torch (by the weights): not for --help or a refused option before it
+    from ..preprocess_config import check_alpha  # 20 ms every command's start (--help) would pay
 
     check_budget(max_batch_patches, "--max-batch-patches")
 
@@ -139,20 +130,20 @@ def check_options(model: Any = None, dtype: Optional[str] = None, projector_dtyp
         canonical_name(value, flag)
     check_alpha(alpha, "--alpha")
     if device is not None:
-        from ..weights import parse_device
+        from ..weights import parse_device  # torch: as above
 
         parse_device(device)
     check_model(model)
     if model is not None and str(model) != "demo" and Path(model).is_dir():
-        from ..config import load_config  # a checkpoint's config.json is read now, before the inputs
+        from ..config import load_config  # 20 ms, as above
 
-        load_config(Path(model))
+        load_config(Path(model))  # a checkpoint's config.json is read now, before the inputs
 
 
 def open_encoder(model: Optional[str], dtype: str, projector_dtype: Optional[str], output_dtype: Optional[str],
                  batch_invariant: bool = True, alpha: str = "model", device: str = "cpu",
                  max_batch_patches: Optional[int] = None) -> Any:
-    from ..encoder import load_encoder
+    from ..encoder import load_encoder  # torch and the model: only a command that encodes loads them
 
     # The demo notice and any fast path that is off are said by the library's log (see cli.main), once.
     return load_encoder(model, dtype=dtype, projector_dtype=projector_dtype, output_dtype=output_dtype,

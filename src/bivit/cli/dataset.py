@@ -47,7 +47,8 @@ def encode_dataset(
     exit status is then 1 unless --allow-failures. With --ec-dir, each input this run encodes also goes to vLLM's
     encoder cache as it is encoded (ids: `bivit.engines.vllm.load_media(OUT)`)."""
     check_options(model, dtype, projector_dtype, output_dtype, alpha, device, max_batch_patches)
-    from ..dataset.job import check_job
+    # torch (the job's and the listing's media rules): loaded once the encoder options are good
+    from ..dataset.job import check_job, encode_dataset as run
     from ..dataset.sources import check_source
 
     # Before --out is created: a mistyped SRC or option leaves no empty folder behind.
@@ -56,8 +57,6 @@ def encode_dataset(
     writable(out / dataset_format.HEADER, option="--out")  # before the model loads
     if ec_dir is not None:
         writable(ec_dir / EC_PROBE, option="--ec-dir")
-    from ..dataset.job import encode_dataset as run
-
     try:
         summary = run(src, out, model=model, dtype=dtype, projector_dtype=projector_dtype, output_dtype=output_dtype,
                       device=device, engine=engine, ray_address=ray_address, workers=workers,

@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from .common import FAILURE, DtypeOpt, ModelOpt, ProjDtypeOpt, command, fail
+from .common import FAILURE, DtypeOpt, ModelOpt, ProjDtypeOpt, check_options, command, fail
 
 
 @command()
@@ -29,8 +29,9 @@ def doctor(
     load-time proof runs on --model (default: the demo) at --dtype, whatever this machine recorded, and must
     agree with the record, and the demo model's rows for bivit's golden inputs are compared with the committed
     ones ("bits bivit-arith/1: match"); exit 1 where an op has no invariant path here or the rows differ."""
-    from ..doctor import format_report, prove as run_proof, report
-    from ..ops import InvarianceError
+    check_options(model, dtype, projector_dtype)  # refused as every command refuses them, --prove or not
+    from ..doctor import format_report, prove as run_proof, report  # 20 ms every command's start would pay
+    from ..ops import InvarianceError  # torch: once the options are good
 
     logging.getLogger("bivit").setLevel(logging.ERROR)  # every fallback is in the report itself
     r = report()

@@ -9,7 +9,11 @@ from typing import Any, List, Optional
 
 import typer
 
+from .. import records as rec
+from ..encoder_cache import EncoderCacheError, Sink
 from ..errors import BivitError
+from ..kinds import media_kind
+from ..names import label, shown, stored, too_long
 from .common import (EC_PROBE, FAILURE, AlphaOpt, DeviceOpt, DtypeOpt, EcDirOpt, MaxBatchPatchesOpt, ModelOpt,
                      OutDtypeOpt, ProjDtypeOpt, check_options, command, fail, open_encoder, plural, progress_shown,
                      writable)
@@ -42,11 +46,7 @@ def encode(
     writable(out, files)
     if ec_dir is not None:
         writable(ec_dir / EC_PROBE, option="--ec-dir")
-    from .. import records as rec
-    from ..encoder_cache import EncoderCacheError, Sink
-    from ..items import check_input
-    from ..kinds import media_kind
-    from ..names import label, shown, stored, too_long
+    from ..items import check_input  # torch (by the media pipeline): loaded once the options are good
 
     results: list[Any] = [None] * len(files)  # per input: its result, or its error before any model loaded
     # How each input is named in the file (a name that is not UTF-8 escaped; one too long to keep, cut)
@@ -125,6 +125,6 @@ def encode(
 def _progress(show: bool) -> Any:
     """A bar in chunks (an image is one, a video one per 4 sampled frames), growing as inputs are decoded, so a
     single long video shows where it is."""
-    from tqdm import tqdm
+    from tqdm import tqdm  # 20 ms every command's start would pay, for a bar only `encode` shows
 
     return tqdm(total=0, desc="encoding", unit="chunk", disable=not show, file=sys.stderr, dynamic_ncols=True)

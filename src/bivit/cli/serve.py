@@ -7,9 +7,10 @@ from typing import Optional
 
 import typer
 
+from ..options import whole
 from ..serve.settings import ServerSettings as Limits  # light: no web framework
 from .common import (EC_PROBE, AlphaOpt, DeviceOpt, DtypeOpt, EcDirOpt, MaxBatchPatchesOpt, ModelOpt, OutDtypeOpt,
-                     ProjDtypeOpt, check_options, command, fail, in_range, need_extra, open_encoder, writable)
+                     ProjDtypeOpt, check_options, command, fail, need_extra, open_encoder, writable)
 
 
 @command()
@@ -80,12 +81,12 @@ def serve(
                       ec_dir=None if ec_dir is None else str(ec_dir))
     if log_level.lower() not in ("debug", "info", "warning", "error"):
         fail(f"--log-level must be debug, info, warning or error, got {log_level!r}")
-    in_range("--port", port, 0, 65535, "a TCP port")
+    whole(port, "--port", 0, 65535, "a TCP port")
     _check_listen(host, port)  # before the model loads: a port in use or a host not here is one line
     check_options(model, dtype, projector_dtype, output_dtype, alpha, device, max_batch_patches)
     if ec_dir is not None:
         writable(ec_dir / EC_PROBE, option="--ec-dir")
-    from ..serve.app import configure_logging, run
+    from ..serve.app import configure_logging, run  # FastAPI, uvicorn and torch: once the options are good
 
     configure_logging(log_level)  # the service logs JSON lines, its demo warning included
     encoder = open_encoder(model, dtype, projector_dtype, output_dtype, batch_invariant, alpha=alpha, device=device,
@@ -95,7 +96,7 @@ def serve(
 
 def _check_listen(host: str, port: int) -> None:
     """Exit 2 unless a socket can listen on `host`:`port` now (it is closed again at once)."""
-    import socket
+    import socket  # 7 ms every command's start (--help) would pay
 
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,

@@ -8,8 +8,10 @@ from typing import List, Optional
 
 import typer
 
+from ..dtypes import dtype_name
+from ..options import whole
 from .common import (DTYPE_CHOICES, FAILURE, DeviceOpt, ModelOpt, OutDtypeOpt, ProjDtypeOpt, check_options, command,
-                     in_range, need_extra, open_encoder, plural, writable)
+                     need_extra, open_encoder, plural, writable)
 
 # Why float32: stock float32 GEMMs (MKL/oneDNN, AVX2 or AVX-512; float32 never runs on AMX tiles, so AMX Xeons
 # behave like AVX-512 CPUs here) compute a single row (a 1-token item alone: M = 1) with another kernel and
@@ -41,16 +43,15 @@ def verify(
 
     Encodes each item alone and inside random batch layouts, in invariant and default mode, and prints per item
     "bit-identical" or the max difference; exit 1 unless invariant mode is bit-stable."""
-    from .. import verify as v
-    from ..dtypes import dtype_name
+    from .. import verify as v  # torch and the model: loaded once the options are good
 
     check_options(model, dtype, projector_dtype, output_dtype, device=device)  # before --plot's folder is made
-    in_range("--layouts", layouts, 1, 10_000)
-    in_range("--seed", seed, 0, 2**32 - 1)
+    whole(layouts, "--layouts", 1, 10_000)
+    whole(seed, "--seed", 0, 2**32 - 1)
     if plot is not None:
         need_extra("verify --plot", "matplotlib", "plot")
         writable(plot, files or (), "--plot")
-    from ..items import check_input
+    from ..items import check_input  # torch: as above
 
     for f in files or ():
         check_input(f)  # every input exists and is an image or video, before the models load

@@ -27,7 +27,7 @@ __all__ = ["ERRORS", "HEADER", "MANIFEST", "EncodedDataset", "ErrorRecord", "Rec
 
 def __getattr__(name: str) -> Any:
     if name == "encode_dataset":
-        from .job import encode_dataset
+        from .job import encode_dataset  # torch and the model: `bivit.dataset`'s readers need neither
 
         return encode_dataset
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

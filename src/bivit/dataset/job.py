@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib.util
-import math
 import os
 import sys
 import time
@@ -18,11 +17,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from tqdm import tqdm
+
 from .. import records
 from ..dtypes import canonical_name
 from ..errors import BivitError
+from ..encoder import load_encoder
 from ..encoder_cache import EncoderCacheError, Sink
 from ..items import ItemResult
+from ..options import BYTE_IN_MIB, size_mb, whole
 from .format import DEFAULT_SHARD_MB
 from .local import run_local
 from .sources import list_sources, plan
@@ -53,11 +56,9 @@ def check_job(engine: str = "local", device: str = "cpu", workers: int = 1, cpus
         raise BivitError("--engine ray needs Ray Data: pip install 'bivit[ray]'")
     if engine == "ray" and str(device) != "cpu":
         raise BivitError(f"--device {device}: the Ray engine's workers encode on CPU; use --engine local")
-    for flag, value, most in (("--workers", workers, 4096), ("--cpus-per-worker", cpus_per_worker, 1024)):
-        if not 1 <= value <= most:
-            raise BivitError(f"{flag} {value}: expected a whole number from 1 to {most}")
-    if not (math.isfinite(shard_mb) and 0 < shard_mb <= 2**20):  # a tiny one: one item per shard
-        raise BivitError(f"--shard-mb {shard_mb!r}: expected a size in MiB above 0, at most 1048576 (1 TiB)")
+    whole(workers, "--workers", 1, 4096)
+    whole(cpus_per_worker, "--cpus-per-worker", 1, 1024)
+    size_mb(shard_mb, "--shard-mb", BYTE_IN_MIB)  # a tiny one: one item per shard
 
 
 def encode_dataset(src: str | os.PathLike, out: str | os.PathLike, *, model: Optional[str] = None,
@@ -85,8 +86,6 @@ def encode_dataset(src: str | os.PathLike, out: str | os.PathLike, *, model: Opt
                 max_batch_patches=max_batch_patches)
     out = Path(out)
     sources = list_sources(src, exclude=out, follow_symlinks=follow_symlinks)
-
-    from ..encoder import load_encoder
 
     # The driver always loads the model: its fingerprint goes into (or is checked against) the header, and each
     # Ray worker checks that it loaded the same thing.
@@ -124,7 +123,7 @@ def encode_dataset(src: str | os.PathLike, out: str | os.PathLike, *, model: Opt
                 processing = encoder.processing  # the preprocessing tasks follow the driver's model
                 del encoder  # workers load their own; free the driver's copy
                 try:
-                    from .ray_engine import run_ray
+                    from .ray_engine import run_ray  # Ray: optional, seconds to import, only for --engine ray
                 except ImportError as e:
                     raise BivitError(f"--engine ray needs Ray Data ({e.name or e} is missing): "
                                      "pip install 'bivit[ray]'") from None
@@ -140,7 +139,7 @@ def encode_dataset(src: str | os.PathLike, out: str | os.PathLike, *, model: Opt
         finally:
             bar.close()
         writer.commit()
-        writer.compact_errors(folders_failing={s.source for s in sources if s.error is not None})
+        writer.compact_errors(listed={s.source for s in sources})
         summary.tokens = writer.tokens_written
         summary.ec_written = 0 if ec is None else ec.written
     summary.seconds = time.monotonic() - t0
@@ -148,6 +147,4 @@ def encode_dataset(src: str | os.PathLike, out: str | os.PathLike, *, model: Opt
 
 
 def _progress(total: int, enabled: bool) -> Any:
-    from tqdm import tqdm
-
     return tqdm(total=total, unit="item", desc="encoding", disable=not enabled, file=sys.stderr, dynamic_ncols=True)

@@ -25,9 +25,12 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import pyarrow as pa
+import ray
+import ray.data
 import torch
 
 from .. import records
+from ..allocator import tune
 from ..dtypes import dtype_name, parse_dtype
 from ..encoder import load_encoder
 from ..errors import BivitError
@@ -89,8 +92,6 @@ class EncodeActor:
         # actor saying them again would only repeat them, prefixed by Ray, on the driver's terminal.
         logging.getLogger("bivit").setLevel(logging.ERROR)
         torch.set_num_threads(threads)
-        from ..allocator import tune
-
         tune()  # an actor process is bivit's own (see bivit.allocator)
         self.encoder = load_encoder(model, batch_invariant=True, **opts)
         if bits is not None and self.encoder.bits != bits:
@@ -140,8 +141,6 @@ _NO_RESTARTS = {"max_restarts": 0}
 
 @contextlib.contextmanager
 def _ray_session(address: Optional[str], cpus_needed: int) -> Iterator[Any]:
-    import ray
-
     if ray.is_initialized():  # the caller's Ray (a notebook, a test): use it, leave it running
         yield ray
         return
@@ -172,9 +171,10 @@ def run_ray(work: Sequence[Work], sink: Callable[[ItemResult], None], *, model: 
     if model is not None and Path(model).exists():
         model = str(Path(model).resolve())  # workers do not share the driver's working directory (a hub repo
         # id stays as it is: each worker resolves it from its own Hugging Face cache)
-    with _ray_session(address, workers * cpus_per_worker + 1) as ray:
-        import ray.data
-
+    with _ray_session(address, workers * cpus_per_worker + 1), warnings.catch_warnings():
+        # Ray's warnings stay out of the output (docs/dataset.md), e.g. that an actor pool larger than the blocks
+        # it gets will not use all its actors: advice about Ray's own tuning that bivit's user cannot act on.
+        warnings.filterwarnings("ignore", module=r"ray(\.|$)")
         ctx = ray.data.DataContext.get_current()
         bars = ctx.enable_progress_bars
         ctx.enable_progress_bars = False  # bivit shows its own bar, in items

@@ -12,8 +12,13 @@ import stat
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
+from safetensors import safe_open
+
+from .. import records
+from ..dtypes import parse_dtype
 from ..errors import BivitError
-from ..records import Record
+from ..kinds import media_kind
+from ..records import FormatError, Record, check_embedding
 from .format import FORMAT, HEADER, MANIFEST, ErrorRecord, current_state, encoder_of, read_header
 
 if TYPE_CHECKING:
@@ -53,8 +58,6 @@ class EncodedDataset:
 
     @property
     def dtype(self) -> "torch.dtype":
-        from ..dtypes import parse_dtype
-
         return parse_dtype(self.header["output_dtype"], "output_dtype")
 
     @property
@@ -87,8 +90,6 @@ class EncodedDataset:
         """The stored embedding of a record: read from its shard, a regular file inside this folder (a link out
         of it is refused), and checked against the record (rows, dtype, checksum); FormatError naming the shard
         and the tensor otherwise."""
-        from ..records import check_embedding
-
         rec = item if isinstance(item, Record) else self[item]
         tensor = self._read(rec)
         check_embedding(tensor, rec.tokens, self.header.get("output_dtype"), f"tensor {rec.tensor!r} of "
@@ -97,13 +98,9 @@ class EncodedDataset:
 
     def _read(self, rec: Record) -> "torch.Tensor":
         """A record's tensor from its shard, unchecked."""
-        from ..records import FormatError
-
         path = self.path / rec.shard  # a plain file name: checked when the manifest was read
         handle = self._handles.get(rec.shard)
         if handle is None:
-            from safetensors import safe_open
-
             if not path.exists():
                 raise BivitError(f"{path}: shard missing (needed for {rec.source!r})")
             if os.path.dirname(os.path.realpath(path)) != os.path.realpath(self.path):
@@ -121,7 +118,7 @@ class EncodedDataset:
             raise FormatError(f"{path}: no tensor {rec.tensor!r} for {rec.source!r} ({e})") from None
 
     def numpy(self, item: "str | Record") -> "np.ndarray":
-        import torch
+        import torch  # not at the top: the CLI imports this module at start, and --help needs no torch
 
         t = self.tensor(item)
         if t.dtype == torch.bfloat16:
@@ -133,9 +130,6 @@ class EncodedDataset:
         manifest order, each reading its embedding on first use, then its failed inputs (`errors`) in the order
         they failed, each a record with `error` set and no embedding, as a `bivit encode` file keeps a failed
         input; `shard`: only the records stored in that shard (in the order they were committed)."""
-        from .. import records
-        from ..kinds import media_kind
-
         encoder = encoder_of(self.header)
         # Each record checks what it reads (`Record.embedding`), against its shard.
         recs = [dataclasses.replace(r, encoder=encoder, _load=lambda key, r=r: self._read(r),
@@ -153,9 +147,9 @@ class EncodedDataset:
 
     def chunks(self, item: "str | Record") -> list["torch.Tensor"]:
         """A video's embedding cut back into its chunks (one element for an image)."""
-        import torch
+        import torch  # as in `numpy`
 
-        from ..grids import grid_tokens
+        from ..grids import grid_tokens  # 30 ms (the preprocessing presets) the CLI's start would pay
 
         rec = item if isinstance(item, Record) else self[item]
         return list(torch.split(self.tensor(rec), [grid_tokens(h, w) for _, h, w in rec.grid_thw]))

@@ -23,8 +23,9 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import torch
+from safetensors.torch import save
 
-from .. import records
+from .. import __version__, records
 from ..dtypes import dtype_name
 from ..errors import BivitError
 from ..fileio import append_lines, fsync_dir, temp_target, write_atomic
@@ -64,8 +65,6 @@ def _own_temp(name: str) -> bool:
 def header_for(encoder: Any, model: Optional[str]) -> dict:
     """What a dataset folder records about the encoder that wrote it (`Encoder.describe`, under this format's key
     names); a later run must match the checked keys."""
-    from .. import __version__
-
     about = encoder.describe()
     return {"format": FORMAT, "format_version": FORMAT_VERSION, "bivit_version": __version__, "model": model,
             "model_name": about.pop("model"), "is_demo": about.pop("demo"), **about,
@@ -176,16 +175,17 @@ class DatasetWriter:
         self._seq += 1
         return self._seq
 
-    def compact_errors(self, folders_failing: Optional[set[str]] = None) -> None:
+    def compact_errors(self, listed: Optional[set[str]] = None) -> None:
         """Keep one line per source that is failed now (its latest error); drop the rest.
 
-        `folders_failing`: after a run that listed SRC, the folders (sources ending in "/") it could not list;
-        the error of a folder that could be listed this time is dropped (its files speak for themselves now).
+        `listed`: after a run that listed SRC, every source it listed (files, and folders it could not list):
+        an error is a fact about a source still there, so that of a file deleted or taken out of the manifest,
+        or of a folder that could be listed this time (its files speak for themselves now), is dropped.
         """
         error_rows, _ = read_jsonl(self.dir / ERRORS)
         _, failed = state_from_rows(read_jsonl(self.dir / MANIFEST)[0], error_rows)
-        if folders_failing is not None:
-            failed = {s: e for s, e in failed.items() if not s.endswith("/") or s in folders_failing}
+        if listed is not None:
+            failed = {s: e for s, e in failed.items() if s in listed}
         self._write_errors(failed, len(error_rows))
 
     def _write_errors(self, failed: dict[str, ErrorRecord], lines: int) -> None:
@@ -241,8 +241,6 @@ class DatasetWriter:
         """Write the pending tensors as one durable shard, then append their manifest lines."""
         if not self._pending:
             return
-        from safetensors.torch import save
-
         name = f"shard-{self._next_shard:06d}.safetensors"
         self._next_shard += 1
         tensors = {k: t for k, (t, _) in self._pending.items()}

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from ..media import MediaBatch
-from ..packing import starts_new_pass
+from ..packing import Pass
 from .metrics import Metrics
 
 HOLD_ENV = "BIVIT_SERVE_TEST_HOLD"
@@ -110,33 +110,31 @@ class Batcher:
                 if self._stopping and not self._queue:
                     return None
                 self._cv.wait(_HOLD_POLL_S if self._queue else None)  # queued: only held
-            jobs: list[_Job] = []
-            patches = 0
+            filling: Pass[_Job] = Pass(self._max_patches)  # the packing rule decides where the batch ends
             deadline = self._queue[0].enqueued + self._max_wait
             while True:
                 while self._queue:
                     job = self._queue[0]
                     if job.call is not None:  # a call runs alone: it ends the batch before it
-                        if not jobs:
-                            self._queue.popleft()
-                            if job.future.set_running_or_notify_cancel():
-                                jobs.append(job)
+                        if filling:
+                            self._metrics.queue_depth.set(len(self._queue))
+                            return filling.take()
+                        self._queue.popleft()
                         self._metrics.queue_depth.set(len(self._queue))
-                        return jobs
-                    if starts_new_pass(len(jobs), patches, job.patches, self._max_patches):
+                        return [job] if job.future.set_running_or_notify_cancel() else []
+                    if not filling.fits(job.patches):
                         self._metrics.queue_depth.set(len(self._queue))
-                        return jobs
+                        return filling.take()
                     self._queue.popleft()
                     # False when the request already gave up (timeout): do not spend a forward pass on it.
                     if job.future.set_running_or_notify_cancel():
-                        jobs.append(job)
-                        patches += job.patches
+                        filling.add(job, job.patches)
                 remaining = deadline - time.monotonic()
-                if remaining <= 0 or self._stopping or patches >= self._max_patches:
+                if remaining <= 0 or self._stopping or filling.full:
                     break
                 self._cv.wait(remaining)
             self._metrics.queue_depth.set(len(self._queue))
-            return jobs
+            return filling.take()
 
     def _held(self) -> bool:
         return self._hold is not None and os.path.exists(self._hold)

@@ -3,30 +3,29 @@ bad option before loading anything."""
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..errors import ConfigError
+from ..options import KIB_IN_MIB, TIB_IN_MIB, number, size_mb_words, whole
 
 
 # The range of each number option, and how a message says it: a value outside is refused at start (`bivit serve`
 # says so in one line and exits 2, before loading anything). Sizes from 1 KiB to 1 TiB and times from 1 ms to 11
 # days: a smaller size (`--max-body-mb 1e-9` is 0 bytes) refuses every request, a longer wait overflows a timer
 # (`--max-wait-ms 1e300` killed the batching thread, and every request then timed out).
-_MIB = (2.0 ** -10, 2.0 ** 20, "a size in MiB from 0.0009765625 (1 KiB) to 1048576 (1 TiB)")
+_MIB = (KIB_IN_MIB, TIB_IN_MIB, size_mb_words())
 _SECONDS = (1e-3, 1e6, "a time in seconds from 0.001 to 1000000 (11 days)")
 RANGES: dict[str, tuple[float, float, str]] = {
     "max_body_mb": _MIB, "max_bodies_mb": _MIB, "max_request_pixels_mb": _MIB, "max_queue_pixels_mb": _MIB,
     "max_response_mb": _MIB, "max_answers_mb": _MIB, "max_weights_mb": _MIB,
-    "cache_mb": (0.0, 2.0 ** 20, "a size in MiB from 0 (no cache) to 1048576 (1 TiB)"),
+    "cache_mb": (0.0, TIB_IN_MIB, size_mb_words(0.0, " (no cache)")),
     "request_timeout_s": _SECONDS, "header_timeout_s": _SECONDS, "body_timeout_s": _SECONDS,
     "write_timeout_s": _SECONDS, "max_wait_ms": (0.0, 60_000.0, "a time in milliseconds from 0 to 60000"),
     "max_video_mpixels": (1e-3, 1e9, "a number of million pixels from 0.001 to 1000000000"),
-    "max_queue": (1, 1_000_000, "a whole number from 1 to 1000000"),
-    "preprocess_threads": (1, 1024, "a whole number from 1 to 1024"),
-    "retry_after_s": (1, 3600, "a whole number of seconds from 1 to 3600"),
+    "max_queue": (1, 1_000_000, "a whole number"),
+    "preprocess_threads": (1, 1024, "a whole number"),
+    "retry_after_s": (1, 3600, "a whole number of seconds"),
 }
 WHOLE = ("max_queue", "preprocess_threads", "retry_after_s")
 
@@ -67,21 +66,20 @@ class ServerSettings:
 
     def __post_init__(self) -> None:
         for name in WHOLE:
-            value = getattr(self, name)
-            lo, hi, expected = RANGES[name]
-            if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-                raise ConfigError(f"--{name.replace('_', '-')} {value!r}: expected {expected}")
+            lo, hi, what = RANGES[name]
+            whole(getattr(self, name), _flag(name), lo, hi, what)
         for name, share in (("max_bodies_mb", "max_body_mb"), ("max_answers_mb", "max_response_mb")):
             if getattr(self, name) is None and isinstance(getattr(self, share), (int, float)):
                 setattr(self, name, 4 * getattr(self, share))
         for name, (lo, hi, expected) in RANGES.items():
             value = getattr(self, name)
-            if name in WHOLE or (value is None and name == "max_weights_mb"):
-                continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-                    or not lo <= value <= hi:
-                raise ConfigError(f"--{name.replace('_', '-')} {value!r}: expected {expected}")
+            if name not in WHOLE and not (value is None and name == "max_weights_mb"):
+                number(value, _flag(name), lo, hi, expected)
 
     @staticmethod
     def mb(value: float) -> int:
         return int(value * 2**20)
+
+
+def _flag(name: str) -> str:
+    return f"--{name.replace('_', '-')}"
