@@ -111,6 +111,10 @@ def check_writable(path: Union[str, os.PathLike], inputs: Sequence[Union[str, os
                 raise NotRegularFile(errno.EEXIST, "is one of the inputs; choose another output", str(path))
         except FileNotFoundError:
             continue
+        except OSError as e:  # an input that cannot be looked at (a name too long) is that input's failure
+            if e.filename == os.fspath(path):
+                raise
+            continue
     try:
         check_regular(path, os.stat(path))
     except FileNotFoundError:

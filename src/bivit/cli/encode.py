@@ -9,7 +9,7 @@ from typing import Any, List, Optional
 
 import typer
 
-from ..errors import BivitError
+from ..errors import BivitError, ErrorKind
 from .common import (EC_PROBE, FAILURE, AlphaOpt, DeviceOpt, DtypeOpt, EcDirOpt, MaxBatchPatchesOpt, ModelOpt,
                      OutDtypeOpt, ProjDtypeOpt, check_options, command, fail, open_encoder, plural, progress_shown,
                      writable)
@@ -44,7 +44,7 @@ def encode(
         writable(ec_dir / EC_PROBE, option="--ec-dir")
     from .. import records as rec
     from ..encoder_cache import EncoderCacheError, Sink
-    from ..items import check_input
+    from ..items import ItemResult, check_input
     from ..kinds import media_kind
     from ..names import label, shown, stored, too_long
 
@@ -60,7 +60,7 @@ def encode(
             kinds[i] = check_input(path, names[i])
         except BivitError as e:
             results[i] = e
-            typer.echo(f"bivit: skipped: {shown(str(e))}", err=True)
+            typer.echo(f"bivit: {ErrorKind.of(e).cli}: {shown(str(e))}", err=True)
     if not kinds:
         typer.echo(f"encoded 0 of {plural(len(files), 'input')} (nothing written); {len(files)} failed")
         raise typer.Exit(FAILURE)
@@ -91,18 +91,18 @@ def encode(
                     ec_failed.append(e)
             results[i] = (r, extra)
             if r.error is not None:  # named, whatever raised it (an allocation failure names no file)
-                bar.write(f"bivit: skipped: {shown(names[i])}: {shown(rec.error_text(r.error, r.source))}",
+                bar.write(f"bivit: {ErrorKind.of(r.error).cli}: {shown(names[i])}: "
+                          f"{shown(rec.error_text(r.error, r.source))}",
                           file=sys.stderr)
 
     records, embeddings = [], []
     for i, (path, r) in enumerate(zip(files, results)):
         if isinstance(r, BaseException):  # refused before the model loaded
-            records.append(rec.record(names[i], kind=media_kind(path) or "image", sha256=None, grid_thw=[],
-                                      chunk_tokens=[], timestamps=None, placeholders=[], error=str(r)))
+            records.append(rec.Record.of_result(ItemResult(names[i], media_kind(path) or "image", error=r)))
             embeddings.append(None)
             continue
         r, extra = r
-        records.append(rec.of_result(r, tensor=str(i), **extra))
+        records.append(rec.Record.of_result(r, tensor=str(i), **extra))
         embeddings.append(r.embedding)
     done = [r for r in records if r.ok]
     if done:

@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 from .. import records
 from ..dtypes import canonical_name
-from ..errors import BivitError
+from ..errors import BivitError, ErrorKind
 from ..encoder_cache import EncoderCacheError, Sink
 from ..items import ItemResult
 from .format import DEFAULT_SHARD_MB
@@ -109,7 +109,7 @@ def encode_dataset(src: str | os.PathLike, out: str | os.PathLike, *, model: Opt
                 except EncoderCacheError as e:  # the embedding is kept (committed below); the run says so
                     summary.ec_failed.append(f"{r.source}: {e}")
             if r.error is not None:
-                writer.add_error(w.sources, records.error_text(r.error, r.source), r.sha256)
+                writer.add_error(w.sources, records.error_text(r.error, r.source), r.sha256, ErrorKind.of(r.error))
                 summary.failed += len(w.sources)
                 summary.deduplicated -= len(w.sources) - 1  # nothing was stored for them to share
             else:
