@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from PIL import Image
 
 # One item of an answer: its embedding (None if it failed) and its record (source, kind, sha256, tokens, grid_thw,
-# chunk_tokens, timestamps, placeholders, error; the service's `cached` and `error_kind` in `.extra`).
+# chunk_tokens, timestamps, placeholders, error, error_kind; the service's `cached` in `.extra`).
 EncodeResult = records.Record
 # The status of an answer whose every item failed by the input's fault: its JSON lists each item's record.
 ITEMS_FAILED = ErrorKind.MEDIA.status

@@ -109,12 +109,8 @@ def check_writable(path: Union[str, os.PathLike], inputs: Sequence[Union[str, os
         try:
             if os.path.samefile(src, path):
                 raise NotRegularFile(errno.EEXIST, "is one of the inputs; choose another output", str(path))
-        except FileNotFoundError:
-            continue
-        except OSError as e:  # an input that cannot be looked at (a name too long) is that input's failure
-            if e.filename == os.fspath(path):
-                raise
-            continue
+        except OSError:  # an input that cannot be looked at (a name too long) is that input's failure, said
+            continue     # as the input's; the output's own are found below
     try:
         check_regular(path, os.stat(path))
     except FileNotFoundError:

@@ -27,8 +27,7 @@ key its record names. A record (`Record`, `RECORD_KEYS`) is:
     placeholders  per chunk, {"text", "tokens"}: the prompt text with its one <|media_pad|>, and the rows that
                   replace that pad
     error         why the item has no embedding (null when it has one)
-    error_kind    which kind of failure, as `bivit.errors.ErrorKind` spells it on the wire (null when it has an
-                  embedding, or in files of older versions)
+    error_kind    its kind of failure as `bivit.errors.ErrorKind` spells it (null: none, or an older file)
 
 plus what only one writer knows, under keys of its own (the service: `cached`; a dataset:
 `shard`, `size`, `mtime_ns`, `seq`; --ec-dir: `ec_ids`), read back into `Record.extra` (and readable as
@@ -39,10 +38,8 @@ Files of older bivit versions still open: `bivit.encode/1` (`bivit encode`: one 
 `bivit.response/1` (the service) and dataset folders written before shards carried records; anything else is
 an error naming the format it found.
 
-A `Record` is also what crosses every boundary in memory (`Record.of_result`: the core's result, on its way to a
-file, an answer, a dataset folder, a Ray row; `Record.to_item`: back to the core's shape, on the far side of a
-Ray row). A failed item is a record with `error` and `error_kind` set, wherever it is kept (a dataset's
-errors.jsonl included).
+A `Record` is what crosses every boundary out of the core (`Record.of_result`; `Record.to_item` back, past a Ray
+row); a failed item is a record with `error` and `error_kind`, wherever it is kept (errors.jsonl included).
 
 Imports nothing heavy (`bivit.client` reads answers through it): safetensors and torch load with the first
 embedding read.
@@ -149,18 +146,16 @@ class Record:
                "tokens": int(self.tokens), "grid_thw": [list(map(int, g)) for g in self.grid_thw],
                "chunk_tokens": [int(n) for n in self.chunk_tokens],
                "sizes": chunk_sizes(self.sizes, len(self.grid_thw)), "timestamps": self.timestamps,
-               "placeholders": [dict(p) for p in self.placeholders], "error": self.error,
-               "error_kind": self.error_kind}
+               "placeholders": [dict(p) for p in self.placeholders], "error": self.error, "error_kind": self.error_kind}
         out.update({k: v for k, v in self.extra.items() if k not in out})
         return out
 
     @classmethod
     def of_result(cls, result: Any, tensor: Optional[str] = None, *, source: Optional[str] = None,
                   named: bool = False, **extra: Any) -> "Record":
-        """The record of a core result (`bivit.items.ItemResult`, or a `Prepared` that has no embedding yet),
-        its embedding in memory (in a file under `tensor`): the one converter from the core's shape. `source`:
-        the name to file it under (default the result's own); `named`: its error reads "SOURCE: reason" (the
-        service's answers, a dataset's errors.jsonl), else the reason alone; `extra`: the writer's own keys."""
+        """The one converter from the core's shape: a result's (`ItemResult`, or a `Prepared`) record, its embedding
+        in memory (in a file under `tensor`), filed under `source` (default its own); `named`: its error reads
+        "SOURCE: reason" (the service, errors.jsonl), else the reason alone; `extra`: the writer's own keys."""
         name = result.source if source is None else source
         if result.error is not None:
             reason = error_text(result.error, result.source)
@@ -178,9 +173,8 @@ class Record:
                    else result.embedding_sha256, extra=dict(extra), _embedding=embedding)
 
     def to_item(self, cls: type) -> Any:
-        """Its metadata in the core's shape `cls` (`bivit.items.ItemResult` or `Prepared`), without pixels or
-        embedding: the inverse of `of_result` for what crosses a process boundary as records (the dataset's Ray
-        rows). An error comes back as the exception class its kind names, with the record's reason."""
+        """`of_result`'s inverse past a process boundary (Ray rows): its metadata as `cls` (`ItemResult`, `Prepared`),
+        no pixels or embedding; an error as its kind's exception class, with the record's reason."""
         from .media import Placeholder  # torch and PIL: a record alone stays light (`bivit.client`)
 
         if self.error is not None:
@@ -189,7 +183,6 @@ class Record:
         return cls(self.source, self.kind, self.sha256, [list(g) for g in self.grid_thw], self.timestamps,
                    [Placeholder(p["text"], int(p["tokens"])) for p in self.placeholders],
                    sizes=[None if z is None else tuple(z) for z in self.sizes])
-
 
     @staticmethod
     def from_json(obj: Mapping[str, Any], encoder: Optional[dict] = None,

@@ -48,7 +48,7 @@ def encode(
     from ..kinds import media_kind
     from ..names import label, shown, stored, too_long
 
-    results: list[Any] = [None] * len(files)  # per input: its result, or its error before any model loaded
+    results: list[Any] = [None] * len(files)  # per input: its record, or its error before any model loaded
     # How each input is named in the file (a name that is not UTF-8 escaped; one too long to keep, cut)
     refused = [too_long(str(p)) for p in files]
     names = [label(str(p)) if why else stored(str(p)) for p, why in zip(files, refused)]
@@ -82,28 +82,22 @@ def encode(
         # invariant mode each result is the bits of encoding it alone.
         ec, ec_failed = (None if ec_dir is None else Sink(ec_dir, enc.fingerprint)), []
         for i, r in zip(kinds, enc.encode_stream(prepared(), on_pass=bar.update)):
-            extra = {}
+            results[i] = record = rec.Record.of_result(r, tensor=str(i))
             if r.error is None and ec is not None:  # as each result arrives, as every front end does
                 try:
-                    extra["ec_ids"] = ec.put(r)
+                    record.extra["ec_ids"] = ec.put(record)
                 except EncoderCacheError as e:  # the embedding is kept: said once --out is written
-                    extra["ec_error"] = str(e)
+                    record.extra["ec_error"] = str(e)
                     ec_failed.append(e)
-            results[i] = (r, extra)
             if r.error is not None:  # named, whatever raised it (an allocation failure names no file)
                 bar.write(f"bivit: {ErrorKind.of(r.error).cli}: {shown(names[i])}: "
                           f"{shown(rec.error_text(r.error, r.source))}",
                           file=sys.stderr)
 
-    records, embeddings = [], []
-    for i, (path, r) in enumerate(zip(files, results)):
-        if isinstance(r, BaseException):  # refused before the model loaded
-            records.append(rec.Record.of_result(ItemResult(names[i], media_kind(path) or "image", error=r)))
-            embeddings.append(None)
-            continue
-        r, extra = r
-        records.append(rec.Record.of_result(r, tensor=str(i), **extra))
-        embeddings.append(r.embedding)
+    records = [rec.Record.of_result(ItemResult(names[i], media_kind(path) or "image", error=r))
+               if isinstance(r, BaseException) else r  # refused before the model loaded
+               for i, (path, r) in enumerate(zip(files, results))]
+    embeddings = [r.embedding for r in records]
     done = [r for r in records if r.ok]
     if done:
         rec.save(out, enc.describe(), records, embeddings)

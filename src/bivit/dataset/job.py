@@ -105,7 +105,7 @@ def encode_dataset(src: str | os.PathLike, out: str | os.PathLike, *, model: Opt
                 return
             if r.error is None and ec is not None:
                 try:
-                    ec.put(r)
+                    ec.put(records.Record.of_result(r))
                 except EncoderCacheError as e:  # the embedding is kept (committed below); the run says so
                     summary.ec_failed.append(f"{r.source}: {e}")
             if r.error is not None:

@@ -191,7 +191,8 @@ class DatasetWriter:
     def _write_errors(self, failed: dict[str, records.Record], lines: int) -> None:
         """errors.jsonl as one line per failed source, unless it has exactly that many `lines` already."""
         if len(failed) != lines:
-            write_atomic(self.dir / ERRORS, "".join(manifest_line(e) + "\n" for e in failed.values()).encode("utf-8"))
+            lines = "".join(manifest_line(e) + "\n" for e in failed.values())
+            write_atomic(self.dir / ERRORS, lines.encode("utf-8"))
 
     # -- writing ---------------------------------------------------------------------------------------------
 

@@ -4,8 +4,9 @@ Request: multipart `file` parts, or JSON `{"items": [{"data": "<base64>", "name"
 Response: an embedding file (`bivit.records`, format bivit.embeddings/1: `format`, `encoder`, `items` in its
 header metadata, tensor "i" for input i that has an embedding), the same file `bivit encode` writes and
 `bivit.load_embeddings` reads; or the same as JSON with each item's `embedding` as nested float lists
-(`?format=json`). A record carries the service's own `cached` and `error_kind` (and `ec_ids` with --ec-dir). An error is
-`{"error": {"kind", "message"}, ...}`.
+(`?format=json`). A record carries its `error_kind` when it failed, the service's own `cached` (and `ec_ids`
+with --ec-dir). An error is `{"error": {"kind", "message"}, ...}`, its kind and status from
+`bivit.errors.ErrorKind`.
 
 Imports neither torch nor PyAV: `bivit.client` stays light; torch loads when a body is (de)serialised.
 """

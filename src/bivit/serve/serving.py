@@ -251,7 +251,8 @@ class Service:
         if self.ec is None or result.error is not None:
             return result, {}
         try:
-            return result, {"ec_ids": await asyncio.wrap_future(self.pool.submit(owner, self.ec.put, result))}
+            return result, {"ec_ids": await asyncio.wrap_future(self.pool.submit(
+                owner, self.ec.put, records.Record.of_result(result)))}
         except EncoderCacheError as e:
             log.error("encoder cache not written", extra={"fields": {"item": result.source, "reason": str(e)}})
             return result, {"ec_error": str(e)}
