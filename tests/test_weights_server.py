@@ -113,7 +113,7 @@ def test_bad_updates_are_refused_whole_and_the_old_weights_keep_serving(server):
         assert torch.equal(again[0].embedding, served[0].embedding), case
     r = httpx.post(f"{server.url}/v1/weights", content=b"not safetensors", timeout=30,
                    headers={**server.headers, "Content-Type": "application/octet-stream"})
-    assert r.status_code == 400 and r.json()["error"]["kind"] == "bad_weights"
+    assert r.status_code == 422 and r.json()["error"]["kind"] == "bad_weights"
     assert _push(server, state, content_type="image/png").status_code == 415
     assert _push(server, state, headers={}).status_code == 401
     assert _push(server, state, headers={"Authorization": "Bearer wrong"}).status_code == 401

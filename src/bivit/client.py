@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from . import records
-from .errors import BivitError, MediaError
+from .errors import BivitError, ErrorKind, MediaError
 
 if TYPE_CHECKING:
     import httpx
@@ -35,8 +35,10 @@ if TYPE_CHECKING:
     from PIL import Image
 
 # One item of an answer: its embedding (None if it failed) and its record (source, kind, sha256, tokens, grid_thw,
-# chunk_tokens, timestamps, placeholders, error; the service's `cached` and `error_kind` in `.extra`).
+# chunk_tokens, timestamps, placeholders, error, error_kind; the service's `cached` in `.extra`).
 EncodeResult = records.Record
+# The status of an answer whose every item failed by the input's fault: its JSON lists each item's record.
+ITEMS_FAILED = ErrorKind.MEDIA.status
 
 
 class ServerError(BivitError):
@@ -143,7 +145,7 @@ class Client:
             raise ServerError(f"{self.url}{path}: no answer in time ({type(e).__name__})") from None
         except httpx.TransportError as e:
             raise ServerError(f"{self.url}{path}: cannot reach the server ({e})") from None
-        if r.status_code >= 400 and r.status_code != 422:
+        if r.status_code >= 400 and r.status_code != ITEMS_FAILED:
             try:
                 err = r.json()["error"]
                 kind, message = err["kind"], err["message"]
@@ -164,7 +166,7 @@ class Client:
             return []
         files = [("file", (name, data, "application/octet-stream")) for name, data in parts]
         r = self._request("POST", "/v1/encode", files=files)
-        if r.status_code == 422:  # every item failed; the JSON body lists them
+        if r.status_code == ITEMS_FAILED:  # every item failed; the JSON body lists them
             return [records.Record.from_json(m) for m in r.json().get("items") or []]
         _, results = parse_response(r.content)
         if len(results) != len(parts):
@@ -192,8 +194,9 @@ class Client:
 
         body = save({k: v.detach().cpu().contiguous() for k, v in state_dict.items()})
         r = self._request("POST", "/v1/weights", content=body, headers={"Content-Type": "application/octet-stream"})
-        if r.status_code == 422:
-            raise ServerError(f"{self.url}/v1/weights: HTTP 422: {r.json()['error']['message']}", 422, "bad_weights")
+        if r.status_code == ErrorKind.BAD_WEIGHTS.status:
+            raise ServerError(f"{self.url}/v1/weights: HTTP {r.status_code}: {r.json()['error']['message']}",
+                              r.status_code, ErrorKind.BAD_WEIGHTS)
         return r.json()
 
     def health(self) -> dict:

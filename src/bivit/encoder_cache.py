@@ -105,11 +105,11 @@ class Sink:
         self.written = 0  # ids written or found complete
 
     def ids(self, result: Any) -> list[str]:
-        """The ids of an encoded input's images / chunks (`bivit.items.ItemResult`)."""
+        """The ids of an encoded input's images / chunks (its `bivit.records.Record`)."""
         return [ec_id(self.fingerprint, result.sha256, result.kind, i) for i in range(len(result.grid_thw))]
 
     def put(self, result: Any) -> list[str]:
-        """Write an encoded input's rows (`bivit.items.ItemResult` without error) -> its ids;
+        """Write an encoded input's rows (its `bivit.records.Record`, embedding in memory) -> its ids;
         EncoderCacheError naming the folder and the reason when a file cannot be written."""
         ids = self.ids(result)
         try:

@@ -1,7 +1,14 @@
-"""bivit's exceptions: every user mistake surfaces as one of these, with a message naming the file, key or reason."""
+"""bivit's exceptions and its one table of error kinds.
+
+Every user mistake surfaces as one of these exceptions, with a message naming the file, key or reason. Each
+failure a front end reports has a kind (`ErrorKind`): its name on the wire (the service's `error_kind` and
+`{"error": {"kind"}}`), its HTTP status, the word the CLI's line starts with, and the code a dataset's
+errors.jsonl keeps. The table below is the only place a kind is spelled; every site names a member.
+"""
 
 from __future__ import annotations
 
+import enum
 from typing import Optional
 
 
@@ -15,6 +22,10 @@ class ConfigError(BivitError):
 
 class CheckpointError(BivitError):
     """Weights are missing, malformed, mis-shaped or non-finite; the message names the key and the file."""
+
+
+class FormatError(BivitError):
+    """A file that is not a bivit embedding file, or one of a format version this bivit does not read."""
 
 
 class MediaError(BivitError):
@@ -39,3 +50,105 @@ class MediaError(BivitError):
         """The message for a report already keyed by input `name`: the reason alone when the error is about
         that input, else the whole message (which names the file at fault, e.g. one frame of a video)."""
         return self.reason if self.source == name else str(self)
+
+
+class BadItem(BivitError):
+    """An uploaded item that could not even be extracted from its request (bad base64, a name too long)."""
+
+
+class EncodeFailed(BivitError):
+    """A forward pass that raised something other than a BivitError: bivit's fault, not the input's."""
+
+
+class RequestError(BivitError):
+    """A request the service refuses, whole: its `kind` (a request-level `ErrorKind`, which gives the HTTP
+    `status`), the message, extra response `headers`."""
+
+    def __init__(self, kind: "ErrorKind", message: str, headers: Optional[dict[str, str]] = None):
+        super().__init__(message)
+        self.kind, self.message, self.headers = kind, message, headers or {}
+
+    @property
+    def status(self) -> int:
+        return self.kind.status
+
+
+class ErrorKind(str, enum.Enum):
+    """The kinds of failure bivit reports, each with what every front end says about it.
+
+    value      its name on the wire: a record's `error_kind`, an error answer's `error.kind`, the metrics label
+    status     the HTTP status of an answer that fails for this reason alone
+    exception  the exception class that carries it (request-level kinds: `RequestError`, which names its kind)
+    cli        the word a `bivit` line about an item of this kind starts with (`bivit: skipped: NAME: reason`);
+               None for kinds only the service meets
+    dataset    the code an errors.jsonl line keeps (`error_kind`); None for kinds a dataset job never meets
+
+    A str: a record's `error_kind` compares equal to its wire name (`r.error_kind == "media"`).
+    """
+
+    # One item of a request (or of `bivit encode`, or of a dataset job) failed; the others are answered.
+    BAD_ITEM = ("bad_item", 422, BadItem, None, None)
+    MEDIA = ("media", 422, MediaError, "skipped", "media")
+    INVALID = ("invalid", 422, BivitError, "skipped", "invalid")
+    INTERNAL = ("internal", 500, EncodeFailed, "skipped", "internal")
+    # The request as a whole is refused (`RequestError`).
+    BAD_REQUEST = ("bad_request", 400, RequestError, None, None)
+    AUTH = ("auth", 401, RequestError, None, None)
+    FORBIDDEN = ("forbidden", 403, RequestError, None, None)
+    NOT_FOUND = ("not_found", 404, RequestError, None, None)
+    METHOD_NOT_ALLOWED = ("method_not_allowed", 405, RequestError, None, None)
+    BODY_TIMEOUT = ("body_timeout", 408, RequestError, None, None)
+    TOO_LARGE = ("too_large", 413, RequestError, None, None)
+    TOO_MANY_ITEMS = ("too_many_items", 413, RequestError, None, None)
+    RESPONSE_TOO_LARGE = ("response_too_large", 413, RequestError, None, None)
+    UNSUPPORTED_MEDIA_TYPE = ("unsupported_media_type", 415, RequestError, None, None)
+    BAD_WEIGHTS = ("bad_weights", 422, RequestError, None, None)
+    QUEUE_FULL = ("queue_full", 429, RequestError, None, None)
+    CLIENT_CLOSED = ("client_closed", 499, RequestError, None, None)
+    BUSY = ("busy", 503, RequestError, None, None)
+    TIMEOUT = ("timeout", 504, RequestError, None, None)
+    INSUFFICIENT_STORAGE = ("insufficient_storage", 507, RequestError, None, None)
+
+    def __new__(cls, value: str, status: int, exception: type, cli: Optional[str], dataset: Optional[str]):
+        obj = str.__new__(cls, value)
+        obj._value_ = value
+        obj.status, obj.exception, obj.cli, obj.dataset = status, exception, cli, dataset
+        return obj
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def item(self) -> bool:
+        """A kind one item of many can have (the others answered), not a refusal of the whole request."""
+        return self.exception is not RequestError
+
+    def error(self, message: str, headers: Optional[dict[str, str]] = None) -> RequestError:
+        """The `RequestError` refusing a request for this (request-level) reason."""
+        assert not self.item, f"{self.value} is an item's kind"
+        return RequestError(self, message, headers)
+
+    @classmethod
+    def of(cls, error: BaseException) -> "ErrorKind":
+        """The kind of an exception: a RequestError's own; else the kind of the nearest class in its MRO that
+        the table names (a ConfigError or CheckpointError is INVALID, as any BivitError); an exception that is
+        not bivit's is INTERNAL (a bug)."""
+        if isinstance(error, RequestError):
+            return error.kind
+        for klass in type(error).__mro__:
+            kind = _BY_EXCEPTION.get(klass)
+            if kind is not None:
+                return kind
+        return cls.INTERNAL
+
+    @classmethod
+    def read(cls, value: object) -> Optional["ErrorKind"]:
+        """A kind as a file or an answer spells it; None for none, or one this bivit does not know (a newer
+        writer's)."""
+        try:
+            return None if value is None else cls(value)
+        except ValueError:
+            return None
+
+
+_BY_EXCEPTION = {k.exception: k for k in ErrorKind if k.item}

@@ -107,10 +107,11 @@ def check_writable(path: Union[str, os.PathLike], inputs: Sequence[Union[str, os
     path = Path(path)
     for src in inputs:
         try:
-            if os.path.samefile(src, path):
-                raise NotRegularFile(errno.EEXIST, "is one of the inputs; choose another output", str(path))
-        except FileNotFoundError:
-            continue
+            same = os.path.samefile(src, path)
+        except OSError:  # a missing output; an input that cannot be looked at (a name too long) is that
+            continue     # input's failure, said as the input's; the output's own are found below
+        if same:
+            raise NotRegularFile(errno.EEXIST, "is one of the inputs; choose another output", str(path))
     try:
         check_regular(path, os.stat(path))
     except FileNotFoundError:

@@ -211,17 +211,6 @@ def _with_batch(name: str, kind: str, sha: Optional[str], batch: MediaBatch, pro
                     sizes=list(batch.sizes), batch=batch)
 
 
-def from_record(rec: Any, cls: type = ItemResult) -> Any:
-    """A record's metadata (`bivit.records.Record`) as the core's shape, `ItemResult` (default) or `Prepared`,
-    without pixels or embedding: the inverse of `records.of_result` for what crosses a process boundary as
-    records (the dataset's Ray rows). An error comes back as a BivitError with the record's reason."""
-    if rec.error is not None:
-        return cls(rec.source, rec.kind, rec.sha256, error=BivitError(rec.error))
-    return cls(rec.source, rec.kind, rec.sha256, [list(g) for g in rec.grid_thw], rec.timestamps,
-               [Placeholder(p["text"], int(p["tokens"])) for p in rec.placeholders],
-               sizes=[None if z is None else tuple(z) for z in rec.sizes])
-
-
 def check_input(path: str | os.PathLike, name: Optional[str] = None) -> str:
     """Before any model loads: `path` names a readable, non-empty regular file of a kind bivit reads -> "image"
     or "video"; else MediaError naming it and the reason (does not exist, a directory, cannot be read, empty,

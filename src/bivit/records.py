@@ -27,8 +27,9 @@ key its record names. A record (`Record`, `RECORD_KEYS`) is:
     placeholders  per chunk, {"text", "tokens"}: the prompt text with its one <|media_pad|>, and the rows that
                   replace that pad
     error         why the item has no embedding (null when it has one)
+    error_kind    its kind of failure as `bivit.errors.ErrorKind` spells it (null: none, or an older file)
 
-plus what only one writer knows, under keys of its own (the service: `cached`, `error_kind`; a dataset:
+plus what only one writer knows, under keys of its own (the service: `cached`; a dataset:
 `shard`, `size`, `mtime_ns`, `seq`; --ec-dir: `ec_ids`), read back into `Record.extra` (and readable as
 attributes: `r.cached`). A dataset folder keeps the same records in `manifest.jsonl` and the encoder in
 `dataset.json` (see `bivit.dataset.format`).
@@ -36,6 +37,9 @@ attributes: `r.cached`). A dataset folder keeps the same records in `manifest.js
 Files of older bivit versions still open: `bivit.encode/1` (`bivit encode`: one "bivit" JSON key),
 `bivit.response/1` (the service) and dataset folders written before shards carried records; anything else is
 an error naming the format it found.
+
+A `Record` is what crosses every boundary out of the core (`Record.of_result`; `Record.to_item` back, past a Ray
+row); a failed item is a record with `error` and `error_kind`, wherever it is kept (errors.jsonl included).
 
 Imports nothing heavy (`bivit.client` reads answers through it): safetensors and torch load with the first
 embedding read.
@@ -51,7 +55,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional, Sequence
 
-from .errors import BivitError
+from .errors import BivitError, ErrorKind, FormatError, MediaError
 from .fileio import open_regular, parse_json
 
 if TYPE_CHECKING:
@@ -64,13 +68,9 @@ RESPONSE_FORMAT_1 = "bivit.response/1"
 READS = (FORMAT, ENCODE_FORMAT_1, RESPONSE_FORMAT_1)
 # The keys of a record, in the order files list them.
 RECORD_KEYS = ("tensor", "tensor_sha256", "source", "kind", "sha256", "tokens", "grid_thw", "chunk_tokens", "sizes",
-               "timestamps", "placeholders", "error")
+               "timestamps", "placeholders", "error", "error_kind")
 # A safetensors header longer than this is not one bivit wrote (it bounds what a corrupt file makes us read).
 MAX_HEADER_BYTES = 256 * 2**20
-
-
-class FormatError(BivitError):
-    """A file that is not a bivit embedding file, or one of a format version this bivit does not read."""
 
 
 @dataclass
@@ -89,6 +89,7 @@ class Record:
     timestamps: Optional[list] = None
     placeholders: list = field(default_factory=list)
     error: Optional[str] = None
+    error_kind: Optional[ErrorKind] = None
     tensor: Optional[str] = None
     tensor_sha256: Optional[str] = None
     extra: dict = field(default_factory=dict)
@@ -145,9 +146,43 @@ class Record:
                "tokens": int(self.tokens), "grid_thw": [list(map(int, g)) for g in self.grid_thw],
                "chunk_tokens": [int(n) for n in self.chunk_tokens],
                "sizes": chunk_sizes(self.sizes, len(self.grid_thw)), "timestamps": self.timestamps,
-               "placeholders": [dict(p) for p in self.placeholders], "error": self.error}
+               "placeholders": [dict(p) for p in self.placeholders], "error": self.error, "error_kind": self.error_kind}
         out.update({k: v for k, v in self.extra.items() if k not in out})
         return out
+
+    @classmethod
+    def of_result(cls, result: Any, tensor: Optional[str] = None, *, source: Optional[str] = None,
+                  named: bool = False, **extra: Any) -> "Record":
+        """The one converter from the core's shape: a result's (`ItemResult`, or a `Prepared`) record, its embedding
+        in memory (in a file under `tensor`), filed under `source` (default its own); `named`: its error reads
+        "SOURCE: reason" (the service, errors.jsonl), else the reason alone; `extra`: the writer's own keys."""
+        name = result.source if source is None else source
+        if result.error is not None:
+            reason = error_text(result.error, result.source)
+            return cls(source=name, kind=result.kind, sha256=result.sha256,
+                       error=f"{name}: {reason}" if named else reason, error_kind=ErrorKind.of(result.error),
+                       extra=dict(extra))
+        embedding = getattr(result, "embedding", None)  # a `Prepared` (Ray's rows) has none yet
+        grid = [list(map(int, g)) for g in result.grid_thw]
+        chunk_tokens = [int(n) for n in result.chunk_tokens]
+        return cls(source=name, kind=result.kind, sha256=result.sha256, tokens=sum(chunk_tokens), grid_thw=grid,
+                   chunk_tokens=chunk_tokens, sizes=chunk_sizes(result.sizes, len(grid)),
+                   timestamps=None if result.timestamps is None else list(result.timestamps),
+                   placeholders=[p if isinstance(p, dict) else p.to_dict() for p in result.placeholders],
+                   tensor=tensor, tensor_sha256=None if embedding is None or tensor is None
+                   else result.embedding_sha256, extra=dict(extra), _embedding=embedding)
+
+    def to_item(self, cls: type) -> Any:
+        """`of_result`'s inverse past a process boundary (Ray rows): its metadata as `cls` (`ItemResult`, `Prepared`),
+        no pixels or embedding; an error as its kind's exception class, with the record's reason."""
+        from .media import Placeholder  # torch and PIL: a record alone stays light (`bivit.client`)
+
+        if self.error is not None:
+            kind = self.error_kind if self.error_kind is not None and self.error_kind.item else ErrorKind.INVALID
+            return cls(self.source, self.kind, self.sha256, error=kind.exception(self.error))
+        return cls(self.source, self.kind, self.sha256, [list(g) for g in self.grid_thw], self.timestamps,
+                   [Placeholder(p["text"], int(p["tokens"])) for p in self.placeholders],
+                   sizes=[None if z is None else tuple(z) for z in self.sizes])
 
     @staticmethod
     def from_json(obj: Mapping[str, Any], encoder: Optional[dict] = None,
@@ -176,7 +211,8 @@ class Record:
                       tokens=int(obj.get("tokens") or 0), grid_thw=grid, chunk_tokens=[int(n) for n in chunk_tokens],
                       sizes=chunk_sizes(obj.get("sizes"), len(grid)),  # older files: not recorded
                       timestamps=obj.get("timestamps"), placeholders=list(obj.get("placeholders") or []),
-                      error=obj.get("error"), tensor=obj.get("tensor"), tensor_sha256=obj.get("tensor_sha256"),
+                      error=obj.get("error"), error_kind=ErrorKind.read(obj.get("error_kind")),
+                      tensor=obj.get("tensor"), tensor_sha256=obj.get("tensor_sha256"),
                       extra={k: v for k, v in obj.items() if k not in RECORD_KEYS},
                       encoder=encoder if encoder is not None else {}, _load=load)
 
@@ -189,46 +225,13 @@ def chunk_sizes(sizes: Optional[Sequence], chunks: int) -> list:
     return [None if z is None else [int(v) for v in z] for z in sizes] if sizes else [None] * chunks
 
 
-def record(source: str, *, kind: str, sha256: Optional[str], grid_thw: Sequence, chunk_tokens: Sequence[int],
-           timestamps: Optional[Sequence[str]], placeholders: Sequence[Any], sizes: Optional[Sequence] = None,
-           tensor: Optional[str] = None, error: Optional[str] = None, tensor_sha256: Optional[str] = None,
-           **extra: Any) -> Record:
-    """A record for a writer: `placeholders` as `bivit.Placeholder`s or their dicts; `sizes` per chunk (width,
-    height) or None where unknown; `tensor_sha256`: `embedding_sha256` of its embedding; `extra`: its own keys."""
-    return Record(source=source, kind=kind, sha256=sha256, tokens=sum(int(n) for n in chunk_tokens),
-                  grid_thw=[list(map(int, g)) for g in grid_thw], chunk_tokens=[int(n) for n in chunk_tokens],
-                  sizes=chunk_sizes(sizes, len(grid_thw)),
-                  timestamps=None if timestamps is None else list(timestamps),
-                  placeholders=[p if isinstance(p, dict) else p.to_dict() for p in placeholders], error=error,
-                  tensor=tensor if error is None else None,
-                  tensor_sha256=tensor_sha256 if error is None and tensor is not None else None, extra=dict(extra))
-
-
 def error_text(error: BaseException, source: str) -> str:
     """An item's error as its record keeps it: the reason, without the source the record names already (a
     MediaError about another file, e.g. one frame of a video, keeps its whole message); an exception that is not
     bivit's (a bug) with its type."""
-    from .errors import MediaError
-
     if isinstance(error, MediaError):
         return error.about(source)
     return str(error) if isinstance(error, BivitError) else f"encode failed: {type(error).__name__}: {error}"
-
-
-def of_result(result: Any, tensor: Optional[str] = None, **extra: Any) -> Record:
-    """The record of a core result (`bivit.items.ItemResult`: source, kind, sha256, grid_thw, chunk_tokens,
-    timestamps, placeholders, error) with its embedding (in memory; in a file under `tensor`); `extra`: the
-    writer's own keys."""
-    if result.error is not None:
-        return record(result.source, kind=result.kind, sha256=result.sha256, grid_thw=[], chunk_tokens=[],
-                      timestamps=None, placeholders=[], error=error_text(result.error, result.source), **extra)
-    embedding = getattr(result, "embedding", None)  # a `Prepared` (Ray's rows) has none yet
-    out = record(result.source, kind=result.kind, sha256=result.sha256, grid_thw=result.grid_thw,
-                 chunk_tokens=result.chunk_tokens, timestamps=result.timestamps, placeholders=result.placeholders,
-                 sizes=result.sizes, tensor=tensor,
-                 tensor_sha256=None if embedding is None else result.embedding_sha256, **extra)
-    out._embedding = embedding
-    return out
 
 
 def embedding_sha256(tensor: "torch.Tensor") -> str:

@@ -11,7 +11,7 @@ import typer
 
 from .. import records as rec
 from ..encoder_cache import EncoderCacheError, Sink
-from ..errors import BivitError
+from ..errors import BivitError, ErrorKind
 from ..kinds import media_kind
 from ..names import label, shown, stored, too_long
 from .common import (EC_PROBE, FAILURE, AlphaOpt, DeviceOpt, DtypeOpt, EcDirOpt, MaxBatchPatchesOpt, ModelOpt,
@@ -46,9 +46,9 @@ def encode(
     writable(out, files)
     if ec_dir is not None:
         writable(ec_dir / EC_PROBE, option="--ec-dir")
-    from ..items import check_input  # torch (by the media pipeline): loaded once the options are good
+    from ..items import ItemResult, check_input  # torch (by the media pipeline): loaded once the options are good
 
-    results: list[Any] = [None] * len(files)  # per input: its result, or its error before any model loaded
+    results: list[Any] = [None] * len(files)  # per input: its record, or its error before any model loaded
     # How each input is named in the file (a name that is not UTF-8 escaped; one too long to keep, cut)
     refused = [too_long(str(p)) for p in files]
     names = [label(str(p)) if why else stored(str(p)) for p, why in zip(files, refused)]
@@ -60,7 +60,7 @@ def encode(
             kinds[i] = check_input(path, names[i])
         except BivitError as e:
             results[i] = e
-            typer.echo(f"bivit: skipped: {shown(str(e))}", err=True)
+            typer.echo(f"bivit: {ErrorKind.of(e).cli}: {shown(str(e))}", err=True)
     if not kinds:
         typer.echo(f"encoded 0 of {plural(len(files), 'input')} (nothing written); {len(files)} failed")
         raise typer.Exit(FAILURE)
@@ -82,28 +82,22 @@ def encode(
         # invariant mode each result is the bits of encoding it alone.
         ec, ec_failed = (None if ec_dir is None else Sink(ec_dir, enc.fingerprint)), []
         for i, r in zip(kinds, enc.encode_stream(prepared(), on_pass=bar.update)):
-            extra = {}
+            results[i] = record = rec.Record.of_result(r, tensor=str(i))
             if r.error is None and ec is not None:  # as each result arrives, as every front end does
                 try:
-                    extra["ec_ids"] = ec.put(r)
+                    record.extra["ec_ids"] = ec.put(record)
                 except EncoderCacheError as e:  # the embedding is kept: said once --out is written
-                    extra["ec_error"] = str(e)
+                    record.extra["ec_error"] = str(e)
                     ec_failed.append(e)
-            results[i] = (r, extra)
             if r.error is not None:  # named, whatever raised it (an allocation failure names no file)
-                bar.write(f"bivit: skipped: {shown(names[i])}: {shown(rec.error_text(r.error, r.source))}",
+                bar.write(f"bivit: {ErrorKind.of(r.error).cli}: {shown(names[i])}: "
+                          f"{shown(rec.error_text(r.error, r.source))}",
                           file=sys.stderr)
 
-    records, embeddings = [], []
-    for i, (path, r) in enumerate(zip(files, results)):
-        if isinstance(r, BaseException):  # refused before the model loaded
-            records.append(rec.record(names[i], kind=media_kind(path) or "image", sha256=None, grid_thw=[],
-                                      chunk_tokens=[], timestamps=None, placeholders=[], error=str(r)))
-            embeddings.append(None)
-            continue
-        r, extra = r
-        records.append(rec.of_result(r, tensor=str(i), **extra))
-        embeddings.append(r.embedding)
+    records = [rec.Record.of_result(ItemResult(names[i], media_kind(path) or "image", error=r))
+               if isinstance(r, BaseException) else r  # refused before the model loaded
+               for i, (path, r) in enumerate(zip(files, results))]
+    embeddings = [r.embedding for r in records]
     done = [r for r in records if r.ok]
     if done:
         rec.save(out, enc.describe(), records, embeddings)

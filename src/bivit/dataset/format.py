@@ -6,7 +6,9 @@
                                   it: tensor, source, kind, sha256, tokens, grid_thw, chunk_tokens, sizes,
                                   timestamps, placeholders) with the dataset's keys `shard` (the tensor's
                                   file), size, mtime_ns and seq
-    DIR/errors.jsonl              one line per input that failed (source, error, sha256 when it could be read)
+    DIR/errors.jsonl              one line per input that failed: its record (error "SOURCE: reason",
+                                  error_kind, sha256 when it could be read) with the dataset's key `seq`;
+                                  lines of older folders hold source, error, sha256 and seq only
     DIR/shard-000000.safetensors  embeddings keyed by the sha256 of the input's bytes; an embedding file of
                                   its own (`bivit.records`: format, encoder, the records committed with it)
 
@@ -23,17 +25,14 @@ Imports nothing heavy: `bivit.open_dataset` must be cheap.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 from .. import records
-from ..errors import BivitError
+from ..errors import BivitError, FormatError
 from ..fileio import parse_json, read_regular
-from ..records import FormatError
 
 # The default shard size of a dataset job (`encode_dataset`, `bivit encode-dataset`), here so the CLI reads it
 # cheaply.
@@ -72,27 +71,22 @@ def manifest_record(obj: Any) -> records.Record:
 
 
 def manifest_line(rec: records.Record) -> str:
-    """A record as its manifest line."""
+    """A record as its line of manifest.jsonl or errors.jsonl."""
     return json.dumps(rec.to_json(), separators=(",", ":"), ensure_ascii=False)
 
 
-@dataclass(frozen=True)
-class ErrorRecord:
-    """One errors.jsonl line: `source` could not be encoded (from bytes with `sha256`, when they could be read)."""
+def error_record(obj: Any) -> records.Record:
+    """An errors.jsonl line as its record (`error` set; `seq` in `extra`, readable as an attribute); FormatError
+    for a line that is not one."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("seq", 0), int) or isinstance(obj.get("seq"), bool) \
+            or not isinstance(obj.get("error"), str):
+        raise FormatError(f"not an error record: {str(obj)[:200]}")
+    rec = records.Record.from_json(obj)
+    rec.extra.setdefault("seq", 0)
+    return rec
 
-    source: str
-    error: str
-    sha256: Optional[str] = None
-    seq: int = 0
 
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), ensure_ascii=False)
-
-    @staticmethod
-    def from_json(obj: dict) -> "ErrorRecord":
-        if not isinstance(obj, dict) or not isinstance(obj.get("seq", 0), int):
-            raise FormatError(f"not an error record: {str(obj)[:200]}")
-        return ErrorRecord(str(obj.get("source")), str(obj.get("error", "")), obj.get("sha256"), int(obj.get("seq", 0)))
+ErrorRecord = records.Record  # a failed input's record: its name before errors were records like the others
 
 
 def encoder_of(header: dict) -> dict:
@@ -136,24 +130,24 @@ def read_header(directory: Path) -> Optional[dict]:
     return header
 
 
-def current_state(directory: Path) -> tuple[dict[str, records.Record], dict[str, ErrorRecord]]:
+def current_state(directory: Path) -> tuple[dict[str, records.Record], dict[str, records.Record]]:
     """What each source is now: its latest manifest record, or its latest error if that came later.
 
-    Returns (encoded sources -> Record, failed sources -> ErrorRecord); a source is in exactly one of them.
+    Returns (encoded sources -> record, failed sources -> record with `error`); a source is in exactly one.
     """
     return state_from_rows(read_jsonl(directory / MANIFEST)[0], read_jsonl(directory / ERRORS)[0])
 
 
 def state_from_rows(manifest_rows: list[dict], error_rows: list[dict]) -> tuple[dict[str, records.Record],
-                                                                                dict[str, ErrorRecord]]:
+                                                                                dict[str, records.Record]]:
     """`current_state` of rows already read (a writer opening a folder reads each file once)."""
     encoded: dict[str, records.Record] = {}
     for row in manifest_rows:
         rec = manifest_record(row)
         encoded[rec.source] = rec
-    errors: dict[str, ErrorRecord] = {}
+    errors: dict[str, records.Record] = {}
     for row in error_rows:
-        err = ErrorRecord.from_json(row)
+        err = error_record(row)
         errors[err.source] = err
     for source, err in list(errors.items()):
         rec = encoded.get(source)

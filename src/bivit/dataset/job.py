@@ -21,8 +21,8 @@ from tqdm import tqdm
 
 from .. import records
 from ..dtypes import canonical_name
-from ..errors import BivitError
 from ..encoder import load_encoder
+from ..errors import BivitError, ErrorKind
 from ..encoder_cache import EncoderCacheError, Sink
 from ..items import ItemResult
 from ..options import BYTE_IN_MIB, size_mb, whole
@@ -104,11 +104,11 @@ def encode_dataset(src: str | os.PathLike, out: str | os.PathLike, *, model: Opt
                 return
             if r.error is None and ec is not None:
                 try:
-                    ec.put(r)
+                    ec.put(records.Record.of_result(r))
                 except EncoderCacheError as e:  # the embedding is kept (committed below); the run says so
                     summary.ec_failed.append(f"{r.source}: {e}")
             if r.error is not None:
-                writer.add_error(w.sources, records.error_text(r.error, r.source), r.sha256)
+                writer.add_error(w.sources, records.error_text(r.error, r.source), r.sha256, ErrorKind.of(r.error))
                 summary.failed += len(w.sources)
                 summary.deduplicated -= len(w.sources) - 1  # nothing was stored for them to share
             else:

@@ -34,7 +34,7 @@ from ..allocator import tune
 from ..dtypes import dtype_name, parse_dtype
 from ..encoder import load_encoder
 from ..errors import BivitError
-from ..items import ItemResult, Prepared, from_record
+from ..items import ItemResult, Prepared
 from ..media import MediaBatch
 from .pipeline import Work, encode_prepared, prepare
 
@@ -72,11 +72,11 @@ def prepare_rows(table: pa.Table, processing: Any = None, alpha: str = "model") 
 
 
 def _record_json(item: Prepared | ItemResult) -> str:
-    return json.dumps(records.of_result(item).to_json(), separators=(",", ":"), ensure_ascii=False)
+    return json.dumps(records.Record.of_result(item).to_json(), separators=(",", ":"), ensure_ascii=False)
 
 
 def _unpack_prepared(row: dict) -> Prepared:
-    p = from_record(records.Record.from_json(json.loads(row["record"])), Prepared)
+    p = records.Record.from_json(json.loads(row["record"])).to_item(Prepared)
     if p.error is None:
         pixels = torch.frombuffer(bytearray(row["pixels"]), dtype=torch.float32).reshape(-1, 3, row["patch"],
                                                                                          row["patch"])
@@ -124,7 +124,7 @@ def encoded_table(results: Sequence[ItemResult]) -> pa.Table:
 
 
 def decode_encoded(row: dict) -> ItemResult:
-    r = from_record(records.Record.from_json(json.loads(row["record"])))
+    r = records.Record.from_json(json.loads(row["record"])).to_item(ItemResult)
     if r.error is None:
         dtype = parse_dtype(row["dtype"], "dtype")
         raw = (torch.frombuffer(bytearray(row["data"]), dtype=torch.uint8) if row["data"]

@@ -19,7 +19,7 @@ from ..dtypes import parse_dtype
 from ..errors import BivitError
 from ..kinds import media_kind
 from ..records import FormatError, Record, check_embedding
-from .format import FORMAT, HEADER, MANIFEST, ErrorRecord, current_state, encoder_of, read_header
+from .format import FORMAT, HEADER, MANIFEST, current_state, encoder_of, read_header
 
 if TYPE_CHECKING:
     import numpy as np
@@ -49,7 +49,7 @@ class EncodedDataset:
         self._by_hash: dict[str, list[Record]] = {}
         for rec in self.records:
             self._by_hash.setdefault(rec.sha256, []).append(rec)
-        self.errors: list[ErrorRecord] = list(failed.values())
+        self.errors: list[Record] = list(failed.values())  # each with `error`, `error_kind`, `seq`
         self._handles: dict[str, Any] = {}
 
     @property
@@ -137,9 +137,8 @@ class EncodedDataset:
                 if shard is None or r.shard == shard]
         if shard is None:
             # The reason alone, as a `bivit encode` record keeps it: the record names the source already.
-            recs += [records.Record.from_json({"source": e.source, "kind": media_kind(e.source) or "image",
-                                               "sha256": e.sha256, "error": e.error.removeprefix(f"{e.source}: "),
-                                               "seq": e.seq}, encoder)
+            recs += [dataclasses.replace(e, kind=media_kind(e.source) or "image", encoder=encoder,
+                                         error=e.error.removeprefix(f"{e.source}: "), extra={"seq": e.seq})
                      for e in sorted(self.errors, key=lambda e: e.seq)]
         where = self.path if shard is None else self.path / shard
         return records.Embeddings(recs, encoder, f"{FORMAT}/{self.header.get('format_version')}", str(where),

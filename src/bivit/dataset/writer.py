@@ -27,10 +27,10 @@ from safetensors.torch import save
 
 from .. import __version__, records
 from ..dtypes import dtype_name
-from ..errors import BivitError
+from ..errors import BivitError, ErrorKind
 from ..fileio import append_lines, fsync_dir, temp_target, write_atomic
 from .format import (DEFAULT_SHARD_MB, ERRORS, FORMAT, FORMAT_VERSION, HEADER, LOCK, MANIFEST, SHARD_RE,
-                     ErrorRecord, encoder_of, manifest_line, manifest_record, read_header, read_jsonl,
+                     encoder_of, manifest_line, manifest_record, read_header, read_jsonl,
                      state_from_rows)
 from .pipeline import Source
 
@@ -188,10 +188,11 @@ class DatasetWriter:
             failed = {s: e for s, e in failed.items() if s in listed}
         self._write_errors(failed, len(error_rows))
 
-    def _write_errors(self, failed: dict[str, ErrorRecord], lines: int) -> None:
+    def _write_errors(self, failed: dict[str, records.Record], lines: int) -> None:
         """errors.jsonl as one line per failed source, unless it has exactly that many `lines` already."""
         if len(failed) != lines:
-            write_atomic(self.dir / ERRORS, "".join(e.to_json() + "\n" for e in failed.values()).encode("utf-8"))
+            lines = "".join(manifest_line(e) + "\n" for e in failed.values())
+            write_atomic(self.dir / ERRORS, lines.encode("utf-8"))
 
     # -- writing ---------------------------------------------------------------------------------------------
 
@@ -203,12 +204,14 @@ class DatasetWriter:
             self.by_source[r.source] = (r.size, r.mtime_ns, r.sha256)
             self.by_hash.setdefault(r.sha256, r)
 
-    def add_error(self, sources: Sequence[Source], reason: str, sha: Optional[str] = None) -> None:
-        """Record that `sources` could not be encoded, one line `"{source}: {reason}"` each; they stay failed
-        until encoded again."""
+    def add_error(self, sources: Sequence[Source], reason: str, sha: Optional[str] = None,
+                  kind: ErrorKind = ErrorKind.MEDIA) -> None:
+        """Record that `sources` could not be encoded (for a failure of `kind`), one record each with the error
+        `"{source}: {reason}"`; they stay failed until encoded again."""
         reason = " ".join(str(reason).split())  # one line
-        append_lines(self.dir / ERRORS, [ErrorRecord(s.source, f"{s.source}: {reason}", sha, self._next_seq()).to_json()
-                                         for s in sources])
+        append_lines(self.dir / ERRORS, [manifest_line(records.Record(
+            s.source, s.kind, sha, error=f"{s.source}: {reason}", error_kind=kind, extra={"seq": self._next_seq()}))
+            for s in sources])
         for s in sources:
             self.by_source.pop(s.source, None)
 
@@ -225,7 +228,7 @@ class DatasetWriter:
             # Guard against a worker returning something else (the vLLM idle-rank dtype bug, a mismatched model).
             raise BivitError(f"encoder returned {tuple(tensor.shape)} {tensor.dtype} for {sources[0].source}; "
                              f"expected [tokens, {width}] {expected}")
-        rec = records.of_result(result, tensor=sha, shard="")
+        rec = records.Record.of_result(result, tensor=sha, shard="")
         lines = [source_line(rec, s, st) for s, st in zip(sources, stats)]
         if sha in self._pending:
             self._pending[sha][1].extend(lines)

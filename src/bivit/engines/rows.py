@@ -10,13 +10,14 @@ encoder-cache key (`bivit.engines.vllm`).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence, Union
 
 from ..encoder_cache import EC_ID_SCHEME, ec_id  # noqa: F401  (re-exported: engines name ids)
 from ..errors import BivitError
 from ..items import ItemResult, content_sha256  # noqa: F401  (content_sha256: re-exported, the one content hash)
 from ..media import Placeholder
+from ..records import Record
 
 if TYPE_CHECKING:
     import torch
@@ -75,8 +76,8 @@ def media_of(result: ItemResult, fingerprint: str) -> Media:
     under the fingerprint of the encoder that computed it."""
     if result.error is not None:
         raise BivitError(f"{result.source}: has no rows to hand over ({result.error})")
-    return Media(result.embedding, tuple(result.placeholders), fingerprint, result.sha256, result.kind,
-                 tuple(result.sizes), tuple(int(t) for t, _, _ in result.grid_thw), result.source)
+    # Through its record, as every front end hands a result over: one converter to Media (`media_of_record`).
+    return media_of_record(replace(Record.of_result(result), encoder={"fingerprint": fingerprint}))
 
 
 def encode(encoder: Any, inputs: Sequence[Any]) -> list[Media]:
@@ -106,7 +107,7 @@ def iter_media(path: Union[str, os.PathLike]) -> Iterator[Media]:
                 yield media_of_record(r, str(path))
 
 
-def media_of_record(r: Any, where: str = "") -> Media:
+def media_of_record(r: Record, where: str = "") -> Media:
     """One record of an embedding file (`bivit.records.Record`) as Media; BivitError naming the file and the
     item when it lacks what an engine needs (files of older bivit versions: re-encode them)."""
     name = f"{where}: {r.source}" if where else r.source

@@ -22,6 +22,7 @@ import sys
 import time
 import traceback
 import uuid
+from http import HTTPStatus
 from typing import Optional
 
 from fastapi import FastAPI, Request
@@ -32,7 +33,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..encoder import Encoder
 from ..names import SHOWN_CHARS, shown
 from .answers import CLIENT_RECEIVE, Answer
-from .protocol import SAFETENSORS_MEDIA_TYPE, RequestError, answer, error_body, failed_answer
+from ..errors import ErrorKind, RequestError
+from .protocol import SAFETENSORS_MEDIA_TYPE, answer, error_body, failed_answer
 from .bodies import content_type
 from .serving import Service, log
 from .settings import ServerSettings
@@ -119,12 +121,15 @@ def create_app(encoder: Encoder, settings: Optional[ServerSettings] = None) -> F
     @app.exception_handler(StarletteHTTPException)
     async def _routing_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         # The router's own answers (no such route, a method the route does not take) in the service's one shape.
-        kind, message = {404: ("not_found", f"no route {request.url.path}; the service answers {ROUTES}"),
-                         405: ("method_not_allowed", f"{request.method} is not allowed on {request.url.path}")
-                         }.get(exc.status_code, ("http_error", str(exc.detail)))
+        # The app raises no HTTPException of its own and reads every body itself: the router's 404 and 405 are
+        # the only ones; anything else would be a bug, answered as one.
+        said = {ErrorKind.NOT_FOUND: f"no route {request.url.path}; the service answers {ROUTES}",
+                ErrorKind.METHOD_NOT_ALLOWED: f"{request.method} is not allowed on {request.url.path}"}
+        kind = next((k for k in said if k.status == exc.status_code), ErrorKind.INTERNAL)
+        message = said.get(kind, f"HTTP {exc.status_code}: {exc.detail}")
         svc.metrics.errors.labels(kind).inc()
         request.state.error = message
-        return JSONResponse(error_body(kind, message), exc.status_code, headers=getattr(exc, "headers", None))
+        return JSONResponse(error_body(kind, message), kind.status, headers=getattr(exc, "headers", None))
 
     @app.middleware("http")
     async def _frame(request: Request, call_next):
@@ -139,25 +144,27 @@ def create_app(encoder: Encoder, settings: Optional[ServerSettings] = None) -> F
             # Which one frames the body is where a proxy and this server can disagree (request smuggling): refused,
             # and the connection closed after the answer, so nothing behind it on the connection is read
             # (RFC 9112, section 6.1).
-            svc.metrics.errors.labels("bad_request").inc()
+            svc.metrics.errors.labels(ErrorKind.BAD_REQUEST).inc()
             request.state.error = "both Content-Length and Transfer-Encoding"
             response: Response = JSONResponse(
-                error_body("bad_request", "a request may not carry both Content-Length and Transfer-Encoding"), 400,
+                error_body(ErrorKind.BAD_REQUEST, "a request may not carry both Content-Length and Transfer-Encoding"),
+                ErrorKind.BAD_REQUEST.status,
                 headers={"Connection": "close"})
         elif settings.api_key and request.url.path != "/health" and \
                 not _bearer_ok(request.headers.get("authorization"), settings.api_key):
-            svc.metrics.errors.labels("auth").inc()
+            svc.metrics.errors.labels(ErrorKind.AUTH).inc()
             request.state.error = "missing or wrong API key"
-            response = JSONResponse(error_body("auth", "missing or wrong API key "
-                                               "(send 'Authorization: Bearer <key>')"), 401,
+            response = JSONResponse(error_body(ErrorKind.AUTH, "missing or wrong API key "
+                                               "(send 'Authorization: Bearer <key>')"), ErrorKind.AUTH.status,
                                     headers={"WWW-Authenticate": "Bearer"})
         else:
             try:
                 response = await call_next(request)
             except Exception:  # noqa: BLE001 - a bug must still produce a 500 and a log line
                 log.exception("unhandled error", extra={"fields": {"id": rid}})
-                svc.metrics.errors.labels("internal").inc()
-                response = JSONResponse(error_body("internal", "internal server error"), 500)
+                svc.metrics.errors.labels(ErrorKind.INTERNAL).inc()
+                response = JSONResponse(error_body(ErrorKind.INTERNAL, "internal server error"),
+                                        ErrorKind.INTERNAL.status)
             finally:
                 svc.bodies.release(request)
         latency = time.perf_counter() - t0
@@ -197,12 +204,12 @@ def create_app(encoder: Encoder, settings: Optional[ServerSettings] = None) -> F
     async def encode(request: Request) -> Response:
         fmt = request.query_params.get("format", "safetensors")
         if fmt not in ("safetensors", "json"):
-            raise RequestError(400, "bad_request", f"format must be 'safetensors' or 'json', got {fmt!r}")
+            raise ErrorKind.BAD_REQUEST.error(f"format must be 'safetensors' or 'json', got {fmt!r}")
         ctype = content_type(request)  # 415 before reading a byte of the body
         body = await svc.bodies.read(request)
         items = await svc.bodies.parse_items(ctype, request, body)
         if not items:
-            raise RequestError(400, "bad_request", "no items: send at least one 'file' part or JSON item")
+            raise ErrorKind.BAD_REQUEST.error("no items: send at least one 'file' part or JSON item")
         request.state.items = len(items)
         results, info, release = await _unless_disconnected(request, svc.encode_request(items, fmt == "json"))
         try:
@@ -214,13 +221,13 @@ def create_app(encoder: Encoder, settings: Optional[ServerSettings] = None) -> F
     @app.post("/v1/weights")
     async def weights(request: Request) -> JSONResponse:
         if not settings.api_key and not settings.allow_weight_updates_without_key:
-            raise RequestError(403, "forbidden", "weight updates need an API key: start the server with --api-key "
+            raise ErrorKind.FORBIDDEN.error("weight updates need an API key: start the server with --api-key "
                                "(or --allow-weight-updates-without-key on a trusted machine)")
         content_type(request, ("application/octet-stream", SAFETENSORS_MEDIA_TYPE),
                      "send the weights as a safetensors file, application/octet-stream")
         if svc.updating.locked():  # one weights body at a time: each may be gigabytes (on disk)
             await svc.bodies.discard(request)
-            raise RequestError(503, "busy", "a weight update is in progress; retry later",
+            raise ErrorKind.BUSY.error("a weight update is in progress; retry later",
                                {"Retry-After": str(settings.retry_after_s), "Connection": "close"})
         async with svc.updating:
             async with svc.bodies.spooled(request, svc.weights_limit_mb, "--max-weights-mb") as path:
@@ -235,15 +242,15 @@ async def _answer(svc: Service, request: Request, results: list, info: dict, fmt
     failed = [r for r in results if r.error is not None]
     request.state.failed = len(failed)
     for r in failed:
-        svc.metrics.errors.labels(r.error_kind or "internal").inc()
+        svc.metrics.errors.labels(r.error_kind or ErrorKind.INTERNAL).inc()
     for r in results:
         svc.metrics.items.labels("error" if r.error else ("cached" if r.cached else "encoded")).inc()
     if len(failed) == len(results):
         # Nothing to return: a client error unless the server itself broke.
-        internal = any(r.error_kind == "internal" for r in failed)
+        status = max((r.error_kind or ErrorKind.INTERNAL).status for r in failed)  # 500 if the server broke
         request.state.error = failed[0].error
         body = await asyncio.get_running_loop().run_in_executor(None, failed_answer, info, results)
-        return Answer(body, "application/json", 500 if internal else 422, release)
+        return Answer(body, "application/json", status, release)
     # Made as it is sent (`bivit.serve.answers`); the file's header (every record) off the event loop.
     length, pieces = await asyncio.get_running_loop().run_in_executor(None, answer, info, results, fmt == "json")
     return Answer(pieces, "application/json" if fmt == "json" else SAFETENSORS_MEDIA_TYPE, release=release,
@@ -275,7 +282,7 @@ async def _unless_disconnected(request: Request, work):
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await task
-        raise RequestError(499, "client_closed", "the client closed the connection before the answer")
+        raise ErrorKind.CLIENT_CLOSED.error("the client closed the connection before the answer")
     return task.result()
 
 
@@ -325,8 +332,9 @@ def accept_burst(limit: int) -> int:
 UVICORN_TESTED = "0.55"
 
 # The answer to a connection over the limit when no connection is still sending its headers.
-_BUSY = json.dumps(error_body("busy", "server busy: too many open connections; retry later")).encode()
-_BUSY_RESPONSE = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
+_BUSY = json.dumps(error_body(ErrorKind.BUSY, "server busy: too many open connections; retry later")).encode()
+_BUSY_RESPONSE = (f"HTTP/1.1 {ErrorKind.BUSY.status} {HTTPStatus(ErrorKind.BUSY.status).phrase}\r\n".encode()
+                  + b"Content-Type: application/json\r\nRetry-After: 1\r\n"
                   b"Connection: close\r\nContent-Length: " + str(len(_BUSY)).encode() + b"\r\n\r\n" + _BUSY)
 
 

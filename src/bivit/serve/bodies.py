@@ -15,7 +15,8 @@ from fastapi import Request
 from starlette.formparsers import MultiPartParser
 from starlette.requests import ClientDisconnect
 
-from .protocol import RequestError, UploadItem, parse_json_request, too_many_items, upload_name
+from ..errors import ErrorKind
+from .protocol import UploadItem, parse_json_request, too_many_items, upload_name
 from .metrics import Metrics
 from .settings import ServerSettings
 
@@ -27,7 +28,7 @@ def content_type(request: Request, accepted: tuple[str, ...] = ENCODE_MEDIA_TYPE
     """The request's media type if the route accepts it, else RequestError 415 (before reading the body)."""
     ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if ctype not in accepted:
-        raise RequestError(415, "unsupported_media_type", f"Content-Type {ctype or '(none)'!r} is not accepted; {hint}")
+        raise ErrorKind.UNSUPPORTED_MEDIA_TYPE.error(f"Content-Type {ctype or '(none)'!r} is not accepted; {hint}")
     return ctype
 
 
@@ -77,7 +78,7 @@ class BodyReader:
                         f.write(chunk)
                     except OSError as e:  # a full disk is the server's state, not the request's fault
                         await self.discard(request)
-                        raise RequestError(507, "insufficient_storage", f"cannot hold the body in "
+                        raise ErrorKind.INSUFFICIENT_STORAGE.error(f"cannot hold the body in "
                                            f"{tempfile.gettempdir()} ({e.strerror or e})",
                                            {"Connection": "close"}) from None
             yield path
@@ -93,10 +94,10 @@ class BodyReader:
             try:
                 n = int(declared)
             except ValueError:
-                raise RequestError(400, "bad_request", f"invalid Content-Length {declared!r}") from None
+                raise ErrorKind.BAD_REQUEST.error(f"invalid Content-Length {declared!r}") from None
             if n > limit:
                 await self.discard(request, n)
-                raise RequestError(413, "too_large", f"request body of {n} bytes exceeds {option} "
+                raise ErrorKind.TOO_LARGE.error(f"request body of {n} bytes exceeds {option} "
                                    f"{limit_mb:g} ({limit} bytes)")
         deadline = asyncio.get_running_loop().time() + self.settings.body_timeout_s
         all_bodies = self.settings.mb(self.settings.max_bodies_mb)
@@ -110,18 +111,18 @@ class BodyReader:
                 return
             except TimeoutError:
                 # A client sending slower than this holds a connection and a buffer: drop it (408 closes it).
-                raise RequestError(408, "body_timeout", f"request body not received within --body-timeout-s "
+                raise ErrorKind.BODY_TIMEOUT.error(f"request body not received within --body-timeout-s "
                                    f"{self.settings.body_timeout_s:g}", {"Connection": "close"}) from None
             except ClientDisconnect:
-                raise RequestError(400, "bad_request", "client disconnected while sending the body") from None
+                raise ErrorKind.BAD_REQUEST.error("client disconnected while sending the body") from None
             size += len(chunk)
             if size > limit:  # a chunked or lying body: stop at the limit, never hold more than it
                 await self.discard(request, limit)
-                raise RequestError(413, "too_large", f"request body exceeds {option} {limit_mb:g} ({limit} bytes)")
+                raise ErrorKind.TOO_LARGE.error(f"request body exceeds {option} {limit_mb:g} ({limit} bytes)")
             if counted:
                 if self.held + len(chunk) > all_bodies:
                     await self.discard(request, limit)
-                    raise RequestError(503, "busy", f"server busy: {self.held} bytes of request bodies held, "
+                    raise ErrorKind.BUSY.error(f"server busy: {self.held} bytes of request bodies held, "
                                        f"max_bodies_mb {self.settings.max_bodies_mb:g}; retry later",
                                        {"Retry-After": str(self.settings.retry_after_s), "Connection": "close"})
                 self._hold(request, len(chunk))
@@ -176,16 +177,15 @@ class BodyReader:
             reason = str(getattr(e, "message", None) or e)
             if reason.startswith(("Too many files", "Too many fields")):
                 raise too_many_items("more", max_items) from None
-            raise RequestError(400, "bad_request", f"malformed multipart body: {reason}") from None
+            raise ErrorKind.BAD_REQUEST.error(f"malformed multipart body: {reason}") from None
         items = []
         try:
             for key, value in form.multi_items():
                 if key != "file":
-                    raise RequestError(400, "bad_request", f"unexpected form field {key!r}; send each image or "
+                    raise ErrorKind.BAD_REQUEST.error(f"unexpected form field {key!r}; send each image or "
                                        "video as a file part named 'file'")
                 if isinstance(value, str):
-                    raise RequestError(400, "bad_request",
-                                       "form field 'file' must be a file part (curl -F file=@path)")
+                    raise ErrorKind.BAD_REQUEST.error("form field 'file' must be a file part (curl -F file=@path)")
                 name, refused = upload_name(value.filename, len(items))
                 data = None if refused else await value.read()
                 items.append(UploadItem(name, data, (value.content_type or "").lower().startswith("video/"),

@@ -4,8 +4,9 @@ Request: multipart `file` parts, or JSON `{"items": [{"data": "<base64>", "name"
 Response: an embedding file (`bivit.records`, format bivit.embeddings/1: `format`, `encoder`, `items` in its
 header metadata, tensor "i" for input i that has an embedding), the same file `bivit encode` writes and
 `bivit.load_embeddings` reads; or the same as JSON with each item's `embedding` as nested float lists
-(`?format=json`). A record carries the service's own `cached` and `error_kind` (and `ec_ids` with --ec-dir). An error is
-`{"error": {"kind", "message"}, ...}`.
+(`?format=json`). A record carries its `error_kind` when it failed, the service's own `cached` (and `ec_ids`
+with --ec-dir). An error is `{"error": {"kind", "message"}, ...}`, its kind and status from
+`bivit.errors.ErrorKind`.
 
 Imports neither torch nor PyAV: `bivit.client` stays light; torch loads when a body is (de)serialised.
 """
@@ -19,20 +20,12 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
 from .. import records
-from ..errors import BivitError
+from ..errors import BadItem, ErrorKind, RequestError  # noqa: F401  (their home before errors)
 from ..fileio import TooManyElements, parse_json
 from ..kinds import media_kind
 from ..names import label, shown, stored, too_long
 
 SAFETENSORS_MEDIA_TYPE = "application/vnd.bivit.safetensors"
-
-
-class RequestError(BivitError):
-    """A request the service refuses: HTTP `status`, a machine-readable `kind`, extra response `headers`."""
-
-    def __init__(self, status: int, kind: str, message: str, headers: Optional[dict[str, str]] = None):
-        super().__init__(message)
-        self.status, self.kind, self.message, self.headers = status, kind, message, headers or {}
 
 
 @dataclass
@@ -59,10 +52,6 @@ class UploadItem:
         return "image"
 
 
-class BadItem(BivitError):
-    """An item that could not even be extracted from the request (bad base64): error kind "bad_item"."""
-
-
 # JSON elements one item takes: its object, the keys "data", "name", "kind" and their values, and one to spare.
 ITEM_ELEMENTS = 8
 
@@ -78,7 +67,7 @@ def upload_name(raw: Optional[str], i: int) -> tuple[str, Optional[str]]:
 
 
 def too_many_items(n: object, max_items: int) -> RequestError:
-    return RequestError(413, "too_many_items", f"request has {n} items, more than --max-queue {max_items} "
+    return ErrorKind.TOO_MANY_ITEMS.error(f"request has {n} items, more than --max-queue {max_items} "
                         "(every copy and every failed item counted); split it")
 
 
@@ -94,27 +83,27 @@ def parse_json_request(body: bytes | bytearray, max_items: int) -> list[UploadIt
     try:
         doc = parse_json(body, max_elements=most)  # counted before anything is built
     except TooManyElements:
-        raise RequestError(413, "too_many_items", f"request body holds more than {most} JSON elements (arrays, "
+        raise ErrorKind.TOO_MANY_ITEMS.error(f"request body holds more than {most} JSON elements (arrays, "
                            f"objects, strings, numbers, literals), more than --max-queue {max_items} items need; "
                            "split it") from None
     except ValueError as e:  # UnicodeDecodeError included
-        raise RequestError(400, "bad_request", f"invalid JSON body: {e}") from None
+        raise ErrorKind.BAD_REQUEST.error(f"invalid JSON body: {e}") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("items"), list):
-        raise RequestError(400, "bad_request", 'JSON body must be {"items": [{"data": "<base64>", "name": ...}]}')
+        raise ErrorKind.BAD_REQUEST.error('JSON body must be {"items": [{"data": "<base64>", "name": ...}]}')
     if len(doc["items"]) > max_items:
         raise too_many_items(len(doc["items"]), max_items)
     items = []
     for i, entry in enumerate(doc["items"]):
         if not isinstance(entry, dict) or not isinstance(entry.get("data"), str):
-            raise RequestError(400, "bad_request", f"items[{i}] must be an object with a base64 string 'data'")
+            raise ErrorKind.BAD_REQUEST.error(f"items[{i}] must be an object with a base64 string 'data'")
         raw = entry.get("name")
         if raw is not None and not isinstance(raw, str):
-            raise RequestError(400, "bad_request", f"items[{i}].name must be a string, got a {type(raw).__name__}")
+            raise ErrorKind.BAD_REQUEST.error(f"items[{i}].name must be a string, got a {type(raw).__name__}")
         name, refused = upload_name(raw, i)
         kind = entry.get("kind")
         if kind not in (None, "image", "video"):
-            raise RequestError(400, "bad_request",
-                               f"items[{i}].kind must be 'image' or 'video', got {shown(repr(kind), 100)}")
+            raise ErrorKind.BAD_REQUEST.error(f"items[{i}].kind must be 'image' or 'video', got "
+                                              f"{shown(repr(kind), 100)}")
         if refused:
             items.append(UploadItem(name, None, error=refused))
             continue
@@ -127,7 +116,8 @@ def parse_json_request(body: bytes | bytearray, max_items: int) -> list[UploadIt
     return items
 
 
-def error_body(kind: str, message: str, **extra: Any) -> dict:
+def error_body(kind: ErrorKind, message: str, **extra: Any) -> dict:
+    """An error answer's JSON: `{"error": {"kind", "message"}, ...}`."""
     return {"error": {"kind": kind, "message": message}, **extra}
 
 
@@ -145,7 +135,7 @@ def failed_answer(info: dict, recs: list[records.Record]) -> bytes:
     """The JSON answer when every item failed: the first reasons in the message, every record in `items`."""
     failed = [r for r in recs if r.error is not None]
     shown = "; ".join(str(r.error) for r in failed[:3]) + (f"; and {len(failed) - 3} more" if len(failed) > 3 else "")
-    body = error_body(failed[0].error_kind or "internal", "every item failed: " + shown, format=records.FORMAT,
+    body = error_body(failed[0].error_kind or ErrorKind.INTERNAL, "every item failed: " + shown, format=records.FORMAT,
                       encoder=info, items=[r.to_json() for r in recs])
     return json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
 

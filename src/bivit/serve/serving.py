@@ -36,7 +36,6 @@ import contextlib
 import hashlib
 import logging
 import time
-from dataclasses import replace
 from collections.abc import Mapping
 from typing import Callable, Iterator, NamedTuple, Optional
 
@@ -45,7 +44,7 @@ from ..container import FRAME_MIN_PIXELS, DecodeBudget
 from ..decode import image_header, image_work_bytes
 from ..encoder import Encoder
 from ..encoder_cache import EncoderCacheError, Sink
-from ..errors import BivitError, CheckpointError, MediaError
+from ..errors import BadItem, BivitError, CheckpointError, EncodeFailed, ErrorKind, MediaError
 from ..grids import PATCH_SIZE, grid_tokens, image_grid
 from ..items import ItemResult, Prepared, assemble
 from ..preprocess_config import ProcessorConfig
@@ -55,7 +54,7 @@ from .bodies import BodyReader
 from .embedding_cache import EmbeddingCache
 from .metrics import Metrics
 from .pools import FairPool
-from .protocol import BadItem, RequestError, UploadItem, too_many_items
+from .protocol import UploadItem, too_many_items
 from .settings import ServerSettings
 
 log = logging.getLogger("bivit.server")
@@ -252,7 +251,8 @@ class Service:
         if self.ec is None or result.error is not None:
             return result, {}
         try:
-            return result, {"ec_ids": await asyncio.wrap_future(self.pool.submit(owner, self.ec.put, result))}
+            return result, {"ec_ids": await asyncio.wrap_future(self.pool.submit(
+                owner, self.ec.put, records.Record.of_result(result)))}
         except EncoderCacheError as e:
             log.error("encoder cache not written", extra={"fields": {"item": result.source, "reason": str(e)}})
             return result, {"ec_error": str(e)}
@@ -314,11 +314,11 @@ class Service:
             copies = collections.Counter(key for _, key in todo)
             n = len(unique)
             if n > self.settings.max_queue:
-                raise RequestError(413, "too_many_items", f"request has {n} items to encode, more than --max-queue "
+                raise ErrorKind.TOO_MANY_ITEMS.error(f"request has {n} items to encode, more than --max-queue "
                                    f"{self.settings.max_queue}; split it")
             if self.inflight + n > self.settings.max_queue:
                 items_text = f"{self.inflight} item{'' if self.inflight == 1 else 's'}"
-                raise RequestError(429, "queue_full", f"server busy: {items_text} in flight, --max-queue "
+                raise ErrorKind.QUEUE_FULL.error(f"server busy: {items_text} in flight, --max-queue "
                                    f"{self.settings.max_queue}; retry later",
                                    {"Retry-After": str(self.settings.retry_after_s)})
             # Images are counted from their headers, and videos' decoding work from theirs, before decoding.
@@ -336,7 +336,7 @@ class Service:
                     fresh = await asyncio.wait_for(asyncio.gather(*tasks), self.settings.request_timeout_s)
                     fresh = [await self._with_encoder_cache(r, budget) for r in fresh]
                 except asyncio.TimeoutError:
-                    raise RequestError(504, "timeout", f"request not answered within --request-timeout-s "
+                    raise ErrorKind.TIMEOUT.error(f"request not answered within --request-timeout-s "
                                        f"{self.settings.request_timeout_s:g}") from None
                 finally:
                     for t in tasks:  # one item over a budget ends the request: stop the others
@@ -365,7 +365,7 @@ class Service:
         try:
             handle = await asyncio.get_running_loop().run_in_executor(None, lambda: safe_open(path, "pt"))
         except (SafetensorError, ValueError, OSError) as e:
-            raise RequestError(400, "bad_weights", f"body is not a safetensors file ({e})") from None
+            raise ErrorKind.BAD_WEIGHTS.error(f"body is not a safetensors file ({e})") from None
         tensors = _LazyTensors(handle, "POST /v1/weights")
 
         def apply() -> str:  # on the batching worker, between forward passes
@@ -386,7 +386,7 @@ class Service:
                 await asyncio.wait({swap})
                 raise
             except BivitError as e:  # refused whole: the old weights keep serving
-                raise RequestError(422, "bad_weights", str(e)) from None
+                raise ErrorKind.BAD_WEIGHTS.error(str(e)) from None
         log.info("weights updated", extra={"fields": {"fingerprint": fingerprint, "previous": previous,
                                                       "tensors": len(tensors)}})
         return {"fingerprint": fingerprint, "previous_fingerprint": previous, "tensors": len(tensors)}
@@ -407,7 +407,7 @@ class _Budget:
     def check_decoding(self, work: int) -> None:
         """413 when the decoding work its videos' headers announce is more than the request may do."""
         if work > self.decode.limit:
-            raise RequestError(413, "too_large", f"the request's videos need {work / 1e6:.0f} M frame pixels of "
+            raise ErrorKind.TOO_LARGE.error(f"the request's videos need {work / 1e6:.0f} M frame pixels of "
                                f"decoding (frames x their pixels, at least {FRAME_MIN_PIXELS} a frame), more than "
                                f"--max-video-mpixels {self.svc.settings.max_video_mpixels:g}; send fewer or "
                                "shorter videos")
@@ -416,19 +416,19 @@ class _Budget:
         s = self.svc.settings
         answer = tokens * self.token_bytes + other_bytes
         if self.response + answer > s.mb(s.max_response_mb):
-            raise RequestError(413, "response_too_large", f"the response would exceed --max-response-mb "
+            raise ErrorKind.RESPONSE_TOO_LARGE.error(f"the response would exceed --max-response-mb "
                                f"{s.max_response_mb:g} ({self.response + answer} bytes); "
                                "send fewer items (every copy of an item is answered)")
         if self.svc.answers_held + answer > s.mb(s.max_answers_mb):
             # Answers wait for their clients to read them: clients that never read held 2.9 GB at four of them.
-            raise RequestError(503, "busy", f"server busy: {self.svc.answers_held} bytes of answers being "
+            raise ErrorKind.BUSY.error(f"server busy: {self.svc.answers_held} bytes of answers being "
                                f"computed or written, --max-answers-mb {s.max_answers_mb:g}; retry later",
                                {"Retry-After": str(s.retry_after_s)})
         if self.pixels + pixels > min(s.mb(s.max_request_pixels_mb), s.mb(s.max_queue_pixels_mb)):
-            raise RequestError(413, "too_large", f"request needs more than --max-request-pixels-mb "
+            raise ErrorKind.TOO_LARGE.error(f"request needs more than --max-request-pixels-mb "
                                f"{s.max_request_pixels_mb:g} of decoded pixels; send fewer or smaller items")
         if self.svc.pixels_held + pixels > s.mb(s.max_queue_pixels_mb):
-            raise RequestError(429, "queue_full", f"server busy: --max-queue-pixels-mb {s.max_queue_pixels_mb:g} "
+            raise ErrorKind.QUEUE_FULL.error(f"server busy: --max-queue-pixels-mb {s.max_queue_pixels_mb:g} "
                                "of decoded pixels in flight; retry later", {"Retry-After": str(s.retry_after_s)})
         self.pixels += pixels
         self.response += answer
@@ -472,30 +472,10 @@ class _LazyTensors(Mapping):
         return len(self._keys)
 
 
-class EncodeFailed(BivitError):
-    """A forward pass that raised something other than a BivitError: the server's fault (error kind "internal")."""
-
-
-def error_kind(error: BaseException) -> str:
-    """The `error_kind` an answer gives a failed item: "bad_item" (could not be extracted), "media" (cannot be
-    read or decoded), "invalid" (a limit or a bad input the model refuses), "internal" (the server's fault)."""
-    if isinstance(error, BadItem):
-        return "bad_item"
-    if isinstance(error, MediaError):
-        return "media"
-    if isinstance(error, EncodeFailed) or not isinstance(error, BivitError):
-        return "internal"
-    return "invalid"
-
-
 def _record(i: int, name: str, result: ItemResult, extra: dict) -> records.Record:
     """Input `i`'s record in the answer (its tensor "i"), its embedding in memory, under its upload's `name`
     (copies of one item and cache hits share a result computed under another name); a failed item's reason
     names it."""
-    if result.error is None:
-        result.embedding_sha256  # noqa: B018 - computed once on the shared result, kept by its copies
-        return records.of_result(replace(result, source=name), tensor=str(i), cached=extra.get("cached", False),
-                                 error_kind=None, **{k: v for k, v in extra.items() if k != "cached"})
-    return records.record(name, kind=result.kind, sha256=result.sha256, grid_thw=[], chunk_tokens=[],
-                          timestamps=None, placeholders=[], cached=False, error_kind=error_kind(result.error),
-                          error=f"{name}: {records.error_text(result.error, result.source)}")
+    return records.Record.of_result(result, None if result.error else str(i), source=name, named=True,
+                                    cached=extra.get("cached", False) and result.error is None,
+                                    **{k: v for k, v in extra.items() if k != "cached"})
