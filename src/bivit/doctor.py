@@ -135,7 +135,7 @@ def prove(model: str | None, dtype: str, projector_dtype: str | None) -> dict:
     """Run the load-time proof now (`bivit.ops.proof`) on `model`'s real shapes: the table, its cost, and whether it
     agrees with what this machine kind recorded; then the golden rows (`bivit.golden`): the demo model's rows at
     `dtype` against the committed ones. Raises InvarianceError where an op has no invariant path."""
-    import time  # no reason: could be module-level (cheap stdlib)
+    import time  # could be module-level: no cycle, no cost (cheap stdlib)
 
     from . import golden, ops  # torch and the golden inputs: only `bivit doctor --prove`
     from .encoder import load_encoder  # the model code: only `--prove` (report() loads no model)
@@ -179,7 +179,7 @@ def extras() -> dict:
 def report() -> dict:
     """Everything `bivit doctor` prints, as JSON. Loads no model; builds the compiled attention if it is not
     cached yet (what every encoder does at load)."""
-    from . import __version__, notices  # no reason: could be module-level (no cycle; notices is imported above)
+    from . import __version__, notices  # could be module-level: no cycle, no cost (no cycle; notices is imported above)
 
     out = {"bivit": {"version": __version__, "python": platform.python_version(),
                      "platform": f"{platform.system()} {platform.release()}", "executable": sys.executable}}

@@ -59,7 +59,7 @@ def write_rows(directory: Union[str, os.PathLike], ids: Sequence[str], chunks: S
     # heavy (torch, by safetensors.torch): the CLI's start imports this module (cli.encode)
     from safetensors.torch import save
 
-    from .fileio import write_atomic  # no reason: could be module-level (no cycle)
+    from .fileio import write_atomic  # could be module-level: no cycle, no cost (no cycle)
 
     root = Path(directory)
     for i, rows in zip(ids, chunks):
@@ -79,9 +79,9 @@ def _holds(path: Path, rows: "torch.Tensor") -> bool:
     """Whether `path` is a regular file (not a link) holding exactly `rows` (shape, dtype and bits) as its
     encoder-cache tensor."""
     import torch  # heavy (torch): as in `write_rows`
-    from safetensors import safe_open  # no reason: could be module-level (safetensors alone is light)
+    from safetensors import safe_open  # could be module-level: no cycle, no cost (safetensors alone is light)
 
-    from .dtypes import dtype_name  # no reason: could be module-level
+    from .dtypes import dtype_name  # could be module-level: no cycle, no cost
 
     if path.is_symlink() or not path.is_file():
         return False

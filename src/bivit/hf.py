@@ -180,7 +180,7 @@ def _saving_published_architecture(save: Any) -> Any:
     """`save_pretrained`, then config.json's `architectures` set to the published name (transformers writes its
     own class name, `Kimi_K25ForConditionalGeneration`, which vLLM does not map to its Kimi-K2.5 model; transformers
     itself dispatches on `model_type`)."""
-    import json  # no reason: could be module-level (cheap stdlib)
+    import json  # could be module-level: no cycle, no cost (cheap stdlib)
 
     def save_pretrained(save_directory: str | os.PathLike, *args: Any, **kwargs: Any) -> Any:
         out = save(save_directory, *args, **kwargs)
@@ -289,7 +289,7 @@ def _make_processor_class() -> type:
 
         def save_pretrained(self, save_directory: str | os.PathLike, **kwargs: Any) -> list[str]:
             """The tokenizer and `preprocessor_config.json` (bivit, transformers' tokenizer and vLLM read them)."""
-            import json  # no reason: could be module-level (cheap stdlib)
+            import json  # could be module-level: no cycle, no cost (cheap stdlib)
 
             directory = Path(save_directory)
             directory.mkdir(parents=True, exist_ok=True)

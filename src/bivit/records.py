@@ -236,7 +236,7 @@ def error_text(error: BaseException, source: str) -> str:
 
 def embedding_sha256(tensor: "torch.Tensor") -> str:
     """A record's `tensor_sha256`: the sha256 of a tensor's bytes as a safetensors file stores them (C order)."""
-    import hashlib  # no reason: could be module-level (fileio, imported above, loads hashlib)
+    import hashlib  # could be module-level: no cycle, no cost (fileio, imported above, loads hashlib)
 
     import torch  # heavy (torch): bivit.client reads records without it (module docstring)
 
@@ -263,7 +263,7 @@ def file_pieces(encoder: Mapping[str, Any], records: Sequence[Record],
     of one item read from one tensor (safetensors' writer refuses shared storage: 199 clones for 200 copies)."""
     import torch  # heavy (torch): as in `embedding_sha256`
 
-    from .dtypes import dtype_name  # no reason: could be module-level
+    from .dtypes import dtype_name  # could be module-level: no cycle, no cost
 
     header: dict[str, Any] = {"__metadata__": metadata(encoder, records)}
     tensors, offset = [], 0
@@ -299,7 +299,7 @@ def save(path: str | os.PathLike, encoder: Mapping[str, Any], records: Sequence[
          embeddings: Sequence[Optional["torch.Tensor"]]) -> None:
     """Write a file atomically (`bivit.fileio.write_atomic`: a reader sees the old file or the whole new one),
     serialised in memory first so that a full disk is an OSError naming `path`."""
-    from .fileio import write_atomic  # no reason: could be module-level (fileio is imported above)
+    from .fileio import write_atomic  # could be module-level: no cycle, no cost (fileio is imported above)
 
     write_atomic(path, to_bytes(encoder, records, embeddings))
 

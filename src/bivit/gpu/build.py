@@ -34,9 +34,9 @@ IMAGE, VIDEO = (1, 4, 4), (4, 4, 4)  # grids (t, h, w) of the recorded forward: 
 def model_launches(cfg, dtype: torch.dtype) -> list:
     """Every launch an invariant forward of `cfg` in `dtype` makes (an image and a video chunk), recorded, not
     run: the weights are allocated at full size and never initialised (nothing is computed)."""
-    from .. import ops  # no reason: could be module-level (the bivit.gpu package loads ops)
-    from ..model import VisionModel  # no reason: could be module-level (no cycle)
-    from ..ops.device import recording  # no reason: could be module-level (the bivit.gpu package loads it)
+    from .. import ops  # could be module-level: no cycle, no cost (the bivit.gpu package loads ops)
+    from ..model import VisionModel  # could be module-level: no cycle, no cost (no cycle)
+    from ..ops.device import recording  # could be module-level: no cycle, no cost (the bivit.gpu package loads it)
 
     with torch.device("meta"):
         net = VisionModel(cfg)
@@ -50,8 +50,8 @@ def model_launches(cfg, dtype: torch.dtype) -> list:
 
 def attention_launches(head_dim: int, dtype: torch.dtype, heads: int = 8) -> list:
     """The attention launch at one head dim (for head dims no preset has), recorded."""
-    from .. import ops  # no reason: could be module-level (as above)
-    from ..ops.device import recording  # no reason: could be module-level (as above)
+    from .. import ops  # could be module-level: no cycle, no cost (as above)
+    from ..ops.device import recording  # could be module-level: no cycle, no cost (as above)
 
     q = torch.empty(32, heads, head_dim, dtype=dtype)
     with ops.batch_invariant(True), recording() as launches:
@@ -79,7 +79,7 @@ def compile_launch(launch, arch: int = 90):
     from triton.compiler import ASTSource, make_backend  # optional: the gpu extra (triton)
     from triton.runtime.jit import create_function_from_signature  # optional: the gpu extra (triton)
 
-    from ..kernels.cuda import interpreting  # no reason: could be module-level (the bivit.gpu package loads it)
+    from ..kernels.cuda import interpreting  # could be module-level: no cycle, no cost (the bivit.gpu package loads it)
 
     if interpreting():
         raise RuntimeError("bivit.gpu.build compiles kernels: run it without TRITON_INTERPRET=1")
@@ -138,7 +138,7 @@ def compile_all(launches: dict[str, list], arch: int = 90) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..config import PRESETS  # no reason: could be module-level (no cycle)
+    from ..config import PRESETS  # could be module-level: no cycle, no cost (no cycle)
 
     parser = argparse.ArgumentParser(prog="python -m bivit.gpu.build", description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability (90 = sm_90a)")

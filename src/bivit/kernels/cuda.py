@@ -120,7 +120,7 @@ def _fixed_order_interpreter_dot() -> None:
     at tile row 0 vs 37), so the interpreter showed pack dependence the kernels do not have. numpy's einsum
     (no BLAS) adds each element's products in K order whatever the other rows: the interpreter's dot then
     depends on the row's data only, as the compiled kernel's does."""
-    import numpy as np  # no reason: could be module-level (torch, imported above, loads numpy)
+    import numpy as np  # could be module-level: no cycle, no cost (torch, imported above, loads numpy)
     from triton.runtime import interpreter  # optional: the gpu extra (triton)
 
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):

@@ -51,7 +51,7 @@ CPU_OPS = Ops(gemm.linear, gemm.residual_linear, gemm.patch_conv, norms.layer_no
 @state.memo(state.FIXED)
 def cuda_ops() -> Ops:
     """The Triton ops (imported on first use: they need triton); triton checked once per process."""
-    from . import cuda as ops  # no reason: could be module-level (ops.cuda needs no triton to import; no cycle)
+    from . import cuda as ops  # could be module-level: no cycle, no cost (ops.cuda needs no triton to import; no cycle)
 
     cuda.require()
     return Ops(ops.linear, ops.residual_linear, ops.patch_conv, ops.layer_norm, ops.rms_norm, ops.attention,
