@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 from . import records
 from .errors import BivitError, ErrorKind, MediaError
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # type hints only
     import httpx
     import torch
     from PIL import Image
@@ -97,8 +97,8 @@ def _as_part(src: Any, i: int) -> tuple[str, bytes]:
     if _is(src, "PIL.Image", "Image"):
         return f"item{i}.png", _png(src)
     if _is(src, "numpy", "ndarray"):
-        import numpy as np
-        from PIL import Image
+        import numpy as np  # only for an array input: importing the client loads no numpy (module docstring)
+        from PIL import Image  # only for an array input: importing the client loads no Pillow (module docstring)
 
         if src.ndim != 3 or src.shape[2] != 3 or src.dtype != np.uint8 or 0 in src.shape:
             raise MediaError(f"<input {i}>: numpy images must be HxWx3 uint8, got shape {src.shape} dtype {src.dtype}")
@@ -121,7 +121,7 @@ class Client:
     """Synchronous client of one bivit server. Thread-safe (one connection pool shared by all threads)."""
 
     def __init__(self, url: str = "http://127.0.0.1:8000", api_key: Optional[str] = None, timeout: float = 120.0):
-        import httpx
+        import httpx  # httpx (slow to import) loads with the first Client (module docstring)
 
         self.url = url.rstrip("/")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -137,7 +137,7 @@ class Client:
         self.close()
 
     def _request(self, method: str, path: str, **kw: Any) -> httpx.Response:
-        import httpx
+        import httpx  # the module-level name is for type hints only; loaded by __init__ already
 
         try:
             r = self._http.request(method, path, **kw)
@@ -190,7 +190,7 @@ class Client:
         """`POST /v1/weights`: replace every vision/projector weight of the server (a trainer's `state_dict()`, in
         the server's dtypes) -> `{"fingerprint", "previous_fingerprint", "tensors"}`. A refused update raises
         ServerError naming the key (the old weights keep serving)."""
-        from safetensors.torch import save
+        from safetensors.torch import save  # heavy (torch, by safetensors.torch): only for a weight update
 
         body = save({k: v.detach().cpu().contiguous() for k, v in state_dict.items()})
         r = self._request("POST", "/v1/weights", content=body, headers={"Content-Type": "application/octet-stream"})

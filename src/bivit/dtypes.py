@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Optional, Sequence, Union
 
 from .errors import ConfigError
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # type hints only
     import torch
 
 # Accepted spelling -> canonical name (the name `torch.<name>` has, and the one files and headers store).

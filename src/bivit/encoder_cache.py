@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Sequence, Union
 
 from .errors import BivitError
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # type hints only
     import torch
 
 # Changes whenever the id derivation does, so ids of one derivation never name another's rows.
@@ -56,9 +56,10 @@ def write_rows(directory: Union[str, os.PathLike], ids: Sequence[str], chunks: S
     written through: other rows (a zero tensor of the right shape planted at a predictable id was answered as
     the image, and vLLM would have read zeros), an empty, truncated or foreign file, a symbolic link (file or id
     folder). OSError naming the file when one cannot be written."""
+    # heavy (torch, by safetensors.torch): the CLI's start imports this module (cli.encode)
     from safetensors.torch import save
 
-    from .fileio import write_atomic
+    from .fileio import write_atomic  # could be module-level: no cycle, no cost (no cycle)
 
     root = Path(directory)
     for i, rows in zip(ids, chunks):
@@ -77,10 +78,10 @@ def write_rows(directory: Union[str, os.PathLike], ids: Sequence[str], chunks: S
 def _holds(path: Path, rows: "torch.Tensor") -> bool:
     """Whether `path` is a regular file (not a link) holding exactly `rows` (shape, dtype and bits) as its
     encoder-cache tensor."""
-    import torch
-    from safetensors import safe_open
+    import torch  # heavy (torch): as in `write_rows`
+    from safetensors import safe_open  # could be module-level: no cycle, no cost (safetensors alone is light)
 
-    from .dtypes import dtype_name
+    from .dtypes import dtype_name  # could be module-level: no cycle, no cost
 
     if path.is_symlink() or not path.is_file():
         return False

@@ -218,6 +218,7 @@ def json_cost(data: Union[bytes, bytearray], stop_after: Optional[int] = None) -
     string unless an odd run of backslashes precedes it); the counts may differ from the parser's only after text
     the parser refuses (a backslash outside a string), where it stops. Stops once more than `stop_after`
     elements are counted."""
+    # numpy: fileio loads with every CLI start (cli.common) and bivit.client; only JSON counting needs it
     import numpy as np
 
     tables = _scan_tables()
@@ -259,7 +260,7 @@ def json_cost(data: Union[bytes, bytearray], stop_after: Optional[int] = None) -
 def _unescaped(a: Any, quotes: Any, run: int) -> tuple[Any, int]:
     """(the quotes of chunk `a` that no odd run of backslashes escapes, the run of backslashes ending the chunk),
     `run` being the run that ended the previous chunk."""
-    import numpy as np
+    import numpy as np  # numpy: as in `json_cost`
 
     n = a.size
     idx = np.arange(n, dtype=np.int32)
@@ -273,7 +274,7 @@ def _unescaped(a: Any, quotes: Any, run: int) -> tuple[Any, int]:
 
 class _ScanTables:
     def __init__(self) -> None:
-        import numpy as np
+        import numpy as np  # numpy: as in `json_cost`
 
         self.scalar = np.zeros(256, bool)  # bytes of numbers and literals: each run outside strings is one element
         self.scalar[list(b"+-.0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")] = True

@@ -42,7 +42,7 @@ from .preprocess_config import (K25_PROCESSING, PREPROCESSOR_CONFIG, ProcessorCo
                                 preprocessor_config_dict)
 from .train import TrainableModel, trainable_from_state
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # type hints only
     from transformers import PreTrainedModel
 
 __all__ = ["Processor", "RowStore", "VIDEO_TOKEN", "attach", "checkpoint_state_dict", "is_attached", "pixel_key",
@@ -122,7 +122,7 @@ def attach(model: "PreTrainedModel", *, rows: Optional["RowStore"] = None, batch
     vars(inner)[_ATTACHED] = net  # a plain attribute: the modules are registered once, under HF's names
 
     def get_image_features(pixel_values: torch.Tensor, image_grid_thw: Optional[torch.Tensor] = None, **_: Any):
-        from transformers.modeling_outputs import BaseModelOutputWithPooling
+        from transformers.modeling_outputs import BaseModelOutputWithPooling  # optional: the rl extra (transformers)
 
         if image_grid_thw is None:
             raise ConfigError("image features need image_grid_thw (bivit.hf.Processor returns it)")
@@ -156,8 +156,8 @@ def _check_unwrapped(net: TrainableModel) -> None:
 def _checkpoint_conversions(model: "PreTrainedModel") -> list:
     """transformers' weight conversions for `model` with the vision ones replaced by a plain prefix: what
     `save_pretrained` reverts to write the published layout (vision: bivit's names = the checkpoint's)."""
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import PrefixChange, WeightRenaming
+    from transformers.conversion_mapping import get_model_conversion_mapping  # optional: the rl extra (transformers)
+    from transformers.core_model_loading import PrefixChange, WeightRenaming  # optional: the rl extra (transformers)
 
     current = getattr(model, "_weight_conversions", None)
     if current is None:
@@ -180,7 +180,7 @@ def _saving_published_architecture(save: Any) -> Any:
     """`save_pretrained`, then config.json's `architectures` set to the published name (transformers writes its
     own class name, `Kimi_K25ForConditionalGeneration`, which vLLM does not map to its Kimi-K2.5 model; transformers
     itself dispatches on `model_type`)."""
-    import json
+    import json  # could be module-level: no cycle, no cost (cheap stdlib)
 
     def save_pretrained(save_directory: str | os.PathLike, *args: Any, **kwargs: Any) -> Any:
         out = save(save_directory, *args, **kwargs)
@@ -200,7 +200,7 @@ def checkpoint_state_dict(model: "PreTrainedModel") -> dict[str, torch.Tensor]:
     """Every weight of an attached model under the published checkpoint's names (`vision_tower.*`,
     `mm_projector.*`, `language_model.model.*`, `language_model.lm_head.weight`; experts one by one): what
     `save_pretrained` writes and vLLM's Kimi-K2.5 `load_weights` takes (weight sync to a rollout engine)."""
-    from transformers.core_model_loading import revert_weight_conversion
+    from transformers.core_model_loading import revert_weight_conversion  # optional: the rl extra (transformers)
 
     vision_model(model)  # attached, so the conversions are bivit's
     return revert_weight_conversion(model, model.state_dict())
@@ -251,7 +251,7 @@ class RowStore:
 def _make_processor_class() -> type:
     """`Processor`, built on first use: its base, transformers' ProcessorMixin (which TRL checks with isinstance),
     is imported then, so that importing bivit.hf does not import transformers."""
-    from transformers import ProcessorMixin
+    from transformers import ProcessorMixin  # optional: the rl extra (transformers)
 
     class Processor(ProcessorMixin):
         """transformers' processor interface over bivit's preprocessing: `processor(text=..., images=...,
@@ -279,7 +279,7 @@ def _make_processor_class() -> type:
         def from_pretrained(cls, path: str | os.PathLike, **tokenizer_kwargs: Any) -> "Processor":
             """The checkpoint's tokenizer and preprocessing (its `preprocessor_config.json`, else the family's
             published values). Local folders only (HF_HUB_OFFLINE works: nothing is fetched)."""
-            from transformers import AutoTokenizer
+            from transformers import AutoTokenizer  # optional: the rl extra (transformers)
 
             path = Path(path)
             if not path.is_dir():
@@ -289,7 +289,7 @@ def _make_processor_class() -> type:
 
         def save_pretrained(self, save_directory: str | os.PathLike, **kwargs: Any) -> list[str]:
             """The tokenizer and `preprocessor_config.json` (bivit, transformers' tokenizer and vLLM read them)."""
-            import json
+            import json  # could be module-level: no cycle, no cost (cheap stdlib)
 
             directory = Path(save_directory)
             directory.mkdir(parents=True, exist_ok=True)
@@ -309,7 +309,7 @@ def _make_processor_class() -> type:
 
         def __call__(self, text: Any = None, images: Any = None, videos: Any = None, return_tensors: Any = None,
                      **kwargs: Any) -> Any:
-            from transformers import BatchFeature
+            from transformers import BatchFeature  # optional: the rl extra (transformers)
 
             texts = [text] if isinstance(text, str) else list(text or [])
             queue = {MEDIA_PAD: _flat(images), VIDEO_TOKEN: _flat(videos)}

@@ -65,7 +65,7 @@ def check_model(model: str | os.PathLike | None, revision: Optional[str] = None)
 
 def _hub(model: str):
     try:
-        import huggingface_hub
+        import huggingface_hub  # optional: the hub extra
     except ImportError:
         raise ConfigError(f"{model}: does not exist as a local directory, and reading it as a hub repo id needs "
                           "huggingface_hub: pip install 'bivit[hub]'") from None
@@ -75,7 +75,7 @@ def _hub(model: str):
 def unreachable(endpoint: str, repo: str, revision: Optional[str]) -> Optional[str]:
     """Why the hub at `endpoint` does not answer within TIMEOUT_S (connect, then read), or None when it answers
     at all (any HTTP status: a missing or gated repo is huggingface_hub's to report)."""
-    import httpx
+    import httpx  # httpx is slow to import: only a repo id pays it (bivit.weights imports this)
 
     url = f"{endpoint}/{repo}/resolve/{revision or 'main'}/config.json"
     try:
@@ -94,7 +94,7 @@ class _Fetcher:
         self.label = repo + (f"@{revision}" if revision else "")
         self.hub = _hub(self.label)
         self.repo, self.revision, self.cache_dir = repo, revision, cache_dir
-        from huggingface_hub import constants
+        from huggingface_hub import constants  # optional: the hub extra
 
         self.endpoint = constants.ENDPOINT
         # Offline by choice (HF_HUB_OFFLINE) or because the hub does not answer: the local cache alone.
@@ -112,7 +112,7 @@ class _Fetcher:
 
     def get(self, filename: str, optional: bool = False) -> Optional[Path]:
         """Local path of `filename` (downloaded if needed and allowed); None if the repo has no such optional file."""
-        from huggingface_hub import errors
+        from huggingface_hub import errors  # optional: the hub extra
 
         try:
             return Path(self.hub.hf_hub_download(self.repo, filename, revision=self.revision,

@@ -127,6 +127,7 @@ class ItemResult(_Item):
         """`bivit.records.embedding_sha256` of its embedding (its record's `tensor_sha256`), computed once: copies
         made with `dataclasses.replace` keep it."""
         if self._embedding_sha256 is None and self.embedding is not None:
+            # could be module-level: no cycle, no cost (records does not import items: no cycle)
             from .records import embedding_sha256
 
             self._embedding_sha256 = embedding_sha256(self.embedding)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Generic, Sequence, TypeVar
 from .errors import MediaError
 from .options import whole
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # type hints only
     import torch
 
     from .config import ModelConfig

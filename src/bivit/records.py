@@ -58,7 +58,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional, Se
 from .errors import BivitError, ErrorKind, FormatError, MediaError
 from .fileio import open_regular, parse_json
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # type hints only
     import torch
 
 FORMAT = "bivit.embeddings/1"
@@ -236,9 +236,9 @@ def error_text(error: BaseException, source: str) -> str:
 
 def embedding_sha256(tensor: "torch.Tensor") -> str:
     """A record's `tensor_sha256`: the sha256 of a tensor's bytes as a safetensors file stores them (C order)."""
-    import hashlib
+    import hashlib  # could be module-level: no cycle, no cost (fileio, imported above, loads hashlib)
 
-    import torch
+    import torch  # heavy (torch): bivit.client reads records without it (module docstring)
 
     data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
     return hashlib.sha256(data).hexdigest()
@@ -261,9 +261,9 @@ def file_pieces(encoder: Mapping[str, Any], records: Sequence[Record],
     """A file as (its length, its bytes in pieces made when asked for), safetensors' layout: 8-byte header length,
     JSON header padded to 8 bytes, the tensors back to back; each record's embedding under its `tensor` key, copies
     of one item read from one tensor (safetensors' writer refuses shared storage: 199 clones for 200 copies)."""
-    import torch
+    import torch  # heavy (torch): as in `embedding_sha256`
 
-    from .dtypes import dtype_name
+    from .dtypes import dtype_name  # could be module-level: no cycle, no cost
 
     header: dict[str, Any] = {"__metadata__": metadata(encoder, records)}
     tensors, offset = [], 0
@@ -299,7 +299,7 @@ def save(path: str | os.PathLike, encoder: Mapping[str, Any], records: Sequence[
          embeddings: Sequence[Optional["torch.Tensor"]]) -> None:
     """Write a file atomically (`bivit.fileio.write_atomic`: a reader sees the old file or the whole new one),
     serialised in memory first so that a full disk is an OSError naming `path`."""
-    from .fileio import write_atomic
+    from .fileio import write_atomic  # could be module-level: no cycle, no cost (fileio is imported above)
 
     write_atomic(path, to_bytes(encoder, records, embeddings))
 
@@ -410,6 +410,7 @@ def read_file(path: str | os.PathLike, meta: Optional[dict] = None) -> Embedding
     def load(key: str) -> "torch.Tensor":
         try:
             if "f" not in handle:
+                # with the first embedding read: bivit.client imports this module (module docstring)
                 from safetensors import safe_open
 
                 handle["f"] = safe_open(str(p), framework="pt")
@@ -432,6 +433,7 @@ def from_bytes(body: bytes, name: str = "response") -> Embeddings:
 
     def load(key: str) -> "torch.Tensor":
         if not tensors:
+            # heavy (torch, by safetensors.torch): with the first embedding read, as above
             from safetensors.torch import load as st_load
 
             try:

@@ -137,10 +137,10 @@ def bisect(encoder: Encoder, batch: MediaBatch, needle: int = 0) -> OpDiff | Non
 # -------------------------------------------------------------------------------------------------- plot
 
 def plot(reports: list[Report], path: str) -> None:
-    import matplotlib
+    import matplotlib  # optional: the plot extra
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after choosing the backend that needs no display
 
     fig, ax = plt.subplots(figsize=(max(6, len(reports[0].items) * 0.8), 4))
     width = 0.8 / len(reports)

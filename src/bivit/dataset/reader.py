@@ -21,7 +21,7 @@ from ..kinds import media_kind
 from ..records import FormatError, Record, check_embedding
 from .format import FORMAT, HEADER, MANIFEST, current_state, encoder_of, read_header
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # type hints only
     import numpy as np
     import torch
 

@@ -19,7 +19,7 @@ from ..items import ItemResult, content_sha256  # noqa: F401  (content_sha256: r
 from ..media import Placeholder
 from ..records import Record
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # type hints only
     import torch
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ class Media:
 
     def chunks(self) -> list["torch.Tensor"]:
         """The rows of each placeholder (an image: one; a video: one per chunk)."""
-        import torch
+        import torch  # could be module-level: no cycle, no cost (torch loads with ..items above)
 
         return list(torch.split(self.embedding, [p.tokens for p in self.placeholders]))
 
@@ -99,7 +99,7 @@ def load_media(path: Union[str, os.PathLike]) -> list[Media]:
 
 
 def iter_media(path: Union[str, os.PathLike]) -> Iterator[Media]:
-    from ..embeddings import load_embeddings
+    from ..embeddings import load_embeddings  # could be module-level: no cycle, no cost (no cycle)
 
     with load_embeddings(path) as embeddings:
         for r in embeddings:

@@ -36,7 +36,7 @@ from ..errors import BivitError, ConfigError
 from ..media import MEDIA_PAD
 from .rows import EC_ID_SCHEME, Media, content_sha256, ec_id, encode, iter_media, load_media
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # type hints only
     import torch
 
 __all__ = ["EC_FILE", "EC_ID_SCHEME", "EC_KEY", "MODALITY", "Media", "Target", "VllmPrompt", "build_prompt",
@@ -68,7 +68,7 @@ class Target:
         """The language model `encoder`'s projector writes for, expecting that encoder's fingerprint, run in
         `dtype` (vLLM's `--dtype`; default: the encoder's output dtype). An encoder whose rows are not in that
         dtype is refused here (bivit never casts rows on the way in)."""
-        from ..dtypes import dtype_name, parse_dtype
+        from ..dtypes import dtype_name, parse_dtype  # could be module-level: no cycle, no cost
 
         want = parse_dtype(dtype, "dtype") or encoder.output_dtype
         if want != encoder.output_dtype:
@@ -81,8 +81,8 @@ class Target:
                         fingerprint: Optional[str] = None) -> "Target":
         """The language model of a checkpoint directory (its config.json's `text_config.hidden_size`), run in
         `dtype` (what vLLM's `--dtype` resolves to)."""
-        from ..config import read_json_file
-        from ..dtypes import parse_dtype
+        from ..config import read_json_file  # could be module-level: no cycle, no cost (config loads with .rows above)
+        from ..dtypes import parse_dtype  # could be module-level: no cycle, no cost
 
         if not Path(path).exists():
             raise ConfigError(f"{path}: no such checkpoint folder or config.json (for an encoder without one, "
@@ -98,7 +98,7 @@ class Target:
 
     def check(self, media: Media) -> None:
         """Refuse rows this language model must not be fed (another encoder, width or dtype)."""
-        from ..dtypes import dtype_name
+        from ..dtypes import dtype_name  # could be module-level: no cycle, no cost
 
         name = media.source or "media"
         if self.fingerprint is not None and media.fingerprint != self.fingerprint:
@@ -189,7 +189,7 @@ class VllmPrompt:
 
     def rows(self) -> "torch.Tensor":
         """The media rows, in prompt order (`[sum of lengths, hidden]`)."""
-        import torch
+        import torch  # could be module-level: no cycle, no cost (torch loads with .rows above)
 
         return torch.cat([self.prompt_embeds[s:s + n] for s, n in self.spans]) if self.spans else \
             self.prompt_embeds[:0]
@@ -221,7 +221,7 @@ def build_prompt(prompt: Union[str, Sequence[int]], media: Sequence[Media], *, t
     template's output already holds its special tokens), or pass token ids. Each pad becomes as many pad
     tokens as its placeholder has rows (as vLLM's processor expands it), masked as embedding positions.
     """
-    import torch
+    import torch  # could be module-level: no cycle, no cost (torch loads with .rows above)
 
     media = _checked(media, target)
     ids = _token_ids(prompt, tokenizer, add_special_tokens)
@@ -284,7 +284,7 @@ def chat_content(segments: Sequence[Union[str, Media]], *, target: Target) -> li
 
 def serialize_rows(rows: "torch.Tensor") -> str:
     """Rows as the server's `prompt_embeds` data: base64 of `torch.save` (loaded with `weights_only=True`)."""
-    import torch
+    import torch  # could be module-level: no cycle, no cost (torch loads with .rows above)
 
     buf = io.BytesIO()
     torch.save(rows.detach().cpu().contiguous().clone(), buf)
@@ -317,9 +317,10 @@ def write_encoder_cache(directory: Union[str, os.PathLike], media: Sequence[Medi
 def check_encoder_cache(directory: Union[str, os.PathLike], media: Sequence[Media], target: Target) -> None:
     """Raise unless every item's file is in `directory` with rows of its expected shape and the target's dtype
     (a consumer request must never fall back to vLLM's vision tower on a stand-in image)."""
+    # could be module-level: no cycle, no cost (safetensors alone is light; torch already loaded)
     from safetensors import safe_open
 
-    from ..dtypes import dtype_name
+    from ..dtypes import dtype_name  # could be module-level: no cycle, no cost
 
     for m in media:
         for i, p in zip(m.ec_ids(), m.placeholders):
@@ -342,7 +343,7 @@ def stand_ins(media: Media) -> list[dict]:
     """vLLM `vision_chunk` items standing in for an input's images / video chunks: black pictures of the
     original sizes, from which vLLM's processor computes the same placeholder lengths. Their pixels are never
     encoded when the rows come from the encoder cache (`ec_prompt` checks the files are there)."""
-    from PIL import Image
+    from PIL import Image  # could be module-level: no cycle, no cost (PIL loads with .rows above)
 
     items = []
     for n, (p, size, t) in enumerate(zip(media.placeholders, media.sizes, media.frames)):

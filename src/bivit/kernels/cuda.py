@@ -73,7 +73,7 @@ def triton_mismatch() -> str | None:
     version = triton_version()
     if version is None:
         return None
-    from packaging.requirements import Requirement
+    from packaging.requirements import Requirement  # optional: the gpu extra (packaging)
 
     for line in gpu_extra():
         req = Requirement(line)
@@ -86,7 +86,7 @@ def gpu_extra() -> list[str]:
     """The requirements of the `gpu` extra."""
     tree = Path(__file__).resolve().parents[3] / "pyproject.toml"
     if tree.is_file() and sys.version_info >= (3, 11):
-        import tomllib
+        import tomllib  # stdlib only from Python 3.11 (checked above)
 
         return tomllib.loads(tree.read_text())["project"]["optional-dependencies"]["gpu"]
     try:
@@ -99,7 +99,7 @@ def gpu_extra() -> list[str]:
 def interpreting() -> bool:
     """Whether triton runs kernels in its interpreter (TRITON_INTERPRET=1 when triton was imported: its own
     library functions are decorated then)."""
-    import triton
+    import triton  # optional: the gpu extra (triton)
 
     return bool(triton.knobs.runtime.interpret)
 
@@ -120,8 +120,8 @@ def _fixed_order_interpreter_dot() -> None:
     at tile row 0 vs 37), so the interpreter showed pack dependence the kernels do not have. numpy's einsum
     (no BLAS) adds each element's products in K order whatever the other rows: the interpreter's dot then
     depends on the row's data only, as the compiled kernel's does."""
-    import numpy as np
-    from triton.runtime import interpreter
+    import numpy as np  # could be module-level: no cycle, no cost (torch, imported above, loads numpy)
+    from triton.runtime import interpreter  # optional: the gpu extra (triton)
 
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
         if a.dtype.primitive_bitwidth == 8:  # fp8: the interpreter's own conversion
@@ -156,7 +156,7 @@ def gemm_tiles(dtype: torch.dtype) -> Tiles:
 
 def attention_tiles(head_dim: int) -> Tiles:
     """Query rows per program, key rows per step, and the head dim padded to a power of two (72 -> 128)."""
-    import triton
+    import triton  # optional: the gpu extra (triton)
 
     return Tiles(64, 64, max(16, triton.next_power_of_2(head_dim)), 4, 2)
 
@@ -227,9 +227,9 @@ def gemm(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gelu
          residual: torch.Tensor | None = None) -> torch.Tensor:
     """`[residual +] gelu(x2 @ weight.T + bias)` for 2-D `x2`, in the weights' dtype (the CPU invariant GEMM's
     contract: the input is cast to it); with `residual` the result is written into it."""
-    import triton
+    import triton  # optional: the gpu extra (triton)
 
-    from . import triton_jit as K
+    from . import triton_jit as K  # imports triton at its top: the gpu extra
 
     x2 = x2.to(weight.dtype).contiguous()
     weight = weight.contiguous()
@@ -249,9 +249,9 @@ def gemm(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gelu
 def norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
          rms: bool) -> torch.Tensor:
     """LayerNorm (or RMSNorm) over the last dim, in x's dtype."""
-    import triton
+    import triton  # optional: the gpu extra (triton)
 
-    from . import triton_jit as K
+    from . import triton_jit as K  # imports triton at its top: the gpu extra
 
     n = x.shape[-1]
     x2 = x.reshape(-1, n)
@@ -270,9 +270,9 @@ def norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x `[L, slots, head_dim]` rotated by float32 tables `[L, head_dim]` -> a new contiguous tensor of x's dtype
     (the formula of `bivit.ops.rope`)."""
-    import triton
+    import triton  # optional: the gpu extra (triton)
 
-    from . import triton_jit as K
+    from . import triton_jit as K  # imports triton at its top: the gpu extra
 
     length, slots, d = x.shape
     if x.stride(2) != 1:
@@ -299,7 +299,7 @@ def _item_table(seqlens: tuple[int, ...], block_m: int, device: torch.device) ->
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens) -> torch.Tensor:
     """Varlen attention over packed `[L, heads, head_dim]` q/k/v (item i owns `seqlens[i]` rows) -> `[L, heads,
     head_dim]` in q's dtype."""
-    from . import triton_jit as K
+    from . import triton_jit as K  # imports triton at its top: the gpu extra
 
     length, heads, d = q.shape
     out = torch.empty((length, heads, d), dtype=q.dtype, device=q.device)
@@ -317,9 +317,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens) -> tor
 
 def temporal_mean(x: torch.Tensor) -> torch.Tensor:
     """Mean over dim 0 (the frames of one chunk) in x's dtype: frames added in order in float32."""
-    import triton
+    import triton  # optional: the gpu extra (triton)
 
-    from . import triton_jit as K
+    from . import triton_jit as K  # imports triton at its top: the gpu extra
 
     frames = x.contiguous()
     e = frames[0].numel()

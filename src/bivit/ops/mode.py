@@ -56,6 +56,7 @@ def needs_grad(*tensors: torch.Tensor | None) -> bool:
 
 def checkpoint(fn: Callable[..., torch.Tensor], *args) -> torch.Tensor:
     """`fn(*args)` with activation checkpointing: the recomputation in backward runs in the mode of the forward."""
+    # could be module-level: no cycle, no cost (`import torch` loads it)
     from torch.utils.checkpoint import checkpoint as _checkpoint
 
     mode = _invariant.get()

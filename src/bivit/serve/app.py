@@ -288,7 +288,7 @@ async def _unless_disconnected(request: Request, work):
 
 def run(encoder: Encoder, settings: ServerSettings, *, host: str, port: int, log_level: str) -> None:
     """Serve until SIGTERM/SIGINT; accepted requests get their answers first (bounded graceful shutdown)."""
-    import uvicorn
+    import uvicorn  # uvicorn only to serve: create_app alone needs none
 
     if host not in ("127.0.0.1", "localhost", "::1") and not settings.api_key:
         log.warning("serving on a non-loopback interface without --api-key", extra={"fields": {"host": host}})
@@ -353,7 +353,7 @@ def _protocol(seconds: float, write_seconds: float, limit: int) -> type:
     buffer fills (asyncio's `pause_writing`) and stops when it drains (`resume_writing`); if it runs out, the
     connection is aborted and what was buffered for it is dropped.
     """
-    from uvicorn.protocols.http.h11_impl import H11Protocol
+    from uvicorn.protocols.http.h11_impl import H11Protocol  # uvicorn's private class: only when serving (`run`)
 
     waiting: "collections.OrderedDict[H11Protocol, None]" = collections.OrderedDict()  # headers not complete
 

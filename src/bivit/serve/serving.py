@@ -360,6 +360,7 @@ class Service:
     async def update_weights(self, path: str) -> dict:
         """A safetensors file (a spooled body) -> the encoder's new weights (all or nothing) -> {fingerprint,
         previous, tensors}. The caller holds `updating` (one update, and one body, at a time)."""
+        # could be module-level: no cycle, no cost (safetensors is already loaded by this module's imports)
         from safetensors import SafetensorError, safe_open
 
         try:
