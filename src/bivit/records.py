@@ -47,6 +47,7 @@ embedding read.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -55,8 +56,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional, Sequence
 
+from .dtypes import dtype_name
 from .errors import BivitError, ErrorKind, FormatError, MediaError
-from .fileio import open_regular, parse_json
+from .fileio import open_regular, parse_json, write_atomic
 
 if TYPE_CHECKING:  # type hints only
     import torch
@@ -236,8 +238,6 @@ def error_text(error: BaseException, source: str) -> str:
 
 def embedding_sha256(tensor: "torch.Tensor") -> str:
     """A record's `tensor_sha256`: the sha256 of a tensor's bytes as a safetensors file stores them (C order)."""
-    import hashlib  # could be module-level: no cycle, no cost (fileio, imported above, loads hashlib)
-
     import torch  # heavy (torch): bivit.client reads records without it (module docstring)
 
     data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
@@ -262,8 +262,6 @@ def file_pieces(encoder: Mapping[str, Any], records: Sequence[Record],
     JSON header padded to 8 bytes, the tensors back to back; each record's embedding under its `tensor` key, copies
     of one item read from one tensor (safetensors' writer refuses shared storage: 199 clones for 200 copies)."""
     import torch  # heavy (torch): as in `embedding_sha256`
-
-    from .dtypes import dtype_name  # could be module-level: no cycle, no cost
 
     header: dict[str, Any] = {"__metadata__": metadata(encoder, records)}
     tensors, offset = [], 0
@@ -299,8 +297,6 @@ def save(path: str | os.PathLike, encoder: Mapping[str, Any], records: Sequence[
          embeddings: Sequence[Optional["torch.Tensor"]]) -> None:
     """Write a file atomically (`bivit.fileio.write_atomic`: a reader sees the old file or the whole new one),
     serialised in memory first so that a full disk is an OSError naming `path`."""
-    from .fileio import write_atomic  # could be module-level: no cycle, no cost (fileio is imported above)
-
     write_atomic(path, to_bytes(encoder, records, embeddings))
 
 

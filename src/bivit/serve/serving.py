@@ -39,6 +39,8 @@ import time
 from collections.abc import Mapping
 from typing import Callable, Iterator, NamedTuple, Optional
 
+from safetensors import SafetensorError, safe_open
+
 from .. import records
 from ..container import FRAME_MIN_PIXELS, DecodeBudget
 from ..decode import image_header, image_work_bytes
@@ -360,9 +362,6 @@ class Service:
     async def update_weights(self, path: str) -> dict:
         """A safetensors file (a spooled body) -> the encoder's new weights (all or nothing) -> {fingerprint,
         previous, tensors}. The caller holds `updating` (one update, and one body, at a time)."""
-        # could be module-level: no cycle, no cost (safetensors is already loaded by this module's imports)
-        from safetensors import SafetensorError, safe_open
-
         try:
             handle = await asyncio.get_running_loop().run_in_executor(None, lambda: safe_open(path, "pt"))
         except (SafetensorError, ValueError, OSError) as e:
