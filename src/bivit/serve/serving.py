@@ -335,7 +335,9 @@ class Service:
                 tasks = [asyncio.ensure_future(self.encode_item(items[i], key, deadline, budget, cost[key], copies[key]))
                          for key, i in unique.items()]
                 try:
-                    fresh = await asyncio.wait_for(asyncio.gather(*tasks), self.settings.request_timeout_s)
+                    fresh = await asyncio.wait_for(asyncio.gather(*tasks), max(0.0, deadline - time.monotonic()))
+                    if time.monotonic() > deadline and any(r.error is not None for r in fresh):
+                        raise asyncio.TimeoutError  # items stopped at the deadline decoding shares: a timeout
                     fresh = [await self._with_encoder_cache(r, budget) for r in fresh]
                 except asyncio.TimeoutError:
                     raise ErrorKind.TIMEOUT.error(f"request not answered within --request-timeout-s "
