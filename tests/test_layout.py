@@ -141,3 +141,40 @@ def test_the_engines_process_state_is_made_through_bivit_state():
     assert {p.name for p in paths} >= {"backend.py", "tiles.py", "notices.py", "cpu.py"}
     assert [f"{p.name}: {f}" for p in paths for f in _unregistered_caches(p.read_text())] == []
     assert _unregistered_caches("import functools\n@functools.cache\ndef f():\n    return 1\n") == ["f"]
+
+
+# Imports inside functions at b914131, before issue 43: 128 (counted as `_function_imports` counts). A third is
+# the most left: the rest are at module level, where the import graph and a reader see them.
+FUNCTION_IMPORTS_BEFORE = 128
+
+
+def _function_imports(source: str) -> list[tuple[int, bool]]:
+    """(line, says why) of each import statement inside a function of `source`: whether a comment sits on one of
+    its lines or on the line above it (a comment-only line)."""
+    lines = source.splitlines()
+    comments = {i for i, ln in enumerate(lines, 1) if "#" in ln}  # imports hold no "#" in a string
+    found = []
+
+    def visit(node: ast.AST, inside: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if inside and isinstance(child, (ast.Import, ast.ImportFrom)):
+                own = set(range(child.lineno, child.end_lineno + 1))
+                above = child.lineno - 1
+                says = bool(own & comments) or (above in comments and lines[above - 1].lstrip().startswith("#"))
+                found.append((child.lineno, says))
+            visit(child, inside or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+
+    visit(ast.parse(source), False)
+    return found
+
+
+def test_imports_are_at_module_level_unless_a_comment_says_why():
+    """An import inside a function hides a dependency from whoever reads the module's head: each one left says
+    why (an optional extra, a heavy import a light entry point must not pay, a cycle), and they are at most a
+    third of what they were. Controls: an uncommented one and a commented one are told apart."""
+    found = {str(p.relative_to(ROOT)): _function_imports(p.read_text()) for p in ROOT.rglob("*.py")}
+    silent = [f"{path}:{line}" for path, rows in found.items() for line, says in rows if not says]
+    assert silent == []
+    assert sum(map(len, found.values())) <= FUNCTION_IMPORTS_BEFORE // 3
+    assert _function_imports("import os\ndef f():\n    import json\n    # why\n    import re\n") == [(3, False),
+                                                                                                   (5, True)]

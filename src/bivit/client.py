@@ -97,12 +97,11 @@ def _as_part(src: Any, i: int) -> tuple[str, bytes]:
     if _is(src, "PIL.Image", "Image"):
         return f"item{i}.png", _png(src)
     if _is(src, "numpy", "ndarray"):
-        import numpy as np  # only for an array input: importing the client loads no numpy (module docstring)
         from PIL import Image  # only for an array input: importing the client loads no Pillow (module docstring)
 
-        if src.ndim != 3 or src.shape[2] != 3 or src.dtype != np.uint8 or 0 in src.shape:
+        if src.ndim != 3 or src.shape[2] != 3 or src.dtype.name != "uint8" or 0 in src.shape:
             raise MediaError(f"<input {i}>: numpy images must be HxWx3 uint8, got shape {src.shape} dtype {src.dtype}")
-        return f"item{i}.png", _png(Image.fromarray(np.ascontiguousarray(src), "RGB"))
+        return f"item{i}.png", _png(Image.fromarray(src.copy(order="C"), "RGB"))
     raise MediaError(f"<input {i}>: unsupported input type {type(src).__name__}; pass a path, bytes, a PIL.Image "
                      "or an HxWx3 uint8 array")
 
@@ -126,6 +125,7 @@ class Client:
         self.url = url.rstrip("/")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
+        self._timeout_error, self._transport_error = httpx.TimeoutException, httpx.TransportError
 
     def close(self) -> None:
         self._http.close()
@@ -137,13 +137,11 @@ class Client:
         self.close()
 
     def _request(self, method: str, path: str, **kw: Any) -> httpx.Response:
-        import httpx  # the module-level name is for type hints only; loaded by __init__ already
-
         try:
             r = self._http.request(method, path, **kw)
-        except httpx.TimeoutException as e:
+        except self._timeout_error as e:
             raise ServerError(f"{self.url}{path}: no answer in time ({type(e).__name__})") from None
-        except httpx.TransportError as e:
+        except self._transport_error as e:
             raise ServerError(f"{self.url}{path}: cannot reach the server ({e})") from None
         if r.status_code >= 400 and r.status_code != ITEMS_FAILED:
             try:

@@ -20,9 +20,18 @@ import platform
 import re
 import subprocess
 import sys
+import time
 from typing import Any, Callable
 
+import torch
+
+from . import __version__, golden, kernels, notices, ops
+from .encoder import load_encoder
+from .kernels import find_compiler
+from .kernels.cpu import FLAGS, cpu_info
 from .notices import Notice
+from .ops import attention_kernel, bits_class, gemm_kernel, gemm_path
+from .ops.bits import mode
 
 # Environment variables that change a kernel choice, the threads, or where kernels are cached.
 ENV_VARS = ("BIVIT_ARITH", "BIVIT_ATTENTION", "BIVIT_GEMM", "BIVIT_KERNEL_CACHE", "CC", "ATEN_CPU_CAPABILITY",
@@ -39,9 +48,6 @@ def _section(fn: Callable[[], Any]) -> Any:
 
 
 def cpu() -> dict:
-    # in its section: a failed import is reported there (`_section`), not fatal
-    from .kernels.cpu import FLAGS, cpu_info
-
     model, flags = cpu_info()
     try:
         usable = len(os.sched_getaffinity(0))
@@ -53,8 +59,6 @@ def cpu() -> dict:
 
 
 def pytorch() -> dict:
-    import torch  # in its section: a failed import is reported there (`_section`), not fatal
-
     def query(name: str) -> Any:
         fn = getattr(torch.ops.mkldnn, name, None)
         try:
@@ -72,11 +76,6 @@ def pytorch() -> dict:
 def bits() -> dict:
     """The class of bits invariant mode computes here, per dtype (a tower and projector of that dtype), and the
     arithmetic mode (`BIVIT_ARITH`)."""
-    import torch  # in its section: a failed import is reported there (`_section`), not fatal
-
-    from .ops import bits_class  # in its section: a failed import is reported there (`_section`), not fatal
-    from .ops.bits import mode  # in its section: a failed import is reported there (`_section`), not fatal
-
     cpu = torch.device("cpu")
     return {"mode": mode(), **{name: bits_class((getattr(torch, name),) * 2, cpu, True) for name in GEMM_DTYPES[:2]}}
 
@@ -84,10 +83,6 @@ def bits() -> dict:
 def gemm() -> dict:
     """Invariant mode's GEMM per dtype: bivit's compiled kernel (invariant by construction), or PyTorch's GEMM at
     proven tiles where none runs here."""
-    import torch  # in its section: a failed import is reported there (`_section`), not fatal
-
-    from .ops import gemm_kernel, gemm_path  # in its section: a failed import is reported there (`_section`), not fatal
-
     out = {}
     for name in GEMM_DTYPES:
         kernel = gemm_kernel(getattr(torch, name))
@@ -101,8 +96,6 @@ def gemm() -> dict:
 
 
 def compiler() -> dict:
-    from .kernels import find_compiler  # in its section: a failed import is reported there (`_section`), not fatal
-
     cc, where = find_compiler()
     if cc is None:
         return {"found": None, "where": "no $CC, no cc or gcc on PATH"}
@@ -116,11 +109,6 @@ def compiler() -> dict:
 
 
 def attention() -> dict:
-    from . import kernels  # in its section: a failed import is reported there (`_section`), not fatal
-    from .ops import attention_kernel  # in its section: a failed import is reported there (`_section`), not fatal
-
-    import torch  # in its section: a failed import is reported there (`_section`), not fatal
-
     paths = {}
     for dtype in (torch.bfloat16, torch.float32):
         kernel = attention_kernel(dtype)
@@ -135,11 +123,6 @@ def prove(model: str | None, dtype: str, projector_dtype: str | None) -> dict:
     """Run the load-time proof now (`bivit.ops.proof`) on `model`'s real shapes: the table, its cost, and whether it
     agrees with what this machine kind recorded; then the golden rows (`bivit.golden`): the demo model's rows at
     `dtype` against the committed ones. Raises InvarianceError where an op has no invariant path."""
-    import time  # could be module-level: no cycle, no cost (cheap stdlib)
-
-    from . import golden, ops  # torch and the golden inputs: only `bivit doctor --prove`
-    from .encoder import load_encoder  # the model code: only `--prove` (report() loads no model)
-
     encoder = load_encoder(model, dtype=dtype, projector_dtype=projector_dtype, batch_invariant=False)
     start = time.perf_counter()
     ops.prepare(ops.gemms(encoder.model))
@@ -179,8 +162,6 @@ def extras() -> dict:
 def report() -> dict:
     """Everything `bivit doctor` prints, as JSON. Loads no model; builds the compiled attention if it is not
     cached yet (what every encoder does at load)."""
-    from . import __version__, notices  # could be module-level: no cycle, no cost (no cycle; notices is imported above)
-
     out = {"bivit": {"version": __version__, "python": platform.python_version(),
                      "platform": f"{platform.system()} {platform.release()}", "executable": sys.executable}}
     for name, fn in (("cpu", cpu), ("pytorch", pytorch), ("bits", bits), ("gemm", gemm), ("attention", attention),

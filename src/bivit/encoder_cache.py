@@ -17,12 +17,15 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence, Union
+from typing import Any, Sequence, Union
 
+import torch
+from safetensors import safe_open
+from safetensors.torch import save
+
+from .dtypes import dtype_name
 from .errors import BivitError
-
-if TYPE_CHECKING:  # type hints only
-    import torch
+from .fileio import write_atomic
 
 # Changes whenever the id derivation does, so ids of one derivation never name another's rows.
 EC_ID_SCHEME = "bivit-ec/1"
@@ -49,18 +52,13 @@ def ec_id(fingerprint: str, sha256: str, kind: str, chunk: int) -> str:
     return "bivit-" + hashlib.sha256(key.encode()).hexdigest()
 
 
-def write_rows(directory: Union[str, os.PathLike], ids: Sequence[str], chunks: Sequence["torch.Tensor"]) -> None:
+def write_rows(directory: Union[str, os.PathLike], ids: Sequence[str], chunks: Sequence[torch.Tensor]) -> None:
     """Write each chunk's rows under its id. Atomic per file (a reader sees no file or a whole one); an id already
     holding exactly these rows is left as it is, so concurrent producers of the same items are safe (the id pins
     the encoder and the content, and each writer's file is complete). Anything else at an id is replaced, never
     written through: other rows (a zero tensor of the right shape planted at a predictable id was answered as
     the image, and vLLM would have read zeros), an empty, truncated or foreign file, a symbolic link (file or id
     folder). OSError naming the file when one cannot be written."""
-    # heavy (torch, by safetensors.torch): the CLI's start imports this module (cli.encode)
-    from safetensors.torch import save
-
-    from .fileio import write_atomic  # could be module-level: no cycle, no cost (no cycle)
-
     root = Path(directory)
     for i, rows in zip(ids, chunks):
         folder = root / i
@@ -75,14 +73,9 @@ def write_rows(directory: Union[str, os.PathLike], ids: Sequence[str], chunks: S
         write_atomic(path, save({EC_KEY: rows.detach().cpu().contiguous().clone()}))
 
 
-def _holds(path: Path, rows: "torch.Tensor") -> bool:
+def _holds(path: Path, rows: torch.Tensor) -> bool:
     """Whether `path` is a regular file (not a link) holding exactly `rows` (shape, dtype and bits) as its
     encoder-cache tensor."""
-    import torch  # heavy (torch): as in `write_rows`
-    from safetensors import safe_open  # could be module-level: no cycle, no cost (safetensors alone is light)
-
-    from .dtypes import dtype_name  # could be module-level: no cycle, no cost
-
     if path.is_symlink() or not path.is_file():
         return False
     try:

@@ -52,6 +52,10 @@ class MediaError(BivitError):
         return self.reason if self.source == name else str(self)
 
 
+class InvarianceError(BivitError):
+    """Invariant mode cannot keep its promise on this machine (no proven path for an op, or proofs disagree)."""
+
+
 class BadItem(BivitError):
     """An uploaded item that could not even be extracted from its request (bad base64, a name too long)."""
 

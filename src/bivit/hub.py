@@ -65,7 +65,7 @@ def check_model(model: str | os.PathLike | None, revision: Optional[str] = None)
 
 def _hub(model: str):
     try:
-        import huggingface_hub  # optional: the hub extra
+        import huggingface_hub.constants, huggingface_hub.errors  # optional: the hub extra
     except ImportError:
         raise ConfigError(f"{model}: does not exist as a local directory, and reading it as a hub repo id needs "
                           "huggingface_hub: pip install 'bivit[hub]'") from None
@@ -94,8 +94,7 @@ class _Fetcher:
         self.label = repo + (f"@{revision}" if revision else "")
         self.hub = _hub(self.label)
         self.repo, self.revision, self.cache_dir = repo, revision, cache_dir
-        from huggingface_hub import constants  # optional: the hub extra
-
+        constants = self.hub.constants
         self.endpoint = constants.ENDPOINT
         # Offline by choice (HF_HUB_OFFLINE) or because the hub does not answer: the local cache alone.
         self.why_offline = None if constants.HF_HUB_OFFLINE else unreachable(self.endpoint, repo, revision)
@@ -112,8 +111,7 @@ class _Fetcher:
 
     def get(self, filename: str, optional: bool = False) -> Optional[Path]:
         """Local path of `filename` (downloaded if needed and allowed); None if the repo has no such optional file."""
-        from huggingface_hub import errors  # optional: the hub extra
-
+        errors = self.hub.errors
         try:
             return Path(self.hub.hf_hub_download(self.repo, filename, revision=self.revision,
                                                  cache_dir=self.cache_dir, etag_timeout=TIMEOUT_S,

@@ -56,6 +56,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional, Sequence
 
+from safetensors import safe_open  # light: torch loads with the first tensor read
+
 from .dtypes import dtype_name
 from .errors import BivitError, ErrorKind, FormatError, MediaError
 from .fileio import open_regular, parse_json, write_atomic
@@ -406,9 +408,6 @@ def read_file(path: str | os.PathLike, meta: Optional[dict] = None) -> Embedding
     def load(key: str) -> "torch.Tensor":
         try:
             if "f" not in handle:
-                # with the first embedding read: bivit.client imports this module (module docstring)
-                from safetensors import safe_open
-
                 handle["f"] = safe_open(str(p), framework="pt")
             return handle["f"].get_tensor(key)
         except Exception as e:  # noqa: BLE001 - a missing key or a damaged file, named

@@ -137,12 +137,11 @@ def bisect(encoder: Encoder, batch: MediaBatch, needle: int = 0) -> OpDiff | Non
 # -------------------------------------------------------------------------------------------------- plot
 
 def plot(reports: list[Report], path: str) -> None:
-    import matplotlib  # optional: the plot extra
+    # optional (the plot extra); a Figure of its own draws with no pyplot, no backend, no display
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # after choosing the backend that needs no display
-
-    fig, ax = plt.subplots(figsize=(max(6, len(reports[0].items) * 0.8), 4))
+    fig = Figure(figsize=(max(6, len(reports[0].items) * 0.8), 4))
+    ax = fig.subplots()
     width = 0.8 / len(reports)
     for j, rep in enumerate(reports):
         xs = [i + j * width for i in range(len(rep.items))]
@@ -161,7 +160,6 @@ def plot(reports: list[Report], path: str) -> None:
     ax.legend()
     fig.tight_layout()
     write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
-    plt.close(fig)
 
 
 def format_report(rep: Report) -> Iterator[str]:

@@ -210,13 +210,12 @@ def _pct(v: float | None) -> str:
 
 def plot_report(summary: dict, path: Path, title: str) -> None:
     """Bar charts: tokens/s and % of roofline per case, one column per dtype, one bar per implementation."""
-    import matplotlib  # optional (the plot extra)
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # after choosing the backend that needs no display
+    # optional (the plot extra); a Figure of its own draws with no pyplot, no backend, no display
+    from matplotlib.figure import Figure
 
     dtypes = list(summary)
-    fig, axes = plt.subplots(2, len(dtypes), figsize=(7 * len(dtypes), 8), squeeze=False)
+    fig = Figure(figsize=(7 * len(dtypes), 8))
+    axes = fig.subplots(2, len(dtypes), squeeze=False)
     for col, dtype in enumerate(dtypes):
         s = summary[dtype]
         impls = list(s["mix"])
@@ -238,7 +237,6 @@ def plot_report(summary: dict, path: Path, title: str) -> None:
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     save_figure(fig, path)
-    plt.close(fig)
 
 
 def save_figure(fig, path: Path) -> None:

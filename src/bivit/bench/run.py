@@ -50,10 +50,9 @@ def environment(threads: int) -> dict:
     gemm = {name: (k.describe() if (k := ops.gemm_kernel(TORCH_DTYPES[name])) else
                    f"{ops.gemm_path(TORCH_DTYPES[name]).describe()} at proven tiles")
             for name in TORCH_DTYPES}
-    try:
-        import transformers  # optional, and seconds to import: only its version is wanted
-        tf_version = transformers.__version__
-    except ImportError:
+    try:  # optional, and seconds to import: only its version is wanted
+        tf_version = importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
         tf_version = None
     try:
         git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,

@@ -121,23 +121,18 @@ def check_options(model: Any = None, dtype: Optional[str] = None, projector_dtyp
                   max_batch_patches: Optional[int] = None) -> None:
     """The encoder options a command was given, checked before its inputs are read, before any output is
     created and before the model loads (ConfigError, one line, exit 2)."""
-    from ..hub import check_model  # torch (by the weights): not for --help or a refused option before it
-    from ..preprocess_config import check_alpha  # 20 ms every command's start (--help) would pay
-
     check_budget(max_batch_patches, "--max-batch-patches")
-
     for flag, value in (("--dtype", dtype), ("--projector-dtype", projector_dtype), ("--output-dtype", output_dtype)):
         canonical_name(value, flag)
-    check_alpha(alpha, "--alpha")
+    # torch (by the weights): not for --help, nor for an option refused above
+    from .. import config, hub, preprocess_config, weights
+
+    preprocess_config.check_alpha(alpha, "--alpha")
     if device is not None:
-        from ..weights import parse_device  # torch: as above
-
-        parse_device(device)
-    check_model(model)
+        weights.parse_device(device)
+    hub.check_model(model)
     if model is not None and str(model) != "demo" and Path(model).is_dir():
-        from ..config import load_config  # 20 ms, as above
-
-        load_config(Path(model))  # a checkpoint's config.json is read now, before the inputs
+        config.load_config(Path(model))  # a checkpoint's config.json is read now, before the inputs
 
 
 def open_encoder(model: Optional[str], dtype: str, projector_dtype: Optional[str], output_dtype: Optional[str],

@@ -48,21 +48,21 @@ def encode_dataset(
     encoder cache as it is encoded (ids: `bivit.engines.vllm.load_media(OUT)`)."""
     check_options(model, dtype, projector_dtype, output_dtype, alpha, device, max_batch_patches)
     # torch (the job's and the listing's media rules): loaded once the encoder options are good
-    from ..dataset.job import check_job, encode_dataset as run
-    from ..dataset.sources import check_source
+    from ..dataset import job, sources
 
     # Before --out is created: a mistyped SRC or option leaves no empty folder behind.
-    check_job(engine, device, workers, cpus_per_worker, shard_mb)  # a missing Ray extra too
-    check_source(src)
+    job.check_job(engine, device, workers, cpus_per_worker, shard_mb)  # a missing Ray extra too
+    sources.check_source(src)
     writable(out / dataset_format.HEADER, option="--out")  # before the model loads
     if ec_dir is not None:
         writable(ec_dir / EC_PROBE, option="--ec-dir")
     try:
-        summary = run(src, out, model=model, dtype=dtype, projector_dtype=projector_dtype, output_dtype=output_dtype,
-                      device=device, engine=engine, ray_address=ray_address, workers=workers,
-                      cpus_per_worker=cpus_per_worker, max_batch_patches=max_batch_patches, ec_dir=ec_dir,
-                      shard_mb=shard_mb, progress=progress and progress_shown(), alpha=alpha,
-                      follow_symlinks=follow_symlinks)
+        summary = job.encode_dataset(src, out, model=model, dtype=dtype, projector_dtype=projector_dtype,
+                                     output_dtype=output_dtype, device=device, engine=engine,
+                                     ray_address=ray_address, workers=workers, cpus_per_worker=cpus_per_worker,
+                                     max_batch_patches=max_batch_patches, ec_dir=ec_dir, shard_mb=shard_mb,
+                                     progress=progress and progress_shown(), alpha=alpha,
+                                     follow_symlinks=follow_symlinks)
     except KeyboardInterrupt:
         typer.echo(f"interrupted; everything encoded so far is in {out}, run the same command to resume", err=True)
         raise typer.Exit(130) from None

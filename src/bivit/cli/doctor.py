@@ -8,6 +8,7 @@ from typing import Optional
 
 import typer
 
+from ..errors import InvarianceError
 from .common import FAILURE, DtypeOpt, ModelOpt, ProjDtypeOpt, check_options, command, fail
 
 
@@ -30,8 +31,7 @@ def doctor(
     agree with the record, and the demo model's rows for bivit's golden inputs are compared with the committed
     ones ("bits bivit-arith/1: match"); exit 1 where an op has no invariant path here or the rows differ."""
     check_options(model, dtype, projector_dtype)  # refused as every command refuses them, --prove or not
-    from ..doctor import format_report, prove as run_proof, report  # 20 ms every command's start would pay
-    from ..ops import InvarianceError  # torch: once the options are good
+    from ..doctor import format_report, prove as run_proof, report  # torch and the kernels: not for --help
 
     logging.getLogger("bivit").setLevel(logging.ERROR)  # every fallback is in the report itself
     r = report()

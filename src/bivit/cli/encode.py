@@ -10,7 +10,6 @@ from typing import Any, List, Optional
 import typer
 
 from .. import records as rec
-from ..encoder_cache import EncoderCacheError, Sink
 from ..errors import BivitError, ErrorKind
 from ..kinds import media_kind
 from ..names import label, shown, stored, too_long
@@ -46,7 +45,8 @@ def encode(
     writable(out, files)
     if ec_dir is not None:
         writable(ec_dir / EC_PROBE, option="--ec-dir")
-    from ..items import ItemResult, check_input  # torch (by the media pipeline): loaded once the options are good
+    # torch (the media pipeline, the encoder cache's writer): loaded once the options are good
+    from .. import encoder_cache, items
 
     results: list[Any] = [None] * len(files)  # per input: its record, or its error before any model loaded
     # How each input is named in the file (a name that is not UTF-8 escaped; one too long to keep, cut)
@@ -57,7 +57,7 @@ def encode(
         try:
             if refused[i]:
                 raise BivitError(f"{names[i]}: {refused[i]}")
-            kinds[i] = check_input(path, names[i])
+            kinds[i] = items.check_input(path, names[i])
         except BivitError as e:
             results[i] = e
             typer.echo(f"bivit: {ErrorKind.of(e).cli}: {shown(str(e))}", err=True)
@@ -80,13 +80,13 @@ def encode(
 
         # Files share forward passes (prepared one by one as passes fill, so memory holds about one pass); in
         # invariant mode each result is the bits of encoding it alone.
-        ec, ec_failed = (None if ec_dir is None else Sink(ec_dir, enc.fingerprint)), []
+        ec, ec_failed = (None if ec_dir is None else encoder_cache.Sink(ec_dir, enc.fingerprint)), []
         for i, r in zip(kinds, enc.encode_stream(prepared(), on_pass=bar.update)):
             results[i] = record = rec.Record.of_result(r, tensor=str(i))
             if r.error is None and ec is not None:  # as each result arrives, as every front end does
                 try:
                     record.extra["ec_ids"] = ec.put(record)
-                except EncoderCacheError as e:  # the embedding is kept: said once --out is written
+                except encoder_cache.EncoderCacheError as e:  # the embedding is kept: said once --out is written
                     record.extra["ec_error"] = str(e)
                     ec_failed.append(e)
             if r.error is not None:  # named, whatever raised it (an allocation failure names no file)
@@ -94,7 +94,7 @@ def encode(
                           f"{shown(rec.error_text(r.error, r.source))}",
                           file=sys.stderr)
 
-    records = [rec.Record.of_result(ItemResult(names[i], media_kind(path) or "image", error=r))
+    records = [rec.Record.of_result(items.ItemResult(names[i], media_kind(path) or "image", error=r))
                if isinstance(r, BaseException) else r  # refused before the model loaded
                for i, (path, r) in enumerate(zip(files, results))]
     embeddings = [r.embedding for r in records]

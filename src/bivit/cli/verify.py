@@ -43,7 +43,7 @@ def verify(
 
     Encodes each item alone and inside random batch layouts, in invariant and default mode, and prints per item
     "bit-identical" or the max difference; exit 1 unless invariant mode is bit-stable."""
-    from .. import verify as v  # torch and the model: loaded once the options are good
+    from .. import items, verify as v  # torch and the model: loaded once the options are good
 
     check_options(model, dtype, projector_dtype, output_dtype, device=device)  # before --plot's folder is made
     whole(layouts, "--layouts", 1, 10_000)
@@ -51,10 +51,8 @@ def verify(
     if plot is not None:
         need_extra("verify --plot", "matplotlib", "plot")
         writable(plot, files or (), "--plot")
-    from ..items import check_input  # torch: as above
-
     for f in files or ():
-        check_input(f)  # every input exists and is an image or video, before the models load
+        items.check_input(f)  # every input exists and is an image or video, before the models load
     encoders = [open_encoder(model, dtype, projector_dtype, output_dtype, inv, device=device) for inv in (True, False)]
     if files:
         batch = v.items_of(encoders[0], [str(f) for f in files])

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional
 from safetensors import safe_open
 
 from .. import records
-from ..dtypes import parse_dtype
+from ..dtypes import dtype_name, parse_dtype
 from ..errors import BivitError
 from ..kinds import media_kind
 from ..records import FormatError, Record, check_embedding
@@ -118,10 +118,8 @@ class EncodedDataset:
             raise FormatError(f"{path}: no tensor {rec.tensor!r} for {rec.source!r} ({e})") from None
 
     def numpy(self, item: "str | Record") -> "np.ndarray":
-        import torch  # not at the top: the CLI imports this module at start, and --help needs no torch
-
-        t = self.tensor(item)
-        if t.dtype == torch.bfloat16:
+        t = self.tensor(item)  # torch's, read from the shard: this module (the CLI's start) imports no torch
+        if dtype_name(t.dtype) == "bfloat16":
             t = t.float()  # exact: every bfloat16 is a float32
         return t.numpy()
 
@@ -146,12 +144,8 @@ class EncodedDataset:
 
     def chunks(self, item: "str | Record") -> list["torch.Tensor"]:
         """A video's embedding cut back into its chunks (one element for an image)."""
-        import torch  # as in `numpy`
-
-        from ..grids import grid_tokens  # 30 ms (the preprocessing presets) the CLI's start would pay
-
         rec = item if isinstance(item, Record) else self[item]
-        return list(torch.split(self.tensor(rec), [grid_tokens(h, w) for _, h, w in rec.grid_thw]))
+        return list(self.tensor(rec).split(rec.chunk_tokens))
 
     def close(self) -> None:
         """Release the open shard files (also done by `with open_dataset(...) as ds:`)."""

@@ -12,6 +12,7 @@ from contextvars import ContextVar
 from typing import Callable, Iterator
 
 import torch
+from torch.utils.checkpoint import checkpoint as _checkpoint
 
 _invariant: ContextVar[bool] = ContextVar("bivit_batch_invariant", default=False)
 _tracer: ContextVar["Callable[[str, torch.Tensor], None] | None"] = ContextVar("bivit_tracer", default=None)
@@ -56,9 +57,6 @@ def needs_grad(*tensors: torch.Tensor | None) -> bool:
 
 def checkpoint(fn: Callable[..., torch.Tensor], *args) -> torch.Tensor:
     """`fn(*args)` with activation checkpointing: the recomputation in backward runs in the mode of the forward."""
-    # could be module-level: no cycle, no cost (`import torch` loads it)
-    from torch.utils.checkpoint import checkpoint as _checkpoint
-
     mode = _invariant.get()
 
     def run(*a):

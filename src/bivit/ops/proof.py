@@ -38,7 +38,7 @@ import torch
 
 from .. import kernels, state
 from ..dtypes import dtype_name
-from ..errors import BivitError
+from ..errors import InvarianceError
 from .attend import attention
 from .backend import attention_kernel, gemm_kernel, gemm_path, norm_kernel, refuse
 from .gemm import gemms, linear
@@ -51,10 +51,6 @@ log = logging.getLogger("bivit")
 PROOF_FORMAT = 2  # 2: norms have paths (bivit's compiled norm); GEMM shapes keyed with GELU ""
 GEMM_ROWS = (1, 7, 33, 100)       # items of a GEMM or norm check (rows); tails of every microtile and block
 ATTENTION_GRIDS = ((1, 1), (5, 5), (10, 10), (15, 20))  # items of the attention check: 1, 25, 100, 300 patches
-
-
-class InvarianceError(BivitError):
-    """Invariant mode cannot keep its promise on this machine (no proven path for an op, or proofs disagree)."""
 
 
 @dataclass(frozen=True)

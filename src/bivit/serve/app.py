@@ -29,6 +29,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol  # private: pinned and checked (UVICORN_TESTED)
 
 from ..encoder import Encoder
 from ..names import SHOWN_CHARS, shown
@@ -288,8 +290,6 @@ async def _unless_disconnected(request: Request, work):
 
 def run(encoder: Encoder, settings: ServerSettings, *, host: str, port: int, log_level: str) -> None:
     """Serve until SIGTERM/SIGINT; accepted requests get their answers first (bounded graceful shutdown)."""
-    import uvicorn  # uvicorn only to serve: create_app alone needs none
-
     if host not in ("127.0.0.1", "localhost", "::1") and not settings.api_key:
         log.warning("serving on a non-loopback interface without --api-key", extra={"fields": {"host": host}})
     limit = max_connections()
@@ -353,8 +353,6 @@ def _protocol(seconds: float, write_seconds: float, limit: int) -> type:
     buffer fills (asyncio's `pause_writing`) and stops when it drains (`resume_writing`); if it runs out, the
     connection is aborted and what was buffered for it is dropped.
     """
-    from uvicorn.protocols.http.h11_impl import H11Protocol  # uvicorn's private class: only when serving (`run`)
-
     waiting: "collections.OrderedDict[H11Protocol, None]" = collections.OrderedDict()  # headers not complete
 
     class Protocol(H11Protocol):
