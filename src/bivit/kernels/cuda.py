@@ -1,7 +1,7 @@
-"""The invariant GPU path's kernels without triton: what they need (triton, the version the `gpu` extra allows),
-what decides their bits (`facts`) and how a launch is made or recorded (`launch`, `recording`). The kernels and
-their launchers, one or two Triton kernel launches per op, are `triton_jit`; the op layer (`bivit.ops.cuda`)
-calls those for CUDA tensors in invariant mode (docs/gpu.md).
+"""The part of the invariant GPU path that needs no triton: what its kernels need (triton, the version the `gpu`
+extra allows), what decides their bits (`facts`) and how a launch is made or recorded (`launch`, `recording`).
+The kernels and their launchers, one or two Triton kernel launches per op, are `triton_jit`; the op layer
+(`bivit.ops.cuda`) calls those for CUDA tensors in invariant mode (docs/gpu.md).
 
 Everything that changes bits is pinned here, in one place, and reported by `facts`:
 * GEMM tiles per weight dtype (`gemm_tiles`), never per row count; attention tiles per head dim.
