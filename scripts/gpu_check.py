@@ -151,13 +151,13 @@ def smoke(ctx) -> dict:
     """One launch of bivit's GEMM kernel (a 16-bit `tl.dot` on wgmma): compiler, launcher, driver all work."""
     import torch
 
-    from bivit.kernels import cuda as triton_ops
+    from bivit.kernels import triton_jit
 
     g = torch.Generator().manual_seed(0)
     x, w = (torch.randn(256, 192, generator=g).to(ctx.dtype16).to(ctx.device) for _ in range(2))
     start = time.monotonic()
     with ctx.triton():
-        y = triton_ops.gemm(x, w, None)
+        y = triton_jit.gemm(x, w, None)
     ref = (x.float() @ w.float().T).to(ctx.dtype16)
     err = float((y.float() - ref.float()).abs().max() / ref.float().abs().max())
     return {"need": f"{str(ctx.dtype16).removeprefix('torch.')} tl.dot smoke (bivit GEMM kernel, JIT)",
@@ -345,7 +345,6 @@ def ops_section(ctx) -> dict:
 
     from bivit import gpu
     from bivit.kernels import triton_jit as K
-    from bivit.kernels import cuda as triton_ops
 
     cfg, dtype, iters = ctx.cfg, ctx.dtype16, ctx.iters
     images, tokens = (2, 16) if ctx.dry else (64, 1024)  # 64 images of 448x448
@@ -364,7 +363,7 @@ def ops_section(ctx) -> dict:
         b = torch.randn(n, generator=g).to(device=ctx.device, dtype=dtype)
         flop = 2 * rows * n * k
         with ctx.triton():
-            ours = ctx.seconds_per_call(lambda: triton_ops.gemm(x, w, b), iters)
+            ours = ctx.seconds_per_call(lambda: K.gemm(x, w, b), iters)
         stock = ctx.seconds_per_call(lambda: F.linear(x, w, b), iters)
         out["gemm"][name] = {"m_n_k": [rows, n, k], "triton_tflops": flop / ours / 1e12,
                              "cublas_tflops": flop / stock / 1e12, "triton_over_cublas": stock / ours}
@@ -374,7 +373,7 @@ def ops_section(ctx) -> dict:
     seqlens = [tokens] * images
     flop = 4 * images * tokens * tokens * hd * heads
     with ctx.triton():
-        ours = ctx.seconds_per_call(lambda: triton_ops.attention(q, k, v, seqlens), iters)
+        ours = ctx.seconds_per_call(lambda: K.attention(q, k, v, seqlens), iters)
     q4, k4, v4 = (t.view(images, tokens, heads, hd).transpose(1, 2) for t in (q, k, v))
     stock = ctx.seconds_per_call(lambda: F.scaled_dot_product_attention(q4, k4, v4), iters)
     out["attention"] = {"items_tokens_heads_dim": [images, tokens, heads, hd], "triton_tflops": flop / ours / 1e12,

@@ -1,6 +1,6 @@
 """Compile what a forward launches, for a GPU architecture, without a GPU: `python -m bivit.gpu.build [--arch 90]
 [--model kimi-k2.5 ...] [--head-dim 64 ...] [--dtype bfloat16] [--json]` (sm_90a = H100/H200). Must run without
-TRITON_INTERPRET.
+TRITON_INTERPRET. A tool of the `gpu` extra: it imports triton at its top, and nothing in bivit imports it.
 
 "What runs" is taken from the code, not written down a second time: the model's forward runs on the CPU with
 uninitialised weights of the preset's exact shapes while `ops.recording()` captures every kernel launch (tensors,
@@ -26,6 +26,16 @@ import time
 from pathlib import Path
 
 import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, make_backend
+from triton.runtime.jit import create_function_from_signature
+
+from .. import ops
+from ..config import PRESETS
+from ..kernels.cuda import interpreting
+from ..model import VisionModel
+from ..ops.device import recording
 
 _TY = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 IMAGE, VIDEO = (1, 4, 4), (4, 4, 4)  # grids (t, h, w) of the recorded forward: an image and a 4-frame chunk
@@ -34,10 +44,6 @@ IMAGE, VIDEO = (1, 4, 4), (4, 4, 4)  # grids (t, h, w) of the recorded forward: 
 def model_launches(cfg, dtype: torch.dtype) -> list:
     """Every launch an invariant forward of `cfg` in `dtype` makes (an image and a video chunk), recorded, not
     run: the weights are allocated at full size and never initialised (nothing is computed)."""
-    from .. import ops  # could be module-level: no cycle, no cost (the bivit.gpu package loads ops)
-    from ..model import VisionModel  # could be module-level: no cycle, no cost (no cycle)
-    from ..ops.device import recording  # could be module-level: no cycle, no cost (the bivit.gpu package loads it)
-
     with torch.device("meta"):
         net = VisionModel(cfg)
     net = net.to_empty(device="cpu").to(dtype).eval()
@@ -50,9 +56,6 @@ def model_launches(cfg, dtype: torch.dtype) -> list:
 
 def attention_launches(head_dim: int, dtype: torch.dtype, heads: int = 8) -> list:
     """The attention launch at one head dim (for head dims no preset has), recorded."""
-    from .. import ops  # could be module-level: no cycle, no cost (as above)
-    from ..ops.device import recording  # could be module-level: no cycle, no cost (as above)
-
     q = torch.empty(32, heads, head_dim, dtype=dtype)
     with ops.batch_invariant(True), recording() as launches:
         ops.attention(q, q, q, [32])
@@ -74,13 +77,6 @@ def label(launch) -> str:
 def compile_launch(launch, arch: int = 90):
     """Compile one recorded launch for CUDA capability `arch` exactly as the JIT would: Triton's binder
     specialises the recorded arguments, then `triton.compile` builds the kernel."""
-    import triton  # optional: the gpu extra (triton)
-    from triton.backends.compiler import GPUTarget  # optional: the gpu extra (triton)
-    from triton.compiler import ASTSource, make_backend  # optional: the gpu extra (triton)
-    from triton.runtime.jit import create_function_from_signature  # optional: the gpu extra (triton)
-
-    from ..kernels.cuda import interpreting  # could be module-level: no cycle, no cost (the bivit.gpu package loads it)
-
     if interpreting():
         raise RuntimeError("bivit.gpu.build compiles kernels: run it without TRITON_INTERPRET=1")
     target = GPUTarget("cuda", arch, 32)
@@ -95,8 +91,6 @@ def compile_launch(launch, arch: int = 90):
 
 def inspect_compiled(compiled) -> dict:
     """What the compiled kernel is: registers, spills, pipelining, MMA instructions."""
-    import triton  # optional: the gpu extra (triton)
-
     cuobjdump = triton.knobs.nvidia.cuobjdump.path
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "kernel.cubin"
@@ -138,8 +132,6 @@ def compile_all(launches: dict[str, list], arch: int = 90) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..config import PRESETS  # could be module-level: no cycle, no cost (no cycle)
-
     parser = argparse.ArgumentParser(prog="python -m bivit.gpu.build", description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability (90 = sm_90a)")
     parser.add_argument("--model", choices=sorted(PRESETS), action="append",

@@ -1,6 +1,7 @@
-"""The invariant GPU path's kernels, launched: one or two Triton kernel launches per op (`triton_jit`), what they
-need (triton, the version the `gpu` extra allows) and what decides their bits (`facts`). The op layer
-(`bivit.ops.cuda`) calls these for CUDA tensors in invariant mode (docs/gpu.md).
+"""The part of the invariant GPU path that needs no triton: what its kernels need (triton, the version the `gpu`
+extra allows), what decides their bits (`facts`) and how a launch is made or recorded (`launch`, `recording`).
+The kernels and their launchers, one or two Triton kernel launches per op, are `triton_jit`; the op layer
+(`bivit.ops.cuda`) calls those for CUDA tensors in invariant mode (docs/gpu.md).
 
 Everything that changes bits is pinned here, in one place, and reported by `facts`:
 * GEMM tiles per weight dtype (`gemm_tiles`), never per row count; attention tiles per head dim.
@@ -8,7 +9,7 @@ Everything that changes bits is pinned here, in one place, and reported by `fact
 * `FP_FUSION`: off, so `a * b + c` rounds the product and the sum as written (the CPU path's formulas), on any
   compiler version's contraction heuristics.
 
-Triton is optional (`pip install 'bivit[gpu]'`): importing this module does not import it; the launchers do.
+Triton is optional (`pip install 'bivit[gpu]'`): importing this module does not import it; `triton_jit` does.
 Under Triton's interpreter (TRITON_INTERPRET=1 before triton is imported) the same launches run on CPU tensors:
 how the kernels are tested on machines without a GPU.
 """
@@ -16,26 +17,27 @@ how the kernels are tested on machines without a GPU.
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib.metadata
 import importlib.util
-import math
 import sys
 from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+import numpy as np
 import torch
 
 from .. import notices, state
 from ..errors import ConfigError
-from .gemm import ACTS
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10: no stdlib TOML reader; the installed package's metadata is read instead
+    tomllib = None
 
 PRECISION = "ieee"
 FP_FUSION = False
-ROPE_ROWS = 16  # rows per rope program (elementwise: the grouping changes no bits)
-MEAN_BLOCK = 1024  # elements per temporal-mean program (elementwise)
 
 
 # --------------------------------------------------------------------------------------------- what it needs
@@ -85,9 +87,7 @@ def triton_mismatch() -> str | None:
 def gpu_extra() -> list[str]:
     """The requirements of the `gpu` extra."""
     tree = Path(__file__).resolve().parents[3] / "pyproject.toml"
-    if tree.is_file() and sys.version_info >= (3, 11):
-        import tomllib  # stdlib only from Python 3.11 (checked above)
-
+    if tree.is_file() and tomllib is not None:
         return tomllib.loads(tree.read_text())["project"]["optional-dependencies"]["gpu"]
     try:
         requires = importlib.metadata.requires("bivit") or []
@@ -120,7 +120,6 @@ def _fixed_order_interpreter_dot() -> None:
     at tile row 0 vs 37), so the interpreter showed pack dependence the kernels do not have. numpy's einsum
     (no BLAS) adds each element's products in K order whatever the other rows: the interpreter's dot then
     depends on the row's data only, as the compiled kernel's does."""
-    import numpy as np  # could be module-level: no cycle, no cost (torch, imported above, loads numpy)
     from triton.runtime import interpreter  # optional: the gpu extra (triton)
 
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
@@ -156,9 +155,7 @@ def gemm_tiles(dtype: torch.dtype) -> Tiles:
 
 def attention_tiles(head_dim: int) -> Tiles:
     """Query rows per program, key rows per step, and the head dim padded to a power of two (72 -> 128)."""
-    import triton  # optional: the gpu extra (triton)
-
-    return Tiles(64, 64, max(16, triton.next_power_of_2(head_dim)), 4, 2)
+    return Tiles(64, 64, max(16, 1 << (head_dim - 1).bit_length()), 4, 2)
 
 
 def facts(device: torch.device, batch_invariant: bool) -> dict:
@@ -212,7 +209,9 @@ def recording() -> Iterator[list[Launch]]:
         _recorder.reset(token)
 
 
-def _launch(kernel, grid, *args, tiles: Tiles | None = None, **constexprs) -> None:
+def launch(kernel, grid, *args, tiles: Tiles | None = None, **constexprs) -> None:
+    """Launch `kernel` on `grid` with the pinned options (warps and stages from `tiles`), or record it when
+    `recording`."""
     kwargs = dict(constexprs, enable_fp_fusion=FP_FUSION)
     if tiles is not None:
         kwargs.update(num_warps=tiles.warps, num_stages=tiles.stages)
@@ -221,110 +220,3 @@ def _launch(kernel, grid, *args, tiles: Tiles | None = None, **constexprs) -> No
         launches.append(Launch(kernel, args, kwargs))
         return
     kernel[grid](*args, **kwargs)
-
-
-def gemm(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gelu: str | None = None,
-         residual: torch.Tensor | None = None) -> torch.Tensor:
-    """`[residual +] gelu(x2 @ weight.T + bias)` for 2-D `x2`, in the weights' dtype (the CPU invariant GEMM's
-    contract: the input is cast to it); with `residual` the result is written into it."""
-    import triton  # optional: the gpu extra (triton)
-
-    from . import triton_jit as K  # imports triton at its top: the gpu extra
-
-    x2 = x2.to(weight.dtype).contiguous()
-    weight = weight.contiguous()
-    m, k = x2.shape
-    n = weight.shape[0]
-    y = residual if residual is not None else x2.new_empty(m, n)
-    if m == 0:
-        return y
-    t = gemm_tiles(weight.dtype)
-    grid = (triton.cdiv(m, t.block_m), triton.cdiv(n, t.block_n))
-    _launch(K.gemm_kernel, grid, x2, weight, weight if bias is None else bias, y, y, m, tiles=t, N=n, K=k,
-            HAS_BIAS=bias is not None, GELU=ACTS[gelu], RESIDUAL=residual is not None, PRECISION=PRECISION,
-            BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k)
-    return y
-
-
-def norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
-         rms: bool) -> torch.Tensor:
-    """LayerNorm (or RMSNorm) over the last dim, in x's dtype."""
-    import triton  # optional: the gpu extra (triton)
-
-    from . import triton_jit as K  # imports triton at its top: the gpu extra
-
-    n = x.shape[-1]
-    x2 = x.reshape(-1, n)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
-    if x2.shape[0]:
-        dummy = x2
-        _launch(K.norm_kernel, (x2.shape[0],), x2, dummy if weight is None else weight.contiguous(),
-                dummy if bias is None else bias.contiguous(), y, x2.shape[0], x2.stride(0), float(eps), N=n,
-                RMS=rms, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
-                BLOCK_N=triton.next_power_of_2(n))
-    return y.view(x.shape)
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x `[L, slots, head_dim]` rotated by float32 tables `[L, head_dim]` -> a new contiguous tensor of x's dtype
-    (the formula of `bivit.ops.rope`)."""
-    import triton  # optional: the gpu extra (triton)
-
-    from . import triton_jit as K  # imports triton at its top: the gpu extra
-
-    length, slots, d = x.shape
-    if x.stride(2) != 1:
-        x = x.contiguous()
-    y = torch.empty((length, slots, d), dtype=x.dtype, device=x.device)
-    if length:
-        cos, sin = (t.to(device=x.device, dtype=torch.float32).contiguous() for t in (cos, sin))
-        _launch(K.rope_kernel, (triton.cdiv(length, ROPE_ROWS),), x, cos, sin, y, length, x.stride(0),
-                x.stride(1), SLOTS=slots, D=d, BLOCK_R=ROPE_ROWS, BLOCK_D=triton.next_power_of_2(d))
-    return y
-
-
-@functools.lru_cache(maxsize=64)
-def _item_table(seqlens: tuple[int, ...], block_m: int, device: torch.device) -> torch.Tensor:
-    """One (item start, item length, query block start) row per query block; blocks start at each item's first
-    row. Cached: every layer of a forward uses the same table."""
-    rows, start = [], 0
-    for n in seqlens:
-        rows += [(start, n, q0) for q0 in range(start, start + n, block_m)]
-        start += n
-    return torch.tensor(rows, dtype=torch.int32).view(-1, 3).to(device)
-
-
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens) -> torch.Tensor:
-    """Varlen attention over packed `[L, heads, head_dim]` q/k/v (item i owns `seqlens[i]` rows) -> `[L, heads,
-    head_dim]` in q's dtype."""
-    from . import triton_jit as K  # imports triton at its top: the gpu extra
-
-    length, heads, d = q.shape
-    out = torch.empty((length, heads, d), dtype=q.dtype, device=q.device)
-    for t in (q, k, v):
-        if t.stride(2) != 1 or t.stride(1) != d:
-            raise ConfigError(f"attention: q/k/v rows must be [heads, {d}] with unit stride (got {t.stride()})")
-    if length:
-        tiles = attention_tiles(d)
-        table = _item_table(tuple(int(n) for n in seqlens), tiles.block_m, q.device)
-        _launch(K.attention_kernel, (table.shape[0], heads), q, k, v, out, table, q.stride(0), k.stride(0),
-                v.stride(0), out.stride(0), 1.0 / math.sqrt(d), tiles=tiles, D=d, PRECISION=PRECISION,
-                BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_k)
-    return out
-
-
-def temporal_mean(x: torch.Tensor) -> torch.Tensor:
-    """Mean over dim 0 (the frames of one chunk) in x's dtype: frames added in order in float32."""
-    import triton  # optional: the gpu extra (triton)
-
-    from . import triton_jit as K  # imports triton at its top: the gpu extra
-
-    frames = x.contiguous()
-    e = frames[0].numel()
-    y = torch.empty(x.shape[1:], dtype=x.dtype, device=x.device)
-    if e:
-        _launch(K.frame_mean_kernel, (triton.cdiv(e, MEAN_BLOCK),), frames, y, frames.shape[0], e,
-                BLOCK=MEAN_BLOCK)
-    return y

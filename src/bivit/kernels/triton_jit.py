@@ -1,5 +1,8 @@
-"""The Triton kernels of the invariant GPU path, on the kernel floor beside the C kernels (imported only where
-triton is installed; launched by `bivit.kernels.cuda`).
+"""The Triton kernels of the invariant GPU path and their launchers (one or two launches per op: `gemm`, `norm`,
+`rotate`, `attention`, `temporal_mean`, which `bivit.ops.cuda` calls), on the kernel floor beside the C kernels.
+Importing it imports triton (the `gpu` extra): it is imported only where triton is installed
+(`bivit.kernels.cuda.require` first). Each launcher sits beside its kernel: a kernel's arguments are written next
+to the one call that passes them.
 
 What makes each kernel batch-invariant is one rule: a row's result is computed by the same instructions, in the
 same order, whatever the other rows of the launch are and wherever the row sits in it.
@@ -18,10 +21,20 @@ Every kernel accumulates in float32 and rounds once to the output dtype.
 
 from __future__ import annotations
 
+import functools
+import math
+
+import torch
 import triton
 import triton.language as tl
 
+from ..errors import ConfigError
 from .abi import CONSTS
+from .cuda import PRECISION, attention_tiles, gemm_tiles, launch
+from .gemm import ACTS
+
+ROPE_ROWS = 16  # rows per rope program (elementwise: the grouping changes no bits)
+MEAN_BLOCK = 1024  # elements per temporal-mean program (elementwise)
 
 # GELU kinds: the C kernels' ACT_* (abi.CONSTS, checked against each C library at load): one numbering for
 # every kernel that takes one.
@@ -162,3 +175,95 @@ def frame_mean_kernel(x_ptr, y_ptr, T, E, BLOCK: tl.constexpr):
     for f in range(1, T):
         acc += tl.load(x_ptr + f * E + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + offs, (acc / T).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------- launchers
+
+def gemm(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gelu: str | None = None,
+         residual: torch.Tensor | None = None) -> torch.Tensor:
+    """`[residual +] gelu(x2 @ weight.T + bias)` for 2-D `x2`, in the weights' dtype (the CPU invariant GEMM's
+    contract: the input is cast to it); with `residual` the result is written into it."""
+    x2 = x2.to(weight.dtype).contiguous()
+    weight = weight.contiguous()
+    m, k = x2.shape
+    n = weight.shape[0]
+    y = residual if residual is not None else x2.new_empty(m, n)
+    if m == 0:
+        return y
+    t = gemm_tiles(weight.dtype)
+    grid = (triton.cdiv(m, t.block_m), triton.cdiv(n, t.block_n))
+    launch(gemm_kernel, grid, x2, weight, weight if bias is None else bias, y, y, m, tiles=t, N=n, K=k,
+           HAS_BIAS=bias is not None, GELU=ACTS[gelu], RESIDUAL=residual is not None, PRECISION=PRECISION,
+           BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k)
+    return y
+
+
+def norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
+         rms: bool) -> torch.Tensor:
+    """LayerNorm (or RMSNorm) over the last dim, in x's dtype."""
+    n = x.shape[-1]
+    x2 = x.reshape(-1, n)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    if x2.shape[0]:
+        dummy = x2
+        launch(norm_kernel, (x2.shape[0],), x2, dummy if weight is None else weight.contiguous(),
+               dummy if bias is None else bias.contiguous(), y, x2.shape[0], x2.stride(0), float(eps), N=n,
+               RMS=rms, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
+               BLOCK_N=triton.next_power_of_2(n))
+    return y.view(x.shape)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x `[L, slots, head_dim]` rotated by float32 tables `[L, head_dim]` -> a new contiguous tensor of x's dtype
+    (the formula of `bivit.ops.rope`)."""
+
+    length, slots, d = x.shape
+    if x.stride(2) != 1:
+        x = x.contiguous()
+    y = torch.empty((length, slots, d), dtype=x.dtype, device=x.device)
+    if length:
+        cos, sin = (t.to(device=x.device, dtype=torch.float32).contiguous() for t in (cos, sin))
+        launch(rope_kernel, (triton.cdiv(length, ROPE_ROWS),), x, cos, sin, y, length, x.stride(0),
+               x.stride(1), SLOTS=slots, D=d, BLOCK_R=ROPE_ROWS, BLOCK_D=triton.next_power_of_2(d))
+    return y
+
+
+@functools.lru_cache(maxsize=64)
+def _item_table(seqlens: tuple[int, ...], block_m: int, device: torch.device) -> torch.Tensor:
+    """One (item start, item length, query block start) row per query block; blocks start at each item's first
+    row. Cached: every layer of a forward uses the same table."""
+    rows, start = [], 0
+    for n in seqlens:
+        rows += [(start, n, q0) for q0 in range(start, start + n, block_m)]
+        start += n
+    return torch.tensor(rows, dtype=torch.int32).view(-1, 3).to(device)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens) -> torch.Tensor:
+    """Varlen attention over packed `[L, heads, head_dim]` q/k/v (item i owns `seqlens[i]` rows) -> `[L, heads,
+    head_dim]` in q's dtype."""
+    length, heads, d = q.shape
+    out = torch.empty((length, heads, d), dtype=q.dtype, device=q.device)
+    for t in (q, k, v):
+        if t.stride(2) != 1 or t.stride(1) != d:
+            raise ConfigError(f"attention: q/k/v rows must be [heads, {d}] with unit stride (got {t.stride()})")
+    if length:
+        tiles = attention_tiles(d)
+        table = _item_table(tuple(int(n) for n in seqlens), tiles.block_m, q.device)
+        launch(attention_kernel, (table.shape[0], heads), q, k, v, out, table, q.stride(0), k.stride(0),
+               v.stride(0), out.stride(0), 1.0 / math.sqrt(d), tiles=tiles, D=d, PRECISION=PRECISION,
+               BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_k)
+    return out
+
+
+def temporal_mean(x: torch.Tensor) -> torch.Tensor:
+    """Mean over dim 0 (the frames of one chunk) in x's dtype: frames added in order in float32."""
+    frames = x.contiguous()
+    e = frames[0].numel()
+    y = torch.empty(x.shape[1:], dtype=x.dtype, device=x.device)
+    if e:
+        launch(frame_mean_kernel, (triton.cdiv(e, MEAN_BLOCK),), frames, y, frames.shape[0], e,
+               BLOCK=MEAN_BLOCK)
+    return y

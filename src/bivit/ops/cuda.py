@@ -1,6 +1,7 @@
 """The ops of the invariant forward for CUDA tensors (`bivit.ops.device`'s CUDA table): the same names, arguments
-and output dtypes as the CPU ops they stand in for, each one or two Triton kernel launches (`bivit.kernels.cuda`);
-forward only.
+and output dtypes as the CPU ops they stand in for, each one or two Triton kernel launches
+(`bivit.kernels.triton_jit`); forward only. Importing it imports triton: `ops.device.cuda_ops` imports it after
+`kernels.cuda.require`.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from typing import Sequence
 import torch
 
 from ..errors import ConfigError
-from ..kernels import cuda
+from ..kernels import triton_jit
 from .mode import emit, needs_grad
 
 
@@ -23,7 +24,7 @@ def _inference_only(*tensors: torch.Tensor | None) -> None:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            gelu: str | None = None) -> torch.Tensor:
     _inference_only(x, weight, bias)
-    out = cuda.gemm(x.reshape(-1, x.shape[-1]), weight, bias, gelu)
+    out = triton_jit.gemm(x.reshape(-1, x.shape[-1]), weight, bias, gelu)
     return emit("linear" if gelu is None else "linear_gelu", out.view(*x.shape[:-1], weight.shape[0]))
 
 
@@ -32,32 +33,33 @@ def residual_linear(residual: torch.Tensor, x: torch.Tensor, layers: Sequence[tu
     _inference_only(residual, x, *(t for layer in layers for t in layer[:2]))
     h = x.reshape(-1, x.shape[-1])
     for weight, bias, gelu in layers[:-1]:
-        h = cuda.gemm(h, weight, bias, gelu)
+        h = triton_jit.gemm(h, weight, bias, gelu)
     weight, bias, gelu = layers[-1]
     r2 = residual.view(-1, residual.shape[-1])
     if r2.dtype != weight.dtype or not r2.is_contiguous():
         raise ConfigError(f"residual_linear: the residual ({r2.dtype}) must be a contiguous tensor of the "
                           f"weights' dtype ({weight.dtype})")
-    cuda.gemm(h, weight, bias, gelu, residual=r2)
+    triton_jit.gemm(h, weight, bias, gelu, residual=r2)
     return emit("residual_linear", residual)
 
 
 def patch_conv(pixels: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """The patch conv (kernel = stride = patch) as unfold + GEMM: `[L, C, p, p]` -> `[L, D]`."""
     _inference_only(pixels, weight, bias)
-    out = cuda.gemm(pixels.reshape(pixels.shape[0], -1), weight.reshape(weight.shape[0], -1), bias)
+    out = triton_jit.gemm(pixels.reshape(pixels.shape[0], -1), weight.reshape(weight.shape[0], -1), bias)
     return emit("patch_conv", out)
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
     _inference_only(x, weight, bias)
-    return emit("layer_norm", cuda.norm(x, weight, bias, eps, rms=False))
+    return emit("layer_norm", triton_jit.norm(x, weight, bias, eps, rms=False))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float | None) -> torch.Tensor:
     _inference_only(x, weight)
     # eps None is PyTorch's default for RMSNorm: the machine epsilon of the input's dtype
-    return emit("rms_norm", cuda.norm(x, weight, None, torch.finfo(x.dtype).eps if eps is None else eps, rms=True))
+    eps = torch.finfo(x.dtype).eps if eps is None else eps
+    return emit("rms_norm", triton_jit.norm(x, weight, None, eps, rms=True))
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: Sequence[int],
@@ -66,12 +68,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: Sequen
     by `rope` first) -> `[L, heads * head_dim]` in q's dtype."""
     _inference_only(q, k, v)
     if rope is not None:
-        q, k = cuda.rotate(q, *rope), cuda.rotate(k, *rope)
-    out = cuda.attention(q, k, v, seqlens)
+        q, k = triton_jit.rotate(q, *rope), triton_jit.rotate(k, *rope)
+    out = triton_jit.attention(q, k, v, seqlens)
     return emit("attention", out.view(q.shape[0], -1))
 
 
 def temporal_mean(x: torch.Tensor) -> torch.Tensor:
     """Mean over dim 0 (the frames of one chunk) in x's dtype: frames added in order in float32."""
     _inference_only(x)
-    return emit("temporal_mean", cuda.temporal_mean(x))
+    return emit("temporal_mean", triton_jit.temporal_mean(x))

@@ -51,9 +51,9 @@ CPU_OPS = Ops(gemm.linear, gemm.residual_linear, gemm.patch_conv, norms.layer_no
 @state.memo(state.FIXED)
 def cuda_ops() -> Ops:
     """The Triton ops; triton is checked once per process (`cuda.require`) before any is used."""
-    from . import cuda as ops  # could be module-level: no cycle, no cost (ops.cuda imports no triton)
-
     cuda.require()
+    from . import cuda as ops  # optional: imports triton (the gpu extra), so only after `require` says it is there
+
     return Ops(ops.linear, ops.residual_linear, ops.patch_conv, ops.layer_norm, ops.rms_norm, ops.attention,
                ops.temporal_mean)
 
