@@ -10,25 +10,10 @@ dataset folder are safetensors files with the same three header metadata keys:
     items     JSON list: one record per item, in input order (a dataset shard: the order they were committed)
 
 and one tensor per item that has an embedding, `[tokens, text_hidden]` in the encoder's output dtype, under the
-key its record names. A record (`Record`, `RECORD_KEYS`) is:
-
-    tensor        key of its embedding in the file (null: the item failed)
-    tensor_sha256 sha256 of that tensor's bytes as the file stores them; every reader checks it (files of
-                  older versions have none: read unverified, said once per file)
-    source        the input's name: its path, an upload's file name, a dataset source
-    kind          "image" or "video"
-    sha256        content hash of the input (see `bivit.items`)
-    tokens        rows of its embedding
-    grid_thw      per chunk (an image is one chunk) [t, h, w] in patches
-    chunk_tokens  per chunk, its rows of the embedding (in order; they add up to `tokens`)
-    sizes         per chunk, [width, height] of the image or the chunk's frames before resizing (null: not
-                  known, in files of older versions; an engine's stand-in pictures need it, see `bivit.engines`)
-    timestamps    per chunk of a video, its start as the model's prompt writes it (null for an image)
-    placeholders  per chunk, {"text", "tokens"}: the prompt text with its one <|media_pad|>, and the rows that
-                  replace that pad
-    error         why the item has no embedding (null when it has one)
-    error_kind    its kind of failure as `bivit.errors.ErrorKind` spells it (null: none, or an older file)
-
+key its record names. A record (`Record`) holds the keys of `RECORD_KEYS` (each one's meaning and type:
+docs/formats.md, their one home): where its embedding is and its sha256 (`tensor`, `tensor_sha256`: every
+reader checks it), what the input was (`source`, `kind`, `sha256`), its rows per chunk and the chunks' grids,
+sizes, timestamps and prompt placeholders, or why it has none (`error`, `error_kind`, an `ErrorKind`);
 plus what only one writer knows, under keys of its own (the service: `cached`; a dataset:
 `shard`, `size`, `mtime_ns`, `seq`; --ec-dir: `ec_ids`), read back into `Record.extra` (and readable as
 attributes: `r.cached`). A dataset folder keeps the same records in `manifest.jsonl` and the encoder in
@@ -41,8 +26,8 @@ an error naming the format it found.
 A `Record` is what crosses every boundary out of the core (`Record.of_result`; `Record.to_item` back, past a Ray
 row); a failed item is a record with `error` and `error_kind`, wherever it is kept (errors.jsonl included).
 
-Imports nothing heavy (`bivit.client` reads answers through it): safetensors and torch load with the first
-embedding read.
+Imports nothing heavy (`bivit.client` reads answers through it): torch loads with the first embedding read
+(safetensors' own module is light; its torch half is not).
 """
 
 from __future__ import annotations
