@@ -11,6 +11,7 @@ import base64
 import hashlib
 import io
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -23,9 +24,12 @@ from PIL import Image
 from safetensors.torch import load_file, save_file
 
 import bivit
+from bivit.client import Client
 from bivit.engines import vllm as bv
 from bivit.errors import BivitError, ConfigError
 from support.media import make_video, png_bytes
+from support.server import ServerProcess
+from vllm_engine.tiny_kimi import write_tokenizer
 
 PAD = 999
 
@@ -163,8 +167,7 @@ def test_build_prompt_refuses_a_placeholder_count_that_does_not_match(media, tar
 
 
 def test_build_prompt_from_text_with_a_kimi_tokenizer(media, target, tmp_path):
-    from transformers import PreTrainedTokenizerFast
-    from vllm_engine.tiny_kimi import write_tokenizer
+    from transformers import PreTrainedTokenizerFast  # optional (the rl extra); only this test needs it
 
     write_tokenizer(tmp_path)
     tok = PreTrainedTokenizerFast.from_pretrained(str(tmp_path))
@@ -312,8 +315,6 @@ def test_encode_dataset_command_writes_the_encoder_cache_under_the_same_ids(file
 
 def test_service_writes_the_encoder_cache_and_answers_the_ids(files, media, tmp_path):
     pytest.importorskip("fastapi")
-    from bivit.client import Client
-    from support.server import ServerProcess
 
     ec = tmp_path / "ec"
     with ServerProcess(["--dtype", "float32", "--ec-dir", str(ec)], tmp_path) as srv, Client(srv.url) as c:
@@ -337,8 +338,6 @@ def test_encoder_cache_writes_replace_what_is_not_theirs(media, tmp_path):
     """An id already holding a readable file of the right rows is left as it is; anything else there is replaced,
     never reported written as it was and never written through: an empty (planted) file, a foreign tensor, a
     link at the file, a link at the id folder pointing outside the cache."""
-    import os
-
     ec, outside = tmp_path / "ec", tmp_path / "outside"
     outside.mkdir()
     (i, *_) = media[0].ec_ids()

@@ -25,6 +25,8 @@ from bivit.model import Block
 from support.media import make_video, random_image
 
 pytest.importorskip("transformers")
+from transformers import Kimi_K25ForConditionalGeneration  # noqa: E402
+
 import bivit.hf as bh  # noqa: E402
 
 SIZES = [(112, 112), (60, 250), (203, 97)]  # (h, w): 16, 27 and 32 rows
@@ -32,8 +34,6 @@ PARITY_RTOL = 1e-4  # fp32 bivit vs transformers' port on the same weights and p
 
 
 def hf_model(ckpt, dtype="float32"):
-    from transformers import Kimi_K25ForConditionalGeneration
-
     return Kimi_K25ForConditionalGeneration.from_pretrained(str(ckpt), dtype=getattr(torch, dtype))
 
 
@@ -243,7 +243,7 @@ def test_peft_adapters_on_the_language_model_only(tiny_kimi_ckpt, processor, ima
 def test_fsdp_wrap_policy_names_bivits_block(tiny_kimi_ckpt):
     """accelerate's FSDP auto-wrap resolves `_no_split_modules` by class name in the model; after attach HF's
     vision layer class is gone (control: it resolves before), bivit's block resolves."""
-    from accelerate.utils.dataclasses import get_module_class_from_name
+    from accelerate.utils.dataclasses import get_module_class_from_name  # optional: comes with trl, not transformers
 
     model = hf_model(tiny_kimi_ckpt)
     assert get_module_class_from_name(model, "Kimi_K25VisionEncoderLayer") is not None

@@ -26,7 +26,9 @@ import platform
 import pytest
 import torch
 
+from support import doc_code
 from support.controls import row_count_dependent_gemms
+from support.media import png_bytes
 
 pytest.importorskip("trl")
 import bivit  # noqa: E402
@@ -88,9 +90,6 @@ def test_frozen_tower_reads_the_rollouts_rows(runs):
 def test_guides_trl_recipe_runs_as_written(tiny_kimi_ckpt, tmp_path, monkeypatch):
     """docs/rl.md's TRL blocks, in order, on the tiny checkpoint (the reader's checkpoint and output folder put in;
     the reader's pictures written here)."""
-    from support import doc_code
-    from support.media import png_bytes
-
     monkeypatch.chdir(tmp_path)
     (tmp_path / "cat.png").write_bytes(png_bytes(140, 112, 41))
     (tmp_path / "dog.png").write_bytes(png_bytes(98, 154, 42))

@@ -20,6 +20,8 @@ from support.server import ServerProcess
 
 pytest.importorskip("transformers")
 pytest.importorskip("fastapi")
+from transformers import Kimi_K25ForConditionalGeneration  # noqa: E402
+
 import bivit.hf as bh  # noqa: E402
 from bivit.engines.rl import Rollout, push_to_server  # noqa: E402
 
@@ -34,8 +36,6 @@ def server(tiny_kimi_ckpt, tmp_path_factory):
 
 
 def test_trainer_weights_reach_bivit_serve_as_the_saved_checkpoint_loads(server, tiny_kimi_ckpt, tmp_path):
-    from transformers import Kimi_K25ForConditionalGeneration
-
     model = Kimi_K25ForConditionalGeneration.from_pretrained(str(tiny_kimi_ckpt), dtype=torch.float32)
     vision = bh.attach(model)
     processor = bh.Processor.from_pretrained(tiny_kimi_ckpt)

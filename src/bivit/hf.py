@@ -19,16 +19,17 @@ A state dict therefore goes to `Encoder.update_weights`, `bivit serve`'s `POST /
 Frozen tower: `attach(model, rows=store)` makes the model read the rows a rollout encoded (`RowStore`) instead of
 running any tower: no tower forward, no gradients, the rollout's bits.
 
-Imports transformers only when these functions run (`import bivit` never does).
+Needs transformers (the `rl` extra), imported with this module; `import bivit` does not import it.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -42,8 +43,13 @@ from .preprocess_config import (K25_PROCESSING, PREPROCESSOR_CONFIG, ProcessorCo
                                 preprocessor_config_dict)
 from .train import TrainableModel, trainable_from_state
 
-if TYPE_CHECKING:  # type hints only
-    from transformers import PreTrainedModel
+try:  # the `rl` extra: this module works inside transformers' model, so it cannot load without it
+    from transformers import AutoTokenizer, BatchFeature, PreTrainedModel, ProcessorMixin
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import PrefixChange, WeightRenaming, revert_weight_conversion
+    from transformers.modeling_outputs import BaseModelOutputWithPooling
+except ImportError as e:
+    raise ConfigError(f"bivit.hf needs transformers>=5.19 (pip install 'bivit[rl]'): {e}") from None
 
 __all__ = ["Processor", "RowStore", "VIDEO_TOKEN", "attach", "checkpoint_state_dict", "is_attached", "pixel_key",
            "vision_model"]
@@ -80,7 +86,7 @@ def vision_model(model: Any) -> TrainableModel:
     return vars(inner)[_ATTACHED]
 
 
-def attach(model: "PreTrainedModel", *, rows: Optional["RowStore"] = None, batch_invariant: bool = True,
+def attach(model: PreTrainedModel, *, rows: Optional["RowStore"] = None, batch_invariant: bool = True,
            activation_checkpointing: bool = False) -> TrainableModel:
     """Make `model` (transformers' `Kimi_K25ForConditionalGeneration`) compute its image and video-chunk
     features with bivit -> the bivit module now inside it.
@@ -122,8 +128,6 @@ def attach(model: "PreTrainedModel", *, rows: Optional["RowStore"] = None, batch
     vars(inner)[_ATTACHED] = net  # a plain attribute: the modules are registered once, under HF's names
 
     def get_image_features(pixel_values: torch.Tensor, image_grid_thw: Optional[torch.Tensor] = None, **_: Any):
-        from transformers.modeling_outputs import BaseModelOutputWithPooling  # optional: the rl extra (transformers)
-
         if image_grid_thw is None:
             raise ConfigError("image features need image_grid_thw (bivit.hf.Processor returns it)")
         _check_unwrapped(net)
@@ -153,12 +157,9 @@ def _check_unwrapped(net: TrainableModel) -> None:
                              "rollout's); target the language model's modules only, or train the tower fully")
 
 
-def _checkpoint_conversions(model: "PreTrainedModel") -> list:
+def _checkpoint_conversions(model: PreTrainedModel) -> list:
     """transformers' weight conversions for `model` with the vision ones replaced by a plain prefix: what
     `save_pretrained` reverts to write the published layout (vision: bivit's names = the checkpoint's)."""
-    from transformers.conversion_mapping import get_model_conversion_mapping  # optional: the rl extra (transformers)
-    from transformers.core_model_loading import PrefixChange, WeightRenaming  # optional: the rl extra (transformers)
-
     current = getattr(model, "_weight_conversions", None)
     if current is None:
         current = [c for c in get_model_conversion_mapping(model, add_legacy=False) if not isinstance(c, PrefixChange)]
@@ -180,8 +181,6 @@ def _saving_published_architecture(save: Any) -> Any:
     """`save_pretrained`, then config.json's `architectures` set to the published name (transformers writes its
     own class name, `Kimi_K25ForConditionalGeneration`, which vLLM does not map to its Kimi-K2.5 model; transformers
     itself dispatches on `model_type`)."""
-    import json  # could be module-level: no cycle, no cost (cheap stdlib)
-
     def save_pretrained(save_directory: str | os.PathLike, *args: Any, **kwargs: Any) -> Any:
         out = save(save_directory, *args, **kwargs)
         path = Path(save_directory) / "config.json"
@@ -196,12 +195,10 @@ def _saving_published_architecture(save: Any) -> Any:
     return save_pretrained
 
 
-def checkpoint_state_dict(model: "PreTrainedModel") -> dict[str, torch.Tensor]:
+def checkpoint_state_dict(model: PreTrainedModel) -> dict[str, torch.Tensor]:
     """Every weight of an attached model under the published checkpoint's names (`vision_tower.*`,
     `mm_projector.*`, `language_model.model.*`, `language_model.lm_head.weight`; experts one by one): what
     `save_pretrained` writes and vLLM's Kimi-K2.5 `load_weights` takes (weight sync to a rollout engine)."""
-    from transformers.core_model_loading import revert_weight_conversion  # optional: the rl extra (transformers)
-
     vision_model(model)  # attached, so the conversions are bivit's
     return revert_weight_conversion(model, model.state_dict())
 
@@ -248,102 +245,89 @@ class RowStore:
 
 # ------------------------------------------------------------------------------------------- processor
 
-def _make_processor_class() -> type:
-    """`Processor`, built on first use: its base, transformers' ProcessorMixin (which TRL checks with isinstance),
-    is imported then, so that importing bivit.hf does not import transformers."""
-    from transformers import ProcessorMixin  # optional: the rl extra (transformers)
+class Processor(ProcessorMixin):
+    """transformers' processor interface over bivit's preprocessing: `processor(text=..., images=...,
+    videos=...)` gives `input_ids` with each `<|media_pad|>` expanded to its item's rows, and the items'
+    `pixel_values` and `image_grid_thw` `[n, 3]` (images and video chunks together, in prompt order: the unified
+    vision chunks Kimi's processor and vLLM use), as `bivit.Encoder` preprocesses them. `pixel_values` holds
+    the patches flattened, `[L, 3*14*14]` (as Qwen2-VL's processor does; the attached model takes both
+    layouts): TRL's GRPOTrainer reads 4-D pixel values as InternVL tiles and fails on them.
 
-    class Processor(ProcessorMixin):
-        """transformers' processor interface over bivit's preprocessing: `processor(text=..., images=...,
-        videos=...)` gives `input_ids` with each `<|media_pad|>` expanded to its item's rows, and the items'
-        `pixel_values` and `image_grid_thw` `[n, 3]` (images and video chunks together, in prompt order: the unified
-        vision chunks Kimi's processor and vLLM use), as `bivit.Encoder` preprocesses them. `pixel_values` holds
-        the patches flattened, `[L, 3*14*14]` (as Qwen2-VL's processor does; the attached model takes both
-        layouts): TRL's GRPOTrainer reads 4-D pixel values as InternVL tiles and fails on them.
+    In `text`, each image is one `<|media_pad|>` (Kimi's chat template writes one per image part) and each
+    video one `VIDEO_TOKEN`, replaced by its chunks' placeholders (timestamp, `<|media_begin|>video...`).
+    Images: PIL images, HxWx3 uint8 arrays, paths or bytes; videos: paths, bytes or `bivit.VideoFrames`.
+    """
 
-        In `text`, each image is one `<|media_pad|>` (Kimi's chat template writes one per image part) and each
-        video one `VIDEO_TOKEN`, replaced by its chunks' placeholders (timestamp, `<|media_begin|>video...`).
-        Images: PIL images, HxWx3 uint8 arrays, paths or bytes; videos: paths, bytes or `bivit.VideoFrames`.
-        """
+    image_token = MEDIA_PAD
+    video_token = VIDEO_TOKEN
 
-        image_token = MEDIA_PAD
-        video_token = VIDEO_TOKEN
+    def __init__(self, tokenizer: Any, processing: Optional[ProcessorConfig] = None,
+                 chat_template: Optional[str] = None, alpha: str = "model") -> None:
+        super().__init__(tokenizer, chat_template=chat_template)
+        self.processing = processing or K25_PROCESSING
+        self.alpha = check_alpha(alpha)
 
-        def __init__(self, tokenizer: Any, processing: Optional[ProcessorConfig] = None,
-                     chat_template: Optional[str] = None, alpha: str = "model") -> None:
-            super().__init__(tokenizer, chat_template=chat_template)
-            self.processing = processing or K25_PROCESSING
-            self.alpha = check_alpha(alpha)
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, **tokenizer_kwargs: Any) -> "Processor":
+        """The checkpoint's tokenizer and preprocessing (its `preprocessor_config.json`, else the family's
+        published values). Local folders only (HF_HUB_OFFLINE works: nothing is fetched)."""
+        path = Path(path)
+        if not path.is_dir():
+            raise ConfigError(f"{path}: not a checkpoint folder")
+        tokenizer = AutoTokenizer.from_pretrained(str(path), **tokenizer_kwargs)
+        return cls(tokenizer, load_processing(path, load_config(path)))
 
-        @classmethod
-        def from_pretrained(cls, path: str | os.PathLike, **tokenizer_kwargs: Any) -> "Processor":
-            """The checkpoint's tokenizer and preprocessing (its `preprocessor_config.json`, else the family's
-            published values). Local folders only (HF_HUB_OFFLINE works: nothing is fetched)."""
-            from transformers import AutoTokenizer  # optional: the rl extra (transformers)
+    def save_pretrained(self, save_directory: str | os.PathLike, **kwargs: Any) -> list[str]:
+        """The tokenizer and `preprocessor_config.json` (bivit, transformers' tokenizer and vLLM read them)."""
+        directory = Path(save_directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        files = list(self.tokenizer.save_pretrained(str(directory)))
+        path = directory / PREPROCESSOR_CONFIG
+        path.write_text(json.dumps(preprocessor_config_dict(self.processing), indent=2))
+        return files + [str(path)]
 
-            path = Path(path)
-            if not path.is_dir():
-                raise ConfigError(f"{path}: not a checkpoint folder")
-            tokenizer = AutoTokenizer.from_pretrained(str(path), **tokenizer_kwargs)
-            return cls(tokenizer, load_processing(path, load_config(path)))
+    def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any:
+        """The tokenizer's chat template (Kimi's writes one `<|media_pad|>` per image part)."""
+        if self.chat_template is not None:
+            kwargs.setdefault("chat_template", self.chat_template)
+        return self.tokenizer.apply_chat_template(conversation, **kwargs)
 
-        def save_pretrained(self, save_directory: str | os.PathLike, **kwargs: Any) -> list[str]:
-            """The tokenizer and `preprocessor_config.json` (bivit, transformers' tokenizer and vLLM read them)."""
-            import json  # could be module-level: no cycle, no cost (cheap stdlib)
+    def __repr__(self) -> str:
+        return f"bivit.hf.Processor({type(self.tokenizer).__name__}, {self.processing.processor})"
 
-            directory = Path(save_directory)
-            directory.mkdir(parents=True, exist_ok=True)
-            files = list(self.tokenizer.save_pretrained(str(directory)))
-            path = directory / PREPROCESSOR_CONFIG
-            path.write_text(json.dumps(preprocessor_config_dict(self.processing), indent=2))
-            return files + [str(path)]
-
-        def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any:
-            """The tokenizer's chat template (Kimi's writes one `<|media_pad|>` per image part)."""
-            if self.chat_template is not None:
-                kwargs.setdefault("chat_template", self.chat_template)
-            return self.tokenizer.apply_chat_template(conversation, **kwargs)
-
-        def __repr__(self) -> str:
-            return f"bivit.hf.Processor({type(self.tokenizer).__name__}, {self.processing.processor})"
-
-        def __call__(self, text: Any = None, images: Any = None, videos: Any = None, return_tensors: Any = None,
-                     **kwargs: Any) -> Any:
-            from transformers import BatchFeature  # optional: the rl extra (transformers)
-
-            texts = [text] if isinstance(text, str) else list(text or [])
-            queue = {MEDIA_PAD: _flat(images), VIDEO_TOKEN: _flat(videos)}
-            used = {MEDIA_PAD: 0, VIDEO_TOKEN: 0}
-            chunks, out_texts = [], []
-            marker = re.compile(f"({re.escape(MEDIA_PAD)}|{re.escape(VIDEO_TOKEN)})")
-            for t in texts:
-                pieces = []
-                for piece in marker.split(t):
-                    if piece not in queue:
-                        pieces.append(piece)
-                        continue
-                    if used[piece] == len(queue[piece]):
-                        raise BivitError(f"the text has more {piece} than the {len(queue[piece])} "
-                                         f"{'image(s)' if piece == MEDIA_PAD else 'video(s)'} given")
-                    src = queue[piece][used[piece]]
-                    used[piece] += 1
-                    p = prepare(src, processing=self.processing, alpha=self.alpha,
-                                kind="image" if piece == MEDIA_PAD else "video").checked()
-                    chunks.append(p.batch)
-                    texts_of = [ph.text for ph in p.placeholders] if piece == VIDEO_TOKEN else [MEDIA_PAD]
-                    pieces += [x.replace(MEDIA_PAD, MEDIA_PAD * ph.tokens) for x, ph in zip(texts_of, p.placeholders)]
-                out_texts.append("".join(pieces))
-            for key, items in queue.items():
-                if used[key] != len(items):
-                    raise BivitError(f"{len(items)} {'image(s)' if key == MEDIA_PAD else 'video(s)'} given but the "
-                                     f"text has {used[key]} {key}")
-            data = dict(self.tokenizer(out_texts, return_tensors=return_tensors, **kwargs)) if texts else {}
-            if chunks:
-                batch = MediaBatch.concat(chunks)
-                data.update(pixel_values=batch.pixel_values.flatten(1), image_grid_thw=batch.grid_thw)
-            return BatchFeature(data=data, tensor_type=return_tensors)
-
-    return Processor
+    def __call__(self, text: Any = None, images: Any = None, videos: Any = None, return_tensors: Any = None,
+                 **kwargs: Any) -> Any:
+        texts = [text] if isinstance(text, str) else list(text or [])
+        queue = {MEDIA_PAD: _flat(images), VIDEO_TOKEN: _flat(videos)}
+        used = {MEDIA_PAD: 0, VIDEO_TOKEN: 0}
+        chunks, out_texts = [], []
+        marker = re.compile(f"({re.escape(MEDIA_PAD)}|{re.escape(VIDEO_TOKEN)})")
+        for t in texts:
+            pieces = []
+            for piece in marker.split(t):
+                if piece not in queue:
+                    pieces.append(piece)
+                    continue
+                if used[piece] == len(queue[piece]):
+                    raise BivitError(f"the text has more {piece} than the {len(queue[piece])} "
+                                     f"{'image(s)' if piece == MEDIA_PAD else 'video(s)'} given")
+                src = queue[piece][used[piece]]
+                used[piece] += 1
+                p = prepare(src, processing=self.processing, alpha=self.alpha,
+                            kind="image" if piece == MEDIA_PAD else "video").checked()
+                chunks.append(p.batch)
+                texts_of = [ph.text for ph in p.placeholders] if piece == VIDEO_TOKEN else [MEDIA_PAD]
+                pieces += [x.replace(MEDIA_PAD, MEDIA_PAD * ph.tokens) for x, ph in zip(texts_of, p.placeholders)]
+            out_texts.append("".join(pieces))
+        for key, items in queue.items():
+            if used[key] != len(items):
+                raise BivitError(f"{len(items)} {'image(s)' if key == MEDIA_PAD else 'video(s)'} given but the "
+                                 f"text has {used[key]} {key}")
+        data = dict(self.tokenizer(out_texts, return_tensors=return_tensors, **kwargs)) if texts else {}
+        if chunks:
+            batch = MediaBatch.concat(chunks)
+            data.update(pixel_values=batch.pixel_values.flatten(1), image_grid_thw=batch.grid_thw)
+        return BatchFeature(data=data, tensor_type=return_tensors)
 
 
 def _flat(items: Any) -> list:
@@ -358,10 +342,3 @@ def _flat(items: Any) -> list:
             out += _flat(x) if isinstance(x, (list, tuple)) else [x]
     return out
 
-
-def __getattr__(name: str) -> Any:
-    if name == "Processor":
-        cls = _make_processor_class()
-        globals()["Processor"] = cls
-        return cls
-    raise AttributeError(f"module 'bivit.hf' has no attribute {name!r}")

@@ -6,6 +6,8 @@ trainer saw.
 generated from and the rows each trainer forward computed, and per scored micro-batch two log-prob gaps of the
 completion tokens: trainer vs rollout, and trainer vs the trainer's own forward with the rollout's rows in place of
 its own (what the rows alone contribute).
+
+Imports TRL and transformers: its users import it after `pytest.importorskip("trl")`.
 """
 
 from __future__ import annotations
@@ -13,7 +15,11 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from datasets import Dataset
 from PIL import Image
+from transformers import Kimi_K25ForConditionalGeneration
+from transformers.modeling_outputs import BaseModelOutputWithPooling
+from trl import GRPOConfig, GRPOTrainer
 
 import bivit
 import bivit.hf as bh
@@ -59,8 +65,6 @@ class Record:
 @contextlib.contextmanager
 def rollout_rows(model, record: Record, step: int):
     """The model's image features replaced by the rows the rollout used (by image key), for the duration."""
-    from transformers.modeling_outputs import BaseModelOutputWithPooling
-
     inner = model.model
     features = inner.get_image_features
 
@@ -77,33 +81,28 @@ def rollout_rows(model, record: Record, step: int):
         inner.get_image_features = features
 
 
-def recording_trainer_class():
-    from trl import GRPOTrainer
+class RecordingTrainer(GRPOTrainer):
+    """Records, for each scored micro-batch (the loss forward, before the optimizer step), the log-prob gaps of
+    `Record`."""
 
-    class RecordingTrainer(GRPOTrainer):
-        """Records, for each scored micro-batch (the loss forward, before the optimizer step), the log-prob gaps of
-        `Record`."""
+    record: Record
 
-        record: Record
+    def _compute_loss(self, model, inputs):
+        self._scored = inputs
+        return super()._compute_loss(model, inputs)
 
-        def _compute_loss(self, model, inputs):
-            self._scored = inputs
-            return super()._compute_loss(model, inputs)
-
-        def _get_per_token_logps_and_entropies(self, model, *args, **kwargs):
-            out = super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
-            inputs, self._scored = getattr(self, "_scored", None), None
-            if inputs is not None:
-                mask = inputs["completion_mask"].bool()
-                ours = out[0].detach().float()
-                self.record.gaps.append((ours - inputs["sampling_per_token_logps"])[mask].abs())
-                # The same forward (grad mode, batch and all) with the rollout's rows in place of the trainer's.
-                with rollout_rows(self.accelerator.unwrap_model(model), self.record, self.state.global_step):
-                    again = super()._get_per_token_logps_and_entropies(model, *args, **kwargs)[0].detach().float()
-                self.record.row_gaps.append((ours - again)[mask].abs())
-            return out
-
-    return RecordingTrainer
+    def _get_per_token_logps_and_entropies(self, model, *args, **kwargs):
+        out = super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
+        inputs, self._scored = getattr(self, "_scored", None), None
+        if inputs is not None:
+            mask = inputs["completion_mask"].bool()
+            ours = out[0].detach().float()
+            self.record.gaps.append((ours - inputs["sampling_per_token_logps"])[mask].abs())
+            # The same forward (grad mode, batch and all) with the rollout's rows in place of the trainer's.
+            with rollout_rows(self.accelerator.unwrap_model(model), self.record, self.state.global_step):
+                again = super()._get_per_token_logps_and_entropies(model, *args, **kwargs)[0].detach().float()
+            self.record.row_gaps.append((ours - again)[mask].abs())
+        return out
 
 
 class RecordingRollout(Rollout):
@@ -173,10 +172,6 @@ def grpo_run(ckpt, dtype: str, mode: str, out_dir, *, engine=None, steps: int = 
     (the control: HF's tower in the trainer; the rollout's rows from HF's tower too, or from `control(model,
     processor)`, a Rollout). `engine`: the bivit rollout's generation engine (default transformers' generate).
     `train_language_model=False` freezes the language model (the tower alone trains)."""
-    from datasets import Dataset
-    from transformers import Kimi_K25ForConditionalGeneration
-    from trl import GRPOConfig
-
     torch.manual_seed(0)
     model = Kimi_K25ForConditionalGeneration.from_pretrained(str(ckpt), dtype=getattr(torch, dtype))
     processor = bh.Processor.from_pretrained(ckpt)
@@ -212,8 +207,8 @@ def grpo_run(ckpt, dtype: str, mode: str, out_dir, *, engine=None, steps: int = 
                       seed=0, logging_steps=1, report_to=[], save_strategy="no", dataloader_num_workers=0,
                       disable_tqdm=True)
     before = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    trainer = recording_trainer_class()(model, reward_funcs=reward, args=args, train_dataset=dataset,
-                                         processing_class=processor, rollout_func=rollout)
+    trainer = RecordingTrainer(model, reward_funcs=reward, args=args, train_dataset=dataset,
+                               processing_class=processor, rollout_func=rollout)
     trainer.record = record
     record_trainer_rows(model, trainer, record)
     trainer.train()

@@ -20,9 +20,16 @@ the dtype, so a vLLM whose backends change skips with the reason instead of fail
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 from pathlib import Path
-from typing import Optional
+from typing import Any, Iterator, Optional
+
+import torch
+from safetensors.torch import load_file
+
+from bivit.encoder_cache import EC_FILE, EC_KEY
 
 HERE = Path(__file__).resolve().parent
 DTYPES = ("bfloat16", "float32")
@@ -53,8 +60,6 @@ def engine_options(dtype: str) -> dict:
 
 def server_options(dtype: str) -> list[str]:
     """The same settings as `vllm serve` options."""
-    import json
-
     backend = ATTENTION_BACKEND[dtype]
     return (["--dtype", dtype, "--max-model-len", str(ENGINE["max_model_len"]), "--enforce-eager", "--seed", "0",
              "--kv-cache-memory-bytes", str(ENGINE["kv_cache_memory_bytes"]), "--enable-prompt-embeds",
@@ -65,8 +70,6 @@ def server_options(dtype: str) -> list[str]:
 
 def cpu_kind() -> str:
     """This CPU as vLLM's x86 dispatch sees it (the predicates it keys on)."""
-    import torch
-
     if torch.cpu._is_amx_tile_supported():
         return "AMX"
     if torch.cpu._is_avx512_bf16_supported():
@@ -76,12 +79,12 @@ def cpu_kind() -> str:
 
 def cannot_run(dtype: str) -> Optional[str]:
     """Why vLLM cannot run the tiny checkpoint's language model in `dtype` on this CPU, or None."""
-    import torch
-    import vllm
-    from vllm.platforms import current_platform
-    from vllm.utils.import_utils import resolve_obj_by_qualname
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum
-    from vllm.v1.attention.selector import AttentionSelectorConfig
+    # vLLM is only in its own venv, and conftest imports this module in every environment:
+    import vllm  # vLLM's venv only
+    from vllm.platforms import current_platform  # vLLM's venv only
+    from vllm.utils.import_utils import resolve_obj_by_qualname  # vLLM's venv only
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum  # vLLM's venv only
+    from vllm.v1.attention.selector import AttentionSelectorConfig  # vLLM's venv only
 
     if not current_platform.is_cpu():
         return f"these tests drive vLLM's CPU backend; this vLLM runs on {current_platform.device_name}"
@@ -106,3 +109,26 @@ def engine_environment() -> None:
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # LLM.apply_model sends the probes by pickle
     # Tests never reach the network: no usage report to vLLM's collector, no hub look-ups.
     os.environ.update(VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+
+
+@contextlib.contextmanager
+def ec_engine(model: Any, ec_dir: Any, dtype: str) -> Iterator[Any]:
+    """An offline vLLM engine of checkpoint `model` in `dtype` (`engine_options`), encoder-cache producer and
+    consumer (`ec_both`) on `ec_dir`: an item whose id has a file there is loaded from it, any other is encoded by
+    vLLM's own tower and its rows saved there. Shut down on exit."""
+    engine_environment()
+    from vllm import LLM  # vLLM's venv only (conftest imports this module in every environment)
+    from vllm.config import ECTransferConfig  # vLLM's venv only
+
+    engine = LLM(model=str(model), **engine_options(dtype), ec_transfer_config=ECTransferConfig(
+        ec_connector="ECExampleConnector", ec_role="ec_both",
+        ec_connector_extra_config={"shared_storage_path": str(ec_dir)}))
+    try:
+        yield engine
+    finally:
+        engine.llm_engine.engine_core.shutdown()
+
+
+def load_ec(ec_dir: Path, id_: str) -> torch.Tensor:
+    """The rows an encoder-cache file holds (what the engine saved, or bivit wrote, under `id_`)."""
+    return load_file(str(Path(ec_dir) / id_ / EC_FILE))[EC_KEY]

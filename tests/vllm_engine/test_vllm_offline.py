@@ -27,7 +27,10 @@ What is proven, in both dtypes unless said:
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
+import av
 import numpy as np
 import pytest
 import torch
@@ -36,11 +39,12 @@ from PIL import Image
 pytest.importorskip("vllm", reason="vLLM is not installed here; run scripts/vllm-env.sh test (its own venv)")
 
 import vllm_hooks  # noqa: E402
-from engine_support import (ASSISTANT, ROWS_RTOL, USER, cpu_kind, engine_environment,  # noqa: E402
-                            engine_options)
+from vllm import SamplingParams  # noqa: E402
+from engine_support import ASSISTANT, ROWS_RTOL, USER, cpu_kind, load_ec  # noqa: E402
 from support import doc_code  # noqa: E402
 from support.media import make_video, random_image  # noqa: E402
 
+import bivit  # noqa: E402
 from bivit.engines import vllm as bv  # noqa: E402
 from bivit.video import sample_frame_indices  # noqa: E402
 
@@ -50,27 +54,15 @@ IMAGE_SIZES = {"square": (112, 112), "wide": (140, 112), "odd": (203, 97), "tall
 
 
 @pytest.fixture(scope="module")
-def ec_dir(tmp_path_factory, dtype):
-    return tmp_path_factory.mktemp(f"ec-{dtype}")
-
-
-@pytest.fixture(scope="module")
 def encoder(encoders, dtype):
     return encoders(dtype)
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_kimi, ec_dir, dtype):
-    engine_environment()
-    from vllm import LLM
-    from vllm.config import ECTransferConfig
-
-    engine = LLM(model=str(tiny_kimi), **engine_options(dtype), ec_transfer_config=ECTransferConfig(
-        ec_connector="ECExampleConnector", ec_role="ec_both",
-        ec_connector_extra_config={"shared_storage_path": str(ec_dir)}))
-    assert engine.apply_model(vllm_hooks.install) == [True]
-    yield engine
-    engine.llm_engine.engine_core.shutdown()
+def llm(llm):
+    """conftest's engine with the probes (`vllm_hooks`) installed in its worker."""
+    assert llm.apply_model(vllm_hooks.install) == [True]
+    return llm
 
 
 def probe(llm) -> dict:
@@ -79,8 +71,6 @@ def probe(llm) -> dict:
 
 
 def greedy(llm, request) -> tuple[list[int], list[float]]:
-    from vllm import SamplingParams
-
     (out,) = llm.generate(request, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, logprobs=1), use_tqdm=False)
     o = out.outputs[0]
     return list(o.token_ids), [d[t].logprob for d, t in zip(o.logprobs, o.token_ids)]
@@ -104,8 +94,6 @@ def inputs(tmp_path_factory):
 
 
 def decoded_frames(path, indices) -> list[Image.Image]:
-    import av
-
     with av.open(str(path)) as container:
         frames = [Image.fromarray(f.to_ndarray(format="rgb24"), "RGB") for f in container.decode(video=0)]
     return [frames[i] for i in indices]
@@ -160,19 +148,10 @@ def own(llm, inputs, media, ec_dir):
     return runs
 
 
-def load_ec(ec_dir, id_: str) -> torch.Tensor:
-    from safetensors.torch import load_file
-
-    return load_file(str(ec_dir / id_ / bv.EC_FILE))[bv.EC_KEY]
-
-
 # ------------------------------------------------------------------------------------------------- tests
 
 def test_bivit_does_not_import_vllm():
     """Here vLLM is installed, so this can fail: bivit's vLLM module builds plain dicts and tensors."""
-    import subprocess
-    import sys
-
     code = "import sys, bivit, bivit.engines.vllm; print('vllm' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out == "False\n"
@@ -184,8 +163,6 @@ def test_rows_match_vllms_own_vision_tower(own, media, inputs, tiny_kimi, dtype,
     Also reported, not asserted: whether bivit with stock PyTorch kernels (`batch_invariant=False`, the ops
     vLLM's tower calls too) gives vLLM's bits, and (bfloat16) how far each side's rows are from bivit's float32
     rows (which match vLLM's float32 tower to ~1e-6)."""
-    import bivit
-
     def rel(a, b):
         return float((a.float() - b.float()).abs().max() / b.float().abs().max())
 
@@ -294,8 +271,6 @@ def test_batched_requests_get_the_same_rows(llm, own, media, target, ec_dir, inp
     bits[0, 0] += 1  # the next representable value (one ulp away)
     twin = bv.Media(nudged, m.placeholders, "nudged-" + m.fingerprint, m.sha256, m.kind, m.sizes, m.frames, "nudged")
     bv.write_encoder_cache(ec_dir, [twin])
-    from vllm import SamplingParams
-
     others = [bv.ec_prompt(tok.encode(text_of(PROMPTS[p], media), add_special_tokens=False),
                            [media[n] for n in PROMPTS[p]], target=target, ec_dir=ec_dir, tokenizer=tok)
               for p in ("one image", "image and video")]

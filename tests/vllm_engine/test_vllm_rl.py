@@ -24,44 +24,24 @@ import json
 
 import pytest
 import torch
+from PIL import Image
 
 pytest.importorskip("vllm", reason="vLLM is not installed here; run scripts/vllm-env.sh test (its own venv)")
 pytest.importorskip("trl")
 
-from engine_support import ASSISTANT, ROWS_RTOL, USER, cpu_kind, engine_environment, engine_options  # noqa: E402
+from vllm import SamplingParams  # noqa: E402
+from engine_support import ASSISTANT, ROWS_RTOL, USER, cpu_kind, ec_engine, load_ec  # noqa: E402
 from support.grpo import Record, image_key, grpo_run  # noqa: E402
 from support.media import random_image  # noqa: E402
 
+import bivit  # noqa: E402
+import bivit.hf as bh  # noqa: E402
 from bivit.engines import vllm as bv  # noqa: E402
 from bivit.engines.rows import Media  # noqa: E402
 from bivit.items import prepare  # noqa: E402
 from bivit.engines.rl import Rollout, Sampling, VllmGenerate, prompt_images  # noqa: E402
 
 RESULTS: dict = {}  # (dtype, mode) -> (record, info): the runs, for the tests after them and the report
-
-
-@pytest.fixture(scope="module")
-def ec_dir(tmp_path_factory, dtype):
-    return tmp_path_factory.mktemp(f"ec-rl-{dtype}")
-
-
-@pytest.fixture(scope="module")
-def llm(tiny_kimi, ec_dir, dtype):
-    engine_environment()
-    from vllm import LLM
-    from vllm.config import ECTransferConfig
-
-    engine = LLM(model=str(tiny_kimi), **engine_options(dtype), ec_transfer_config=ECTransferConfig(
-        ec_connector="ECExampleConnector", ec_role="ec_both",
-        ec_connector_extra_config={"shared_storage_path": str(ec_dir)}))
-    yield engine
-    engine.llm_engine.engine_core.shutdown()
-
-
-def load_ec(ec_dir, id_: str) -> torch.Tensor:
-    from safetensors.torch import load_file
-
-    return load_file(str(ec_dir / id_ / bv.EC_FILE))[bv.EC_KEY]
 
 
 class VllmTowerRollout(Rollout):
@@ -75,8 +55,6 @@ class VllmTowerRollout(Rollout):
         self.llm, self.ec_dir, self.dtype = llm, ec_dir, dtype
 
     def __call__(self, prompts, trainer):
-        from vllm import SamplingParams
-
         step, tok = trainer.state.global_step, self.processor.tokenizer
         sampling = Sampling.from_args(trainer.args, never=[bv.media_pad_id(tok)])
         requests, shown = [], []
@@ -146,12 +124,6 @@ def test_the_saved_checkpoint_and_pushed_weights_reach_vllm(llm, tiny_kimi, ec_d
     tokens as the push: xfail)."""
     if dtype != "float32":
         pytest.skip("run in float32 (one more engine start)")
-    import bivit
-    import bivit.hf as bh
-    from PIL import Image
-    from vllm import LLM, SamplingParams
-    from vllm.config import ECTransferConfig
-
     model = RESULTS[(dtype, "bivit")][1]["model"]
     saved, saved_ec = tmp_path / "saved", tmp_path / "ec"
     model.save_pretrained(saved)
@@ -180,14 +152,9 @@ def test_the_saved_checkpoint_and_pushed_weights_reach_vllm(llm, tiny_kimi, ec_d
     def rel(a, b):
         return float((a.float() - b.float()).abs().max() / b.float().abs().max())
 
-    engine = LLM(model=str(saved), **engine_options(dtype), ec_transfer_config=ECTransferConfig(
-        ec_connector="ECExampleConnector", ec_role="ec_both",
-        ec_connector_extra_config={"shared_storage_path": str(saved_ec)}))
-    try:
+    with ec_engine(saved, saved_ec, dtype) as engine:
         theirs = tower_rows(engine, saved_ec, "saved-tower")
         from_saved = text(engine)
-    finally:
-        engine.llm_engine.engine_core.shutdown()
     assert rel(want, theirs) <= ROWS_RTOL[dtype] < rel(original, theirs)
     assert text(llm) == from_saved  # the language model did not train: the checkpoint's, read alike
 

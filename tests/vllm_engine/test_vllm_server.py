@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 
+import httpx
 import pytest
 from PIL import Image
 
@@ -44,8 +45,6 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def server(tiny_kimi, tmp_path_factory, dtype):
-    import httpx
-
     engine_environment()
     ec_dir = tmp_path_factory.mktemp(f"server-ec-{dtype}")
     port = free_port()
@@ -84,8 +83,6 @@ def server(tiny_kimi, tmp_path_factory, dtype):
 
 
 def chat(url: str, model: str, content: list) -> dict:
-    import httpx
-
     body = {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": 8,
             "temperature": 0, "logprobs": True, "top_logprobs": 1, "return_token_ids": True}
     r = httpx.post(url + "/v1/chat/completions", json=body, timeout=600)

@@ -22,6 +22,7 @@ import torch
 
 from bivit.checkpoint import random_state_dict, save_checkpoint, transformers_config_dict
 from bivit.config import ModelConfig
+from bivit.preprocess_config import K25_PROCESSING, preprocessor_config_dict
 
 # Vision: head dim 72 like the real tower; an 8x8 position table (112x112 images use it as is, other sizes
 # interpolate). The projector writes the language model's width.
@@ -59,8 +60,9 @@ CHAT_TEMPLATE = (
 
 def write_tokenizer(directory: Path) -> dict[str, int]:
     """A byte-level tokenizer with Kimi's special tokens -> {special token: id}."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from tokenizers.pre_tokenizers import ByteLevel
+    # tokenizers comes with transformers (optional here); conftest imports this module in every environment
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # optional: with transformers
+    from tokenizers.pre_tokenizers import ByteLevel  # optional: with transformers
 
     alphabet = ByteLevel.alphabet()  # the 256 printable stand-ins of the bytes
     vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
@@ -134,8 +136,6 @@ def write_tiny_kimi(directory, *, seed: int = 0, dtype: torch.dtype = torch.floa
     lm = {k: x.to(dtype).contiguous() for k, x in language_model_state(seed + 1).items()}
     save_checkpoint(directory, VISION, random_state_dict(VISION, seed), dtype=dtype, extra_shards=[lm],
                     config=config)
-    from bivit.preprocess_config import K25_PROCESSING, preprocessor_config_dict
-
     (directory / "preprocessor_config.json").write_text(json.dumps(preprocessor_config_dict(K25_PROCESSING), indent=2))
     (directory / "generation_config.json").write_text(json.dumps({"bos_token_id": ids["[BOS]"],
                                                                   "eos_token_id": ids["[EOS]"]}))

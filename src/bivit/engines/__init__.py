@@ -1,2 +1,3 @@
-"""Generation engines fed with bivit's embeddings: `bivit.engines.vllm` (vLLM). Nothing here is imported by
-`import bivit`; each engine module imports only what its functions need when they run."""
+"""Generation engines fed with bivit's embeddings: `bivit.engines.vllm` (vLLM), `bivit.engines.rl` (TRL's GRPO).
+Nothing here is imported by `import bivit`, and importing them never imports vLLM (`bivit.engines.rl` does only
+when `VllmGenerate` generates)."""

@@ -226,7 +226,7 @@ class VllmGenerate:
 
     def generate(self, prompts: Sequence[VllmPrompt], sampling: Sampling, model: Any
                  ) -> tuple[list[list[int]], list[list[float]]]:
-        from vllm import SamplingParams  # optional: vLLM, not a bivit dependency
+        from vllm import SamplingParams  # optional and heavy: vLLM is no bivit dependency; HFGenerate never needs it
 
         self._calls += 1
         params = [SamplingParams(max_tokens=sampling.max_tokens, temperature=sampling.temperature,

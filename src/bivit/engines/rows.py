@@ -11,16 +11,16 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence, Union
+from typing import Any, Iterator, Optional, Sequence, Union
 
+import torch
+
+from ..embeddings import load_embeddings
 from ..encoder_cache import EC_ID_SCHEME, ec_id  # noqa: F401  (re-exported: engines name ids)
 from ..errors import BivitError
 from ..items import ItemResult, content_sha256  # noqa: F401  (content_sha256: re-exported, the one content hash)
 from ..media import Placeholder
 from ..records import Record
-
-if TYPE_CHECKING:  # type hints only
-    import torch
 
 @dataclass(frozen=True)
 class Media:
@@ -34,7 +34,7 @@ class Media:
     `frames` per placeholder the frames it holds (1 for an image).
     """
 
-    embedding: "torch.Tensor"
+    embedding: torch.Tensor
     placeholders: tuple[Placeholder, ...]
     fingerprint: str
     sha256: str
@@ -60,10 +60,8 @@ class Media:
         if not (len(self.sizes) == len(self.frames) == len(self.placeholders)):
             raise BivitError(f"{self.source or 'media'}: sizes and frames need one entry per placeholder")
 
-    def chunks(self) -> list["torch.Tensor"]:
+    def chunks(self) -> list[torch.Tensor]:
         """The rows of each placeholder (an image: one; a video: one per chunk)."""
-        import torch  # could be module-level: no cycle, no cost (torch loads with ..items above)
-
         return list(torch.split(self.embedding, [p.tokens for p in self.placeholders]))
 
     def ec_ids(self) -> list[str]:
@@ -99,8 +97,6 @@ def load_media(path: Union[str, os.PathLike]) -> list[Media]:
 
 
 def iter_media(path: Union[str, os.PathLike]) -> Iterator[Media]:
-    from ..embeddings import load_embeddings  # could be module-level: no cycle, no cost (no cycle)
-
     with load_embeddings(path) as embeddings:
         for r in embeddings:
             if r.ok:

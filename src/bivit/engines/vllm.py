@@ -29,15 +29,18 @@ import io
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
+import torch
+from PIL import Image
+from safetensors import safe_open
+
+from ..config import read_json_file
+from ..dtypes import dtype_name, parse_dtype
 from ..encoder_cache import EC_FILE, EC_KEY, SAFETENSORS_DTYPES, write_rows
 from ..errors import BivitError, ConfigError
 from ..media import MEDIA_PAD
 from .rows import EC_ID_SCHEME, Media, content_sha256, ec_id, encode, iter_media, load_media
-
-if TYPE_CHECKING:  # type hints only
-    import torch
 
 __all__ = ["EC_FILE", "EC_ID_SCHEME", "EC_KEY", "MODALITY", "Media", "Target", "VllmPrompt", "build_prompt",
            "chat_content", "check_encoder_cache", "content_sha256", "ec_chat_content", "ec_id", "ec_prompt", "encode",
@@ -60,7 +63,7 @@ class Target:
     checkpoint vLLM serves instead (a cross-check that the encoder and the language model belong together)."""
 
     hidden_size: int
-    dtype: "torch.dtype"
+    dtype: torch.dtype
     fingerprint: Optional[str] = None
 
     @classmethod
@@ -68,8 +71,6 @@ class Target:
         """The language model `encoder`'s projector writes for, expecting that encoder's fingerprint, run in
         `dtype` (vLLM's `--dtype`; default: the encoder's output dtype). An encoder whose rows are not in that
         dtype is refused here (bivit never casts rows on the way in)."""
-        from ..dtypes import dtype_name, parse_dtype  # could be module-level: no cycle, no cost
-
         want = parse_dtype(dtype, "dtype") or encoder.output_dtype
         if want != encoder.output_dtype:
             raise ConfigError(f"the encoder writes {dtype_name(encoder.output_dtype)} rows but the language model "
@@ -81,9 +82,6 @@ class Target:
                         fingerprint: Optional[str] = None) -> "Target":
         """The language model of a checkpoint directory (its config.json's `text_config.hidden_size`), run in
         `dtype` (what vLLM's `--dtype` resolves to)."""
-        from ..config import read_json_file  # could be module-level: no cycle, no cost (config loads with .rows above)
-        from ..dtypes import parse_dtype  # could be module-level: no cycle, no cost
-
         if not Path(path).exists():
             raise ConfigError(f"{path}: no such checkpoint folder or config.json (for an encoder without one, "
                               "such as the demo model, use Target.from_encoder(encoder))")
@@ -98,8 +96,6 @@ class Target:
 
     def check(self, media: Media) -> None:
         """Refuse rows this language model must not be fed (another encoder, width or dtype)."""
-        from ..dtypes import dtype_name  # could be module-level: no cycle, no cost
-
         name = media.source or "media"
         if self.fingerprint is not None and media.fingerprint != self.fingerprint:
             raise BivitError(f"{name}: encoded by model fingerprint {media.fingerprint[:12]}..., but this "
@@ -178,7 +174,7 @@ class VllmPrompt:
     `spans`, the (start, length) of each placeholder's rows in `prompt_token_ids` (in order)."""
 
     prompt_token_ids: list[int]
-    prompt_embeds: "torch.Tensor"
+    prompt_embeds: torch.Tensor
     prompt_is_token_ids: list[bool]
     spans: list[tuple[int, int]] = field(default_factory=list)
 
@@ -187,14 +183,12 @@ class VllmPrompt:
         return {"prompt_embeds": self.prompt_embeds, "prompt_token_ids": list(self.prompt_token_ids),
                 "prompt_is_token_ids": list(self.prompt_is_token_ids)}
 
-    def rows(self) -> "torch.Tensor":
+    def rows(self) -> torch.Tensor:
         """The media rows, in prompt order (`[sum of lengths, hidden]`)."""
-        import torch  # could be module-level: no cycle, no cost (torch loads with .rows above)
-
         return torch.cat([self.prompt_embeds[s:s + n] for s, n in self.spans]) if self.spans else \
             self.prompt_embeds[:0]
 
-    def scatter(self, inputs_embeds: "torch.Tensor") -> "torch.Tensor":
+    def scatter(self, inputs_embeds: torch.Tensor) -> torch.Tensor:
         """A trainer's token embeddings of `prompt_token_ids` (`[len, hidden]`, or `[1, len, hidden]`) with the
         media rows written at their spans: what vLLM's language model sees. Returns a new tensor."""
         x = inputs_embeds
@@ -221,8 +215,6 @@ def build_prompt(prompt: Union[str, Sequence[int]], media: Sequence[Media], *, t
     template's output already holds its special tokens), or pass token ids. Each pad becomes as many pad
     tokens as its placeholder has rows (as vLLM's processor expands it), masked as embedding positions.
     """
-    import torch  # could be module-level: no cycle, no cost (torch loads with .rows above)
-
     media = _checked(media, target)
     ids = _token_ids(prompt, tokenizer, add_special_tokens)
     pad = _pad_id(tokenizer, media_pad_id)
@@ -282,10 +274,8 @@ def chat_content(segments: Sequence[Union[str, Media]], *, target: Target) -> li
     return parts
 
 
-def serialize_rows(rows: "torch.Tensor") -> str:
+def serialize_rows(rows: torch.Tensor) -> str:
     """Rows as the server's `prompt_embeds` data: base64 of `torch.save` (loaded with `weights_only=True`)."""
-    import torch  # could be module-level: no cycle, no cost (torch loads with .rows above)
-
     buf = io.BytesIO()
     torch.save(rows.detach().cpu().contiguous().clone(), buf)
     return base64.b64encode(buf.getvalue()).decode("ascii")
@@ -317,11 +307,6 @@ def write_encoder_cache(directory: Union[str, os.PathLike], media: Sequence[Medi
 def check_encoder_cache(directory: Union[str, os.PathLike], media: Sequence[Media], target: Target) -> None:
     """Raise unless every item's file is in `directory` with rows of its expected shape and the target's dtype
     (a consumer request must never fall back to vLLM's vision tower on a stand-in image)."""
-    # could be module-level: no cycle, no cost (safetensors alone is light; torch already loaded)
-    from safetensors import safe_open
-
-    from ..dtypes import dtype_name  # could be module-level: no cycle, no cost
-
     for m in media:
         for i, p in zip(m.ec_ids(), m.placeholders):
             path = Path(directory) / i / EC_FILE
@@ -343,8 +328,6 @@ def stand_ins(media: Media) -> list[dict]:
     """vLLM `vision_chunk` items standing in for an input's images / video chunks: black pictures of the
     original sizes, from which vLLM's processor computes the same placeholder lengths. Their pixels are never
     encoded when the rows come from the encoder cache (`ec_prompt` checks the files are there)."""
-    from PIL import Image  # could be module-level: no cycle, no cost (PIL loads with .rows above)
-
     items = []
     for n, (p, size, t) in enumerate(zip(media.placeholders, media.sizes, media.frames)):
         if size is None:
