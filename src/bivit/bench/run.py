@@ -14,6 +14,7 @@ on every case in interleaved rounds and measures the machine's GEMM and attentio
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import os
 import platform
 import shlex
