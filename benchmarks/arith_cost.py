@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from bivit.bench import script_dtype
+
 HERE = Path(__file__).resolve().parent.parent
 
 WORKER = r"""
@@ -82,7 +84,8 @@ class Impl:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--against", type=Path, required=True, help="another bivit checkout (its src/ is imported)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--dtype", default="bfloat16", type=script_dtype(["bfloat16", "float32"]),
+                   metavar="{bfloat16,float32}")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--preset", default="kimi-k2.6")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())

@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -453,4 +454,11 @@ def test_every_command_takes_the_same_dtype_spellings_with_the_same_refusal(tmp_
     assert one_error_line(run("bench", "--dtype", "half")) == \
         "bivit: error: --dtype 'half': this command runs bfloat16 or float32, not float16"
     assert "--repeats 0" in one_error_line(run("bench", "--dtype", "both", "--repeats", "0"))
+    # The benchmark scripts parse --dtype with the same rule: same spellings, same words.
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "invariance_cost.py"
+    for spelling, says in (("half", "--dtype 'half': this command runs bfloat16 or float32, not float16"),
+                            ("bf16", "argument --repeats: invalid int value: 'x'")):
+        r = subprocess.run([sys.executable, str(script), "--dtype", spelling, "--repeats", "x"], capture_output=True,
+                           text=True, timeout=120)
+        assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].endswith(says), r.stderr
 

@@ -294,19 +294,26 @@ def _(env: Env) -> None:
         srv.wait_for_metric(name, lambda v: v == before + 1)  # counted under its kind, while no pass can run
 
 
-@trigger(ErrorKind.INSUFFICIENT_STORAGE)
-def _(env: Env) -> None:
-    # A weights body is spooled to a file; the server may write no file past 1 MiB beyond its log (like a full
-    # disk): 507, the server's state, not the client's mistake.
-    srv = env.keyed
+def _file_limited(srv: ServerProcess, post: Callable[[], httpx.Response]) -> httpx.Response:
+    """`post()` while the server may write no file past 1 MiB beyond its log (like a full disk)."""
     limit = srv.log_path.stat().st_size + 2**20
     resource.prlimit(srv.proc.pid, resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
     try:
-        r = httpx.post(f"{srv.url}/v1/weights", content=bytes(4 * 2**20), timeout=60,
-                       headers={**srv.headers, "Content-Type": "application/octet-stream"})
+        return post()
     finally:
         resource.prlimit(srv.proc.pid, resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
-    refused(r, ErrorKind.INSUFFICIENT_STORAGE)
+
+
+@trigger(ErrorKind.INSUFFICIENT_STORAGE)
+def _(env: Env) -> None:
+    # A weights body is spooled to a file, and so is an upload's part past 1 MiB: a full disk is the server's
+    # state, not the client's mistake (the upload was answered 400 "malformed multipart body" before).
+    weights = _file_limited(env.keyed, lambda: httpx.post(
+        f"{env.keyed.url}/v1/weights", content=bytes(4 * 2**20), timeout=60,
+        headers={**env.keyed.headers, "Content-Type": "application/octet-stream"}))
+    refused(weights, ErrorKind.INSUFFICIENT_STORAGE)
+    upload = _file_limited(env.keyless, lambda: encode(env.keyless, [("big.png", bytes(4 * 2**20))]))
+    refused(upload, ErrorKind.INSUFFICIENT_STORAGE)
 
 
 # ------------------------------------------------------------------------------------------------ the walk

@@ -12,14 +12,14 @@ The scripts in `benchmarks/` use this surface, and nothing else of the package's
 * the model and inputs on disk: `write_checkpoint_isolated`, `save_cases`;
 * measuring: `Worker` (one implementation in its own process), `count_subnormals`, `case_flops`,
   `gemm_shapes`, `gemm_gflops`, `attention_gflops`, `PEAK_ROWS`;
-* a script's frame: `script_args` (the options they share), `start` (threads, then the command and the machine
-  line printed), `load_line`, `command_line`, `write_text`, `save_figure`;
+* a script's frame: `script_args` (the options they share; `script_dtype`, their --dtype), `start` (threads,
+  then the command and the machine line printed), `load_line`, `command_line`, `write_text`, `save_figure`;
 * whole runs: `run_benchmark`, `summarize`, `format_report`, `write_outputs`.
 """
 
 from .report import format_report, save_figure, summarize, write_outputs, write_text
 from .roofline import PEAK_ROWS, Flops, attention_gflops, case_flops, gemm_gflops, gemm_shapes
-from .run import command_line, environment, load_line, machine_line, run_benchmark, script_args, start
+from .run import command_line, environment, load_line, machine_line, run_benchmark, script_args, script_dtype, start
 from .workers import Worker, count_subnormals, hf_unavailable_reason
 from .workload import BENCH_DTYPES, BIVIT_IMPLS, DTYPE_CHOICES, IMPLS, TORCH_DTYPES, Case, bench_dtypes, \
     hf_supports, make_case, noise_image, save_cases, select_cases, square_case, standard_cases, write_checkpoint, \
@@ -30,7 +30,8 @@ __all__ = [
     "attention_gflops", "bench_dtypes",
     "case_flops", "command_line", "count_subnormals", "environment", "format_report",
     "gemm_gflops", "gemm_shapes", "hf_supports", "hf_unavailable_reason", "load_line", "machine_line",
-    "make_case", "noise_image", "run_benchmark", "save_cases", "save_figure", "script_args", "select_cases",
+    "make_case", "noise_image", "run_benchmark", "save_cases", "save_figure", "script_args", "script_dtype",
+    "select_cases",
     "square_case", "standard_cases", "start", "summarize", "write_checkpoint", "write_checkpoint_isolated",
     "write_outputs", "write_text",
 ]

@@ -30,7 +30,7 @@ import torch
 
 from .. import kernels, notices, ops
 from ..config import PRESETS
-from ..dtypes import canonical_name
+from ..dtypes import dtype_option
 from ..errors import BivitError, ConfigError
 from ..kernels import cpu
 from .roofline import PEAK_ROWS, attention_gflops, attention_flops_per_item, case_flops, gemm_gflops, gemm_shapes
@@ -119,7 +119,7 @@ def script_args(description: str, *, dtype: str = "bfloat16", dtypes: Sequence[s
     """A parser with the options every benchmark script shares: --preset, --dtype, --repeats, --threads, --seed."""
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--preset", default="kimi-k2.6", choices=sorted(PRESETS))
-    p.add_argument("--dtype", default=dtype, choices=list(dtypes), type=_script_dtype)
+    p.add_argument("--dtype", default=dtype, type=script_dtype(dtypes), metavar="{" + ",".join(dtypes) + "}")
     p.add_argument("--repeats", type=int, default=repeats)
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: torch's); 1 makes a shared machine's ratios less noisy")
@@ -127,12 +127,20 @@ def script_args(description: str, *, dtype: str = "bfloat16", dtypes: Sequence[s
     return p
 
 
-def _script_dtype(value: str) -> str:
-    """A script's --dtype in any spelling the commands accept ("both" too), as its canonical name."""
-    try:
-        return value if value == "both" else canonical_name(value, "--dtype")
-    except ConfigError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+def script_dtype(dtypes: Sequence[str]) -> Callable[[str], str]:
+    """A script's --dtype parser: "both" (where `dtypes` lists it), or one of `dtypes` in any spelling the commands
+    accept, as its canonical name; refused in the commands' words (`bivit.dtypes.dtype_option`)."""
+    runs = [d for d in dtypes if d != "both"]
+
+    def parse(value: str) -> str:
+        if value == "both" and "both" in dtypes:
+            return value
+        try:
+            return dtype_option(value, "--dtype", runs)
+        except ConfigError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return parse
 
 
 def start(args: argparse.Namespace) -> dict:

@@ -173,6 +173,11 @@ class BodyReader:
         request = Request(scope, replay)
         try:
             form = await _Parser(request.headers, request.stream(), max_files=max_items, max_fields=max_items).parse()
+        except OSError as e:  # a part past 1 MiB is spooled to a file: a full disk is the server's state (507)
+            raise ErrorKind.INSUFFICIENT_STORAGE.error(f"cannot hold the upload's parts in "
+                                                       f"{tempfile.gettempdir()} ({e.strerror or e})") from None
+        except (MemoryError, RuntimeError):  # no memory, or no thread for the parser's file writes: 500, not 400
+            raise
         except Exception as e:  # noqa: BLE001 - malformed multipart in any of the parser's ways
             reason = str(getattr(e, "message", None) or e)
             if reason.startswith(("Too many files", "Too many fields")):
