@@ -415,6 +415,14 @@ def test_replacing_an_output_keeps_its_permissions(files, tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["e.safetensors"]  # no temp file left behind
 
 
+def test_the_cli_starts_without_torch_numpy_pillow_or_pyav():
+    """What `bivit --help` and every refused option pay: the command modules defer the library's heavy imports."""
+    code = ("import sys, bivit.cli; "
+            "print(sorted(m for m in ('torch', 'numpy', 'PIL', 'av', 'fastapi') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
+
+
 def test_import_client_loads_neither_torch_nor_pyav():
     code = ("import sys, bivit.client; "
             "print(sorted(m for m in ('torch', 'av', 'numpy', 'PIL', 'httpx', 'bivit.video') if m in sys.modules))")
