@@ -125,7 +125,6 @@ class Client:
         self.url = url.rstrip("/")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
-        self._timeout_error, self._transport_error = httpx.TimeoutException, httpx.TransportError
 
     def close(self) -> None:
         self._http.close()
@@ -137,11 +136,13 @@ class Client:
         self.close()
 
     def _request(self, method: str, path: str, **kw: Any) -> httpx.Response:
+        import httpx  # loaded by __init__ already: this names its exceptions, as the module's head cannot
+
         try:
             r = self._http.request(method, path, **kw)
-        except self._timeout_error as e:
+        except httpx.TimeoutException as e:
             raise ServerError(f"{self.url}{path}: no answer in time ({type(e).__name__})") from None
-        except self._transport_error as e:
+        except httpx.TransportError as e:
             raise ServerError(f"{self.url}{path}: cannot reach the server ({e})") from None
         if r.status_code >= 400 and r.status_code != ITEMS_FAILED:
             try:

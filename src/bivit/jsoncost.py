@@ -6,7 +6,6 @@ step, not the whole count.
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Optional, Union
 
 import numpy as np
@@ -24,6 +23,14 @@ class JsonCost:
 
 
 _SCAN_CHUNK = 1 << 20
+# Per byte value: bytes of numbers and literals (each run outside strings is one element), the bytes that open an
+# array or object, and the nesting step of each bracket.
+_SCALAR = np.zeros(256, bool)
+_SCALAR[list(b"+-.0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")] = True
+_OPENS = np.zeros(256, bool)
+_OPENS[list(b"[{")] = True
+_STEP = np.zeros(256, np.int8)
+_STEP[list(b"[{")], _STEP[list(b"]}")] = 1, -1
 
 
 def json_cost(data: Union[bytes, bytearray], stop_after: Optional[int] = None) -> JsonCost:
@@ -33,7 +40,6 @@ def json_cost(data: Union[bytes, bytearray], stop_after: Optional[int] = None) -
     string unless an odd run of backslashes precedes it); the counts may differ from the parser's only after text
     the parser refuses (a backslash outside a string), where it stops. Stops once more than `stop_after`
     elements are counted."""
-    tables = _scan_tables()
     cost = JsonCost()
     inside, run, level, after_scalar = False, 0, 0, False  # carried from one chunk to the next
     view = memoryview(data)
@@ -58,11 +64,11 @@ def json_cost(data: Union[bytes, bytearray], stop_after: Optional[int] = None) -
             inside = bool(parity[-1])
         else:
             outside = np.ones(n, bool)
-        cost.elements += int(np.count_nonzero(tables.opens[a] & outside))
-        scalar = tables.scalar[a] & outside
+        cost.elements += int(np.count_nonzero(_OPENS[a] & outside))
+        scalar = _SCALAR[a] & outside
         cost.elements += int(np.count_nonzero(scalar[1:] & ~scalar[:-1])) + int(bool(scalar[0]) and not after_scalar)
         after_scalar = bool(scalar[-1])
-        levels = np.cumsum(tables.step[a] * outside, dtype=np.int64) + level
+        levels = np.cumsum(_STEP[a] * outside, dtype=np.int64) + level
         cost.depth, level = max(cost.depth, int(levels.max())), int(levels[-1])
         if stop_after is not None and cost.elements > stop_after:
             break
@@ -80,18 +86,3 @@ def _unescaped(a: Any, quotes: Any, run: int) -> tuple[Any, int]:
     before[0], before[1:] = -1 - run, last[:-1]
     even_run = ((idx - before) & 1).astype(bool)  # idx - 1 - before backslashes precede position idx
     return quotes & even_run, n - 1 - int(last[-1])
-
-
-class _ScanTables:
-    def __init__(self) -> None:
-        self.scalar = np.zeros(256, bool)  # bytes of numbers and literals: each run outside strings is one element
-        self.scalar[list(b"+-.0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")] = True
-        self.opens = np.zeros(256, bool)
-        self.opens[list(b"[{")] = True
-        self.step = np.zeros(256, np.int8)
-        self.step[list(b"[{")], self.step[list(b"]}")] = 1, -1
-
-
-@functools.lru_cache(maxsize=1)
-def _scan_tables() -> _ScanTables:
-    return _ScanTables()
