@@ -469,4 +469,3 @@ def test_every_command_takes_the_same_dtype_spellings_with_the_same_refusal(tmp_
         r = subprocess.run([sys.executable, str(script), "--dtype", spelling, "--repeats", "x"], capture_output=True,
                            text=True, timeout=120)
         assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].endswith(says), r.stderr
-

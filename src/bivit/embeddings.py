@@ -45,4 +45,3 @@ def _media(path: Path) -> str | None:
             return sniff(f.read(SNIFF_BYTES))
     except OSError:
         return None
-

@@ -341,4 +341,3 @@ def _flat(items: Any) -> list:
         if x is not None:  # a sample without media
             out += _flat(x) if isinstance(x, (list, tuple)) else [x]
     return out
-

@@ -74,4 +74,3 @@ def sniff(data: bytes) -> Optional[str]:
     if len(data) >= 12 and data[4:8] == b"ftyp" and data[8:12] in _STILL_IMAGE_BRANDS:
         return "an HEIF/AVIF image"
     return "a video" if looks_like_video(data) else None
-

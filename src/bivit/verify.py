@@ -168,4 +168,3 @@ def format_report(rep: Report) -> Iterator[str]:
         tokens = "token " if it.tokens == 1 else "tokens"  # padded: the verdicts stay in one column
         layouts = "layout" if it.layouts == 1 else "layouts"
         yield f"  {it.source:<40} {it.tokens:>5} {tokens}  {verdict}  ({it.layouts} {layouts})"
-

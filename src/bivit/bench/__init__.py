@@ -27,11 +27,9 @@ from .workload import BENCH_DTYPES, BIVIT_IMPLS, DTYPE_CHOICES, IMPLS, TORCH_DTY
 
 __all__ = [
     "BENCH_DTYPES", "BIVIT_IMPLS", "DTYPE_CHOICES", "IMPLS", "PEAK_ROWS", "TORCH_DTYPES", "Case", "Flops", "Worker",
-    "attention_gflops", "bench_dtypes",
-    "case_flops", "command_line", "count_subnormals", "environment", "format_report",
-    "gemm_gflops", "gemm_shapes", "hf_supports", "hf_unavailable_reason", "load_line", "machine_line",
+    "attention_gflops", "bench_dtypes", "case_flops", "command_line", "count_subnormals", "environment",
+    "format_report", "gemm_gflops", "gemm_shapes", "hf_supports", "hf_unavailable_reason", "load_line", "machine_line",
     "make_case", "noise_image", "run_benchmark", "save_cases", "save_figure", "script_args", "script_dtype",
-    "select_cases",
-    "square_case", "standard_cases", "start", "summarize", "write_checkpoint", "write_checkpoint_isolated",
-    "write_outputs", "write_text",
+    "select_cases", "square_case", "standard_cases", "start", "summarize", "write_checkpoint",
+    "write_checkpoint_isolated", "write_outputs", "write_text",
 ]

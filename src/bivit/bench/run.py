@@ -39,7 +39,6 @@ from .workload import BIVIT_IMPLS, HF_IMPL, IMPLS, TORCH_DTYPES, Case, bench_dty
     write_checkpoint, write_checkpoint_isolated
 
 
-
 # ------------------------------------------------------------------------------------------- the machine
 
 def environment(threads: int) -> dict:

@@ -31,8 +31,9 @@
 /* The GEMM kernels (`kind` of the arguments); a variant's gemm_kernel_of returns NULL for those it lacks. */
 enum { GEMM_FP32 = 0, GEMM_AVX512_BF16 = 1, GEMM_AMX = 2, GEMM_AMX_SWAPPED = 3 };
 
-/* Every constant Python passes to these kernels or reads from them (return codes, size limits), by name: `bivit_abi_const` lets it check at load that its own
- * copy of each (bivit/kernels/abi.py's CONSTS) is this library's. */
+/* Every constant Python passes to these kernels or reads from them (return codes, size limits), by name:
+ * `bivit_abi_const` lets it check at load that its own copy of each (bivit/kernels/abi.py's CONSTS) is this
+ * library's. */
 #define BIVIT_CONSTS(X)                                                                                          \
     X(E_F32) X(E_BF16) X(E_F16) X(ACT_NONE) X(ACT_GELU_TANH) X(ACT_GELU_ERF)                                     \
     X(GEMM_FP32) X(GEMM_AVX512_BF16) X(GEMM_AMX) X(GEMM_AMX_SWAPPED)                                             \

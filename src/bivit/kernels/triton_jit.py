@@ -218,7 +218,6 @@ def norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x `[L, slots, head_dim]` rotated by float32 tables `[L, head_dim]` -> a new contiguous tensor of x's dtype
     (the formula of `bivit.ops.rope`)."""
-
     length, slots, d = x.shape
     if x.stride(2) != 1:
         x = x.contiguous()
