@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     flags, capability = kernels.cpu_info()[1], torch.backends.cpu.get_cpu_capability()
     for variant in kernels.VARIANTS:
         try:
-            if kernels.pick_variant(variant.name, flags, capability) == variant:
+            if kernels.pick_variant(variant.name, flags, capability, kernels.installed()) == variant:
                 compiled[f"bivit-{variant.name}"] = kernels.load_library(variant).attention
         except (kernels.KernelUnavailable, OSError) as e:
             print(f"bivit's compiled attention ({variant.name}) unavailable: {e}")

@@ -1,16 +1,14 @@
 """How long loading the full-size Kimi-K2.6 vision part takes, how much memory it costs, and what the first
 forward pass pays on top.
 
-    python benchmarks/load_checkpoint.py [--dir /tmp/bivit-k26] [--dtype bfloat16] [--runs 3] [--fresh-cache]
+    python benchmarks/load_checkpoint.py [--dir /tmp/bivit-k26] [--dtype bfloat16] [--runs 3]
 
 Writes a checkpoint shaped like the published one (random weights, bf16, the vision tower and projector in the
 last two shards, stand-in language-model shards before them, an index), then loads it `--runs` times, each in a
 fresh process, and reports wall time and memory. A load does: read the shards (memory-mapped), check every
-weight is finite, build the model, find (or build) the compiled kernels, and in invariant mode prove the GEMM
-tile plans, unless the kernel cache holds them for this machine kind, library and thread count (then the
-weights are packed at their first use instead). So the first run after `--fresh-cache` (a new empty kernel
-cache) shows a first load on a new machine, the later runs every load after it. Each run then times two encodes
-of one 448x448 image: the first includes the deferred weight preparation.
+weight is finite, build the model, load the installed kernels, and in invariant mode pack the weights and run
+the load-time proof. Nothing is compiled or cached between runs: every run is a first load. Each run then times
+two encodes of one 448x448 image.
 """
 
 import argparse
@@ -49,7 +47,6 @@ def main() -> None:
     ap.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()) / "bivit-k26")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--fresh-cache", action="store_true", help="start from an empty kernel cache")
     args = ap.parse_args()
     if not (args.dir / "model.safetensors.index.json").exists():
         import torch
@@ -66,17 +63,15 @@ def main() -> None:
     env = bench.environment(int(os.environ.get("OMP_NUM_THREADS", 0)) or __import__("torch").get_num_threads())
     print("$", bench.command_line())
     print(bench.machine_line(env))
-    with tempfile.TemporaryDirectory(prefix="bivit-kernel-cache-") as cache:
-        extra = {"BIVIT_KERNEL_CACHE": cache} if args.fresh_cache else {}
-        for run in range(args.runs):
-            out = subprocess.run([sys.executable, "-c", LOAD, str(args.dir), args.dtype], capture_output=True,
-                                 text=True, check=True, env={**os.environ, **extra})
-            r = json.loads(out.stdout.strip().splitlines()[-1])
-            print(f"run {run + 1}: load_encoder({args.dir}, dtype={args.dtype}): {r['load_s']:.2f} s (import "
-                  f"{r['import_s']:.2f} s); then 448x448 encodes {r['encode_s'][0]:.2f} s (first) and "
-                  f"{r['encode_s'][1]:.2f} s; weights {r['weights_mb']:.0f} MB; anonymous memory after import "
-                  f"{r['import_anon_mb']:.0f} MB, after load and encodes {r['anon_mb']:.0f} MB; peak RSS "
-                  f"{r['peak_rss_mb']:.0f} MB (counts the mapped shard pages too)", flush=True)
+    for run in range(args.runs):
+        out = subprocess.run([sys.executable, "-c", LOAD, str(args.dir), args.dtype], capture_output=True,
+                             text=True, check=True)
+        r = json.loads(out.stdout.strip().splitlines()[-1])
+        print(f"run {run + 1}: load_encoder({args.dir}, dtype={args.dtype}): {r['load_s']:.2f} s (import "
+              f"{r['import_s']:.2f} s); then 448x448 encodes {r['encode_s'][0]:.2f} s (first) and "
+              f"{r['encode_s'][1]:.2f} s; weights {r['weights_mb']:.0f} MB; anonymous memory after import "
+              f"{r['import_anon_mb']:.0f} MB, after load and encodes {r['anon_mb']:.0f} MB; peak RSS "
+              f"{r['peak_rss_mb']:.0f} MB (counts the mapped shard pages too)", flush=True)
     print(bench.load_line())
 
 

@@ -4,10 +4,11 @@ For changes that must not change a bit (how arguments reach the C code, refactor
 variant this CPU runs (AVX-512, with and without AMX tiles, and AVX2), attention with and without RoPE and
 log-sum-exp at 1 and 2 threads, the RoPE kernel, and every GEMM kernel's packed weights and outputs (each
 weight dtype it takes, bias or none, each GELU, fp32 and 16-bit outputs); q, k, v, out, x and y are views with
-strides of their own. It uses only the kernels' Python surface, so it runs on the sources before and after:
+strides of their own. It uses only the kernels' Python surface, so it runs on the install before and after (each
+built with `pip install -e .`, which compiles the kernels into the checkout):
 
-  BIVIT_KERNEL_CACHE=$(mktemp -d) PYTHONPATH=<old checkout>/src python scripts/kernel_bits.py save /tmp/bits.pt
-  BIVIT_KERNEL_CACHE=$(mktemp -d) PYTHONPATH=src python scripts/kernel_bits.py compare /tmp/bits.pt
+  PYTHONPATH=<old checkout>/src python scripts/kernel_bits.py save /tmp/bits.pt
+  PYTHONPATH=src python scripts/kernel_bits.py compare /tmp/bits.pt
 
 `compare` exits 1 and names the results that differ (torch.equal).
 """
@@ -29,7 +30,8 @@ def run():
     res = {}
     for variant in kernels.VARIANTS:
         try:
-            kernels.pick_variant(variant.name, kernels.cpu_info()[1], torch.backends.cpu.get_cpu_capability())
+            kernels.pick_variant(variant.name, kernels.cpu_info()[1], torch.backends.cpu.get_cpu_capability(),
+                                 kernels.installed())
         except kernels.KernelUnavailable:
             continue
         lib = kernels.load_library(variant)

@@ -13,18 +13,6 @@ from bivit import state
 from support.checkpoints import K3_SMALL, KIMI_SMALL, write_checkpoint
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _fresh_kernel_cache(tmp_path_factory):
-    """bivit's kernel cache (compiled kernels, proven GEMM plans) in a new private directory for the session, so
-    every session builds its kernels and proves its plans itself, whatever the user's cache holds. Child
-    processes the tests start inherit it."""
-    path = tmp_path_factory.mktemp("kernel-cache")
-    os.chmod(path, 0o700)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("BIVIT_KERNEL_CACHE", str(path))
-        yield path
-
-
 @pytest.fixture(scope="session")
 def kimi_ckpt(tmp_path_factory):
     """A Kimi-shaped (head dim 72) random checkpoint, Moonshot layout, fp32 on disk."""
@@ -54,9 +42,9 @@ def k3_ckpt(tmp_path_factory):
 
 @pytest.fixture
 def fresh_state():
-    """bivit's per-process kernel choices, proofs, plans and prepared weights (`bivit.state.reset`) forgotten before
-    the test and again after it: what the test decides under conditions of its own (a forced kernel, a private
-    kernel cache, a patched PyTorch) neither sees what came before it nor outlives it."""
+    """bivit's per-process kernel choices, proofs and prepared weights (`bivit.state.reset`) forgotten before the
+    test and again after it: what the test decides under conditions of its own (a forced kernel, a patched
+    PyTorch) neither sees what came before it nor outlives it."""
     state.reset()
     yield
     state.reset()

@@ -1,14 +1,13 @@
 """bivit's compiled kernels (`bivit.kernels`), every variant this CPU can run: the attention's accuracy against
 float64 attention, bits independent of the batch and of the thread count (with a control that does depend on
 the batch), gradients; the RoPE kernel's bits equal to PyTorch's; and the selection rules (`BIVIT_ATTENTION`, CPU
-flags, PyTorch's capability). The kernel cache's defences are in test_kernel_cache.py."""
+flags, PyTorch's capability, the variants installed)."""
 
 import ctypes
 import itertools
 import logging
 import math
 import os
-import shutil
 import subprocess
 import sys
 from dataclasses import dataclass, replace
@@ -21,7 +20,6 @@ from bivit import kernels, ops
 from bivit.kernels import abi, gemm
 from bivit.ops import attend as attention_op
 from support.variants import FLAGS, RUNNABLE, library_or_skip
-HAS_CC = bool(os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc"))
 CAN_RUN = bool(RUNNABLE)
 AUTO_USES_IT = CAN_RUN and "amx_bf16" not in FLAGS  # BIVIT_ATTENTION=auto picks a variant here
 needs_cpu = pytest.mark.skipif(not CAN_RUN, reason="no variant of the compiled attention runs on this CPU")
@@ -29,9 +27,8 @@ needs_cpu = pytest.mark.skipif(not CAN_RUN, reason="no variant of the compiled a
 
 @pytest.fixture(scope="module", params=[v.name for v in kernels.VARIANTS])
 def library(request):
-    """Each variant of the compiled attention this CPU (and PyTorch's dispatch) can run, built into the cache and
-    loaded directly (also on AMX CPUs, where `auto` would leave PyTorch's attention in place). A CPU that can run
-    it must get it: a build failure fails the test. On an AVX-512 machine both variants run (AVX2 code runs
+    """Each variant of the compiled attention this CPU (and PyTorch's dispatch) can run, loaded directly (also on AMX CPUs, where `auto` would leave PyTorch's attention in place). A CPU that can run
+    it must get it: an install without it fails the test. On an AVX-512 machine both variants run (AVX2 code runs
     there), so the AVX2 kernel is tested wherever the AVX-512 one is."""
     return library_or_skip(request.param)
 
@@ -253,7 +250,7 @@ def test_argument_structs_have_the_librarys_layout(library):
     reports, so a named field reaches the C field of that name. Controls: a mirror with two fields in the
     other order, or with a field the library lacks, is refused at load; a struct filled with a field missing
     (which ctypes would leave 0: a zero stride) is an error; so is a constant whose value is not the library's."""
-    lib = library.loaded.lib
+    lib = library.attention.lib
     abi.check(lib)
     fields = list(abi.AttentionArgs._fields_)
     i, j = fields.index(("k_row", ctypes.c_int64)), fields.index(("v_row", ctypes.c_int64))
@@ -315,31 +312,43 @@ AVX2_FLAGS = frozenset({"avx2", "fma", "avx", "f16c"})
 AMX_FLAGS = AVX512_FLAGS | {"amx_bf16", "amx_tile"}
 
 
-@pytest.mark.parametrize("choice,flags,capability,expect", [
-    ("auto", AVX512_FLAGS, "AVX512", "avx512"),               # AMD EPYC Zen 4
-    ("auto", AVX2_FLAGS, "AVX2", "avx2"),                     # AMD EPYC Zen 2/3
-    ("auto", AVX512_FLAGS, "AVX2", "avx2"),                   # ATEN_CPU_CAPABILITY=avx2 on an AVX-512 CPU
-    ("auto", AVX512_FLAGS - {"avx512_bf16"}, "AVX512", "avx2"),  # AVX-512 without BF16 (Skylake, Ice Lake)
-    ("auto", AMX_FLAGS, "AVX512", "avx512"),                  # AMX Xeon (the attention stays PyTorch's: below)
-    ("auto", AVX512_FLAGS, "DEFAULT", "portable"),            # ATEN_CPU_CAPABILITY=default: no vector code
-    ("auto", frozenset({"asimd", "sve"}), "SVE256", "portable"),  # Arm (Graviton): plain C
-    ("auto", frozenset({"sse2"}), "DEFAULT", "portable"),     # an x86 without AVX2
-    ("avx2", AVX512_FLAGS, "AVX512", "avx2"),                 # the override the tests use
-    ("portable", AVX512_FLAGS, "AVX512", "portable"),         # any CPU runs the plain C variant
-    ("avx512", AVX2_FLAGS, "AVX2", None),                     # never code the CPU cannot run
-    ("avx512", AVX512_FLAGS, "AVX2", None),                   # nor code PyTorch was told not to run
+ALL = frozenset(v.name for v in kernels.VARIANTS)
+
+
+@pytest.mark.parametrize("choice,flags,capability,present,expect", [
+    ("auto", AVX512_FLAGS, "AVX512", ALL, "avx512"),               # AMD EPYC Zen 4
+    ("auto", AVX2_FLAGS, "AVX2", ALL, "avx2"),                     # AMD EPYC Zen 2/3
+    ("auto", AVX512_FLAGS, "AVX2", ALL, "avx2"),                   # ATEN_CPU_CAPABILITY=avx2 on an AVX-512 CPU
+    ("auto", AVX512_FLAGS - {"avx512_bf16"}, "AVX512", ALL, "avx2"),  # AVX-512 without BF16 (Skylake, Ice Lake)
+    ("auto", AMX_FLAGS, "AVX512", ALL, "avx512"),                  # AMX Xeon (default mode keeps PyTorch's attention)
+    ("auto", AVX512_FLAGS, "DEFAULT", ALL, "portable"),            # ATEN_CPU_CAPABILITY=default: no vector code
+    ("auto", frozenset({"asimd", "sve"}), "SVE256", {"portable"}, "portable"),  # Arm (Graviton): plain C
+    ("auto", frozenset({"sse2"}), "DEFAULT", ALL, "portable"),     # an x86 without AVX2
+    ("auto", AVX512_FLAGS, "AVX512", ALL - {"avx512"}, "avx2"),    # a build without the avx512 variant
+    ("avx2", AVX512_FLAGS, "AVX512", ALL, "avx2"),                 # the override the tests use
+    ("portable", AVX512_FLAGS, "AVX512", ALL, "portable"),         # any CPU runs the plain C variant
+    ("avx512", AVX2_FLAGS, "AVX2", ALL, None),                     # never code the CPU cannot run
+    ("avx512", AVX512_FLAGS, "AVX2", ALL, None),                   # nor code PyTorch was told not to run
+    ("avx512", AVX512_FLAGS, "AVX512", ALL - {"avx512"}, None),    # nor a library the install lacks
 ])
-def test_variant_choice_follows_cpu_flags_and_pytorch_capability(choice, flags, capability, expect):
-    """The choice is a function of the configuration, the CPU's flags and PyTorch's capability only: the fastest
-    variant both allow, the portable one where no other runs. A variant named by the user that cannot run here is
-    a choice (a note, the fix: unset it)."""
+def test_variant_choice_follows_cpu_flags_pytorch_capability_and_the_install(choice, flags, capability, present,
+                                                                              expect):
+    """The choice is a function of the configuration, the CPU's flags, PyTorch's capability and the variants
+    installed only: the fastest variant all allow, the portable one where no other runs. A variant named by the
+    user that cannot run here is a choice (a note, the fix: unset it)."""
     if expect is None:
         with pytest.raises(kernels.KernelUnavailable) as e:
-            kernels.pick_variant(choice, flags, capability)
+            kernels.pick_variant(choice, flags, capability, frozenset(present))
         assert e.value.chosen
         assert kernels.ATTENTION_ENV in e.value.fix
     else:
-        assert kernels.pick_variant(choice, flags, capability).name == expect
+        assert kernels.pick_variant(choice, flags, capability, frozenset(present)).name == expect
+
+
+def test_an_install_without_any_library_is_a_loss_with_a_fix():
+    with pytest.raises(kernels.KernelUnavailable) as e:
+        kernels.pick_variant("auto", AVX512_FLAGS, "AVX512", frozenset())
+    assert not e.value.chosen and "reinstall" in e.value.fix
 
 
 @pytest.mark.parametrize("choice,flags,declined", [
@@ -361,44 +370,32 @@ def test_choice_from_environment(monkeypatch, caplog, choice, expect):
     assert "nonsense" in caplog.text
 
 
-def test_a_process_without_the_kernel_encodes_close_to_one_with_it(tmp_path):
-    """End to end in fresh processes: `BIVIT_ATTENTION=sdpa`, no C compiler (no compiled GEMM nor attention),
-    the default choice and each variant forced encode the same image to embeddings within bf16 rounding of
-    each other. Invariant mode runs the compiled attention wherever the library runs (AMX CPUs included), except
-    under `sdpa`. A compiler that cannot run is not an error: the process logs why and uses PyTorch's kernels."""
+def test_every_variant_forced_gives_the_same_bits_and_pytorchs_attention_is_close(tmp_path):
+    """End to end in fresh processes: invariant mode under the default choice and each variant this CPU runs,
+    forced, encodes an image to the same bits (one arithmetic); default mode with `BIVIT_ATTENTION=sdpa`
+    (PyTorch's attention) is within bf16 rounding of them, and other bits (the control)."""
     script = (
         "import sys, torch, bivit\n"
-        "from bivit import ops\n"
+        "from bivit import kernels\n"
         "from support.media import random_image\n"
-        "enc = bivit.load_encoder(None, dtype='bfloat16')\n"
+        "enc = bivit.load_encoder(None, dtype='bfloat16', batch_invariant=sys.argv[2] == 'invariant')\n"
         "out = enc.encode([random_image(112, 140, 3)])[0]\n"
-        "k = ops.attention_kernel(torch.bfloat16)\n"
-        "torch.save({'out': out, 'kernel': k is not None, 'variant': k and k.variant}, sys.argv[1])\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(os.path.dirname(__file__)), *sys.path]),
-               BIVIT_KERNEL_CACHE=str(tmp_path / "cache"))
+        "lib = kernels.library()\n"
+        "torch.save({'out': out, 'variant': lib and lib.variant}, sys.argv[1])\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(os.path.dirname(__file__)), *sys.path]))
     runs = {}
-    configs = {"sdpa": {kernels.ATTENTION_ENV: "sdpa"}, "auto": {kernels.ATTENTION_ENV: "auto"},
-               "no-cc": {kernels.ATTENTION_ENV: "auto", "CC": str(tmp_path / "cc-missing"),
-                         "BIVIT_KERNEL_CACHE": str(tmp_path / "c2")}}
-    configs.update({v.name: {kernels.ATTENTION_ENV: v.name} for v in RUNNABLE})
-    for name, extra in configs.items():
+    configs = {"sdpa": ({kernels.ATTENTION_ENV: "sdpa"}, "default"), "auto": ({kernels.ATTENTION_ENV: "auto"},
+                                                                            "invariant")}
+    configs.update({v.name: ({kernels.ATTENTION_ENV: v.name}, "invariant") for v in RUNNABLE})
+    for name, (extra, mode) in configs.items():
         path = tmp_path / f"{name}.pt"
-        done = subprocess.run([sys.executable, "-c", script, str(path)], env={**env, **extra},
+        done = subprocess.run([sys.executable, "-c", script, str(path), mode], env={**env, **extra},
                               capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr
-        runs[name] = {**torch.load(path), "stderr": done.stderr}
-    assert not runs["sdpa"]["kernel"] and not runs["no-cc"]["kernel"]
-    assert "compiled attention not used" not in runs["sdpa"]["stderr"]  # a choice: logged at info level
-    if CAN_RUN:  # a failure where the kernels would run: a warning naming the compiler
-        assert "cc-missing" in runs["no-cc"]["stderr"] and "slower" in runs["no-cc"]["stderr"]
-    b = runs["sdpa"]["out"].float()
-    for name in ("no-cc", "auto"):
-        a = runs[name]["out"].float()
-        assert float((a - b).abs().max()) <= 3e-2 * float(b.abs().max()), name
-    if CAN_RUN:
-        assert runs["auto"]["kernel"] and not torch.equal(runs["auto"]["out"], runs["sdpa"]["out"])
-        assert runs["auto"]["variant"] == RUNNABLE[0].name  # the best variant this CPU runs
-    for v in RUNNABLE:  # each variant, forced, encodes within bf16 rounding of PyTorch's attention
-        assert runs[v.name]["variant"] == v.name
-        a = runs[v.name]["out"].float()
-        assert float((a - b).abs().max()) <= 3e-2 * float(b.abs().max())
+        runs[name] = torch.load(path)
+    assert runs["auto"]["variant"] == RUNNABLE[0].name  # the best variant this CPU runs
+    for v in RUNNABLE:
+        assert runs[v.name]["variant"] == v.name and torch.equal(runs[v.name]["out"], runs["auto"]["out"]), v.name
+    a, b = runs["auto"]["out"].float(), runs["sdpa"]["out"].float()
+    assert float((a - b).abs().max()) <= 3e-2 * float(b.abs().max())
+    assert not torch.equal(runs["auto"]["out"], runs["sdpa"]["out"])

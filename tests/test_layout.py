@@ -138,7 +138,7 @@ def test_the_engines_process_state_is_made_through_bivit_state():
     `bivit.state.memo`/`table`, so the one reset (`refuse`, the tests' `fresh_state`) forgets them all; bounded
     `lru_cache`s of values (RoPE tables) are not state. Control: a bare `functools.cache` is found."""
     paths = [*(ROOT / "ops").rglob("*.py"), *(ROOT / "kernels").rglob("*.py"), ROOT / "notices.py"]
-    assert {p.name for p in paths} >= {"backend.py", "tiles.py", "notices.py", "cpu.py"}
+    assert {p.name for p in paths} >= {"backend.py", "proof.py", "notices.py", "cpu.py"}
     assert [f"{p.name}: {f}" for p in paths for f in _unregistered_caches(p.read_text())] == []
     assert _unregistered_caches("import functools\n@functools.cache\ndef f():\n    return 1\n") == ["f"]
 

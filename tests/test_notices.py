@@ -1,45 +1,29 @@
 """Nothing silent: a faster path that is off is said once, with the reason and the fix, by every command, and
-`bivit doctor` reports it. Real `bivit` processes without a C compiler (CC=/bin/false, an empty PATH)."""
+`bivit doctor` reports it. Real `bivit` processes of an install without its compiled kernels (a copy of this one
+with every library left out)."""
 
 from __future__ import annotations
 
 import json
 import logging
 import os
-import shutil
 import subprocess
 import sys
 
-import torch
+import pytest
 from PIL import Image
 
 from bivit import kernels, notices
 from bivit.kernels.cpu import amx_unused
+from support.installs import env_for, package_without
 from support.media import random_image
 
 
-def _can_run() -> bool:
-    """A variant of the compiled kernels would run here (else the CPU, not the compiler, is why they are off)."""
-    try:
-        kernels.pick_variant("bivit", kernels.cpu_info()[1], torch.backends.cpu.get_cpu_capability())
-        return True
-    except kernels.KernelUnavailable:
-        return False
-
-
-CAN_RUN = _can_run()
-FALSE = shutil.which("false") or "/bin/false"
-
-
-def no_compiler_env(tmp_path) -> dict:
-    """A machine without a C compiler: CC names a program that is not one, and PATH holds no cc or gcc. The
-    kernel is forced where the CPU can run it (on AMX CPUs `auto` would leave PyTorch's attention in place
-    without trying to build)."""
-    empty = tmp_path / "empty-path"
-    empty.mkdir(exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if k not in ("CC", kernels.ATTENTION_ENV)}
-    return {**env, "CC": FALSE, "PATH": str(empty), "BIVIT_KERNEL_CACHE": str(tmp_path / "kernel-cache"),
-            **({kernels.ATTENTION_ENV: "bivit"} if CAN_RUN else {})}
+@pytest.fixture(scope="module")
+def bare_env(tmp_path_factory) -> dict:
+    """The environment of a process whose bivit has no compiled kernels."""
+    root = package_without(tmp_path_factory.mktemp("bare"), kernels.installed())
+    return env_for(root, **{kernels.ATTENTION_ENV: "auto"})
 
 
 def bivit_cli(*args, env):
@@ -47,38 +31,37 @@ def bivit_cli(*args, env):
                           env=env, timeout=300)
 
 
-def test_encode_without_a_compiler_says_once_which_kernel_is_off_why_and_the_fix(tmp_path):
+def test_default_mode_without_kernels_says_once_what_is_off_why_and_the_fix(tmp_path, bare_env):
     image = tmp_path / "a.png"
     Image.fromarray(random_image(56, 84, seed=1)).save(image)
-    r = bivit_cli("encode", image, "--out", tmp_path / "e.safetensors", env=no_compiler_env(tmp_path))
+    r = bivit_cli("encode", image, "--out", tmp_path / "e.safetensors", "--no-batch-invariant", env=bare_env)
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
     lines = [ln for ln in r.stderr.splitlines() if "compiled kernels" in ln]
     assert len(lines) == 1, r.stderr  # one line, said once
-    line = lines[0]
-    assert line.startswith("bivit: compiled kernels off: ") and "attention and RoPE run instead" in line
-    if CAN_RUN:  # the reason is the compiler, and the fix says what to do about it
-        assert FALSE in line and "does not work" in line and "fix: install a C compiler" in line
+    assert lines[0].startswith("bivit: compiled kernels not used: this install has none of bivit's compiled kernels")
+    assert "PyTorch's kernels run" in lines[0] and "fix: reinstall bivit" in lines[0]
 
 
-def test_doctor_reports_the_missing_compiler_fast_and_without_a_traceback(tmp_path):
-    env = no_compiler_env(tmp_path)
-    r = bivit_cli("doctor", env=env)
+def test_doctor_reports_the_missing_kernels_and_the_refusal_without_a_traceback(bare_env):
+    r = bivit_cli("doctor", env=bare_env)
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stdout + r.stderr
     assert "DEMO" not in r.stderr  # no model was loaded
-    attention = next(ln for ln in r.stdout.splitlines() if ln.startswith("attention"))
-    assert "PyTorch SDPA" in attention and "compiled attention not used" in attention
-    compiler = next(ln for ln in r.stdout.splitlines() if ln.startswith("compiler"))
-    assert FALSE in compiler and "$CC" in compiler and "does not work" in compiler
-    for section in ("cpu ", "  flags", "pytorch", "gemm ", "extra ", "fallbacks"):
-        assert any(ln.startswith(section) for ln in r.stdout.splitlines()), section
-    report = json.loads(bivit_cli("doctor", "--json", env=env).stdout)
-    assert report["attention"]["in_use"] is False and report["compiler"]["found"] == FALSE
+    lines = r.stdout.splitlines()
+    kernel_line = next(ln for ln in lines if ln.startswith("kernels"))
+    assert "none in use (installed: none)" in kernel_line and "fix: reinstall" in kernel_line
+    attention = next(ln for ln in lines if ln.startswith("attention"))
+    assert "default mode: PyTorch SDPA" in attention and "invariant mode: float32 refused:" in attention
+    for section in ("cpu ", "  flags", "pytorch", "bits ", "gemm ", "extra ", "fallbacks"):
+        assert any(ln.startswith(section) for ln in lines), section
+    report = json.loads(bivit_cli("doctor", "--json", env=bare_env).stdout)
+    assert report["attention"]["in_use"] is False and report["attention"]["installed"] == []
+    assert "reinstall" in report["attention"]["fix"]
     assert set(report["gemm"]) == {"float32", "bfloat16", "float16"}
+    assert all(c.startswith("refused: invariant mode runs bivit's compiled kernels only")
+               for d, c in report["bits"].items() if d != "mode")
     assert {"serve", "ray", "hub", "plot", "vllm"} <= set(report["extras"])
     assert report["cpu"]["flags"] == "unknown (no /proc/cpuinfo)" or "avx512_bf16" in report["cpu"]["flags"]
-    if CAN_RUN:
-        assert FALSE in report["attention"]["why"] and "install" in report["attention"]["fix"]
-        assert any(n["key"] == "attention" for n in report["fallbacks"])
+    assert any(n["key"] == "attention" for n in report["fallbacks"])
 
 
 def test_widened_gemms_are_said_where_the_cpu_has_no_bf16_gemm(tmp_path):
@@ -88,7 +71,7 @@ def test_widened_gemms_are_said_where_the_cpu_has_no_bf16_gemm(tmp_path):
     image = tmp_path / "a.png"
     Image.fromarray(random_image(28, 28, seed=2)).save(image)
     r = bivit_cli("encode", image, "--out", tmp_path / "e.safetensors", "--dtype", "bfloat16",
-                  env={**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "BIVIT_KERNEL_CACHE": str(tmp_path / "cache")})
+                  env={**os.environ, "ATEN_CPU_CAPABILITY": "avx2"})
     assert r.returncode == 0, r.stderr
     lines = [ln for ln in r.stderr.splitlines() if "GEMMs widened" in ln]
     assert lines == ["bivit: bfloat16 GEMMs widened to float32: bivit has no bfloat16 GEMM kernel for this CPU "

@@ -240,8 +240,8 @@ def test_gradcheck_invariant_ops_float64():
 
 
 def test_invariant_bf16_linear_backward_rows_do_not_depend_on_the_batch():
-    """The input-gradient GEMM runs at pinned tiles (pre-packed in bf16): a row's gradient is the same bits in
-    any batch and close to the fp32 gradient."""
+    """The input-gradient GEMM runs in bivit's compiled GEMM: a row's gradient is the same bits in any batch and
+    close to the fp32 gradient."""
     g = torch.Generator().manual_seed(0)
     w = torch.randn(1152, 288, generator=g).bfloat16().requires_grad_(True)
     x = torch.randn(300, 288, generator=g).bfloat16().requires_grad_(True)
@@ -284,54 +284,6 @@ def test_checkpoint_recomputes_in_the_forward_mode():
         ops.gelu(ops.linear(x, w), "tanh").sum().backward()
     assert torch.equal(gx, x.grad)
 
-
-# ------------------------------------------------------------------------------ private kernels fall back
-
-def test_private_kernels_missing_or_raising_fall_back_and_stay_invariant(monkeypatch, fresh_state, paths):
-    """Where no compiled GEMM runs, a build whose oneDNN packed GEMM raises and that lacks GELU with `out=`: the
-    paths chosen for the process avoid them from the start (decided on a tiny tensor, not by a failure mid-run),
-    and stay invariant — or, on a CPU where stock GEMMs at proven tiles are not thread-invariant, the load-time
-    proof refuses invariant mode (InvarianceError) instead of serving bits that change with the threads."""
-    import functools
-
-    from bivit import state
-    from bivit.ops import backend, pointwise
-
-    def broken(*args, **kwargs):
-        raise RuntimeError("simulated: kernel not available in this build")
-
-    # The fallback GEMM, deciding afresh (`fresh_state`); GELU with `out=` is a fact of the build, fixed for the
-    # process, so a fresh copy of that decision for this test only (monkeypatch restores the real one).
-    monkeypatch.setattr(backend, "_decide_gemm_kernel", lambda *a: None)
-    monkeypatch.setattr(pointwise, "gelu_out", functools.cache(backend.gelu_out.__wrapped__))
-    state.reset()
-    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", broken)  # present but raising
-    monkeypatch.setattr(torch._C._nn, "gelu", None)  # missing
-    with pytest.raises(RuntimeError):
-        torch.ops.mkldnn._linear_pointwise()
-    try:
-        enc = bivit.load_encoder(paths["kimi"], dtype="bfloat16")
-    except ops.InvarianceError as e:
-        # Stock bf16 GEMMs at proven tiles are not thread-invariant on every CPU (on an AMX Xeon they are not):
-        # the load-time proof must then refuse the encoder rather than serve bits that change with the threads.
-        assert "via PyTorch" in str(e) and "at proven tiles" in str(e)
-        enc = None
-    path = ops.gemm_path(torch.bfloat16)
-    assert not path.packed and not path.fused_gelu and pointwise.gelu_out() is None
-    x = torch.randn(70000)
-    with ops.batch_invariant():
-        assert torch.equal(ops.gelu(x[:1000], "tanh"), ops.gelu(x, "tanh")[:1000])
-    if enc is None:
-        return
-    trainer = bivit.load_model(paths["kimi"], dtype="bfloat16")
-    items = _control_items()[:8] + [_item(4, 1)]
-    alone = [enc.encode_batch(it)[0] for it in items]
-    assert all(torch.equal(a, b) for a, b in zip(enc.encode_batch(MediaBatch.concat(items)), alone))
-    outs, _, _, _ = train_step(trainer, items[::-1])
-    assert all(torch.equal(a, b) for a, b in zip(outs, alone[::-1]))
-
-
-# ------------------------------------------------------------------------------ data parallel
 
 def _ddp_worker(rank: int, world: int, ckpt: str, port: int, out_dir: str) -> None:
     import torch.distributed as dist

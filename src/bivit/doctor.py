@@ -4,9 +4,9 @@
 sets bivit's kernel choices depend on); what PyTorch reports (version, the CPU capability it dispatches, whether
 oneDNN has bf16/fp16 GEMMs here, threads, the environment variables that change any of it); the class of bits
 invariant mode computes per dtype (`bivit-arith/1`, the same rows on every CPU, or this machine kind's own:
-`bivit.ops.bits`); the GEMM path chosen per dtype (`bivit.ops.gemm_path`); the compiled attention (in use from
-which cached library, or why not and the fix); the C compiler found; the extras installed; and every fallback
-said (`bivit.notices`). Each section is gathered on its own: one that fails says so in its place, it never stops
+`bivit.ops.bits`) or why it is refused here; invariant mode's GEMM kernel per dtype; the compiled kernels (the
+variants this install has, the library loaded, or why none is and the fix); the extras installed; and every
+fallback said (`bivit.notices`). Each section is gathered on its own: one that fails says so in its place, it never stops
 the report. `prove()` adds the load-time proof on a model's shapes and the golden rows (`bivit.golden`): the
 demo model's rows for fixed inputs against the committed ones, which a machine computing bivit-arith/1
 reproduces bit for bit.
@@ -18,24 +18,23 @@ import importlib.metadata
 import os
 import platform
 import re
-import subprocess
 import sys
 import time
 from typing import Any, Callable
 
 import torch
 
-from . import __version__, golden, kernels, notices, ops
+from . import __version__, errors, golden, kernels, notices, ops
 from .encoder import load_encoder
-from .kernels import find_compiler
 from .kernels.cpu import FLAGS, cpu_info
 from .notices import Notice
-from .ops import attention_kernel, bits_class, gemm_kernel, gemm_path
+from .ops import attention_kernel, bits_class, gemm_kernel
+from .ops.backend import compute_dtype
 from .ops.bits import mode
 
-# Environment variables that change a kernel choice, the threads, or where kernels are cached.
-ENV_VARS = ("BIVIT_ARITH", "BIVIT_ATTENTION", "BIVIT_GEMM", "BIVIT_KERNEL_CACHE", "CC", "ATEN_CPU_CAPABILITY",
-            "ONEDNN_MAX_CPU_ISA", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+# Environment variables that change a kernel choice or the threads (docs/cpu-kinds.md: what each does to the class).
+ENV_VARS = ("BIVIT_ARITH", "BIVIT_ATTENTION", "BIVIT_GEMM", "ATEN_CPU_CAPABILITY", *ops.bits.STEERING_ENV,
+            "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 GEMM_DTYPES = ("float32", "bfloat16", "float16")
 _EXTRA = re.compile(r"""^([A-Za-z0-9_.-]+)(?:\[[^\]]*\])?[^;]*;\s*extra\s*==\s*["']([\w-]+)["']""")
 
@@ -73,55 +72,39 @@ def pytorch() -> dict:
             "env": {k: os.environ[k] for k in ENV_VARS if k in os.environ}}
 
 
+def _invariant(fn: Callable[[], Any]) -> Any:
+    """`fn()`, or why invariant mode is refused in this process (its one line)."""
+    try:
+        return fn()
+    except (errors.ConfigError, errors.InvarianceError) as e:
+        return f"refused: {e}"
+
+
 def bits() -> dict:
     """The class of bits invariant mode computes here, per dtype (a tower and projector of that dtype), and the
     arithmetic mode (`BIVIT_ARITH`)."""
     cpu = torch.device("cpu")
-    return {"mode": mode(), **{name: bits_class((getattr(torch, name),) * 2, cpu, True) for name in GEMM_DTYPES[:2]}}
+    return {"mode": mode(), **{name: _invariant(lambda: bits_class((getattr(torch, name),) * 2, cpu, True))
+                               for name in GEMM_DTYPES}}
 
 
 def gemm() -> dict:
-    """Invariant mode's GEMM per dtype: bivit's compiled kernel (invariant by construction), or PyTorch's GEMM at
-    proven tiles where none runs here."""
-    out = {}
-    for name in GEMM_DTYPES:
-        kernel = gemm_kernel(getattr(torch, name))
-        if kernel is not None:
-            out[name] = {"path": f"{name}: {kernel.describe()}, reduction order fixed by bivit"}
-            continue
-        path = gemm_path(getattr(torch, name))
-        out[name] = {"path": f"{path.describe()} at proven tiles (no compiled GEMM here)",
-                     **({"note": path.note} if path.note else {})}
-    return out
-
-
-def compiler() -> dict:
-    cc, where = find_compiler()
-    if cc is None:
-        return {"found": None, "where": "no $CC, no cc or gcc on PATH"}
-    try:
-        done = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30)
-        version = ((done.stdout.splitlines() or [""])[0] if done.returncode == 0
-                   else f"does not work (`{cc} --version` exited {done.returncode})")
-    except (OSError, subprocess.SubprocessError) as e:
-        version = f"does not run ({e})"
-    return {"found": cc, "where": where, "version": version}
+    """Invariant mode's GEMM per dtype: bivit's compiled kernel (invariant by construction)."""
+    return {name: {"path": _invariant(lambda: f"{name}: {gemm_kernel(getattr(torch, name)).describe()}, reduction "
+                                              "order fixed by bivit")} for name in GEMM_DTYPES}
 
 
 def attention() -> dict:
-    paths = {}
-    for dtype in (torch.bfloat16, torch.float32):
-        kernel = attention_kernel(dtype)
-        paths[str(dtype).removeprefix("torch.")] = (f"bivit compiled ({kernel.name_for(dtype)})" if kernel
-                                                    else "PyTorch SDPA per item")
-    invariant = ", ".join(f"{d} {p}" for d, p in paths.items())
-    return {**kernels.status(), "choice": os.environ.get(kernels.ATTENTION_ENV, "auto"),
-            "cache": str(kernels.cache_dir()), "invariant_mode": invariant}
+    def path(dtype: torch.dtype) -> str:
+        return f"bivit compiled ({attention_kernel(dtype).name_for(compute_dtype(dtype))})"
+
+    invariant = ", ".join(f"{name} {_invariant(lambda: path(getattr(torch, name)))}" for name in GEMM_DTYPES)
+    return {**kernels.status(), "choice": os.environ.get(kernels.ATTENTION_ENV, "auto"), "invariant_mode": invariant}
 
 
 def prove(model: str | None, dtype: str, projector_dtype: str | None) -> dict:
     """Run the load-time proof now (`bivit.ops.proof`) on `model`'s real shapes: the table, its cost, and whether it
-    agrees with what this machine kind recorded; then the golden rows (`bivit.golden`): the demo model's rows at
+    passes; then the golden rows (`bivit.golden`): the demo model's rows at
     `dtype` against the committed ones. Raises InvarianceError where an op has no invariant path."""
     encoder = load_encoder(model, dtype=dtype, projector_dtype=projector_dtype, batch_invariant=False)
     start = time.perf_counter()
@@ -160,12 +143,12 @@ def extras() -> dict:
 
 
 def report() -> dict:
-    """Everything `bivit doctor` prints, as JSON. Loads no model; builds the compiled attention if it is not
-    cached yet (what every encoder does at load)."""
+    """Everything `bivit doctor` prints, as JSON. Loads no model; loads and self-tests the installed kernels
+    (what every encoder does at load)."""
     out = {"bivit": {"version": __version__, "python": platform.python_version(),
                      "platform": f"{platform.system()} {platform.release()}", "executable": sys.executable}}
     for name, fn in (("cpu", cpu), ("pytorch", pytorch), ("bits", bits), ("gemm", gemm), ("attention", attention),
-                     ("compiler", compiler), ("extras", extras)):
+                     ("extras", extras)):
         out[name] = _section(fn)
     out["fallbacks"] = _section(lambda: [n.to_dict() for n in notices.said() if n.warning])
     return out
@@ -210,17 +193,14 @@ def format_report(r: dict) -> list[str]:
             lines.append(f"gemm         {g['path']}" + (f" — {g['note']}" if g.get("note") else ""))
     if not failed("attention"):
         a = r["attention"]
+        installed = ", ".join(a["installed"]) or "none"
         if a["in_use"]:
-            lines.append(f"attention    {a['kernel']}, built and self-tested: {a['library']}")
+            lines.append(f"kernels      {a['variant']} (installed: {installed}), self-tested: {a['library']}")
         else:
-            lines.append(f"attention    {a['kernel']} — compiled attention not used: {a['why']}"
+            lines.append(f"kernels      none in use (installed: {installed}): {a['why']}"
                          + (f"; fix: {a['fix']}" if a.get("fix") else ""))
-        lines.append(f"  choice     BIVIT_ATTENTION={a['choice']}, cache {a['cache']}; invariant mode: "
-                     f"{a['invariant_mode']}")
-    if not failed("compiler"):
-        cc = r["compiler"]
-        lines.append("compiler     " + (f"{cc['found']} (from {cc['where']}): {cc['version']}" if cc["found"]
-                                        else f"none ({cc['where']})"))
+        lines.append(f"attention    default mode: {a['kernel']}; invariant mode: {a['invariant_mode']} "
+                     f"(BIVIT_ATTENTION={a['choice']})")
     if not failed("extras"):
         for extra, dists in r["extras"].items():
             have = [f"{d} {v}" for d, v in dists.items() if v]

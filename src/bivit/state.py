@@ -5,7 +5,7 @@ Every per-process cache of the engine is made here, with `memo` (a function comp
 
 * `CHOICES`: which kernel computes each op per dtype (`bivit.ops.backend`). Forgotten when the load-time proof
   refuses a kernel (`refuse`): every choice is made again without it.
-* `PROOFS`: what was proven or tested on this machine: the load-time proofs, the GEMM tile plans, each kernel's
+* `PROOFS`: what was proven or tested on this machine: the load-time proofs, each kernel's
   self-test and conformance, the paths refused.
 * `WEIGHTS`: weights prepared for a kernel (packed into its layout, widened to its dtype: `bivit.ops.packs`).
 * `SAID`: the notices said (`bivit.notices`), once per process.

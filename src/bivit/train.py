@@ -120,7 +120,7 @@ def trainable_from_state(cfg: ModelConfig, state: Mapping[str, torch.Tensor], *,
     net.load_state_dict(dict(state), strict=True, assign=True)
     net.vision_tower.to(device=device, dtype=dtype)
     net.mm_projector.to(device=device, dtype=projector_dtype)
-    ops.backend_for(device).load()  # as build_model: the compiled kernels built (or found) and self-tested now
+    ops.backend_for(device).load()  # as build_model: the installed kernels loaded and self-tested now
     return _ready(net, batch_invariant, activation_checkpointing)
 
 

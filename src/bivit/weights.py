@@ -59,7 +59,7 @@ def build_model(model: str | os.PathLike | None, *, device: torch.device, dtype:
     net.load_state_dict(state, strict=True, assign=True)
     net.vision_tower.to(device=device, dtype=dtype)
     net.mm_projector.to(device=device, dtype=projector_dtype)
-    ops.backend_for(device).load()  # CPU: build (or find in the cache) and self-test the compiled kernels now
+    ops.backend_for(device).load()  # CPU: load and self-test the installed kernels now
     return net, name, is_demo, proc
 
 

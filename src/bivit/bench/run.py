@@ -47,9 +47,7 @@ def environment(threads: int) -> dict:
     lib = kernels.library()
     attention = ops.attention_kernel(torch.bfloat16)  # invariant mode's (default mode may keep PyTorch's on AMX)
     # The invariant-mode GEMM kernels of the dtypes bench runs, and every faster path this machine leaves off.
-    gemm = {name: (k.describe() if (k := ops.gemm_kernel(TORCH_DTYPES[name])) else
-                   f"{ops.gemm_path(TORCH_DTYPES[name]).describe()} at proven tiles")
-            for name in TORCH_DTYPES}
+    gemm = {name: ops.gemm_kernel(TORCH_DTYPES[name]).describe() for name in TORCH_DTYPES}
     try:  # optional, and seconds to import: only its version is wanted
         tf_version = importlib.metadata.version("transformers")
     except importlib.metadata.PackageNotFoundError:

@@ -1,4 +1,4 @@
-"""`bivit doctor`: the machine, PyTorch, the kernels chosen and why, the compiler, the extras (no model load)."""
+"""`bivit doctor`: the machine, PyTorch, the kernels installed and chosen and why, the extras (no model load)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from ..errors import InvarianceError
+from ..errors import ConfigError, InvarianceError
 from .common import FAILURE, DtypeOpt, ModelOpt, ProjDtypeOpt, check_options, command, fail
 
 
@@ -25,11 +25,11 @@ def doctor(
     """Show what runs on this machine, for a bug report.
 
     What this machine and install run: CPU kind and instruction sets, PyTorch (capability, oneDNN bf16/fp16,
-    threads), the GEMM kernel per dtype, the compiled attention (in use, or why not and the fix), the C compiler,
-    the extras installed, and the class of bits invariant mode computes. Loads no model, unless --prove: then the
-    load-time proof runs on --model (default: the demo) at --dtype, whatever this machine recorded, and must
-    agree with the record, and the demo model's rows for bivit's golden inputs are compared with the committed
-    ones ("bits bivit-arith/1: match"); exit 1 where an op has no invariant path here or the rows differ."""
+    threads), the compiled kernels (the variants installed, the one loaded, or why none is and the fix), the GEMM
+    kernel per dtype, the attention, the extras installed, and the class of bits invariant mode computes (or why
+    it is refused here). Loads no model, unless --prove: then the load-time proof runs on --model (default: the
+    demo) at --dtype, and the demo model's rows for bivit's golden inputs are compared with the committed ones
+    ("bits bivit-arith/1: match"); exit 1 where invariant mode is refused here or the rows differ."""
     check_options(model, dtype, projector_dtype)  # refused as every command refuses them, --prove or not
     from ..doctor import format_report, prove as run_proof, report  # torch and the kernels: not for --help
 
@@ -38,7 +38,7 @@ def doctor(
     if prove:
         try:
             r["proof"] = run_proof(model, dtype, projector_dtype)
-        except InvarianceError as e:
+        except (ConfigError, InvarianceError) as e:
             typer.echo(json.dumps(r, indent=2) if as_json else "\n".join(format_report(r)))
             fail(str(e), FAILURE)
     if as_json:

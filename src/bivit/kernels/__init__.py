@@ -1,55 +1,51 @@
-"""bivit's own CPU kernels: C sources shipped in this package, compiled on first use and called through ctypes.
+"""bivit's own CPU kernels: C libraries built with the package and installed in it, called through ctypes.
 
-Why compiled here and not shipped built: a kernel is only worth having for the instruction set it is written
-for, so it is built on the machine that runs it, by the system C compiler, once, into a cache keyed by the
-source and the compiler (`cache`: checked before anything in it is loaded). Plain C with a C ABI, no PyTorch
-headers: the build takes seconds, once per machine (gcc -O3: 3.3 s for the avx512 variant, 0.8 s for avx2, on
-a Zen 5 EPYC), and ctypes releases the GIL during the call. The library links the OpenMP runtime PyTorch has
-already loaded (`libgomp.so.1`), so its threads are PyTorch's threads.
+The package build compiles one library per instruction-set variant (`build`: `avx512`, `avx2`, `portable`; an
+x86-64 build has all three, other platforms `portable`), so a process never compiles anything: it picks one
+installed library and loads it. Plain C with a C ABI, no PyTorch headers; ctypes releases the GIL during the
+call; the libraries use the OpenMP runtime PyTorch has loaded (`build` says how), so their threads are PyTorch's.
 
-The library (GEMMs, attention, RoPE, norms) comes in one variant per instruction set (`VARIANTS`, best first):
-`avx512` (bf16 by AVX-512 BF16 dot products, fp32 by FMAs; AMX tiles where the CPU has them), `avx2` (AVX2 +
-FMA, all arithmetic in fp32, bf16 widened in registers) and `portable` (plain C: any CPU with a C compiler,
-slowly). All of them compute bivit-arith/1 (`arith.h`, docs/arithmetic.md): the variant decides the speed, not
-the bits (the AMX tiles only where the load-time conformance check says they compute it too, `bivit.ops.bits`).
-A process uses the best variant that both the CPU's flags (/proc/cpuinfo) and PyTorch's own dispatch
+Every variant computes bivit-arith/1 (`arith.h`, docs/arithmetic.md): the variant decides the speed, not the
+bits (AMX tiles only where the load-time conformance check says they compute it too, `bivit.ops.bits`). A
+process uses the best installed variant that both the CPU's flags (/proc/cpuinfo) and PyTorch's own dispatch
 (`torch.backends.cpu.get_cpu_capability()`, which honours `ATEN_CPU_CAPABILITY` and says whether the OS saves
-the AVX-512 state) allow: decided once per process from those facts, never from a failure. Without a C
-compiler `library()` is None, says why once with the fix (`bivit.notices`: a warning where a faster path is
-lost, else a note), and PyTorch's kernels run (their bits are the machine's own class). `status()` reports
-what happened, for `bivit doctor`.
+the AVX-512 state) allow: decided once per process from those facts, never from a failure. Where no library
+runs (an install without its kernels, a variant named that this CPU or install lacks), `library()` is None
+and `unavailable()` says why: default mode then runs PyTorch's kernels, invariant mode is refused with that
+reason (`bivit.ops.backend`). `status()` reports what happened, for `bivit doctor`.
 
 `BIVIT_ATTENTION` chooses: `auto` (default: the best variant, except that default mode on CPUs with AMX keeps
-PyTorch's attention, running on AMX tiles; invariant mode always runs the compiled one), `bivit` (the best
-variant wherever one runs), `avx512`, `avx2` or `portable` (that variant, GEMMs and norms included, if the CPU
-can run it: how the tests run every variant a machine has) or `sdpa` (PyTorch's attention; the RoPE kernel
-computes PyTorch's bits, so it runs whatever the choice). The compiled attention also takes the RoPE tables
-(`Attention(..., rope=)`) and rotates q and k as it packs them, with the same bits: inference then never writes
-the rotated q and k out.
+PyTorch's attention, running on AMX tiles), `bivit` (the best variant wherever one runs), `avx512`, `avx2` or
+`portable` (that variant, GEMMs and norms included, if the CPU and the install run it: how the tests run every
+variant a machine has; the same bits whichever) or `sdpa` (PyTorch's attention in default mode; invariant mode
+refuses it). The compiled attention also takes the RoPE tables (`Attention(..., rope=)`) and rotates q and k as
+it packs them, with the same bits: inference then never writes the rotated q and k out.
 """
 
 from __future__ import annotations
 
 import ctypes
+import importlib.machinery
 import logging
 import math
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Sequence
 
 import torch
 
 from .. import notices, state
 from . import abi
-from .abi import CONSTS, AttentionArgs, NormArgs, RopeArgs, fill
-from .cache import CACHE_ENV, KernelUnavailable, Loaded, cache_dir, compiler, find_compiler, load
-from .cpu import VARIANTS, Variant, amx_unused, cpu_info, has_amx
+from .abi import CONSTS, AttentionArgs, KernelUnavailable, NormArgs, RopeArgs, fill
+from .build import VARIANTS, Variant
+from .cpu import amx_unused, cpu_info, has_amx
 from .gemm import ETYPES, GemmKernel
 
-__all__ = ["ATTENTION_ENV", "CACHE_ENV", "Attention", "GemmKernel", "KernelUnavailable", "Library", "Norm", "Rope",
-           "VARIANTS", "Variant", "attention", "attention_candidates", "attention_declined", "cache_dir", "compiler",
-           "cpu_info", "find_compiler", "gemm_kernels", "library", "load_library", "norm", "pick_variant", "rope",
-           "status"]
+__all__ = ["ATTENTION_ENV", "Attention", "GemmKernel", "KernelUnavailable", "Library", "Norm", "Rope", "VARIANTS",
+           "Variant", "attention", "attention_candidates", "attention_declined", "cpu_info", "gemm_kernels",
+           "installed", "library", "library_path", "load_library", "norm", "pick_variant", "rope", "status",
+           "unavailable"]
 
 log = logging.getLogger("bivit")
 
@@ -67,30 +63,50 @@ def _attention_choice() -> str:
     return choice
 
 
-def pick_variant(choice: str, flags: frozenset[str], capability: str) -> Variant:
-    """The variant of the compiled kernels on a CPU with `flags` where PyTorch dispatches `capability` kernels:
-    the best one both allow, or the one `choice` names; raises KernelUnavailable where none is to run (chosen
-    when `choice` named a variant, else the CPU's limit: no fix). A pure function of its arguments."""
+REINSTALL = "reinstall bivit (pip install bivit, or pip install -e . in a checkout): the package build compiles them"
+
+
+def library_path(variant: Variant) -> Path | None:
+    """Where the package build installed `variant`'s library, or None where this install has none."""
+    here = Path(__file__).parent
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = here / f"{variant.module}{suffix}"
+        if path.is_file():
+            return path
+    return None
+
+
+@state.memo(state.FIXED)
+def installed() -> frozenset[str]:
+    """The variants this install has a library of."""
+    return frozenset(v.name for v in VARIANTS if library_path(v) is not None)
+
+
+def pick_variant(choice: str, flags: frozenset[str], capability: str, present: frozenset[str]) -> Variant:
+    """The variant of the compiled kernels on a CPU with `flags` where PyTorch dispatches `capability` kernels and
+    the install has the variants `present`: the best one all allow, or the one `choice` names; raises
+    KernelUnavailable where none is to run (chosen when `choice` named a variant). A pure function of its
+    arguments."""
     named = [v for v in VARIANTS if v.name == choice]
     unset = f"unset {ATTENTION_ENV} (auto picks the variant this CPU runs)"
     for v in named or VARIANTS:
         missing = [f for f in v.needs if f not in flags]
+        why = None
         if missing:
-            if named:
-                raise KernelUnavailable(f"{ATTENTION_ENV}={choice}: this CPU lacks {', '.join(missing)}",
-                                        chosen=True, fix=unset)
-            continue
-        if v.capabilities is not None and capability not in v.capabilities:
-            if named:
-                raise KernelUnavailable(f"{ATTENTION_ENV}={choice}: PyTorch runs {capability} kernels here",
-                                        chosen=True, fix=unset)
-            continue
-        return v
-    raise AssertionError("the portable variant runs anywhere")
+            why = f"this CPU lacks {', '.join(missing)}"
+        elif v.capabilities is not None and capability not in v.capabilities:
+            why = f"PyTorch runs {capability} kernels here"
+        elif v.name not in present:
+            why = f"this install has no {v.name} library (built without it)"
+        if why is None:
+            return v
+        if named:
+            raise KernelUnavailable(f"{ATTENTION_ENV}={choice}: {why}", chosen=True, fix=unset)
+    raise KernelUnavailable("this install has none of bivit's compiled kernels", fix=REINSTALL)
 
 
 def attention_declined(choice: str, flags: frozenset[str]) -> str | None:
-    """Why `choice` leaves PyTorch's attention in place on a CPU with `flags` (None: the compiled one runs)."""
+    """Why default mode leaves PyTorch's attention in place on a CPU with `flags` (None: the compiled one runs)."""
     if choice == "sdpa":
         return f"{ATTENTION_ENV}=sdpa"
     if choice == "auto" and has_amx(flags):
@@ -234,7 +250,7 @@ class Library:
     first chosen: `bivit.ops.backend`). `attention` is the variant's own code (bivit-arith/1); `attention_amx`
     runs bf16 on AMX tiles where the CPU has them (its own arithmetic: BIVIT_ARITH=native), else None."""
 
-    loaded: Loaded
+    path: Path
     variant: str
     attention: Attention
     attention_amx: Attention | None
@@ -258,15 +274,17 @@ def _gemm_kernels(lib: ctypes.CDLL, variant: str, flags: frozenset[str]) -> tupl
 
 
 def load_library(variant: Variant) -> Library:
-    """Build (or find in the cache), load and self-test one variant. The caller has checked the CPU runs it."""
-    loaded = load(variant.build())
-    lib = loaded.lib
+    """Load and self-test one installed variant. The caller has checked the CPU runs it."""
+    path = library_path(variant)
+    if path is None:
+        raise KernelUnavailable(f"this install has no {variant.name} library", fix=REINSTALL)
+    lib = ctypes.CDLL(str(path))
     abi.bind(lib)
     gemms = _gemm_kernels(lib, variant.name, cpu_info()[1])
     # AMX tiles for bf16 attention where the GEMM has them, unless a variant was named (BIVIT_ATTENTION=avx512
     # runs that variant's own code).
     amx = any(g.name == "amx" for g in gemms) and _attention_choice() in ("auto", "bivit")
-    library = Library(loaded, variant.name, Attention(lib, variant.name), Attention(lib, variant.name, True) if amx
+    library = Library(path, variant.name, Attention(lib, variant.name), Attention(lib, variant.name, True) if amx
                       else None, Rope(lib), Norm(lib), gemms)
     for dtype, bound in SELF_TEST_BOUNDS.items():
         _self_test(library.attention, dtype, bound)
@@ -318,24 +336,28 @@ def _self_test(kernel: Attention, dtype: torch.dtype, bound: float) -> None:
 
 
 @state.memo(state.FIXED)
-def library() -> Library | None:
-    """This process's compiled kernels (the variant `pick_variant` chooses), or None: PyTorch's kernels are
-    used instead, and why is said once, with the fix."""
-    choice = _attention_choice()
+def _loaded() -> tuple[Library | None, KernelUnavailable | None]:
     try:
-        variant = pick_variant(choice, cpu_info()[1], torch.backends.cpu.get_cpu_capability())
+        variant = pick_variant(_attention_choice(), cpu_info()[1], torch.backends.cpu.get_cpu_capability(),
+                               installed())
         lib = load_library(variant)
-    except (KernelUnavailable, OSError, AttributeError) as e:
-        if isinstance(e, KernelUnavailable) and e.chosen:
-            notices.note("attention", "compiled kernels not used", str(e),
-                         "PyTorch's GEMMs (at proven tiles in invariant mode), attention and RoPE run")
-        else:
-            notices.fallback("attention", "compiled kernels off", str(e),
-                             "PyTorch's GEMMs (at proven tiles in invariant mode), attention and RoPE run instead, "
-                             "slower", getattr(e, "fix", None))
-        return None
-    log.info("bivit: compiled kernels in use (%s, %s)", lib.variant, lib.loaded.path)
-    return lib
+    except (KernelUnavailable, OSError, AttributeError) as e:  # (AttributeError: an entry point missing)
+        why = e if isinstance(e, KernelUnavailable) else KernelUnavailable(
+            f"bivit's compiled kernels do not load: {e}", fix=REINSTALL)  # a broken install
+        return None, why
+    log.info("bivit: compiled kernels in use (%s, %s)", lib.variant, lib.path)
+    return lib, None
+
+
+def library() -> Library | None:
+    """This process's compiled kernels (the variant `pick_variant` chooses), or None (`unavailable()` says why:
+    default mode then runs PyTorch's kernels, and says so once, `attention`; invariant mode is refused with it)."""
+    return _loaded()[0]
+
+
+def unavailable() -> KernelUnavailable | None:
+    """Why no compiled library runs in this process (None where one does)."""
+    return _loaded()[1]
 
 
 def gemm_kernels() -> tuple[GemmKernel, ...]:
@@ -353,8 +375,13 @@ def rope() -> Rope | None:
 def attention() -> Attention | None:
     """The compiled attention for this process, or None (PyTorch's fused attention is used instead; why is said
     once: `bivit.notices`)."""
-    lib = library()
-    if lib is None:
+    lib, lost = _loaded()
+    if lost is not None:
+        if lost.chosen:
+            notices.note("attention", "compiled kernels not used", str(lost), "PyTorch's kernels run")
+        else:
+            notices.fallback("attention", "compiled kernels not used", str(lost), "PyTorch's kernels run, slower",
+                             lost.fix)
         return None
     why = attention_declined(_attention_choice(), cpu_info()[1])
     if why:
@@ -366,11 +393,10 @@ def attention() -> Attention | None:
 
 def attention_candidates() -> tuple[Attention, ...]:
     """Invariant mode's compiled attentions, fastest first (`bivit.ops.backend` picks one): AMX tiles where the
-    library has them, then the variant's own code; none where no library runs or BIVIT_ATTENTION=sdpa. Each is
-    invariant by construction (PyTorch's fused attention on AMX tiles is faster still but gave other bits at
-    other thread counts)."""
+    library has them, then the variant's own code; none where no library runs. Each is invariant by construction
+    (PyTorch's fused attention on AMX tiles is faster still but gave other bits at other thread counts)."""
     lib = library()
-    if lib is None or _attention_choice() == "sdpa":
+    if lib is None:
         return ()
     return tuple(a for a in (lib.attention_amx, lib.attention) if a is not None)
 
@@ -381,12 +407,12 @@ def norm() -> Norm | None:
 
 
 def status() -> dict:
-    """The compiled attention in this process, as JSON: `in_use`, and `library` (the cached build it runs) or
-    `why` (and `fix`) it does not. Builds it on first call, like `attention()`."""
+    """The compiled kernels in this process, as JSON: the variants installed, the library loaded (`library`,
+    `variant`) or why none is (`why`, `fix`), and the attention default mode runs (`kernel`)."""
+    lib, why = library(), unavailable()
     kernel = attention()
-    if kernel is not None:
-        return {"in_use": True, "kernel": f"bivit compiled ({kernel.name})", "library": str(library().loaded.path)}
-    said = notices.said("attention")
-    why = said[0] if said else None
-    return {"in_use": False, "kernel": "PyTorch SDPA", "why": why.why if why else "unknown",
-            "fix": why.fix if why else None}
+    out = {"installed": sorted(installed(), key=[v.name for v in VARIANTS].index),
+           "kernel": f"bivit compiled ({kernel.name})" if kernel is not None else "PyTorch SDPA"}
+    if lib is not None:
+        return {**out, "in_use": True, "variant": lib.variant, "library": str(lib.path)}
+    return {**out, "in_use": False, "why": str(why), "fix": why.fix}

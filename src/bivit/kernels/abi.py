@@ -11,7 +11,18 @@ from __future__ import annotations
 
 import ctypes
 
-from .cache import KernelUnavailable
+
+
+
+class KernelUnavailable(Exception):
+    """Why a compiled library or kernel is not used. `chosen`: by the configuration (a note), not lost to a fault
+    or to the CPU (a warning). `fix`: what the user can do about it (None: nothing)."""
+
+    def __init__(self, reason: str, chosen: bool = False, fix: str | None = None) -> None:
+        super().__init__(reason)
+        self.chosen = chosen
+        self.fix = fix
+
 
 _P, _I64, _INT, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 

@@ -6,43 +6,8 @@ from the variants' needs).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from pathlib import Path
-
 from .. import state
-from .cache import Build
-
-_HERE = Path(__file__).parent
-# -ffp-contract=off: a product and a sum written apart stay apart (rounded twice, as PyTorch rounds them), so
-# the RoPE kernel computes PyTorch's bits; the attention's fused multiply-adds are explicit intrinsics.
-COMMON_CFLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
-
-
-@dataclass(frozen=True)
-class Variant:
-    """One instruction-set variant of the compiled kernels."""
-
-    name: str
-    source: str
-    needs: tuple[str, ...]                  # /proc/cpuinfo flags the code executes
-    capabilities: tuple[str, ...] | None    # PyTorch CPU capabilities under which it may run (None: any)
-    cflags: tuple[str, ...]
-
-    def build(self) -> Build:
-        # Every header: the sources include each other's definitions (arith.h's arithmetic is every variant's).
-        # Labelled by the variant, not the source: one library holds every kernel (GEMMs, attention, norms, RoPE).
-        return Build(_HERE / self.source, tuple(sorted(_HERE.glob("*.h"))), (*COMMON_CFLAGS, *self.cflags),
-                     f"bivit_{self.name}")
-
-
-VARIANTS = (
-    Variant("avx512", "attention_avx512.c", ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "f16c"),
-            ("AVX512",),
-            ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-mf16c")),
-    Variant("avx2", "attention_avx2.c", ("avx2", "fma", "f16c"), ("AVX2", "AVX512"), ("-mavx2", "-mfma", "-mf16c")),
-    # No instruction-set flags: it runs on any CPU the compiler targets (fmaf is the C library's there).
-    Variant("portable", "portable.c", (), None, ()),
-)
+from .build import VARIANTS
 
 # AMX tiles (the avx512 variant's `amx` GEMMs and bf16 attention) need both.
 AMX_FLAGS = ("amx_tile", "amx_bf16")

@@ -1,5 +1,6 @@
-"""Attention over packed items: each item attends only to itself and runs alone, in bivit's compiled kernel
-where it is the faster one on this CPU, else in PyTorch's fused attention.
+"""Attention over packed items: each item attends only to itself. Invariant mode: bivit's compiled kernel, always
+(float16 q/k/v widened exactly to float32 for it, the output rounded back once). Default mode: the compiled
+kernel where it is the faster one on this CPU, else PyTorch's fused attention.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from .. import kernels
-from .backend import attention_kernel, flash_attention_backward
+from ..errors import ConfigError
+from .backend import attention_kernel, compute_dtype, flash_attention_backward
 from .mode import emit, is_batch_invariant, needs_grad
 from .rotary import rope as rotate
 
@@ -26,31 +28,43 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: Sequen
     Each item attends only to itself, so it runs alone: its kernel shapes depend on that item alone (what the
     reference does on CPU too). bivit's compiled attention (`bivit.kernels`) makes one call for the whole batch,
     split into per-item units computed by one thread each, so an item's bits depend on neither the batch nor
-    the thread count: invariant mode runs it wherever it runs (`backend.attention_kernel`), default mode where
-    it is the faster kernel; elsewhere PyTorch's fused attention runs (on AMX tiles its bits changed with the
-    thread count). Without autograd the compiled kernel also rotates q and k as it reads them, with
-    `ops.rope`'s bits: the rotated q and k are never written out.
+    the thread count: invariant mode always runs it (`backend.attention_kernel`), default mode where it is the
+    faster kernel; elsewhere PyTorch's fused attention runs. Without autograd the compiled kernel also rotates
+    q and k as it reads them, with `ops.rope`'s bits: the rotated q and k are never written out.
     """
-    if all(kernels.Attention.supports(t) for t in (q, k, v)):
-        kernel = attention_kernel(q.dtype) if is_batch_invariant() else kernels.attention()
-    else:
-        kernel = None
-    fused = (rope is not None and kernel is not None and not needs_grad(q, k, v)
-             and kernels.Attention.supports_rope(q, *rope))
+    if is_batch_invariant():
+        dtype = q.dtype
+        kernel = attention_kernel(dtype)
+        if q.shape[2] > kernels.MAX_HEAD_DIM:
+            raise ConfigError(f"head dim {q.shape[2]}: bivit's compiled attention takes head dims up to "
+                              f"{kernels.MAX_HEAD_DIM}, so invariant mode cannot run this model")
+        q, k, v = (_kernel_view(t, compute_dtype(dtype)) for t in (q, k, v))
+        out = _compiled(kernel, q, k, v, seqlens, rope)
+        return emit("attention", out.to(dtype).view(q.shape[0], -1))
+    kernel = kernels.attention() if all(kernels.Attention.supports(t) for t in (q, k, v)) else None
+    if kernel is None:
+        q, k = (q, k) if rope is None else (rotate(q, *rope), rotate(k, *rope))
+        return emit("attention", _sdpa(q, k, v, seqlens).view(q.shape[0], -1))
+    return emit("attention", _compiled(kernel, q, k, v, seqlens, rope).view(q.shape[0], -1))
+
+
+def _kernel_view(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`t` as the compiled kernel reads it: `dtype` (a widening is exact), a contiguous last dim."""
+    t = t if t.dtype == dtype else t.to(dtype)
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _compiled(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: Sequence[int],
+              rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    fused = (rope is not None and not needs_grad(q, k, v) and kernels.Attention.supports_rope(q, *rope))
     if rope is not None and not fused:
         q, k = rotate(q, *rope), rotate(k, *rope)
-    if kernel is None and is_batch_invariant():
-        with one_thread():  # PyTorch's attention: see one_thread
-            out = _sdpa(q, k, v, seqlens)
-    elif kernel is None:
-        out = _sdpa(q, k, v, seqlens)
-    elif needs_grad(q, k, v):
-        out = _CompiledAttention.apply(q, k, v, list(seqlens), kernel)
-    else:
-        out = q.new_empty(q.shape)
-        with torch.profiler.record_function("bivit::attention"):  # else invisible to torch.profiler
-            kernel(q, k, v, out, seqlens, rope=rope if fused else None)
-    return emit("attention", out.view(q.shape[0], -1))
+    if needs_grad(q, k, v):
+        return _CompiledAttention.apply(q, k, v, list(seqlens), kernel)
+    out = q.new_empty(q.shape)
+    with torch.profiler.record_function("bivit::attention"):  # else invisible to torch.profiler
+        kernel(q, k, v, out, seqlens, rope=rope if fused else None)
+    return out
 
 
 @contextlib.contextmanager

@@ -1,29 +1,19 @@
-"""Which kernel computes each op: decided once per process, per dtype, from the CPU and the PyTorch build (and
+"""Which kernel computes each op: decided once per process, per dtype, from the CPU and the installed kernels (and
 the load-time proof, which can refuse a kernel on this machine: `refuse`, `bivit.ops.proof`).
 
-Invariant mode's GEMM, attention and norms are bivit's compiled kernels (`gemm_kernel`, `attention_kernel`,
-`norm_kernel`): the fastest kernel of the compiled library that takes the dtype, passes its self-test, computes
-bivit-arith/1 (`bits.conformance`; with BIVIT_ARITH=native that is not required) and was not refused by the
-proof. What they add up to is the process's class of bits (`bits_class`). The rest of this docstring is about
-the fallback where no compiled GEMM runs (`bivit.ops.tiles`): PyTorch's oneDNN GEMMs at proven row counts.
+Invariant mode on a CPU runs bivit's compiled kernels only, one arithmetic: the GEMM, attention and norms are
+the fastest kernels of the installed library that take the dtype, pass their self-test, compute bivit-arith/1
+(`bits.conformance`; with BIVIT_ARITH=native that is not required) and were not refused by the proof. Where
+no such kernel is left (no library for this CPU in the install, a variant named that does not run here,
+BIVIT_ATTENTION=sdpa, every kernel refused) invariant mode is refused with the reason (`require`,
+`InvarianceError`): it never mixes in PyTorch's kernels, whose bits are another arithmetic. float16 runs the
+fp32 kernels on exactly widened values (docs/arithmetic.md). What runs adds up to the process's class of bits
+(`cpu_bits_class`), which names every kernel that does not compute bivit-arith/1.
 
-Why decided up front and never changed: an item's bits depend on which kernel computed them. bivit once
-switched a private kernel off process-wide the first time it raised; on a CPU where oneDNN has no bf16 GEMM,
-loading a bf16 encoder then changed the bits of a float32 encoder loaded earlier in the same process. Now each
-choice is a pure function of (dtype, what oneDNN and PyTorch report about this CPU, which private entry points
-this PyTorch build has), checked once on a tiny tensor before any weight is touched, and fixed for the life of
-the process. A kernel that raises after it was chosen is a bug and raises (`KernelFailed`), it is never
-replaced silently by one that rounds differently.
-
-The choices, per dtype `D` of a GEMM's weights:
-* `compute`: the dtype the GEMM multiplies in. `D` where oneDNN has a native GEMM for it (float32 always;
-  bfloat16 where it reports bf16 support: AVX-512 BW/VL/DQ, AVX-NE-CONVERT or AMX; float16 likewise), else
-  float32: the weights are widened once, activations per call, and the float32 result is rounded back to `D`.
-  A product of two bf16 (or fp16) numbers is exact in float32, so this is the same math as a bf16 GEMM with
-  float32 accumulation, several times faster than PyTorch's generic bf16 GEMM on a CPU without bf16 units.
-* `packed`: the weights are pre-packed once into oneDNN's blocked layout (`torch.ops.mkldnn`), where this build
-  has those entry points and they run here.
-* `fused_gelu`: GELU runs as oneDNN's post-op on the float32 accumulator inside the packed GEMM.
+Why decided up front and never changed: an item's bits depend on which kernel computed them. Each choice is a
+pure function of (dtype, the CPU, the install, the environment read once), checked once on a tiny problem before
+any weight is touched, and fixed for the life of the process. A kernel that raises after it was chosen is a
+bug and raises (`KernelFailed`); it is never replaced silently by one that rounds differently.
 """
 
 from __future__ import annotations
@@ -31,7 +21,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -39,7 +28,7 @@ import torch.nn.functional as F
 
 from .. import kernels, notices, state
 from ..dtypes import dtype_name
-from ..kernels import cpu
+from ..errors import ConfigError, InvarianceError
 from ..kernels.gemm import self_test
 from . import bits
 
@@ -65,11 +54,36 @@ def refused(op: str, path: str) -> bool:
     return (op, path) in _refused
 
 
+def require() -> None:
+    """Raise ConfigError, with the reason and the fix, where invariant mode cannot run on this CPU in this process
+    (no compiled library runs, or BIVIT_ATTENTION names PyTorch's attention): what an encoder checks at load."""
+    why = kernels.unavailable()
+    if why is not None:
+        fix = f"; {why.fix}" if why.fix else ""
+        raise ConfigError(f"invariant mode runs bivit's compiled kernels only, and none runs here: {why}{fix} "
+                          "(or use batch_invariant=False)")
+    if kernels._attention_choice() == "sdpa":
+        raise ConfigError(f"{kernels.ATTENTION_ENV}=sdpa selects PyTorch's attention, another arithmetic than "
+                          f"{bits.ARITH}: invariant mode does not run it (unset {kernels.ATTENTION_ENV}, or use "
+                          "batch_invariant=False)")
+
+
+def _none_left(op: str, dtype: torch.dtype) -> InvarianceError:
+    require()
+    refusals = "; ".join(f"{path}: {why}" for (o, path), why in _refused.items() if o == op)
+    return InvarianceError(f"no compiled {op} kernel that computes {bits.ARITH} in {dtype_name(dtype)} is left on "
+                           f"this machine{': ' + refusals if refusals else ''} (bivit doctor lists why each is off); "
+                           "use batch_invariant=False, or report this machine")
+
+
 def gemm_kernel(dtype: torch.dtype, device_type: str = "cpu"):
-    """Invariant mode's compiled GEMM kernel for weights of `dtype` (`bivit.kernels.GemmKernel`), or None where
-    none runs here (PyTorch's GEMMs at proven tiles then: `bivit.ops.tiles`). Fixed per process and dtype,
-    except that the load-time proof may refuse it first (`refuse`)."""
-    return _decide_gemm_kernel(dtype, device_type)
+    """Invariant mode's compiled GEMM kernel for weights of `dtype` (`bivit.kernels.GemmKernel`); raises
+    ConfigError or InvarianceError where none is left. Fixed per process and dtype, except that the load-time
+    proof may refuse it first (`refuse`)."""
+    kernel = _decide_gemm_kernel(dtype, device_type)
+    if kernel is None:
+        raise _none_left("gemm", dtype)
+    return kernel
 
 
 # Kernels tried before the library's own (tests put a deliberately broken one here to see the proof refuse it).
@@ -81,8 +95,6 @@ GEMM_ENV = "BIVIT_GEMM"  # a GEMM kernel's name: run that one wherever it takes 
 
 @state.memo(state.CHOICES)
 def _decide_gemm_kernel(dtype: torch.dtype, device_type: str):
-    if device_type != "cpu":
-        return None
     name = dtype_name(dtype)
     library = kernels.gemm_kernels()
     candidates = [k for k in library if k.takes(dtype)]
@@ -131,16 +143,22 @@ def _gemm_self_test(kernel, dtype: torch.dtype, test: Callable) -> str | None:
 
 
 def attention_kernel(dtype: torch.dtype):
-    """Invariant mode's attention for q/k/v of `dtype`: bivit's compiled kernel (`bivit.kernels.Attention`), or
-    None for PyTorch's fused attention per item (where no compiled library runs or takes the dtype, where
-    BIVIT_ATTENTION=sdpa, or where the proof refused the compiled one)."""
-    return _decide_attention(dtype)
+    """Invariant mode's attention for q/k/v of `dtype` (`bivit.kernels.Attention`): bivit's compiled kernel of
+    that dtype (float16: the float32 kernel, on q/k/v widened exactly, `ops.attend`); raises ConfigError or
+    InvarianceError where none is left."""
+    kernel = _decide_attention(compute_dtype(dtype))
+    if kernel is None:
+        raise _none_left("attention", dtype)
+    return kernel
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the compiled attention computes q/k/v of `dtype` in: float16 widened (exactly) to float32."""
+    return dtype if dtype in kernels.DTYPES else torch.float32
 
 
 @state.memo(state.CHOICES)
 def _decide_attention(dtype: torch.dtype):
-    if dtype not in kernels.DTYPES:
-        return None
     for kernel in kernels.attention_candidates():
         path = kernel.name_for(dtype)
         if refused("attention", path):
@@ -155,16 +173,19 @@ def _decide_attention(dtype: torch.dtype):
                                      f"{bits.ARITH_ENV}=native (AMX's own bits, this CPU kind only)")
                 else:
                     notices.fallback(f"attention-{path}-bits", f"compiled attention ({path}) off",
-                                     f"{off} (a miscompile or a CPU fault)", "PyTorch's attention runs instead", None)
+                                     f"{off} (a miscompile or a CPU fault)", "the next compiled attention runs", None)
                 continue
         return kernel
     return None
 
 
 def norm_kernel(dtype: torch.dtype):
-    """Invariant mode's LayerNorm/RMSNorm for rows of `dtype`: bivit's compiled kernel (`bivit.kernels.Norm`), or
-    None for PyTorch's row-wise kernels (where no compiled library runs)."""
-    return _decide_norm(dtype)
+    """Invariant mode's LayerNorm/RMSNorm for rows of `dtype`: bivit's compiled kernel (`bivit.kernels.Norm`);
+    raises ConfigError or InvarianceError where it does not run or compute bivit-arith/1 here."""
+    kernel = _decide_norm(dtype)
+    if kernel is None:
+        raise _none_left("norm", dtype)
+    return kernel
 
 
 @state.memo(state.CHOICES)
@@ -175,30 +196,29 @@ def _decide_norm(dtype: torch.dtype):
     off = bits.conformance("norm", kernel, dtype)
     if off is not None:
         notices.fallback(f"norm-bits-{dtype_name(dtype)}", "compiled norms off", f"{off} (a miscompile or a CPU "
-                         "fault)", "PyTorch's row-wise norms run instead", None)
+                         "fault)", "invariant mode is refused", None)
         return None
     return kernel
 
 
 def cpu_bits_class(dtypes: tuple[torch.dtype, ...], batch_invariant: bool) -> str:
     """The class of bits an encoder whose tower and projector compute in `dtypes` (tower first) gets on this CPU
-    in this process (`bivit.ops.bits`): bivit-arith/1 where every GEMM, the attention and every norm runs a
-    kernel that computes it; otherwise a class named after what runs, tied to this machine kind."""
+    in this process (`bivit.ops.bits`). Invariant mode: bivit-arith/1 where every kernel computes it, else
+    `native/` and each kernel that does not (BIVIT_ARITH=native), with this machine kind. Default mode:
+    `stock/`, PyTorch's kernels with the attention that runs and the thread count (both change its bits), with
+    this machine kind and the variables that steer PyTorch's kernels."""
     if not batch_invariant:
-        return f"stock/{bits.machine_tag()}"
+        attention = kernels.attention()
+        name = "sdpa" if attention is None else attention.name
+        return f"stock/attention={name},threads={torch.get_num_threads()}/{bits.machine_tag()}"
     own: list[str] = []
-    fallback = False
     for dtype in dict.fromkeys(dtypes):
-        kernel = gemm_kernel(dtype)
-        fallback |= kernel is None or norm_kernel(dtype) is None
-        if kernel is not None and bits.conformance("gemm", kernel, dtype) is not None:
-            own.append(f"gemm-{dtype_name(dtype)}={kernel.name}")
-    attention = attention_kernel(dtypes[0])
-    fallback |= attention is None
-    if attention is not None and bits.conformance("attention", attention, dtypes[0]) is not None:
-        own.append(f"attention={attention.name_for(dtypes[0])}")
-    if fallback:
-        return f"fallback/{bits.machine_tag()}"
+        for op, kernel in (("gemm", gemm_kernel(dtype)), ("norm", norm_kernel(dtype))):
+            if bits.conformance(op, kernel, dtype) is not None:
+                own.append(f"{op}-{dtype_name(dtype)}={getattr(kernel, 'name', 'bivit')}")
+    attention, compute = attention_kernel(dtypes[0]), compute_dtype(dtypes[0])
+    if bits.conformance("attention", attention, compute) is not None:
+        own.append(f"attention={attention.name_for(compute)}")
     return f"native/{','.join(own)}/{bits.machine_tag()}" if own else bits.ARITH
 
 
@@ -210,114 +230,6 @@ def private(namespace, name: str) -> Callable | None:
     """A private PyTorch entry point, or None when this build lacks it."""
     fn = getattr(namespace, name, None)
     return fn if callable(fn) else None
-
-
-@dataclass(frozen=True)
-class GemmPath:
-    """How invariant-mode GEMMs of one weight dtype run in this process."""
-
-    dtype: torch.dtype
-    compute: torch.dtype
-    packed: bool
-    fused_gelu: bool
-    note: str = ""  # why a faster kind of path is not used here ("" when none is missing)
-
-    def describe(self) -> str:
-        how = "oneDNN pre-packed" if self.packed else "PyTorch"
-        via = "" if self.compute == self.dtype else f" (weights widened to {dtype_name(self.compute)})"
-        fused = ", GELU fused" if self.fused_gelu else ""
-        return f"{dtype_name(self.dtype)}: {how} {dtype_name(self.compute)} GEMM{via}{fused}"
-
-
-# What oneDNN needs for a native GEMM per dtype (what a user can look for in the CPU's flags).
-_NATIVE_NEEDS = {torch.bfloat16: "AVX-512 BW/VL/DQ, AVX-NE-CONVERT or AMX",
-                 torch.float16: "AVX-512 FP16, AVX-NE-CONVERT or AMX-FP16"}
-
-
-def _onednn_native(dtype: torch.dtype) -> bool:
-    """Whether oneDNN has a native GEMM for the 16-bit `dtype` on this CPU (it honours ONEDNN_MAX_CPU_ISA)."""
-    query = {torch.bfloat16: "_is_mkldnn_bf16_supported", torch.float16: "_is_mkldnn_fp16_supported"}.get(dtype)
-    fn = private(torch.ops.mkldnn, query) if query else None
-    if fn is None or not torch.backends.mkldnn.is_available():
-        return False
-    try:
-        return bool(fn())
-    except Exception:  # an odd build: treat as absent (decided once, the same way in every process)
-        return False
-
-
-def _packed_gemm_runs(dtype: torch.dtype, gelu: str | None) -> bool:
-    """One tiny pre-packed GEMM (with GELU `gelu` as post-op) in `dtype`: does this build run it, correctly?"""
-    reorder = private(torch.ops.mkldnn, "_reorder_linear_weight")
-    pointwise = private(torch.ops.mkldnn, "_linear_pointwise")
-    if reorder is None or pointwise is None or not torch.backends.mkldnn.is_available():
-        return False
-    g = torch.Generator().manual_seed(0)
-    w, b, x = (torch.randn(*s, generator=g).to(dtype) for s in ((24, 40), (24,), (8, 40)))
-    try:
-        packed = reorder(w, 8)
-        y = pointwise(x, packed, b, "none", [], "") if gelu is None else pointwise(x, packed, b, "gelu", [], gelu)
-    except Exception as e:
-        log.debug("bivit: oneDNN packed GEMM (%s, gelu=%s) does not run here: %s", dtype_name(dtype), gelu, e)
-        return False
-    ref = F.linear(x.float(), w.float(), b.float())
-    if gelu is not None:
-        ref = F.gelu(ref, approximate=gelu)
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    return (y.dtype == dtype and y.shape == ref.shape
-            and bool(torch.allclose(y.float(), ref, rtol=tol, atol=tol * float(ref.abs().max()))))
-
-
-def _check_amx() -> None:
-    def granted() -> bool:
-        try:
-            return bool(torch.cpu._is_amx_tile_supported() and torch._C._cpu._init_amx())
-        except Exception:  # an odd build: treat as not granted
-            return False
-
-    flags = cpu.cpu_info()[1]
-    lost = cpu.amx_unused(flags, cpu.has_amx(flags) and granted(), os.environ.get("ONEDNN_MAX_CPU_ISA"))
-    if lost:
-        notices.fallback("amx", "AMX not used", lost[0], "bf16 GEMMs run on AVX-512 instead, slower", lost[1])
-
-
-def gemm_path(dtype: torch.dtype, device_type: str = "cpu") -> GemmPath:
-    """The GEMM path of weights in `dtype` on `device_type`, the same in every process on this machine: decided
-    on the first call, then fixed (one decision per (dtype, device type), however the call is spelled)."""
-    return _decide_gemm_path(dtype, device_type)
-
-
-@state.memo(state.CHOICES)
-def _decide_gemm_path(dtype: torch.dtype, device_type: str) -> GemmPath:
-    if device_type != "cpu":
-        return GemmPath(dtype, dtype, packed=False, fused_gelu=False)
-    if dtype == torch.bfloat16:
-        _check_amx()
-    compute = torch.float32 if dtype in _NATIVE_NEEDS and not _onednn_native(dtype) else dtype
-    packed = _packed_gemm_runs(compute, None)
-    fused = packed and all(_packed_gemm_runs(compute, g) for g in ("tanh", "none"))
-    name, note, what, instead, fix = dtype_name(dtype), "", "", "", None
-    tested_torch = "install the PyTorch build bivit is tested with (torch==2.13.0, CPU)"
-    if not packed:
-        what, fix = f"{name} GEMMs not pre-packed", tested_torch
-        note = ("this PyTorch build has no usable oneDNN pre-packed GEMM (torch.ops.mkldnn._linear_pointwise); "
-                "GEMMs are re-packed on every call")
-        instead = "weights are re-packed on every call, slower"
-    elif not fused:
-        what, fix = f"{name} GEMMs without fused GELU", tested_torch
-        note = "oneDNN's GELU post-op does not run in this build; GELU is a separate pass"
-        instead = "GELU runs as a separate pass, slower"
-    elif compute != dtype:
-        what = f"{name} GEMMs widened to float32"  # no fix: the CPU's limit (and the fastest GEMM it has)
-        note = (f"oneDNN has no {name} GEMM on this CPU (it needs {_NATIVE_NEEDS.get(dtype, '')}); its weights are "
-                "widened to float32 once, exact products")
-        instead = "same results, float32 speed, twice the weight memory"
-    path = GemmPath(dtype, compute, packed, fused, note)
-    if note:
-        notices.fallback(f"gemm-{name}", what, note.split(";")[0], instead, fix)
-    else:
-        log.info("bivit: %s", path.describe())
-    return path
 
 
 @state.memo(state.FIXED)

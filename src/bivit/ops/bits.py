@@ -5,12 +5,15 @@ projector output, and every compiled kernel computes it: the `portable` C varian
 `avx512` variants (fp32 FMAs, AVX-512 BF16 pair products), AMX tiles where they compute it. So invariant mode's
 rows are one set of bits on every CPU: class `bivit-arith/1`. Not every path computes it:
 
-* `native/...`: `BIVIT_ARITH=native` lets the fastest kernel of this machine run even where it computes another
-  order (bf16 on AMX tiles, where tdpbf16ps is not a chain of bivit-arith/1's roundings): bits of this machine
-  kind only;
-* `fallback/...`: no compiled library (no C compiler): PyTorch's GEMMs at proven tiles, its attention and norms;
-* `stock/...`: default mode (`batch_invariant=False`): PyTorch's stock kernels, bits that depend on the batch;
+* `native/<kernel>,.../...`: `BIVIT_ARITH=native` lets the fastest kernel of this machine run even where it
+  computes another order (bf16 on AMX tiles, where tdpbf16ps is not a chain of bivit-arith/1's roundings): the
+  class names each such kernel, and the machine kind; bits of this machine kind only;
+* `stock/attention=<kernel>,threads=<n>/...`: default mode (`batch_invariant=False`): PyTorch's stock kernels
+  (and the attention named), bits that depend on the batch, the thread count and the machine kind;
 * `gpu/...`: the Triton path on a GPU.
+
+There is no other: invariant mode on a CPU computes bivit-arith/1 or `native/`, or is refused
+(`bivit.ops.backend.require`); docs/cpu-kinds.md lists every knob and what it does to the class.
 
 The class is part of the fingerprint, hence of every encoder-cache id, a dataset's header and every answer
 (`Encoder.describe()["bits"]`): rows of two classes never share an id.
@@ -166,10 +169,18 @@ def _conformance(op: str, kernel, dtype: torch.dtype) -> str | None:
     return None if got == want else f"its {op} bits in {name} are not {ARITH}'s ({got[:12]} instead of {want[:12]})"
 
 
+# Variables that steer PyTorch's own CPU kernels (oneDNN's and MKL's instruction sets, oneDNN's fp32 math mode):
+# default mode's bits depend on them.
+STEERING_ENV = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR",
+                "ONEDNN_DEFAULT_FPMATH_MODE", "DNNL_DEFAULT_FPMATH_MODE")
+
+
 def machine_tag() -> str:
     """What a class of bits other than bivit-arith/1 is a function of on this CPU: the CPU model and flags, the
-    PyTorch build and its dispatch (16 hex digits of their hash, with the CPU's name)."""
+    PyTorch build and its dispatch, the variables that steer its kernels and its fp32 matmul precision (16 hex
+    digits of their hash, with the CPU's name)."""
     model, flags = cpu_info()
     facts = [model, sorted(flags), torch.__version__, torch.version.git_version,
-             torch.backends.cpu.get_cpu_capability()]
+             torch.backends.cpu.get_cpu_capability(), {k: os.environ.get(k) for k in STEERING_ENV},
+             torch.get_float32_matmul_precision()]
     return f"{model or 'unknown CPU'} #{hashlib.sha256(json.dumps(facts).encode()).hexdigest()[:16]}"

@@ -4,7 +4,7 @@
   mode); CUDA tensors in invariant mode take the Triton ops (`ops.cuda`); in default mode every tensor takes the
   CPU table's ops, whose stock branches run PyTorch's on any device. `linear` ... `temporal_mean` below pick the
   table for their first tensor: the only place that decides it.
-* `backend_for(device)`: what an encoder on that device type does at load and reports: build or check its kernels
+* `backend_for(device)`: what an encoder on that device type does at load and reports: load its kernels
   (`load`), pack the weights and prove invariance (`prepare`), describe the kernels and name the class of bits.
 * `interpreted()` / `recording()`: CPU tensors take the CUDA table too, under Triton's interpreter (the GPU
   path's tests and its CPU dry run) or with every launch recorded instead of run (`bivit.gpu.build`).
@@ -26,7 +26,7 @@ from ..dtypes import dtype_name
 from ..errors import ConfigError
 from ..kernels import cuda
 from . import attend, gemm, norms, pointwise
-from .backend import attention_kernel, cpu_bits_class, gemm_kernel, gemm_path, norm_kernel
+from .backend import attention_kernel, compute_dtype, cpu_bits_class, gemm_kernel, norm_kernel, require
 from .mode import is_batch_invariant
 from .proof import prove
 
@@ -135,40 +135,29 @@ class CpuBackend:
     """Invariant mode on a CPU: bivit's compiled kernels (bivit-arith/1), packed and proven at load."""
 
     def load(self) -> None:
-        kernels.library()  # build (or find in the cache) and self-test the compiled kernels now, not mid-request
-        kernels.attention()
+        kernels.library()  # load and self-test the installed kernels now, not mid-request
 
     def prepare(self, model: torch.nn.Module) -> None:
-        """Pack the weights and prove every op invariant on this machine now, not on the first request."""
+        """Refuse invariant mode where it cannot run here; pack the weights and prove every op invariant on this
+        machine now, not on the first request."""
+        require()
         gemm.prepare(gemm.gemms(model))
         prove(model)
 
     def describe(self, model: torch.nn.Module, dtypes: Sequence[torch.dtype], batch_invariant: bool) -> dict:
         if not batch_invariant:
+            default = kernels.attention()
             return {"gemm": ["PyTorch F.linear (default mode: not batch invariant)"],
-                    "attention": _attention_name(kernels.attention(), dtypes[0]), "norm": ["PyTorch row-wise kernel"],
-                    "proof": None}
-        return {"gemm": [_gemm_name(d) for d in dtypes], "attention": _attention_name(attention_kernel(dtypes[0]),
-                                                                                     dtypes[0]),
-                "norm": [f"{dtype_name(d)}: " + ("bivit compiled norm" if norm_kernel(d) is not None
-                                                 else "PyTorch row-wise kernel") for d in dtypes],
+                    "attention": "PyTorch SDPA" if default is None else f"bivit compiled ({default.name})",
+                    "norm": ["PyTorch row-wise kernel"], "proof": None}
+        attention = attention_kernel(dtypes[0])
+        return {"gemm": [f"{dtype_name(d)}: {gemm_kernel(d).describe()}" for d in dtypes],
+                "attention": f"bivit compiled ({attention.name_for(compute_dtype(dtypes[0]))})",
+                "norm": [f"{dtype_name(d)}: bivit compiled norm" for d in dtypes if norm_kernel(d)],
                 "proof": prove(model).summary()}
 
     def bits(self, dtypes: Sequence[torch.dtype], batch_invariant: bool) -> str:
         return cpu_bits_class(tuple(dtypes), batch_invariant)
-
-
-def _gemm_name(dtype: torch.dtype) -> str:
-    kernel = gemm_kernel(dtype)
-    if kernel is not None:
-        return f"{dtype_name(dtype)}: {kernel.describe()}"
-    return f"{gemm_path(dtype).describe()} at proven tiles (no compiled GEMM here)"
-
-
-def _attention_name(kernel, dtype: torch.dtype) -> str:
-    if kernel is None or dtype not in kernels.DTYPES:
-        return "PyTorch SDPA"
-    return f"bivit compiled ({kernel.name_for(dtype)})"
 
 
 class CudaBackend:

@@ -4,9 +4,8 @@ In invariant mode a GEMM runs in bivit's compiled GEMM (`bivit.kernels.gemm`), w
 each output element is one fp32 accumulator fed its K products in order by one thread, and threads split the
 output by rows and columns only. A row's bits therefore depend on that row, the weights and the kernel, not on
 the batch, the row count or the thread count, by construction. The kernel per dtype is `backend.gemm_kernel`:
-the best one this CPU runs that passed its self-test and the load-time proof (`bivit.ops.proof`), fixed for the
-process. Where no compiled GEMM runs (no C compiler, a CPU without a variant), PyTorch's GEMMs at proven row
-counts (`bivit.ops.tiles`) do, and the proof checks them at this thread count and another.
+the best one this CPU runs that computes bivit-arith/1 and passed its self-test and the load-time proof
+(`bivit.ops.proof`), fixed for the process.
 
 Weights are packed once per tensor version into the kernel's layout (again after an optimizer step or
 `update_weights`), and dropped with the tensor.
@@ -19,7 +18,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from . import packs, tiles
+from . import packs
 from .backend import gemm_kernel
 from .mode import emit, is_batch_invariant, needs_grad
 from .pointwise import chunked_gelu_backward
@@ -44,8 +43,6 @@ def _gemm(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, key
           transposed: bool = False, gelu: str | None = None) -> torch.Tensor:
     """`x2 @ weight.t() + bias` (then GELU if `gelu`), invariant: each row's bits depend on that row alone."""
     kernel = gemm_kernel(weight.dtype, weight.device.type)
-    if kernel is None:
-        return tiles.tiled(x2, weight, bias, key, transposed, gelu)
     x2 = x2 if x2.dtype == weight.dtype and x2.stride(-1) == 1 else x2.to(weight.dtype).contiguous()
     x2 = _widened(kernel, x2)
     packed, bias32 = _prepared(kernel, weight, bias, key, transposed)
@@ -86,10 +83,9 @@ class _InvariantLinear(torch.autograd.Function):
 
 def _row_sums(grad: torch.Tensor, x2: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """`grad.t() @ x2` (`[out, rows] @ [rows, in]`): per element the rows summed in order by one thread, in bivit's
-    GEMM (x2's rows packed as its weights, per call); PyTorch's `mm` where no compiled GEMM takes the dtype."""
+    GEMM (x2's rows packed as its weights, per call; x2 in grad's dtype, as the forward multiplied it)."""
     kernel = gemm_kernel(grad.dtype, grad.device.type)
-    if kernel is None or x2.dtype != grad.dtype:
-        return grad.t().mm(x2).to(out_dtype or grad.dtype)
+    x2 = x2 if x2.dtype == grad.dtype else x2.to(grad.dtype)
     a = _widened(kernel, grad.t().contiguous())
     packed = kernel.pack(x2.t().contiguous())
     return kernel(a, packed, x2.shape[1], None, a.new_empty(a.shape[0], x2.shape[1], dtype=out_dtype or grad.dtype),
@@ -122,17 +118,11 @@ def residual_linear(residual: torch.Tensor, x: torch.Tensor, layers: Sequence[La
     projection: one; its MLP: two), written into `residual` unless autograd records (then a new tensor).
     Traced as one "residual_linear"."""
     if is_batch_invariant() and not torch.is_grad_enabled():
-        if gemm_kernel(x.dtype, x.device.type) is not None:
-            y = x.reshape(-1, x.shape[-1]).contiguous()
-            for weight, bias, gelu in layers:
-                y = _gemm(y, weight, bias, weight, gelu=gelu)
-            residual.view(-1, residual.shape[-1]).add_(y)
-            return emit("residual_linear", residual)
-        # PyTorch's GEMMs at proven tiles: the chain runs tile by tile into the residual (bivit.ops.tiles)
-        steps = tiles.chain(layers)
-        if steps is not None:
-            tiles.chain_into(residual, x, steps)
-            return emit("residual_linear", residual)
+        y = x.reshape(-1, x.shape[-1]).contiguous()
+        for weight, bias, gelu in layers:
+            y = _gemm(y, weight, bias, weight, gelu=gelu)
+        residual.view(-1, residual.shape[-1]).add_(y)
+        return emit("residual_linear", residual)
     y = x
     for weight, bias, gelu in layers:
         y = linear(y, weight, bias, gelu=gelu)
@@ -158,12 +148,7 @@ def gemms(module: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor | No
 
 def prepare(gemms: Sequence[tuple]) -> None:
     """Pack the weights of the GEMMs `(weight, bias[, gelu])` of a model now (at load, or after a weight update)
-    rather than at their first use; where no compiled GEMM runs, prove their tile plans now (`tiles`)."""
+    rather than at their first use."""
     with torch.no_grad():
-        for w, b, *rest in gemms:
-            w2 = w.reshape(w.shape[0], -1)
-            kernel = gemm_kernel(w.dtype, w.device.type)
-            if kernel is None:
-                tiles.self_check([(w, b, *rest)], prepare=True)
-            else:
-                _prepared(kernel, w2, b, w, False)
+        for w, b, *_ in gemms:
+            _prepared(gemm_kernel(w.dtype, w.device.type), w.reshape(w.shape[0], -1), b, w, False)

@@ -2,8 +2,8 @@
 
 In invariant mode they run bivit's compiled norm (`bivit.kernels.Norm`, bivit-arith/1: each row's sums in 16
 lanes whatever the CPU's vector width; `backend.norm_kernel`): PyTorch's CPU kernels normalise each row on its
-own too, but sum it in as many lanes as the CPU's vector type has, so their bits depend on the CPU kind. Where
-no compiled library runs, PyTorch's kernels do (their bits are the machine's own). Default mode: PyTorch's.
+own too, but sum it in as many lanes as the CPU's vector type has, so their bits depend on the CPU kind.
+Default mode: PyTorch's.
 
 Training: the forward is the kernel's (the bits an encoder serves); the input gradient is PyTorch's
 (LayerNorm's from the kernel's mean and rstd, RMSNorm's by autograd through its formula); LayerNorm's weight
@@ -21,8 +21,12 @@ from .mode import emit, is_batch_invariant, needs_grad
 
 
 def _compiled(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None):
-    kernel = norm_kernel(x.dtype) if x.device.type == "cpu" else None
-    return kernel if kernel is not None and kernel.supports(x.reshape(-1, x.shape[-1]), weight, bias) else None
+    """Invariant mode's norm kernel for `x`, and the weight and bias as it reads them (contiguous, of one dtype:
+    float32 where theirs differ, exactly)."""
+    dtypes = {t.dtype for t in (weight, bias) if t is not None}
+    common = dtypes.pop() if len(dtypes) == 1 else torch.float32
+    weight, bias = (None if t is None else t.to(common).contiguous() for t in (weight, bias))
+    return norm_kernel(x.dtype), weight, bias
 
 
 def _run(kernel, x: torch.Tensor, weight, bias, eps: float, rms: bool,
@@ -38,31 +42,25 @@ def _run(kernel, x: torch.Tensor, weight, bias, eps: float, rms: bool,
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
-    if is_batch_invariant():
-        kernel = _compiled(x, weight, bias)
-        if kernel is not None and needs_grad(x, weight, bias):
-            return emit("layer_norm", _InvariantLayerNorm.apply(x, weight, bias, eps, kernel))
-        if kernel is not None:
-            return emit("layer_norm", _run(kernel, x, weight, bias, eps, rms=False)[0])
-        if needs_grad(x, weight, bias):
-            return emit("layer_norm", _InvariantLayerNorm.apply(x, weight, bias, eps, None))
-    return emit("layer_norm", F.layer_norm(x, (x.shape[-1],), weight, bias, eps))
+    if not is_batch_invariant():
+        return emit("layer_norm", F.layer_norm(x, (x.shape[-1],), weight, bias, eps))
+    kernel, w, b = _compiled(x, weight, bias)
+    if needs_grad(x, weight, bias):
+        return emit("layer_norm", _InvariantLayerNorm.apply(x, weight, bias, eps, kernel))
+    return emit("layer_norm", _run(kernel, x, w, b, eps, rms=False)[0])
 
 
 class _InvariantLayerNorm(torch.autograd.Function):
-    """LayerNorm over the last dim: the compiled kernel's forward (or PyTorch's where none runs) and PyTorch's
-    input gradient (row by row) from its mean and rstd; weight and bias gradients summed over rows in a fixed
-    order in float32."""
+    """LayerNorm over the last dim: the compiled kernel's forward and PyTorch's input gradient (row by row) from
+    its mean and rstd; weight and bias gradients summed over rows in a fixed order in float32."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, eps, kernel):
         d = x.shape[-1]
         x2 = x.reshape(-1, d)
-        if kernel is not None:
-            y, mean, rstd = _run(kernel, x2, weight, bias, eps, rms=False, stats=True)
-            mean, rstd = (t.view(-1, 1).to(x.dtype) for t in (mean, rstd))  # what PyTorch's backward reads
-        else:
-            y, mean, rstd = torch.native_layer_norm(x2, (d,), weight, bias, eps)
+        _, w, b = _compiled(x, weight, bias)
+        y, mean, rstd = _run(kernel, x2, w, b, eps, rms=False, stats=True)
+        mean, rstd = (t.view(-1, 1).to(x.dtype) for t in (mean, rstd))  # what PyTorch's backward reads
         ctx.save_for_backward(x2, weight, bias, mean, rstd)
         return y.view(x.shape)
 
@@ -85,12 +83,12 @@ class _InvariantLayerNorm(torch.autograd.Function):
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float | None) -> torch.Tensor:
     if eps is None:  # what F.rms_norm uses then
         eps = torch.finfo(x.dtype).eps
-    kernel = _compiled(x, weight, None) if is_batch_invariant() else None
-    if kernel is not None and needs_grad(x, weight):
+    if not is_batch_invariant():
+        return emit("rms_norm", F.rms_norm(x, (x.shape[-1],), weight, eps))
+    kernel, w, _ = _compiled(x, weight, None)
+    if needs_grad(x, weight):
         return emit("rms_norm", _InvariantRmsNorm.apply(x, weight, eps, kernel))
-    if kernel is not None:
-        return emit("rms_norm", _run(kernel, x, weight, None, eps, rms=True)[0])
-    return emit("rms_norm", F.rms_norm(x, (x.shape[-1],), weight, eps))
+    return emit("rms_norm", _run(kernel, x, w, None, eps, rms=True)[0])
 
 
 class _InvariantRmsNorm(torch.autograd.Function):
@@ -101,7 +99,7 @@ class _InvariantRmsNorm(torch.autograd.Function):
     def forward(ctx, x, weight, eps, kernel):
         ctx.save_for_backward(x, weight)
         ctx.eps = eps
-        return _run(kernel, x, weight, None, eps, rms=True)[0]
+        return _run(kernel, x, _compiled(x, weight, None)[1], None, eps, rms=True)[0]
 
     @staticmethod
     def backward(ctx, grad):

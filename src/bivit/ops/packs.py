@@ -1,7 +1,6 @@
 """Weights prepared for a GEMM kernel (packed into its blocked layout, widened to the dtype it multiplies in):
 made once per weight tensor, kernel and layout, made again when the weight is updated in place (an optimizer
-step, `update_weights`: a new tensor version), and dropped with the tensor. One cache for both GEMM paths (bivit's
-compiled GEMM, `gemm`, and PyTorch's at proven tiles, `tiles`).
+step, `update_weights`: a new tensor version), and dropped with the tensor.
 """
 
 from __future__ import annotations

@@ -12,35 +12,31 @@ item's rows must come out bit-identical when it is computed
 
 The ops: every distinct GEMM (Linear layers, the patch conv as its GEMM, GELU after it where the model has one),
 attention at the model's heads and head dim (item lengths on both sides of the compiled kernel's small-item
-split, with the rotary tables), and every norm. A path that fails is refused for this machine
+split, with the rotary tables), and every norm. A kernel that fails is refused in this process
 (`backend.refuse`: said once on stderr, listed in `bivit doctor`, `Encoder.describe()` and /v1/info) and the op is
-proven again on the next path (GEMM: the next compiled kernel, then PyTorch's GEMMs at proven tiles; attention:
-the variant's AVX-512 code instead of AMX tiles, then PyTorch's). An op with no path left raises InvarianceError: invariant mode would break its promise here.
+proven again on the next compiled kernel (GEMM: the next kernel of the library; attention: the variant's AVX-512
+code instead of AMX tiles). An op with no kernel left raises InvarianceError: invariant mode would break its
+promise here.
 
-The outcome is recorded in the kernel cache (checked like a compiled library) under the facts that decide it:
-CPU model and flags, PyTorch build, the variables that steer its kernels, the thread count, the dtypes, the
-shapes and the paths chosen. A later load applies the recorded outcome without running it again. Two processes that prove the same key
-at once must agree: a proof whose answer differs between processes is itself a failure (InvarianceError).
+It runs once per process and model shapes (a fraction of a second for the full-size model's shapes, next to
+seconds of loading its weights): nothing is recorded on disk, so nothing on disk can steer it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import logging
-import os
 import time
 from dataclasses import asdict, dataclass
 from typing import Callable, Iterator, Sequence
 
 import torch
 
-from .. import kernels, state
+from .. import state
 from ..dtypes import dtype_name
 from ..errors import InvarianceError
 from .attend import attention
-from .backend import attention_kernel, gemm_kernel, gemm_path, norm_kernel, refuse
+from .backend import attention_kernel, compute_dtype, gemm_kernel, norm_kernel, refuse
 from .gemm import gemms, linear
 from .mode import batch_invariant
 from .norms import layer_norm, rms_norm
@@ -69,8 +65,6 @@ class Proof:
     checks: list[Check]
     refused: list[tuple[str, str, str]]  # (op, path, why)
     seconds: float
-    recorded: bool = False  # applied from the kernel cache (proven by an earlier process on this machine kind)
-    key: str = ""
 
     def summary(self) -> dict:
         """What an encoder's description carries: per op its path and verdict, and what was refused (no timing:
@@ -79,7 +73,7 @@ class Proof:
                 "refused": [list(r) for r in self.refused]}
 
     def to_dict(self) -> dict:
-        return {**self.summary(), "seconds": round(self.seconds, 3), "recorded": self.recorded}
+        return {**self.summary(), "seconds": round(self.seconds, 3)}
 
     def table(self) -> list[str]:
         width = max([len(c.op) for c in self.checks] + [2])
@@ -131,19 +125,16 @@ def _split_rows(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[list], 
 
 
 def _gemm_path(dtype: torch.dtype) -> str:
-    kernel = gemm_kernel(dtype)
-    if kernel is not None:
-        return kernel.describe()
-    return f"PyTorch GEMM at proven tiles ({gemm_path(dtype).describe()})"  # which oneDNN path: part of the key
+    return gemm_kernel(dtype).describe()
 
 
 def _attention_path(dtype: torch.dtype) -> str:
-    kernel = attention_kernel(dtype)
-    return f"bivit compiled attention ({kernel.name_for(dtype)})" if kernel is not None else "PyTorch SDPA per item"
+    return f"bivit compiled attention ({attention_kernel(dtype).name_for(compute_dtype(dtype))})"
 
 
 def _norm_path(dtype: torch.dtype) -> str:
-    return "bivit compiled norm" if norm_kernel(dtype) is not None else "PyTorch row-wise kernel"
+    norm_kernel(dtype)
+    return "bivit compiled norm"
 
 
 def _prove_gemm(weight: torch.Tensor, bias: torch.Tensor | None, gelu: str | None, g: torch.Generator,
@@ -153,9 +144,8 @@ def _prove_gemm(weight: torch.Tensor, bias: torch.Tensor | None, gelu: str | Non
     items = _rows(g, w2.shape[1], weight.dtype)
     run = _split_rows(lambda x: linear(x, w2, bias, gelu=gelu))
 
-    def kernel() -> str | None:
-        k = gemm_kernel(weight.dtype)
-        return None if k is None else k.name
+    def kernel() -> str:
+        return gemm_kernel(weight.dtype).name
 
     return _prove_paths(op, "gemm", run, items, threads, refused, lambda: _gemm_path(weight.dtype), kernel)
 
@@ -174,26 +164,22 @@ def _prove_attention(heads: int, head_dim: int, theta: float, dtype: torch.dtype
         out = attention(q, k, v, [t * h * w for t, h, w in grids], rope=rope_tables(grids, head_dim, theta))
         return list(out.split([t * h * w for t, h, w in grids]))
 
-    def kernel() -> str | None:
-        k = attention_kernel(dtype)
-        return None if k is None else k.name_for(dtype)
+    def kernel() -> str:
+        return attention_kernel(dtype).name_for(compute_dtype(dtype))
 
     return _prove_paths(op, "attention", run, items, threads, refused, lambda: _attention_path(dtype), kernel)
 
 
 def _prove_paths(op: str, kind: str, run: Callable[[list], list[torch.Tensor]], items: list,
                  threads: Sequence[int], refused: list, path: Callable[[], str],
-                 kernel: Callable[[], str | None]) -> Check:
-    """`op` proven on the path `kind` runs now (`path()`: its description); a compiled kernel that fails
-    (`kernel()`: its name, None where PyTorch's path runs) is refused and the next path proven, until one
-    passes or PyTorch's path fails too."""
+                 kernel: Callable[[], str]) -> Check:
+    """`op` proven on the kernel `kind` runs now (`path()`: its description, `kernel()`: its name); one that fails
+    is refused and the next proven, until one passes (InvarianceError where none is left: `backend`)."""
     while True:
         current = path()
         if _items_invariant(run, items, threads):
             return Check(op, current, True, tuple(threads))
         name = kernel()
-        if name is None:
-            return Check(op, current, False, tuple(threads))
         why = f"{op}: an item's rows differ alone, packed and reversed at threads {threads}"
         refused.append((kind, name, why))
         refuse(kind, name, why)
@@ -207,27 +193,17 @@ def _prove_norm(module: torch.nn.Module, g: torch.Generator, threads: Sequence[i
     else:
         op, fn = f"rms_norm {dim} {dtype_name(dtype)}", lambda x: rms_norm(x, weight, module.eps)
     return _prove_paths(op, "norm", _split_rows(fn), _rows(g, dim, dtype, scale=3.0), threads, refused,
-                        lambda: _norm_path(dtype), lambda: "bivit" if norm_kernel(dtype) is not None else None)
+                        lambda: _norm_path(dtype), lambda: "bivit")
 
 
-def _facts(model: torch.nn.Module) -> str:
-    """What decides the proof's outcome: the machine, the build, its steering variables, threads, shapes."""
-    cpu, flags = kernels.cpu_info()
-    env = sorted((k, v) for k, v in os.environ.items()
-                 if k.startswith(("ONEDNN_", "DNNL_", "MKL_", "ATEN_", "OMP_", "KMP_", "GOMP_", "BIVIT_ATTENTION",
-                                  "BIVIT_ARITH", "BIVIT_GEMM")))
-    # (gelu: None or its name; "" sorts with the names, where two GEMMs of one shape differ in GELU alone)
+def _key(model: torch.nn.Module) -> tuple:
+    """What decides the proof's outcome in this process (whose kernels are fixed): the thread counts, the shapes
+    and dtypes."""
     shapes = sorted({(tuple(w.shape), str(w.dtype), b is None, gelu or "") for w, b, gelu in gemms(model)})
     norms = sorted({(type(m).__name__, m.weight.shape[0], str(m.weight.dtype)) for m in model.modules()
                     if isinstance(m, (torch.nn.LayerNorm, torch.nn.RMSNorm))})
     cfg = model.config
-    paths = [_gemm_path(d) for d in sorted({w.dtype for w, _, _ in gemms(model)}, key=str)]
-    paths.append(_attention_path(model.vision_tower.dtype))
-    paths += [_norm_path(d) for d in sorted({m.weight.dtype for m in model.modules()
-                                             if isinstance(m, (torch.nn.LayerNorm, torch.nn.RMSNorm))}, key=str)]
-    return json.dumps([PROOF_FORMAT, torch.__version__, torch.version.git_version, cpu, sorted(flags),
-                       torch.backends.cpu.get_cpu_capability(), env, thread_counts(), repr(shapes), repr(norms),
-                       cfg.num_heads, cfg.head_dim, str(model.vision_tower.dtype), paths])
+    return (thread_counts(), repr(shapes), repr(norms), cfg.num_heads, cfg.head_dim, str(model.vision_tower.dtype))
 
 
 def _run(model: torch.nn.Module) -> Proof:
@@ -255,53 +231,21 @@ def _run(model: torch.nn.Module) -> Proof:
     return Proof(checks, refused, time.perf_counter() - start)
 
 
-_proven: dict[str, Proof] = state.table(state.PROOFS)  # by record name, this process
-
-
-def _record_name(model: torch.nn.Module) -> str:
-    return f"proof-{hashlib.sha256(_facts(model).encode()).hexdigest()[:16]}.json"
+_proven: dict[tuple, Proof] = state.table(state.PROOFS)  # by `_key`, this process
 
 
 def prove(model: torch.nn.Module, *, fresh: bool = False) -> Proof:
-    """The proof for `model` on this machine: recorded by an earlier load on this machine kind (its refusals
-    applied) or run now and recorded. `fresh`: run it now whatever is recorded (`bivit doctor --prove`); it must
-    then agree with the record. Raises InvarianceError where an op has no invariant path here."""
-    name = _record_name(model)
-    if not fresh and name in _proven:
-        return _proven[name]
-    record = None if fresh else kernels.cache.read_record(name)
-    if _valid(record):
-        for op, path, why in record["refused"]:
-            refuse(op, path, why)
-        proof = Proof([Check(c["op"], c["path"], c["invariant"], tuple(c["threads"])) for c in record["checks"]],
-                      [tuple(r) for r in record["refused"]], record["seconds"], recorded=True, key=name)
-    else:
-        log.info("bivit: proving invariance of every op at this model's shapes on this machine (once; recorded "
-                 "in the kernel cache)")
-        proof = _run(model)
-        proof.key = name
-        earlier = kernels.cache.read_record(name)  # another process may have proven it meanwhile
-        if _valid(earlier) and _outcome(earlier) != _outcome(proof.to_dict()):
-            raise InvarianceError(f"the invariance proof gave another answer in another process on this machine "
-                                  f"({kernels.cache_dir()}/{name}): its outcome depends on something it does not "
-                                  "control, so invariant mode cannot be trusted here")
-        if not _valid(earlier):
-            kernels.cache.write_record(name, proof.to_dict())
-    _proven[name] = _proven[_record_name(model)] = proof  # under the paths it ends with, too
+    """The proof for `model` in this process: run on its first load (and when `fresh`: `bivit doctor --prove`),
+    its refusals applied. Raises InvarianceError where an op has no invariant kernel here."""
+    key = _key(model)
+    if not fresh and key in _proven:
+        return _proven[key]
+    log.info("bivit: proving invariance of every op at this model's shapes in this process")
+    proof = _proven[key] = _run(model)
     failed = [c for c in proof.checks if not c.invariant]
     if failed:
         raise InvarianceError("invariant mode cannot keep its promise on this machine: "
                               + "; ".join(f"{c.op} via {c.path} is not bit-identical alone, packed and reversed "
                                           f"at threads {','.join(map(str, c.threads))}" for c in failed)
-                              + " (no other path left); use batch_invariant=False, or report this machine")
+                              + " (no other kernel left); use batch_invariant=False, or report this machine")
     return proof
-
-
-def _valid(record) -> bool:
-    return (isinstance(record, dict) and isinstance(record.get("checks"), list)
-            and isinstance(record.get("refused"), list) and isinstance(record.get("seconds"), (int, float))
-            and all(isinstance(c, dict) and {"op", "path", "invariant", "threads"} <= set(c) for c in record["checks"]))
-
-
-def _outcome(record: dict) -> list:
-    return [[(c["op"], c["path"], c["invariant"]) for c in record["checks"]], sorted(map(tuple, record["refused"]))]
