@@ -9,6 +9,7 @@ import sysconfig
 from pathlib import Path
 
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 
 HERE = Path(__file__).parent
 KERNELS = HERE / "src" / "bivit" / "kernels"
@@ -37,5 +38,23 @@ extensions = [
     for v in build.buildable(_target_machine())
 ]
 
+OPTIONAL = {f"{build.PACKAGE}.{v.module}" for v in build.VARIANTS if v.x86_only}
+
+
+class BuildKernels(build_ext):
+    """A compiler too old for a variant's instruction set (gcc < 10 has no -mavx512bf16) builds bivit without that
+    variant, and says so; at run time the next variant the CPU runs is taken (same bits). `portable` must build."""
+
+    def build_extension(self, ext):
+        try:
+            super().build_extension(ext)
+        except Exception as e:  # noqa: BLE001 - distutils' CompileError/LinkError, and the compiler not running
+            if ext.name not in OPTIONAL:
+                raise
+            print(f"bivit: not building {ext.name} ({e}): the install runs the next variant the CPU allows",
+                  file=sys.stderr)
+
+
 # The variants compile in parallel (the avx512 one takes most of the time).
-setup(ext_modules=extensions, options={"build_ext": {"parallel": len(extensions)}})
+setup(ext_modules=extensions, cmdclass={"build_ext": BuildKernels},
+      options={"build_ext": {"parallel": len(extensions)}})

@@ -363,10 +363,10 @@ def test_attention_stays_pytorchs_on_amx_and_when_asked(choice, flags, declined)
 def test_choice_from_environment(monkeypatch, caplog, choice, expect):
     monkeypatch.setenv(kernels.ATTENTION_ENV, choice)
     if expect:
-        assert expect in kernels.attention_declined(kernels._attention_choice(), FLAGS)
+        assert expect in kernels.attention_declined(kernels.attention_choice(), FLAGS)
         return
     with caplog.at_level(logging.WARNING, logger="bivit"):
-        assert kernels._attention_choice() == "auto"
+        assert kernels.attention_choice() == "auto"
     assert "nonsense" in caplog.text
 
 
@@ -399,3 +399,18 @@ def test_every_variant_forced_gives_the_same_bits_and_pytorchs_attention_is_clos
     a, b = runs["auto"]["out"].float(), runs["sdpa"]["out"].float()
     assert float((a - b).abs().max()) <= 3e-2 * float(b.abs().max())
     assert not torch.equal(runs["auto"]["out"], runs["sdpa"]["out"])
+
+
+def test_the_kernels_use_pytorchs_openmp_runtime():
+    """One OpenMP runtime in the process: the installed library needs libgomp.so.1, and that need is met by the
+    copy PyTorch loaded (torch/lib), not by a second one from the system (which a slim image may not have)."""
+    maps = "/proc/self/maps"
+    torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
+    if not os.path.exists(maps) or not os.path.exists(os.path.join(torch_lib, "libgomp.so.1")):
+        pytest.skip("not Linux, or a PyTorch build without its own libgomp")
+    assert kernels.library() is not None
+    with open(maps) as f:
+        loaded = {line.split()[-1] for line in f if "libgomp" in line}
+    assert len(loaded) == 1 and os.path.dirname(next(iter(loaded))) == torch_lib, loaded
+    with open(maps) as f:
+        assert any(os.path.basename(str(kernels.library().path)) in line for line in f)

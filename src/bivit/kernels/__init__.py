@@ -43,9 +43,9 @@ from .cpu import amx_unused, cpu_info, has_amx
 from .gemm import ETYPES, GemmKernel
 
 __all__ = ["ATTENTION_ENV", "Attention", "GemmKernel", "KernelUnavailable", "Library", "Norm", "Rope", "VARIANTS",
-           "Variant", "attention", "attention_candidates", "attention_declined", "cpu_info", "gemm_kernels",
-           "installed", "library", "library_path", "load_library", "norm", "pick_variant", "rope", "status",
-           "unavailable"]
+           "Variant", "attention", "attention_candidates", "attention_choice", "attention_declined", "cpu_info",
+           "gemm_kernels", "installed", "library", "library_path", "load_library", "norm", "pick_variant", "rope",
+           "status", "unavailable"]
 
 log = logging.getLogger("bivit")
 
@@ -55,7 +55,7 @@ MAX_HEAD_DIM = CONSTS["MAX_D"]  # every variant's register blocking covers head 
 ATTENTION_CHOICES = ("auto", "bivit", *(v.name for v in VARIANTS), "sdpa")
 
 
-def _attention_choice() -> str:
+def attention_choice() -> str:
     choice = os.environ.get(ATTENTION_ENV, "auto").strip().lower() or "auto"
     if choice not in ATTENTION_CHOICES:
         log.warning("bivit: %s=%r is not one of %s; using auto", ATTENTION_ENV, choice, "/".join(ATTENTION_CHOICES))
@@ -283,7 +283,7 @@ def load_library(variant: Variant) -> Library:
     gemms = _gemm_kernels(lib, variant.name, cpu_info()[1])
     # AMX tiles for bf16 attention where the GEMM has them, unless a variant was named (BIVIT_ATTENTION=avx512
     # runs that variant's own code).
-    amx = any(g.name == "amx" for g in gemms) and _attention_choice() in ("auto", "bivit")
+    amx = any(g.name == "amx" for g in gemms) and attention_choice() in ("auto", "bivit")
     library = Library(path, variant.name, Attention(lib, variant.name), Attention(lib, variant.name, True) if amx
                       else None, Rope(lib), Norm(lib), gemms)
     for dtype, bound in SELF_TEST_BOUNDS.items():
@@ -338,7 +338,7 @@ def _self_test(kernel: Attention, dtype: torch.dtype, bound: float) -> None:
 @state.memo(state.FIXED)
 def _loaded() -> tuple[Library | None, KernelUnavailable | None]:
     try:
-        variant = pick_variant(_attention_choice(), cpu_info()[1], torch.backends.cpu.get_cpu_capability(),
+        variant = pick_variant(attention_choice(), cpu_info()[1], torch.backends.cpu.get_cpu_capability(),
                                installed())
         lib = load_library(variant)
     except (KernelUnavailable, OSError, AttributeError) as e:  # (AttributeError: an entry point missing)
@@ -383,7 +383,7 @@ def attention() -> Attention | None:
             notices.fallback("attention", "compiled kernels not used", str(lost), "PyTorch's kernels run, slower",
                              lost.fix)
         return None
-    why = attention_declined(_attention_choice(), cpu_info()[1])
+    why = attention_declined(attention_choice(), cpu_info()[1])
     if why:
         notices.note("attention", "compiled attention not used", why, "PyTorch's fused attention runs")
         return None

@@ -31,7 +31,7 @@ order, so they do not depend on the thread count. Without autograd (`encode` run
 Functions are skipped: the fast path stays the fast path.
 """
 
-from .backend import KernelFailed, attention_kernel, gemm_kernel, norm_kernel, require
+from .backend import attention_kernel, gemm_kernel, norm_kernel, require
 from .bits import ARITH
 # The ops the model calls: each picks the op table of its first tensor's device (device.py: CPU, or in invariant
 # mode CUDA's Triton ops).
@@ -44,7 +44,7 @@ from .proof import InvarianceError, Proof, prove
 from .rotary import rope, rope_tables
 
 __all__ = [
-    "ARITH", "POINTWISE_CHUNK", "InvarianceError", "KernelFailed", "Proof", "attention", "attention_kernel",
+    "ARITH", "POINTWISE_CHUNK", "InvarianceError", "Proof", "attention", "attention_kernel",
     "backend_for", "batch_invariant", "bits_class", "checkpoint", "gelu", "gemm_kernel", "gemms", "is_batch_invariant",
     "layer_norm", "linear", "norm_kernel", "patch_conv", "prepare", "prove", "require", "residual_linear", "rms_norm",
     "rope", "rope_tables", "temporal_mean", "trace",

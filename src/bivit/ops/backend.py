@@ -12,8 +12,8 @@ fp32 kernels on exactly widened values (docs/arithmetic.md). What runs adds up t
 
 Why decided up front and never changed: an item's bits depend on which kernel computed them. Each choice is a
 pure function of (dtype, the CPU, the install, the environment read once), checked once on a tiny problem before
-any weight is touched, and fixed for the life of the process. A kernel that raises after it was chosen is a
-bug and raises (`KernelFailed`); it is never replaced silently by one that rounds differently.
+any weight is touched, and fixed for the life of the process: a kernel that raises after it was chosen raises
+to the caller; it is never replaced silently by one that rounds differently.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def require() -> None:
         fix = f"; {why.fix}" if why.fix else ""
         raise ConfigError(f"invariant mode runs bivit's compiled kernels only, and none runs here: {why}{fix} "
                           "(or use batch_invariant=False)")
-    if kernels._attention_choice() == "sdpa":
+    if kernels.attention_choice() == "sdpa":
         raise ConfigError(f"{kernels.ATTENTION_ENV}=sdpa selects PyTorch's attention, another arithmetic than "
                           f"{bits.ARITH}: invariant mode does not run it (unset {kernels.ATTENTION_ENV}, or use "
                           "batch_invariant=False)")
@@ -76,11 +76,11 @@ def _none_left(op: str, dtype: torch.dtype) -> InvarianceError:
                            "use batch_invariant=False, or report this machine")
 
 
-def gemm_kernel(dtype: torch.dtype, device_type: str = "cpu"):
+def gemm_kernel(dtype: torch.dtype):
     """Invariant mode's compiled GEMM kernel for weights of `dtype` (`bivit.kernels.GemmKernel`); raises
     ConfigError or InvarianceError where none is left. Fixed per process and dtype, except that the load-time
     proof may refuse it first (`refuse`)."""
-    kernel = _decide_gemm_kernel(dtype, device_type)
+    kernel = _decide_gemm_kernel(dtype)
     if kernel is None:
         raise _none_left("gemm", dtype)
     return kernel
@@ -94,7 +94,7 @@ GEMM_ENV = "BIVIT_GEMM"  # a GEMM kernel's name: run that one wherever it takes 
 
 
 @state.memo(state.CHOICES)
-def _decide_gemm_kernel(dtype: torch.dtype, device_type: str):
+def _decide_gemm_kernel(dtype: torch.dtype):
     name = dtype_name(dtype)
     library = kernels.gemm_kernels()
     candidates = [k for k in library if k.takes(dtype)]
@@ -220,10 +220,6 @@ def cpu_bits_class(dtypes: tuple[torch.dtype, ...], batch_invariant: bool) -> st
     if bits.conformance("attention", attention, compute) is not None:
         own.append(f"attention={attention.name_for(compute)}")
     return f"native/{','.join(own)}/{bits.machine_tag()}" if own else bits.ARITH
-
-
-class KernelFailed(RuntimeError):
-    """A kernel chosen for this process raised. Not recoverable by switching kernels: that would change bits."""
 
 
 def private(namespace, name: str) -> Callable | None:

@@ -42,7 +42,7 @@ def _widened(kernel, x2: torch.Tensor) -> torch.Tensor:
 def _gemm(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, key: torch.Tensor,
           transposed: bool = False, gelu: str | None = None) -> torch.Tensor:
     """`x2 @ weight.t() + bias` (then GELU if `gelu`), invariant: each row's bits depend on that row alone."""
-    kernel = gemm_kernel(weight.dtype, weight.device.type)
+    kernel = gemm_kernel(weight.dtype)
     x2 = x2 if x2.dtype == weight.dtype and x2.stride(-1) == 1 else x2.to(weight.dtype).contiguous()
     x2 = _widened(kernel, x2)
     packed, bias32 = _prepared(kernel, weight, bias, key, transposed)
@@ -84,7 +84,7 @@ class _InvariantLinear(torch.autograd.Function):
 def _row_sums(grad: torch.Tensor, x2: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """`grad.t() @ x2` (`[out, rows] @ [rows, in]`): per element the rows summed in order by one thread, in bivit's
     GEMM (x2's rows packed as its weights, per call; x2 in grad's dtype, as the forward multiplied it)."""
-    kernel = gemm_kernel(grad.dtype, grad.device.type)
+    kernel = gemm_kernel(grad.dtype)
     x2 = x2 if x2.dtype == grad.dtype else x2.to(grad.dtype)
     a = _widened(kernel, grad.t().contiguous())
     packed = kernel.pack(x2.t().contiguous())
@@ -151,4 +151,4 @@ def prepare(gemms: Sequence[tuple]) -> None:
     rather than at their first use."""
     with torch.no_grad():
         for w, b, *_ in gemms:
-            _prepared(gemm_kernel(w.dtype, w.device.type), w.reshape(w.shape[0], -1), b, w, False)
+            _prepared(gemm_kernel(w.dtype), w.reshape(w.shape[0], -1), b, w, False)
