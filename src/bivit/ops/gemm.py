@@ -42,6 +42,9 @@ def _widened(kernel, x2: torch.Tensor) -> torch.Tensor:
 def _gemm(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, key: torch.Tensor,
           transposed: bool = False, gelu: str | None = None) -> torch.Tensor:
     """`x2 @ weight.t() + bias` (then GELU if `gelu`), invariant: each row's bits depend on that row alone."""
+    if x2.shape[1] != weight.shape[1]:  # the kernel would read past the packed weight: refuse as F.linear does
+        raise RuntimeError(f"mat1 and mat2 shapes cannot be multiplied ({x2.shape[0]}x{x2.shape[1]} and "
+                           f"{weight.shape[1]}x{weight.shape[0]})")
     kernel = gemm_kernel(weight.dtype)
     x2 = x2 if x2.dtype == weight.dtype and x2.stride(-1) == 1 else x2.to(weight.dtype).contiguous()
     x2 = _widened(kernel, x2)

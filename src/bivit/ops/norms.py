@@ -23,6 +23,11 @@ from .mode import emit, is_batch_invariant, needs_grad
 def _compiled(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None):
     """Invariant mode's norm kernel for `x`, and the weight and bias as it reads them (contiguous, of one dtype:
     float32 where theirs differ, exactly)."""
+    # The kernel reads d values of each: refuse another shape as PyTorch's norms do, before it reads past one.
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and tuple(t.shape) != (x.shape[-1],):
+            raise RuntimeError(f"Expected {name} to be of same shape as normalized_shape, but got {name} of "
+                               f"shape {list(t.shape)} and normalized_shape = [{x.shape[-1]}]")
     dtypes = {t.dtype for t in (weight, bias) if t is not None}
     common = dtypes.pop() if len(dtypes) == 1 else torch.float32
     weight, bias = (None if t is None else t.to(common).contiguous() for t in (weight, bias))
