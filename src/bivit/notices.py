@@ -1,11 +1,11 @@
 """What a process says once about how it runs: each faster path it does not use, why, and the fix.
 
 Why a module of its own: a fast path that is off changes no result, only the time, so nothing else would ever
-tell the user (a 1080p forward took twice as long without a C compiler, and no command said so). Every place
-that decides against a faster path (the compiled attention, the GEMM path per dtype, AMX) calls `fallback`
+tell the user (a 1080p forward once took twice as long without bivit's kernels, and no command said so). Every
+place that decides against a faster path (the compiled kernels, a GEMM kernel per dtype, AMX) calls `fallback`
 with the reason and the fix; it is logged once per process, as one line on the `bivit` logger at WARNING:
 
-    bivit: compiled attention off: no C compiler found; PyTorch's attention runs instead, slower; fix: install gcc
+    bivit: AMX not used: the CPU has AMX but the OS does not grant its tile state to this process (...); bf16 GEMMs run on AVX-512 BF16 instead, slower; fix: a Linux kernel >= 5.16 ...
 
 and kept, so that `bivit doctor`, `Encoder.describe()`, the service's /v1/info and `bivit bench` report the
 same words. A path left off by the user's own choice (`BIVIT_ATTENTION=sdpa`) or because a faster one runs

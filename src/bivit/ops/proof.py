@@ -2,8 +2,8 @@
 
 bivit's compiled GEMM and attention are invariant by construction (each output element's reduction runs in an
 order bivit fixes, in one thread), and the remaining ops are row-wise or elementwise. A construction argument
-is only as good as the code that carries it out on this CPU, compiler and PyTorch build, so at the first load on
-a machine, every reduction-bearing op of the model runs at its real shapes and dtypes on random items, and each
+is only as good as the code that carries it out on this CPU, build and PyTorch, so at every load, every
+reduction-bearing op of the model runs at its real shapes and dtypes on random items, and each
 item's rows must come out bit-identical when it is computed
 
   * alone, at this process's thread count,
@@ -44,7 +44,6 @@ from .rotary import rope_tables
 
 log = logging.getLogger("bivit")
 
-PROOF_FORMAT = 2  # 2: norms have paths (bivit's compiled norm); GEMM shapes keyed with GELU ""
 GEMM_ROWS = (1, 7, 33, 100)       # items of a GEMM or norm check (rows); tails of every microtile and block
 ATTENTION_GRIDS = ((1, 1), (5, 5), (10, 10), (15, 20))  # items of the attention check: 1, 25, 100, 300 patches
 
