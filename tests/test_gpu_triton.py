@@ -196,15 +196,15 @@ def test_guard_invariant_gpu_path_calls_no_stock_gemm_attention_or_norm(cfg):
     net = _model(cfg, torch.float16, torch.float32)
     grids, pixels = [ITEMS[1]], [_pixels(ITEMS[1], 0)]
     seen = {}
-    for triton in (True, False):
+    for path, triton, invariant in (("triton", True, True), ("cpu", False, True), ("stock", False, False)):
         trace = []
         with _AtenLog() as log, ops.trace(lambda kind, out: trace.append((kind, out.dtype, tuple(out.shape)))):
-            outs = _forward(net, grids, pixels, triton=triton)
-        seen[triton] = (log.ops, trace, outs)
-    assert _stock_ops(seen[True][0]) == set()
-    assert _stock_ops(seen[False][0])  # control: the check sees stock ops where they run
-    assert seen[True][1] == seen[False][1]  # same ops, same output dtypes and shapes
-    assert [o.dtype for o in seen[True][2]] == [torch.float32]
+            outs = _forward(net, grids, pixels, triton=triton, invariant=invariant)
+        seen[path] = (log.ops, trace, outs)
+    assert _stock_ops(seen["triton"][0]) == set()
+    assert _stock_ops(seen["stock"][0])  # control: the check sees stock ops where they run
+    assert seen["triton"][1] == seen["cpu"][1]  # the CPU's invariant ops: the same ops, output dtypes and shapes
+    assert [o.dtype for o in seen["triton"][2]] == [torch.float32]
 
 
 def test_autograd_on_the_gpu_path_is_refused_with_a_bivit_error():

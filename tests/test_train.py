@@ -6,6 +6,7 @@ Every bitwise property has a control: the same check in default mode finds a dif
 import functools
 import os
 import socket
+import warnings
 
 import pytest
 import torch
@@ -214,29 +215,42 @@ def test_fp32_gradients_match_the_transformers_port(kimi_hf_ckpt):
 
 # ------------------------------------------------------------------------------ each op's backward
 
-def _f64(*shape, seed=0):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64,
-                       requires_grad=True)
+def _f32(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), requires_grad=True)
 
 
-def test_gradcheck_invariant_ops_float64():
+def _gradcheck(fn, inputs, **kw) -> bool:
+    """torch's gradcheck in float32, the widest dtype bivit's kernels compute (float64 is no dtype of theirs):
+    central differences of step 1e-2 against the analytic gradient, within what float32 rounding leaves."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*not a double precision.*")
+        return gradcheck(fn, inputs, eps=1e-2, atol=2e-2, rtol=2e-2, **kw)
+
+
+def test_gradcheck_invariant_ops():
     with ops.batch_invariant():
         # Fast mode (random projections of the Jacobian) keeps this quick; the full Jacobian once, on 5 rows.
-        # 260 rows: one full 256-row tile plus a zero-padded tail tile.
-        x, w, b = _f64(260, 3), _f64(4, 3, seed=1), _f64(4, seed=2)
-        assert gradcheck(ops.linear, (x, w, b), fast_mode=True)
-        assert gradcheck(lambda x, w: ops.linear(x, w), (x, w), fast_mode=True)
-        assert gradcheck(ops.linear, (x[:5].detach().requires_grad_(), w, b))
-        px, cw, cb = _f64(5, 2, 2, 2), _f64(3, 2, 2, 2, seed=3), _f64(3, seed=4)
-        assert gradcheck(ops.patch_conv, (px, cw, cb), fast_mode=True)
-        y, lw, lb = _f64(6, 2, 7), _f64(7, seed=5), _f64(7, seed=6)
-        assert gradcheck(lambda y, lw, lb: ops.layer_norm(y, lw, lb, 1e-5), (y, lw, lb), fast_mode=True)
+        # gradcheck perturbs weights through `.data`, which a packed copy does not see (its tensor version does
+        # not move): each call packs a fresh copy.
+        linear = lambda x, w, b=None: ops.linear(x, w.clone(), b)
+        x, w, b = _f32(260, 3), _f32(4, 3, seed=1), _f32(4, seed=2)
+        assert _gradcheck(linear, (x, w, b), fast_mode=True)
+        assert _gradcheck(linear, (x, w), fast_mode=True)
+        assert _gradcheck(linear, (x[:5].detach().requires_grad_(), w, b))
+        px, cw, cb = _f32(5, 2, 2, 2), _f32(3, 2, 2, 2, seed=3), _f32(3, seed=4)
+        assert _gradcheck(lambda p, w, b: ops.patch_conv(p, w.clone(), b), (px, cw, cb), fast_mode=True)
+        y, lw, lb = _f32(6, 2, 7), _f32(7, seed=5), _f32(7, seed=6)
+        assert _gradcheck(lambda y, lw, lb: ops.layer_norm(y, lw, lb, 1e-5), (y, lw, lb), fast_mode=True)
         for approximate in ("tanh", "none"):  # more than one chunk, and a padded tail
-            big = _f64(ops.POINTWISE_CHUNK + 37, seed=7)
-            assert gradcheck(lambda t: ops.gelu(t, approximate), (big,), fast_mode=True)
-        assert gradcheck(ops.temporal_mean, (_f64(3, 2, 5, seed=8),))
-        q, k, v = _f64(10, 2, 4, seed=9), _f64(10, 2, 4, seed=10), _f64(10, 2, 4, seed=11)
-        assert gradcheck(lambda q, k, v: ops.attention(q, k, v, [3, 7]), (q, k, v), fast_mode=True)
+            big = _f32(ops.POINTWISE_CHUNK + 37, seed=7)
+            assert _gradcheck(lambda t: ops.gelu(t, approximate), (big,), fast_mode=True)
+        assert _gradcheck(ops.temporal_mean, (_f32(3, 2, 5, seed=8),))
+        q, k, v = _f32(10, 2, 4, seed=9), _f32(10, 2, 4, seed=10), _f32(10, 2, 4, seed=11)
+        assert _gradcheck(lambda q, k, v: ops.attention(q, k, v, [3, 7]), (q, k, v), fast_mode=True)
+    # The control: a wrong gradient (the linear's, doubled) fails the same check.
+    doubled = lambda x, w: linear(x, w) + (linear(x, w) - linear(x, w).detach())
+    with ops.batch_invariant():
+        assert not _gradcheck(doubled, (x[:5].detach().requires_grad_(), w), raise_exception=False)
 
 
 def test_invariant_bf16_linear_backward_rows_do_not_depend_on_the_batch():
@@ -273,8 +287,8 @@ def test_invariant_bf16_linear_backward_rows_do_not_depend_on_the_batch():
 
 
 def test_checkpoint_recomputes_in_the_forward_mode():
-    x = _f64(300, 3)
-    w = _f64(4, 3, seed=1)
+    x = _f32(300, 3)
+    w = _f32(4, 3, seed=1)
     with ops.batch_invariant():
         out = ops.checkpoint(lambda t: ops.gelu(ops.linear(t, w), "tanh"), x)
     out.sum().backward()  # outside the mode: the recomputation must still run the invariant ops

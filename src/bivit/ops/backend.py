@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from .. import kernels, notices, state
 from ..dtypes import dtype_name
-from ..errors import ConfigError, InvarianceError
+from ..errors import BivitError, ConfigError, InvarianceError
 from ..kernels.gemm import self_test
 from . import bits
 
@@ -68,8 +68,11 @@ def require() -> None:
                           "batch_invariant=False)")
 
 
-def _none_left(op: str, dtype: torch.dtype) -> InvarianceError:
+def _none_left(op: str, dtype: torch.dtype) -> BivitError:
     require()
+    if dtype not in kernels.ETYPES:
+        return ConfigError(f"invariant mode computes {', '.join(map(dtype_name, kernels.ETYPES))}; a {op} in "
+                           f"{dtype_name(dtype)} is none of them")
     refusals = "; ".join(f"{path}: {why}" for (o, path), why in _refused.items() if o == op)
     return InvarianceError(f"no compiled {op} kernel that computes {bits.ARITH} in {dtype_name(dtype)} is left on "
                            f"this machine{': ' + refusals if refusals else ''} (bivit doctor lists why each is off); "
