@@ -335,7 +335,10 @@ class Service:
                 tasks = [asyncio.ensure_future(self.encode_item(items[i], key, deadline, budget, cost[key], copies[key]))
                          for key, i in unique.items()]
                 try:
-                    fresh = await asyncio.wait_for(asyncio.gather(*tasks), max(0.0, deadline - time.monotonic()))
+                    # Not wait_for(gather(...)): cancelled by a client's hangup, wait_for left the gather's
+                    # CancelledError unretrieved, and asyncio logged it as an error with a traceback per hangup.
+                    async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                        fresh = await asyncio.gather(*tasks)
                     if time.monotonic() > deadline and any(r.error is not None for r in fresh):
                         raise asyncio.TimeoutError  # items stopped at the deadline decoding shares: a timeout
                     fresh = [await self._with_encoder_cache(r, budget) for r in fresh]
