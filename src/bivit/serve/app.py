@@ -44,6 +44,7 @@ from .settings import ServerSettings
 
 
 ROUTES = "POST /v1/encode, POST /v1/weights, GET /health, GET /ready, GET /v1/info, GET /metrics"
+_PATHS = frozenset(route.split()[1] for route in ROUTES.split(", "))
 
 # What a client may choose as its request id: it is echoed in a header and written to the log.
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:+=/-]{1,128}")
@@ -174,7 +175,10 @@ def create_app(encoder: Encoder, settings: Optional[ServerSettings] = None) -> F
         response.headers["X-Request-ID"] = rid
         if request.url.path == "/v1/encode":
             svc.metrics.latency.observe(latency)
-            svc.metrics.requests.labels(str(response.status_code)).inc()
+        # Every route, as bivit_errors_total counts every refusal: 4 unauthenticated calls were 4 auth errors and
+        # one 401 request (only /v1/encode was counted). A path that is no route is "other" (bounded labels).
+        route = request.url.path if request.url.path in _PATHS else "other"
+        svc.metrics.requests.labels(route, str(response.status_code)).inc()
         if request.url.path not in ("/health", "/metrics", "/ready") or response.status_code >= 400:
             fields = {"id": rid, "method": request.method, "path": request.url.path,
                       "status": response.status_code, "items": request.state.items,
