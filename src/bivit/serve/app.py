@@ -360,8 +360,8 @@ def _protocol(seconds: float, write_seconds: float, limit: int) -> type:
     new one, a probe included); if none is, the new one is answered 503 and closed.
 
     A request answered before its body was read (every refusal) has its connection closed after the answer: at
-    most LINGER_BYTES more of the body are read and dropped (uvicorn read it to its end, or to the header timeout
-    of the next request it never became), for at most LINGER_S, then the connection is closed.
+    most LINGER_BYTES more of the body are read and dropped, for at most LINGER_S (uvicorn read and dropped it to
+    its end: 19 GB chunked into a 401 in 10 s).
 
     Nor does uvicorn time out a client that stops reading: its answer waits in memory for as long as it keeps
     the connection (four such clients held 2.4 GB, for good). The write timer starts when the socket's write
