@@ -126,7 +126,7 @@ def main(argv=None) -> int:
         opt.zero_grad()
         loss.backward()
         opt.step()
-        print(f"optimizer step: loss {float(loss):.6f}")
+        print(f"optimizer step: loss {loss.item():.6f}")
 
         update = push_weights(http, vision)
         print(f"pushed {update['tensors']} tensors: fingerprint {update['previous_fingerprint'][:12]} -> "

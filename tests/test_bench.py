@@ -87,6 +87,34 @@ def test_in_process_run_summary_and_files(tmp_path):
     assert (tmp_path / "out" / "bench.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_report_says_once_that_times_are_inflated_and_compares_as_speeds_only():
+    """A run that shared its cores showed it only as a CPU-use column (150 s for "about a minute"), and the case
+    table put a speed ratio beside a time ratio ("1.06x" and "0.941": one figure and its inverse). Now one line
+    says the times are inflated when CPU use is below LOW_CPU_USE, and every comparison is the other's time /
+    invariant's. Control: the same run with its cores (CPU use 100%) has no such line."""
+    cases = [bench.make_case("one 56x56", [[bench.noise_image(56, 56, 0)]])]
+    record = bench.run_benchmark(preset="demo", dtypes=["float32"], repeats=1, warmup=0, isolate=False, cases=cases,
+                                 log=lambda s: None)
+    impls = record["runs"]["float32"]["impls"]
+
+    def report(use: float) -> str:  # the CPU seconds a worker at `use` of its threads spends in its timed run
+        for data in impls.values():
+            data["cpu_times"] = {c: [t * record["env"]["threads"] * use for t in ts] for c, ts in data["times"].items()}
+        return bench.format_report(record, bench.summarize(record))
+
+    shared, quiet = report(0.3), report(1.0)
+    said = [ln for ln in shared.splitlines() if ln.startswith("CPU use ")]
+    assert said == ["CPU use 30% (below 80%): other processes shared the cores, so every time here is inflated; "
+                    "ratios within this run still compare"], shared
+    assert not [ln for ln in quiet.splitlines() if ln.startswith("CPU use ")]
+    row = next(ln for ln in quiet.splitlines() if ln.startswith("| one 56x56 |"))
+    t = {impl: data["times"]["one 56x56"][0] for impl, data in impls.items()}
+    inv = t["bivit-invariant"]
+    port = next(impl for impl in t if impl not in bench.BIVIT_IMPLS)
+    assert row.endswith(f"| {t[port] / inv:.2f}x | {t['bivit-default'] / inv:.2f}x |"), row
+    assert "invariant / default" not in quiet and "time bivit" not in quiet
+
+
 def test_isolated_workers_report_their_own_memory(tmp_path):
     """The real path: one spawned process per implementation, each reporting its own RSS."""
     cases = [bench.make_case("one 56x56", [[bench.noise_image(56, 56, 0)]])]

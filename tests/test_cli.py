@@ -201,8 +201,22 @@ def test_inputs_and_options_are_checked_before_the_model_loads(files, tmp_path):
     assert "encoded 0 of 6 inputs (nothing written)" in r.stdout
     r = run("encode", files["good"][0], "--model", tmp_path / "no-such-checkpoint")
     assert "no-such-checkpoint: does not exist" in one_error_line(r) and "DEMO" not in r.stderr
-    r = run("verify", files["good"][0], tmp_path / "missing.png")
-    assert "missing.png: does not exist" in one_error_line(r) and "DEMO" not in r.stderr
+    r = run("verify", *bad)
+    assert r.returncode == 1 and "Traceback" not in r.stderr and "DEMO" not in r.stderr, r.stderr
+    assert sum(ln.startswith("bivit: skipped: ") for ln in r.stderr.splitlines()) == 6, r.stderr
+    assert "verified 0 of 6 inputs; 6 failed" in r.stdout
+
+
+def test_verify_skips_a_bad_file_and_verifies_the_rest(files, tmp_path):
+    """`bivit verify a.png bad.jpg` stopped at the bad file (exit 2, nothing verified) where `encode` skips it.
+    It is now named in one line and the rest verified; exit 1 as `encode` (control: the good files alone: 0)."""
+    r = run("verify", files["good"][0], files["corrupt"], tmp_path / "missing.png", files["good"][1], "--layouts", "2")
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    skipped = [ln for ln in r.stderr.splitlines() if ln.startswith("bivit: skipped: ")]
+    assert len(skipped) == 2 and "not an image format" in skipped[0] and "does not exist" in skipped[1], r.stderr
+    assert "invariant mode (float32): BIT-STABLE" in r.stdout and r.stdout.count("img") == 4, r.stdout
+    assert "2 inputs skipped" in r.stdout
+    assert run("verify", files["good"][0], files["good"][1], "--layouts", "2").returncode == 0
 
 
 def test_verify_demo_invariant_stable_default_differs_and_bisect(tmp_path):

@@ -34,6 +34,7 @@ from bivit.checkpoint import INDEX, load_state_dict, moonshot_config_dict, rando
 from bivit.config import ModelConfig, load_config
 from bivit.errors import CheckpointError, ConfigError, MediaError
 from bivit.fileio import MAX_JSON_DEPTH
+from bivit.decode import MAX_IMAGE_SIDE
 from bivit.media import MAX_IMAGE_BYTES, load_image, preprocess_images
 from bivit.preprocess_config import load_processing
 from bivit.video import preprocess_video
@@ -213,15 +214,29 @@ def measure(cases: list[dict]) -> dict[str, dict]:
     return {m["name"]: m for m in map(json.loads, r.stdout.splitlines())}
 
 
-def test_one_pixel_wide_png_is_refused_before_it_takes_memory(tmp_path):
-    """117 KB of PNG, 1x60,000,000 pixels (under the 200 MP limit): it took the server from 0.3 to 3.4 GB (resize
-    weights and a pointer per row). Refused from its header now, with the memory it would need named."""
-    path = tmp_path / "tall.png"
-    path.write_bytes(blank_png(1, 60_000_000))
-    assert path.stat().st_size < 120_000
-    m = measure([{"name": "tall", "path": str(path), "preset": "kimi-k2.6"}])["tall"]
-    assert m["error"] and f"more than the limit of {MAX_IMAGE_BYTES} bytes" in m["error"], m
-    assert m["estimate"] > MAX_IMAGE_BYTES and m["peak"] < 64 * 2**20, m
+def test_one_pixel_thin_pngs_are_refused_before_they_take_memory(tmp_path):
+    """117 KB of PNG, 1x60,000,000 pixels (under the 200 MP limit), took a server from 0.3 to 3.4 GB; a 39 KB one of
+    40,000,000x1 (under MAX_IMAGE_BYTES too: estimated 1.6 GB) peaked at +1.4 GB in the request (resize weights
+    and, tall, a pointer per row). A side over MAX_IMAGE_SIDE is refused from the header now. Control: a side of
+    MAX_IMAGE_SIDE is admitted and decoded, and its peak is small."""
+    sizes = {"tall": (1, 60_000_000, 0), "wide": (40_000_000, 1, 0), "wide rgb": (40_000_000, 1, 2),
+             "longest": (MAX_IMAGE_SIDE, 1, 0), "longest tall": (1, MAX_IMAGE_SIDE, 2),
+             "one more": (MAX_IMAGE_SIDE + 1, 1, 0)}
+    cases = []
+    for name, (w, h, color) in sizes.items():
+        path = tmp_path / f"{name}.png"
+        path.write_bytes(blank_png(w, h, color))
+        cases.append({"name": name, "path": str(path), "preset": "kimi-k2.6"})
+    assert (tmp_path / "wide.png").stat().st_size < 40_000
+    m = measure(cases)
+    print({name: (round(r["peak"] / 2**20), r["error"]) for name, r in m.items()})
+    for name in ("tall", "wide", "wide rgb", "one more"):
+        w, h, _ = sizes[name]
+        assert m[name]["error"].endswith(f"{w}x{h}: a side of {max(w, h)} pixels exceeds the limit of "
+                                         f"{MAX_IMAGE_SIDE}"), m[name]
+        assert m[name]["estimate"] is None and m[name]["peak"] < 8 * 2**20, m[name]
+    for name in ("longest", "longest tall"):
+        assert m[name]["error"] is None and m[name]["peak"] < 64 * 2**20, m[name]
 
 
 def _write_cases(d: Path) -> list[dict]:
@@ -241,7 +256,7 @@ def _write_cases(d: Path) -> list[dict]:
         # A small patch budget: the decode, not normalisation at the model's budget, dominates the peak.
         cases.append({"name": f"{name} small", "path": str(path), "preset": "kimi-k2.6",
                       "replace": {"in_patch_limit": 256}})
-    for name, (w, h) in {"tall": (1, 4_000_000), "wide": (4_000_000, 1)}.items():
+    for name, (w, h) in {"tall": (1, MAX_IMAGE_SIDE), "wide": (MAX_IMAGE_SIDE, 1)}.items():
         path = d / f"{name}.png"
         path.write_bytes(blank_png(w, h, 2))
         cases.append({"name": name, "path": str(path), "preset": "kimi-k2.6"})

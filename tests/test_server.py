@@ -355,7 +355,7 @@ def test_metrics_series(server):
     assert m["bivit_tokens_total"] > 0
     assert m['bivit_errors_total{kind="auth"}'] >= 1 and m['bivit_errors_total{kind="media"}'] >= 1
     assert m['bivit_errors_total{kind="too_large"}'] >= 2
-    assert m['bivit_requests_total{status="200"}'] >= 1
+    assert m['bivit_requests_total{route="/v1/encode",status="200"}'] >= 1
     # One JSON log line per request with id, items, status and latency.
     recs = [r for r in server.log_records() if r.get("msg") == "request"]
     assert recs and all({"id", "items", "status", "latency_ms"} <= set(r) for r in recs)

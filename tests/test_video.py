@@ -32,6 +32,7 @@ from bivit.video import (
 )
 from support import reference
 from support.media import (
+    frame_pattern,
     make_audio_only,
     make_image,
     make_video,
@@ -189,6 +190,49 @@ def test_ten_seconds_at_30fps(vids):
     assert batch.grid_thw[:, 0].tolist() == [4] * 5
     # Chunk 3 starts at frame 189 = 6.3 s, which the reference truncates to .299.
     assert batch.timestamps == ["00:00:00.000", "00:00:02.100", "00:00:04.200", "00:00:06.299", "00:00:08.400"]
+
+
+def timed_mkv(path: Path, times_ms: list[int], rate: int) -> Path:
+    """An MKV (MPEG-4 part 2, 84x56) whose frame i shows its index and is stamped `times_ms[i]` ms, declaring
+    `rate` fps: the rate is nominal (Matroska's default duration), the timestamps are the frames' own."""
+    with av.open(str(path), "w", format="matroska") as out:
+        stream = out.add_stream("mpeg4", rate=rate)
+        stream.width, stream.height, stream.pix_fmt = 84, 56, "yuv420p"
+        stream.codec_context.time_base = Fraction(1, 1000)
+        for i, t in enumerate(times_ms):
+            frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(frame_pattern(i, (84, 56))), format="rgb24")
+            frame.pts, frame.time_base = t, Fraction(1, 1000)
+            out.mux(stream.encode(frame))
+        out.mux(stream.encode(None))
+    return path
+
+
+def test_a_variable_rate_video_is_sampled_by_its_frames_timestamps(vids):
+    """40 frames stamped 0-18019 ms, irregularly, in an MKV declaring 1000 fps: sampled by the declared rate it
+    was one frame of the 18 s (0.04 s at 1000 fps), while the truncation check measured 18 s. The rate is now the
+    frames' average by their timestamps, 39 / 18.019 s, as the reference samples by the average rate: 37 frames,
+    10 chunks up to 00:00:18. Control: the same 40 frames 1 ms apart declare their rate truly: one frame."""
+    rng = np.random.default_rng(0)
+    times = [0, *sorted(rng.choice(np.arange(1, 18019), 38, replace=False).tolist()), 18019]
+    info = probe_video(timed_mkv(vids / "vfr.mkv", times, 1000))
+    assert info.num_frames == 40 and info.fps == 39 / 18.019
+    batch = preprocess_video(vids / "vfr.mkv")
+    expected = reference_indices(40, 39 / 18.019)
+    assert len(expected) == 37 and sampled_frame_ids(batch) == expected
+    assert batch.timestamps == [reference_timestamp(expected[4 * c], 39 / 18.019) for c in range(10)]
+    assert batch.timestamps[-1].startswith("00:00:18")
+    steady = probe_video(timed_mkv(vids / "steady.mkv", list(range(40)), 1000))
+    assert steady.fps == 1000.0 and len(preprocess_video(vids / "steady.mkv")) == 1
+    assert probe_video(timed_mkv(vids / "ten.mkv", [100 * i for i in range(40)], 10)).fps == 10.0
+
+
+def test_a_variable_rate_video_is_held_to_max_frames_by_its_timestamps(vids):
+    """Sampled by its timestamps' rate, a variable-rate video is held to max_frames by the frames that rate
+    samples (37), not by the one frame its declared 1000 fps would give."""
+    path = timed_mkv(vids / "long.mkv", [463 * i for i in range(40)], 1000)
+    assert probe_video(path, max_frames=40).num_frames == 40
+    with pytest.raises(MediaError, match=r"gives 37 frames \(18.5 s of video\), more than max_frames=30"):
+        probe_video(path, max_frames=30)
 
 
 # ------------------------------------------------------------------- chunks are frames_to_item exactly

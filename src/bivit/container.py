@@ -13,6 +13,7 @@ import io
 import os
 import threading
 from contextlib import contextmanager
+from fractions import Fraction
 from typing import BinaryIO, Iterator, Optional, Union
 
 import av
@@ -236,3 +237,16 @@ def check_complete(name: str, declared_s: float, covered_s: float, fps: float, d
     if covered_s < declared_s - slack:
         raise MediaError(f"{name}: truncated or damaged: the container declares {declared}, its frames cover "
                          f"{covered_s:.2f} s")
+
+
+def timestamp_rate(count: int, first: Optional[Fraction], last: Optional[Fraction], fps: float) -> float:
+    """The average frame rate a video of `count` frames is sampled by (Kimi's processor samples by "the average
+    frame rate", docs/model.md): the stream's declared `fps`, unless its frames' own timestamps (the first and
+    the last, in seconds) span clearly another length (beyond `TRUNCATION_SLACK`), then theirs, (count - 1) /
+    span. A variable-rate Matroska file declares its nominal rate (40 frames over 18 s, declared 1000 fps:
+    sampled by it, one frame of the 18 s); a constant-rate one declares its own rate, which is kept bit for bit."""
+    if count < 2 or first is None or last is None or not last > first:
+        return fps
+    span = float(last - first)
+    slack = max(TRUNCATION_SLACK["frames"] / fps, TRUNCATION_SLACK["seconds"]) + TRUNCATION_SLACK["fraction"] * span
+    return fps if abs((count - 1) / fps - span) <= slack else (count - 1) / span

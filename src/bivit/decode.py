@@ -1,7 +1,8 @@
 """Reading image inputs within limits: the formats bivit decodes (`IMAGE_FORMATS`), an image whose header claims
-more than `MAX_IMAGE_PIXELS` pixels or whose decoding and preprocessing would take more than `MAX_IMAGE_BYTES`
-of memory (`image_work_bytes`) refused before decoding, decoding stopped at a deadline, and every decoder
-failure a MediaError naming the input (docs/limits.md). Preprocessing the decoded image is `bivit.media`'s.
+more than `MAX_IMAGE_PIXELS` pixels or a side over `MAX_IMAGE_SIDE`, or whose decoding and preprocessing would
+take more than `MAX_IMAGE_BYTES` of memory (`image_work_bytes`) refused before decoding, decoding stopped at a
+deadline, and every decoder failure a MediaError naming the input (docs/limits.md). Preprocessing the decoded
+image is `bivit.media`'s.
 """
 
 from __future__ import annotations
@@ -28,6 +29,11 @@ from .preprocess_config import ProcessorConfig
 # Refuse images whose header claims more pixels than this before decoding them (decompression bombs).
 # K3's 65536 patches of 14x14 is ~12.8 MP after resizing; 200 MP leaves room for any real photo or scan.
 MAX_IMAGE_PIXELS = 200_000_000
+# Refuse an image with a side longer than this before decoding. Shrinking a side of n pixels to the model's at
+# most 7,168 takes bicubic weights of ~32 bytes per pixel of it, and Pillow keeps a row pointer per row: a 39 KB
+# PNG of 40,000,000x1 pixels (within MAX_IMAGE_BYTES) peaked at 1.4 GB. 262,144 admits a 1080-wide scrolling
+# screenshot 240 screens long (its weights: 8 MB).
+MAX_IMAGE_SIDE = 2**18
 # Refuse images whose decoding and preprocessing would take more memory than this (`image_work_bytes`, from the
 # header, before decoding): pixels alone do not bound it (a 1x60,000,000 PNG of 117 KB asks for ~3.7 GB, half of
 # it resize weights). 2 GiB admits a 200 MP RGB photo (~1.1 GB for K2.x, ~1.7 GB for K3); other modes count two
@@ -440,6 +446,8 @@ def _check_pixels(size: tuple[int, int], name: str, max_pixels: int) -> None:
     w, h = size
     if w * h > max_pixels:
         raise MediaError(f"{name}: {w}x{h} = {w * h} pixels exceeds the limit of {max_pixels} (decompression bomb?)")
+    if max(w, h) > MAX_IMAGE_SIDE:
+        raise MediaError(f"{name}: {w}x{h}: a side of {max(w, h)} pixels exceeds the limit of {MAX_IMAGE_SIDE}")
 
 
 def load_for_model(src: ImageInput, processing: ProcessorConfig | str | None, name: str,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -17,6 +17,7 @@ from PIL import Image
 
 from .divergence import OpDiff, first_difference
 from .encoder import Encoder
+from .errors import BivitError
 from .fileio import write_atomic
 from .media import MediaBatch
 from .packing import pack
@@ -52,11 +53,20 @@ class Report:
         return all(i.bit_equal for i in self.items)
 
 
-def items_of(encoder: Encoder, inputs: list, names: list[str] | None = None) -> MediaBatch:
-    """The model's items (each image, each video chunk) of `inputs`, packed, named by their inputs; the first bad
-    input raises."""
+def items_of(encoder: Encoder, inputs: list, names: list[str] | None = None,
+             skip: Callable[[BivitError], None] | None = None) -> MediaBatch:
+    """The model's items (each image, each video chunk) of `inputs`, packed, named by their inputs. A bad input
+    raises, or with `skip` is handed to it and left out (None when none is left)."""
     names = names or [None] * len(inputs)
-    return MediaBatch.concat([encoder.prepare(x, name=n).checked().batch for x, n in zip(inputs, names)])
+    batches = []
+    for x, n in zip(inputs, names):
+        try:
+            batches.append(encoder.prepare(x, name=n).checked().batch)
+        except BivitError as e:
+            if skip is None:
+                raise
+            skip(e)
+    return MediaBatch.concat(batches) if batches else None
 
 
 def encode_cut(encoder: Encoder, batch: MediaBatch, budget: int | None) -> list[torch.Tensor]:

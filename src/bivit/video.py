@@ -25,6 +25,10 @@ Decisions this module makes (the reference does not say):
   is exceeded. If the decoder cleanly yields fewer frames than the container claimed (a lying header), the
   decoded count wins: we resample with it and decode again. A decode error FFmpeg reports (truncated or
   damaged data) is a MediaError, not a silently shorter video.
+- Frame rate. The container's average rate, unless its frames' timestamps say clearly otherwise (only known
+  where the frames are counted by decoding: Matroska/WebM, which declare a nominal rate, not an average): then
+  their average rate, `bivit.container.timestamp_rate` (a variable-rate MKV of 40 frames over 18 s declaring
+  1000 fps was one frame at 00:00:00.000; it is 37 frames in 10 chunks).
 - Frames are decoded sequentially (no seeking): exact frame indices for every codec, at the cost of decoding
   frames that are not sampled. Frames are converted to RGB24 by FFmpeg's swscale (PyAV defaults: the frame's
   own colour matrix and range tags, no HDR tone mapping); display rotation metadata is ignored. Alpha (GIF)
@@ -78,6 +82,7 @@ from PIL import Image
 
 from .container import (FRAME_MIN_PIXELS, TRUNCATION_SLACK, VIDEO_DEMUXERS, Container, DecodeBudget,  # noqa: F401
                         VideoInput, check_complete, frame_work, translate_errors)  # the limits' names re-exported
+from .container import timestamp_rate
 from .decode import check_deadline, load_image
 from .errors import ConfigError, MediaError
 from .grids import processing_of
@@ -234,9 +239,10 @@ class _Limits:
                              f"{self.budget.limit}" + (f" ({others} used by other videos)" if others else ""))
 
 
-def _count_frames(source: Container, limits: _Limits) -> int:
+def _count_frames(source: Container, limits: _Limits) -> tuple[int, float]:
     """Decode the whole stream once, counting frames; stop as soon as the count breaks a limit. A declared
-    length the frames fall clearly short of is truncation."""
+    length the frames fall clearly short of is truncation. -> the count and the rate to sample by
+    (`timestamp_rate`: the frames' own when the declared one disagrees with them)."""
     count = 0
     first = last = None
     frames = source.frames()
@@ -253,13 +259,14 @@ def _count_frames(source: Container, limits: _Limits) -> int:
     if source.declared_s is not None and count:
         covered = float(last - first) + 1 / source.fps if first is not None else count / source.fps
         check_complete(source.name, source.declared_s, covered, source.fps, f"{source.declared_s:.2f} s")
-    return count
+    return count, timestamp_rate(count, first, last, source.fps)
 
 
 def _probe(src: VideoInput, name: str, limits: _Limits) -> VideoInfo:
     with limits.open(src) as source:
         limits.check_size(source.width, source.height)
         limits.frame_pixels = source.width * source.height
+        fps = source.fps
         if source.reported_frames > 0:
             count, origin = source.reported_frames, "container"
             limits.check_length(count, source.fps)
@@ -271,10 +278,11 @@ def _probe(src: VideoInput, name: str, limits: _Limits) -> VideoInfo:
                 if seconds > limits.max_duration_s * 1.01 + 1:  # metadata is approximate: refuse only clear cases
                     raise MediaError(f"{name}: video lasts {seconds:.1f} s by its metadata, more than "
                                      f"max_duration_s={limits.max_duration_s:g}")
-            count, origin = _count_frames(source, limits), "decoding"
+            (count, fps), origin = _count_frames(source, limits), "decoding"
+            limits.check_length(count, fps)  # by its frames' timestamps: 40 frames at "1000 fps" may last 4 h
         if count == 0:
             raise MediaError(f"{name}: the video stream has no frames")
-        return VideoInfo(name, count, source.fps, source.width, source.height, source.codec, source.format, origin)
+        return VideoInfo(name, count, fps, source.width, source.height, source.codec, source.format, origin)
 
 
 class _ShortStream(Exception):

@@ -27,6 +27,11 @@ def machine_rates(run: dict) -> dict:
             "attention_rate": best_attention}
 
 
+# CPU use (CPU seconds per wall second per thread) below which a run did not have its cores: its times are
+# inflated (runs beside other jobs measured 32-52%; quiet ones 99-100%).
+LOW_CPU_USE = 0.8
+
+
 def summarize(record: dict) -> dict:
     """Derived numbers per dtype: per-case and whole-mix rows per implementation, ratios, rooflines, memory."""
     cases = record["cases"]
@@ -116,6 +121,10 @@ def format_report(record: dict, summary: dict | None = None) -> str:
     if env.get("gemm"):
         lines.append("Kernels: attention " + env["attention"] + "; GEMMs " + "; ".join(env["gemm"].values()))
     lines += [f"Fallback: {line.removeprefix('bivit: ')}" for line in env.get("fallbacks") or ()]
+    use = [m["cpu_use"] for s in summary.values() for m in s["mix"].values() if m["cpu_use"] is not None]
+    if use and min(use) < LOW_CPU_USE:
+        lines.append(f"CPU use {100 * min(use):.0f}% (below {100 * LOW_CPU_USE:.0f}%): other processes shared "
+                     "the cores, so every time here is inflated; ratios within this run still compare")
     for name, reason in record["skipped"].items():
         lines.append(f"{name} skipped: {reason}")
     lines.append("")
@@ -142,15 +151,17 @@ def format_report(record: dict, summary: dict | None = None) -> str:
                   "measured time. Other FLOPs (elementwise, approximate) are not in the roofline.", "",
                   "| case | GEMM TFLOP | attention TFLOP | other TFLOP | roofline s | "
                   + " | ".join(f"{impl} s (% of roofline)" for impl in impls)
-                  + (" | invariant vs port | invariant / default |" if len(impls) > 1 else " |"),
+                  + (" | invariant vs port | invariant vs default |" if len(impls) > 1 else " |"),
                   "|---|---:|---:|---:|---:|" + "---:|" * len(impls) + ("---:|---:|" if len(impls) > 1 else "")]
         for name, c in names.items():
             cells = [f"{by[(impl, name)]['median_s']:.3f} ({_pct(by[(impl, name)]['pct_roofline'])})" for impl in impls]
             extra = []
             if len(impls) > 1:
                 inv, dflt, hf = (by.get((i, name)) for i in ("bivit-invariant", "bivit-default", HF_IMPL))
-                extra = [f"{hf['median_s'] / inv['median_s']:.2f}x" if inv and hf else "n/a",
-                         f"{inv['median_s'] / dflt['median_s']:.3f}" if inv and dflt else "n/a"]
+                # Both as the other's time / invariant's: a time ratio beside a speed ratio read as one figure
+                # and its inverse ("1.06x" and "0.941").
+                extra = [f"{other['median_s'] / inv['median_s']:.2f}x" if inv and other else "n/a"
+                         for other in (hf, dflt)]
             attention = sum(f for _, f in c["attention_flops"])
             lines.append(f"| {name} | {c['gemm_flops'] / 1e12:.2f} | {attention / 1e12:.2f} | "
                          f"{c.get('other_flops', 0) / 1e12:.3f} | {s['roofline_s'][name]:.3f} | " + " | ".join(cells)
@@ -168,11 +179,11 @@ def format_report(record: dict, summary: dict | None = None) -> str:
                          f"{_pct(m['cpu_use'])} | {_count(m['minor_faults'])} | {_mib(mem.get('peak_mib'))} | "
                          f"{_mib(mem.get('loaded_rss_mib'))} | {_mib(mem.get('run_peak_mib'))} | {m['load_s']:.2f} |")
         lines.append("")
-        for pair, r in s["ratios"].items():
-            pr = r["per_round"]
-            lines.append(f"time {pair}: {r['time_ratio']:.3f} (per round: median {statistics.median(pr):.3f}, "
-                         f"range {min(pr):.3f}-{max(pr):.3f}); per case: "
-                         + ", ".join(f"{k} {v:.3f}" for k, v in r["per_case"].items()))
+        for pair, r in s["ratios"].items():  # time ratios a / b, shown as a's speed: b's time / a's
+            pr = [1 / v for v in r["per_round"]]
+            lines.append(f"{pair.replace(' / ', ' vs ')}: {1 / r['time_ratio']:.2f}x (per round: median "
+                         f"{statistics.median(pr):.2f}x, range {min(pr):.2f}x-{max(pr):.2f}x); per case: "
+                         + ", ".join(f"{k} {1 / v:.2f}x" for k, v in r["per_case"].items()))
         lines += ["", "| case | implementation | median s (min-max) | items/s | tokens/s | GFLOP/s | % of GEMM rate | "
                   "CPU use |", "|---|---|---:|---:|---:|---:|---:|---:|"]
         for row in sorted(s["rows"], key=lambda r: list(names).index(r["case"])):

@@ -9,6 +9,8 @@ from typing import List, Optional
 import typer
 
 from ..dtypes import dtype_name
+from ..errors import BivitError, ErrorKind
+from ..names import shown
 from ..options import whole
 from .common import (DTYPE_CHOICES, FAILURE, DeviceOpt, ModelOpt, OutDtypeOpt, ProjDtypeOpt, check_options, command,
                      need_extra, open_encoder, plural, writable)
@@ -51,11 +53,30 @@ def verify(
     if plot is not None:
         need_extra("verify --plot", "matplotlib", "plot")
         writable(plot, files or (), "--plot")
+    skipped: list[BivitError] = []
+
+    def skip(e: BivitError) -> None:  # named in one line and left out, as `bivit encode` does
+        skipped.append(e)
+        typer.echo(f"bivit: {ErrorKind.of(e).cli}: {shown(str(e))}", err=True)
+
+    def none_left() -> None:
+        typer.echo(f"verified 0 of {plural(len(files), 'input')}; {len(skipped)} failed")
+        raise typer.Exit(FAILURE)
+
+    good = []
     for f in files or ():
-        items.check_input(f)  # every input exists and is an image or video, before the models load
+        try:
+            items.check_input(f)  # every input exists and is an image or video, before the models load
+            good.append(f)
+        except BivitError as e:
+            skip(e)
+    if files and not good:
+        none_left()
     encoders = [open_encoder(model, dtype, projector_dtype, output_dtype, inv, device=device) for inv in (True, False)]
     if files:
-        batch = v.items_of(encoders[0], [str(f) for f in files])
+        batch = v.items_of(encoders[0], [str(f) for f in good], skip=skip)  # a file that fails to decode
+        if batch is None:
+            none_left()
     else:
         batch = v.items_of(encoders[0], v.synthetic_images(seed), [f"synthetic {w}x{h}" for w, h in v.SYNTHETIC_SIZES])
     plan = v.random_layouts(len(batch), layouts, random.Random(seed), batch.patch_counts)
@@ -85,5 +106,7 @@ def verify(
     if plot:
         v.plot(reports, str(plot))
         typer.echo(f"plot written to {plot}")
-    if not reports[0].stable:
+    if skipped:
+        typer.echo(f"{plural(len(skipped), 'input')} skipped (above)")
+    if not reports[0].stable or skipped:
         raise typer.Exit(FAILURE)

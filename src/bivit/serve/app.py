@@ -25,6 +25,7 @@ import uuid
 from http import HTTPStatus
 from typing import Optional
 
+import h11
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -43,6 +44,7 @@ from .settings import ServerSettings
 
 
 ROUTES = "POST /v1/encode, POST /v1/weights, GET /health, GET /ready, GET /v1/info, GET /metrics"
+_PATHS = frozenset(route.split()[1] for route in ROUTES.split(", "))
 
 # What a client may choose as its request id: it is echoed in a header and written to the log.
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:+=/-]{1,128}")
@@ -173,7 +175,10 @@ def create_app(encoder: Encoder, settings: Optional[ServerSettings] = None) -> F
         response.headers["X-Request-ID"] = rid
         if request.url.path == "/v1/encode":
             svc.metrics.latency.observe(latency)
-            svc.metrics.requests.labels(str(response.status_code)).inc()
+        # Every route, as bivit_errors_total counts every refusal: 4 unauthenticated calls were 4 auth errors and
+        # one 401 request (only /v1/encode was counted). A path that is no route is "other" (bounded labels).
+        route = request.url.path if request.url.path in _PATHS else "other"
+        svc.metrics.requests.labels(route, str(response.status_code)).inc()
         if request.url.path not in ("/health", "/metrics", "/ready") or response.status_code >= 400:
             fields = {"id": rid, "method": request.method, "path": request.url.path,
                       "status": response.status_code, "items": request.state.items,
@@ -228,9 +233,8 @@ def create_app(encoder: Encoder, settings: Optional[ServerSettings] = None) -> F
         content_type(request, ("application/octet-stream", SAFETENSORS_MEDIA_TYPE),
                      "send the weights as a safetensors file, application/octet-stream")
         if svc.updating.locked():  # one weights body at a time: each may be gigabytes (on disk)
-            await svc.bodies.discard(request)
             raise ErrorKind.BUSY.error("a weight update is in progress; retry later",
-                               {"Retry-After": str(settings.retry_after_s), "Connection": "close"})
+                                       {"Retry-After": str(settings.retry_after_s)})
         async with svc.updating:
             async with svc.bodies.spooled(request, svc.weights_limit_mb, "--max-weights-mb") as path:
                 return JSONResponse(await svc.update_weights(path))
@@ -331,6 +335,13 @@ def accept_burst(limit: int) -> int:
 # tests/test_server_limits.py, then change this and pyproject.toml together.
 UVICORN_TESTED = "0.55"
 
+# What a connection whose request was answered before its body was read (a refusal: 401, 413, 415, 503, ...) may
+# still send before it is closed. Closing at once, with unread bytes, sends a TCP reset that can reach the client
+# before it has read the answer; reading to the end let an unauthenticated client stream 19 GB into a 401. So the
+# answer is followed by a FIN, and at most LINGER_BYTES more are read and dropped, for at most LINGER_S.
+LINGER_BYTES = 1 << 20
+LINGER_S = 2.0
+
 # The answer to a connection over the limit when no connection is still sending its headers.
 _BUSY = json.dumps(error_body(ErrorKind.BUSY, "server busy: too many open connections; retry later")).encode()
 _BUSY_RESPONSE = (f"HTTP/1.1 {ErrorKind.BUSY.status} {HTTPStatus(ErrorKind.BUSY.status).phrase}\r\n".encode()
@@ -348,6 +359,10 @@ def _protocol(seconds: float, write_seconds: float, limit: int) -> type:
     `limit` closes the connection that has been sending its headers longest (a slow client makes room for a
     new one, a probe included); if none is, the new one is answered 503 and closed.
 
+    A request answered before its body was read (every refusal) has its connection closed after the answer: at
+    most LINGER_BYTES more of the body are read and dropped, for at most LINGER_S (uvicorn read and dropped it to
+    its end: 19 GB chunked into a 401 in 10 s).
+
     Nor does uvicorn time out a client that stops reading: its answer waits in memory for as long as it keeps
     the connection (four such clients held 2.4 GB, for good). The write timer starts when the socket's write
     buffer fills (asyncio's `pause_writing`) and stops when it drains (`resume_writing`); if it runs out, the
@@ -358,6 +373,8 @@ def _protocol(seconds: float, write_seconds: float, limit: int) -> type:
     class Protocol(H11Protocol):
         _header_timer: Optional[asyncio.TimerHandle] = None
         _write_timer: Optional[asyncio.TimerHandle] = None
+        _linger: Optional[asyncio.TimerHandle] = None  # set while a refused body is dropped before the close
+        _dropped = 0
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -374,13 +391,36 @@ def _protocol(seconds: float, write_seconds: float, limit: int) -> type:
             self._arm()
 
         def data_received(self, data: bytes) -> None:
+            if self._linger is not None:  # the rest of a refused body: counted, never parsed
+                self._dropped += len(data)
+                if self._dropped > LINGER_BYTES:
+                    self._close_lingering()
+                return
             if self.cycle is None or self.cycle.response_complete:  # these bytes start a request
                 self._arm()
             super().data_received(data)
             if self.cycle is not None and not self.cycle.response_complete:  # its headers are complete
                 self._disarm()
 
+        def on_response_complete(self) -> None:
+            if self.conn.their_state is not h11.SEND_BODY or self.transport.is_closing():
+                super().on_response_complete()
+                return
+            self.server_state.total_requests += 1
+            self.flow.resume_reading()  # reading stopped while the body waited for the app: drop it now
+            self.transport.write_eof()  # after the answer: the client sees the end at once
+            self._linger = self.loop.call_later(LINGER_S, self._close_lingering)
+
+        def _close_lingering(self) -> None:
+            if self._linger is not None:
+                self._linger.cancel()
+            log.info("connection closed: its request was answered before its body was read",
+                     extra={"fields": {"client": self.client, "dropped_bytes": self._dropped}})
+            self.transport.close()
+
         def connection_lost(self, exc: Optional[Exception]) -> None:
+            if self._linger is not None:
+                self._linger.cancel()
             self._disarm()
             if self._write_timer is not None:
                 self._write_timer.cancel()

@@ -32,10 +32,6 @@ def content_type(request: Request, accepted: tuple[str, ...] = ENCODE_MEDIA_TYPE
     return ctype
 
 
-# How long the rest of a refused body is read and dropped before the answer (see `BodyReader.discard`).
-DISCARD_S = 5.0
-
-
 class BodyReader:
     """Reads bodies under one app's `ServerSettings` (body size and time limits, items per request), and the
     bytes of encode bodies held at once over all requests (`max_bodies_mb`: uploads that send 63 of 64 MB and
@@ -77,10 +73,8 @@ class BodyReader:
                     try:
                         f.write(chunk)
                     except OSError as e:  # a full disk is the server's state, not the request's fault
-                        await self.discard(request)
                         raise ErrorKind.INSUFFICIENT_STORAGE.error(f"cannot hold the body in "
-                                           f"{tempfile.gettempdir()} ({e.strerror or e})",
-                                           {"Connection": "close"}) from None
+                                           f"{tempfile.gettempdir()} ({e.strerror or e})") from None
             yield path
         finally:
             os.unlink(path)
@@ -96,7 +90,6 @@ class BodyReader:
             except ValueError:
                 raise ErrorKind.BAD_REQUEST.error(f"invalid Content-Length {declared!r}") from None
             if n > limit:
-                await self.discard(request, n)
                 raise ErrorKind.TOO_LARGE.error(f"request body of {n} bytes exceeds {option} "
                                    f"{limit_mb:g} ({limit} bytes)")
         deadline = asyncio.get_running_loop().time() + self.settings.body_timeout_s
@@ -117,36 +110,14 @@ class BodyReader:
                 raise ErrorKind.BAD_REQUEST.error("client disconnected while sending the body") from None
             size += len(chunk)
             if size > limit:  # a chunked or lying body: stop at the limit, never hold more than it
-                await self.discard(request, limit)
                 raise ErrorKind.TOO_LARGE.error(f"request body exceeds {option} {limit_mb:g} ({limit} bytes)")
             if counted:
                 if self.held + len(chunk) > all_bodies:
-                    await self.discard(request, limit)
                     raise ErrorKind.BUSY.error(f"server busy: {self.held} bytes of request bodies held, "
                                        f"max_bodies_mb {self.settings.max_bodies_mb:g}; retry later",
-                                       {"Retry-After": str(self.settings.retry_after_s), "Connection": "close"})
+                                       {"Retry-After": str(self.settings.retry_after_s)})
                 self._hold(request, len(chunk))
             yield chunk
-
-    async def discard(self, request: Request, up_to: Optional[int] = None) -> None:
-        """Read and drop (a bounded amount of, at most `up_to` bytes) the rest of a body that is refused, before
-        the answer: closing a socket with unread data sends a TCP reset, and the client would see "connection
-        reset" instead of the refusal. A client that sent `Expect: 100-continue` has not sent the body; reading
-        would invite it to."""
-        if "100-continue" in request.headers.get("expect", "").lower():
-            return
-        budget = self.settings.mb(self.settings.max_body_mb) + 64 * 2**20
-        budget = budget if up_to is None else min(up_to, budget)
-
-        async def drain() -> None:
-            seen = 0
-            async for chunk in request.stream():
-                seen += len(chunk)
-                if seen > budget:
-                    return
-
-        with contextlib.suppress(Exception):  # a client that stalls is not waited for past 5 s either
-            await asyncio.wait_for(drain(), DISCARD_S)
 
     async def parse_items(self, ctype: str, request: Request, body: bytearray) -> list[UploadItem]:
         """The items of a body of media type `ctype` (as `content_type` returned it), parsed on a worker thread:

@@ -23,7 +23,8 @@ class Metrics:
         self.batch_seconds = Histogram("bivit_batch_seconds", "Duration of one encode_batch call", registry=r)
         self.latency = Histogram("bivit_request_latency_seconds", "Latency of POST /v1/encode", registry=r,
                                  buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120))
-        self.requests = Counter("bivit_requests_total", "Encode requests by HTTP status", ["status"], registry=r)
+        self.requests = Counter("bivit_requests_total", "Requests answered by the app, by route and HTTP status",
+                                ["route", "status"], registry=r)
         self.tokens = Counter("bivit_tokens_total", "Tokens computed by the encoder (cache hits excluded)",
                               registry=r)
         self.items = Counter("bivit_items_total", "Items answered, by outcome", ["outcome"], registry=r)

@@ -335,7 +335,7 @@ class Service:
                 tasks = [asyncio.ensure_future(self.encode_item(items[i], key, deadline, budget, cost[key], copies[key]))
                          for key, i in unique.items()]
                 try:
-                    fresh = await asyncio.wait_for(asyncio.gather(*tasks), max(0.0, deadline - time.monotonic()))
+                    fresh = await _gathered(tasks, max(0.0, deadline - time.monotonic()))
                     if time.monotonic() > deadline and any(r.error is not None for r in fresh):
                         raise asyncio.TimeoutError  # items stopped at the deadline decoding shares: a timeout
                     fresh = [await self._with_encoder_cache(r, budget) for r in fresh]
@@ -392,6 +392,14 @@ class Service:
         log.info("weights updated", extra={"fields": {"fingerprint": fingerprint, "previous": previous,
                                                       "tensors": len(tensors)}})
         return {"fingerprint": fingerprint, "previous_fingerprint": previous, "tensors": len(tensors)}
+
+
+async def _gathered(tasks: list, seconds: float) -> list:
+    """`gather(*tasks)` within `seconds` (TimeoutError after). Not `wait_for(gather(...))`: cancelled by a client's
+    hangup, wait_for left the gather's CancelledError unretrieved, and asyncio logged it at error level with a
+    traceback, once per hangup."""
+    async with asyncio.timeout(seconds):
+        return await asyncio.gather(*tasks)
 
 
 class _Budget:
