@@ -16,9 +16,10 @@ from safetensors import safe_open
 
 from .. import records
 from ..dtypes import dtype_name, parse_dtype
-from ..errors import BivitError
+from ..errors import BivitError, FormatError
+from ..integrity import check_embedding
 from ..kinds import media_kind
-from ..records import FormatError, Record, check_embedding
+from ..records import Record
 from .format import FORMAT, HEADER, MANIFEST, current_state, encoder_of, read_header
 
 if TYPE_CHECKING:  # type hints only
