@@ -143,3 +143,30 @@ def check_embedding(embedding: Any, tokens: int, dtype: Optional[str], name: str
     elif embedding_sha256(embedding) != checksum:
         raise FormatError(f"{name}: its bytes do not match the checksum its record holds (tensor_sha256): the file "
                           "is damaged")
+
+
+def sealed(obj: Mapping[str, Any], key: str) -> dict:
+    """`obj` with its checksum under `key`: the sha256 of its canonical JSON (`_canonical`) without that key
+    (a line of a dataset's manifest or errors, its header)."""
+    body = {k: v for k, v in obj.items() if k != key}
+    return {**body, key: hashlib.sha256(_canonical(body)).hexdigest()}
+
+
+def unsealed(obj: Mapping[str, Any], key: str, where: str, required: bool) -> dict:
+    """`obj` without its checksum under `key`, checked; FormatError naming `where` when it does not match, or
+    when it is missing and `required` (a folder of the current format: its version, which the header's checksum
+    covers, says so). Missing and not required (an older folder): read unverified, said once per file."""
+    body = {k: v for k, v in obj.items() if k != key}
+    stored = obj.get(key)
+    if stored is None and not required:
+        said_unverified(where, f"written without checksums ({key}, before bivit wrote them): read unverified")
+    elif stored is None or hashlib.sha256(_canonical(body)).hexdigest() != stored:
+        what = "without its checksum" if stored is None else "not matching its checksum"
+        raise FormatError(f"{where}: {str(obj.get('source', 'the header'))[:200]!r} {what} ({key}): the file is "
+                          "damaged or was altered")
+    return body
+
+
+def _canonical(obj: Mapping[str, Any]) -> bytes:
+    # As its writer dumps it: parsing and dumping again gives the same text for JSON's own values.
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode("utf-8", "surrogatepass")

@@ -44,7 +44,7 @@ class EncodedDataset:
         if header is None:
             raise BivitError(f"{self.path}: not an encoded dataset (no {HEADER})")
         self.header: dict = header
-        by_source, failed = current_state(self.path)
+        by_source, failed = current_state(self.path, header)
         self._by_source = by_source
         self.records: list[Record] = list(by_source.values())
         self._by_hash: dict[str, list[Record]] = {}

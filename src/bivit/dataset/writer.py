@@ -29,8 +29,9 @@ from .. import __version__, records
 from ..dtypes import dtype_name
 from ..errors import BivitError, ErrorKind
 from ..fileio import append_lines, fsync_dir, temp_target, write_atomic
-from .format import (DEFAULT_SHARD_MB, ERRORS, FORMAT, FORMAT_VERSION, HEADER, LOCK, MANIFEST, SHARD_RE,
-                     encoder_of, manifest_line, manifest_record, read_header, read_jsonl,
+from ..integrity import sealed
+from .format import (DEFAULT_SHARD_MB, ERRORS, FORMAT, FORMAT_VERSION, HEADER, HEADER_KEY, LOCK, MANIFEST,
+                     SHARD_RE, checked, encoder_of, manifest_line, manifest_record, read_header, read_jsonl,
                      state_from_rows)
 from .pipeline import Source
 
@@ -43,7 +44,8 @@ DEFAULT_FLUSH_SECONDS = 60.0
 PAUSE_ENV = "BIVIT_DATASET_TEST_PAUSE"
 # A folder written with other values for these keys holds tensors that are not comparable with this run's ("bits"
 # first: a run on a machine whose kernels compute another class of bits is the likeliest cause, and says why).
-_MUST_MATCH = ("bits", "format_version", "fingerprint", "dtype", "projector_dtype", "output_dtype", "batch_invariant",
+# An older format_version is continued in its own (`read_header` refuses a newer one).
+_MUST_MATCH = ("bits", "fingerprint", "dtype", "projector_dtype", "output_dtype", "batch_invariant",
                "alpha")
 
 
@@ -128,7 +130,7 @@ class DatasetWriter:
             if leftovers:
                 raise BivitError(f"{self.dir}: not empty and has no {HEADER} (found {sorted(leftovers)[0]!r}); "
                                  "choose an empty or new --out")
-            write_atomic(self.dir / HEADER, (json.dumps(self.header, indent=2) + "\n").encode())
+            write_atomic(self.dir / HEADER, (json.dumps(sealed(self.header, HEADER_KEY), indent=2) + "\n").encode())
 
     def _recover(self) -> None:
         for p in self.dir.iterdir():
@@ -146,12 +148,12 @@ class DatasetWriter:
         self._seq = seq
         # Only what resuming needs, kept small: (size, mtime_ns, sha256) per source that is encoded now (a
         # source that failed since is not: it must be read again), one record per stored content.
-        current, failed = state_from_rows(rows[MANIFEST], rows[ERRORS])
+        current, failed = state_from_rows(rows[MANIFEST], rows[ERRORS], self.dir, self.header)
         self.by_source: dict[str, tuple[Optional[int], Optional[int], str]] = {
             r.source: (r.size, r.mtime_ns, r.sha256) for r in current.values()}
         self.by_hash: dict[str, records.Record] = {}
         for row in rows[MANIFEST]:
-            rec = manifest_record(row)
+            rec = manifest_record(row, str(self.dir / MANIFEST), checked(self.header))
             self.by_hash.setdefault(rec.sha256, rec)
         referenced = {r.shard for r in self.by_hash.values()}
         numbers = [-1]
@@ -183,7 +185,7 @@ class DatasetWriter:
         or of a folder that could be listed this time (its files speak for themselves now), is dropped.
         """
         error_rows, _ = read_jsonl(self.dir / ERRORS)
-        _, failed = state_from_rows(read_jsonl(self.dir / MANIFEST)[0], error_rows)
+        _, failed = state_from_rows(read_jsonl(self.dir / MANIFEST)[0], error_rows, self.dir, self.header)
         if listed is not None:
             failed = {s: e for s, e in failed.items() if s in listed}
         self._write_errors(failed, len(error_rows))
