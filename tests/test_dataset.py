@@ -375,13 +375,14 @@ def test_a_deleted_bad_file_leaves_no_error_behind(media, tmp_path):
     assert [x.source for x in bivit.load_embeddings(out)] == ["img0.png", "photo.jpg"]
 
 
-def _run_cli_until(src: Path, out: Path, pause: str, ready, timeout: float = 60.0) -> None:
+def _run_cli_until(src: Path, out: Path, pause: str, ready, timeout: float = 60.0,
+                   options: tuple = ("--shard-mb", "0.000001")) -> None:
     """Run the real CLI in a subprocess, wait until `ready(out)` holds while it sits at a pause point, kill -9."""
     env = dict(os.environ, **{PAUSE_ENV: pause if ":" in pause else f"{pause}:120"})
     log_path = out.parent / "cli.log"
     log = open(log_path, "wb")
     proc = subprocess.Popen([sys.executable, "-m", "bivit", "encode-dataset", str(src), "--out", str(out),
-                             "--shard-mb", "0.000001", "--no-progress"], env=env, stdout=log, stderr=log)
+                             *options, "--no-progress"], env=env, stdout=log, stderr=log)
     try:
         deadline = time.monotonic() + timeout
         while not (out.is_dir() and ready(out)):
@@ -414,13 +415,50 @@ def test_sigkill_then_resume_is_bit_identical(media, reference, tmp_path, pause,
     assert_consistent(out)
     before = open_dataset(out)  # a reader sees only whole, durable items
     assert len(before) < len(GOOD)
+    from bivit.dataset.journal import JOURNAL, read_entries
+
+    # What the journal holds beyond the committed lines is committed first, and skipped too.
+    journaled = {r.source for lines, _ in read_entries(out / JOURNAL) for r in lines} - set(before.sources)
     s = encode_dataset(media, out, progress=False)
-    assert s.skipped == len(before)
+    assert s.skipped == len(before) + len(journaled)
     assert not [p for p in out.iterdir() if p.name.startswith(TMP_PREFIX)]
     assert not _unreferenced_shards(out)
     assert sorted(r["source"] for r in manifest_lines(out)) == GOOD  # every source exactly once
     assert_consistent(out)
     assert_same_tensors(reference, out)
+
+
+def test_sigkill_below_one_shard_keeps_progress(tmp_path):
+    """With the default --shard-mb (256), eight SIGKILLs of a 10 s job each left no manifest: every resume redid
+    everything. Each input the writer takes is now in the folder's journal before the next is taken: killed
+    once the journal holds 5 of 12 inputs (paused there, so no timing decides it), the folder lists nothing yet
+    (the control: no shard was committed, only the journal holds them), and the resume commits those 5 before
+    it plans and encodes only the other 7 (a journal cut short in its 5th entry: the 4 before it). Every tensor
+    is bit-identical to an uninterrupted run's."""
+    from bivit.dataset.journal import JOURNAL, read_entries
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(12):
+        make_image(src / f"{i:02d}.png", (28 * (1 + i % 3), 56), seed=200 + i)
+    ref = tmp_path / "ref"
+    encode_dataset(src, ref, progress=False)
+    out = tmp_path / "out"
+    _run_cli_until(src, out, "journaled:600:5", lambda d: len(list(read_entries(d / JOURNAL))) >= 5, options=())
+    assert len(list(read_entries(out / JOURNAL))) == 5
+    assert len(open_dataset(out)) == 0 and not shards_in(out)  # the control: nothing committed but the journal
+    cut = tmp_path / "cut"  # killed in the middle of its 5th entry: the 4 before it are kept
+    shutil.copytree(out, cut)
+    with open(cut / JOURNAL, "r+b") as f:
+        f.truncate((cut / JOURNAL).stat().st_size - 100)
+    for folder, kept in ((out, 5), (cut, 4)):
+        s = encode_dataset(src, folder, progress=False)
+        assert (s.skipped, s.encoded) == (kept, 12 - kept)
+        assert not (folder / JOURNAL).exists()
+        done, want = open_dataset(folder), open_dataset(ref)
+        assert sorted(done.sources) == sorted(want.sources) == sorted(p.name for p in src.iterdir())
+        for rec in want:
+            assert torch.equal(done.tensor(rec.source), want.tensor(rec)), rec.source
 
 
 def test_cut_off_manifest_line_is_ignored_then_repaired(media, reference, tmp_path):
