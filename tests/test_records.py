@@ -372,6 +372,15 @@ def test_the_checksum_cannot_be_dropped_to_pass_as_an_older_file(small, tmp_path
     old = _resealed(small, tmp_path / "c.safetensors", rename, fmt=records.FORMAT_1)
     with pytest.raises(records.FormatError, match="names tensor '0' without its 'tensor_sha256'"):
         bivit.load_embeddings(old)
+    # The checksum is what docs/formats.md says, computed without bivit.
+    import hashlib
+
+    from safetensors import safe_open
+
+    with safe_open(str(small), "pt") as f:
+        meta = f.metadata()
+    recipe = json.dumps([meta["format"], meta["encoder"], meta["items"]], ensure_ascii=False)
+    assert hashlib.sha256(recipe.encode()).hexdigest() == meta[CHECKSUM_KEY]
     # The control: the same file, resealed unchanged, reads back identical (in both formats).
     assert _identical(bivit.load_embeddings(_resealed(small, tmp_path / "d.safetensors")),
                       bivit.load_embeddings(small))
