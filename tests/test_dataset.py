@@ -452,8 +452,10 @@ def test_sigkill_below_one_shard_keeps_progress(tmp_path):
     with open(cut / JOURNAL, "r+b") as f:
         f.truncate((cut / JOURNAL).stat().st_size - 100)
     for folder, kept in ((out, 5), (cut, 4)):
+        journaled = {r.source for lines, _ in read_entries(folder / JOURNAL) for r in lines}
         s = encode_dataset(src, folder, progress=False)
-        assert (s.skipped, s.encoded) == (kept, 12 - kept)
+        assert (s.skipped, s.encoded, len(journaled)) == (kept, 12 - kept, kept)
+        assert s.tokens == sum(r.tokens for r in open_dataset(ref) if r.source not in journaled)  # this run's own
         assert not (folder / JOURNAL).exists()
         done, want = open_dataset(folder), open_dataset(ref)
         assert sorted(done.sources) == sorted(want.sources) == sorted(p.name for p in src.iterdir())

@@ -113,6 +113,7 @@ class DatasetWriter:
             self._open_header()
             self._recover()
             self._replay()
+            self.tokens_written = 0  # what this run encodes: a killed run's journal is the killed run's work
         except BaseException:
             if created and not (self.dir / HEADER).exists():  # refused before it became a dataset folder
                 (self.dir / LOCK).unlink(missing_ok=True)
