@@ -463,6 +463,43 @@ def test_sigkill_below_one_shard_keeps_progress(tmp_path):
             assert torch.equal(done.tensor(rec.source), want.tensor(rec)), rec.source
 
 
+def test_a_version_1_folder_is_continued_in_its_version(media, reference, tmp_path, caplog):
+    """A folder written before lines and header carried checksums (format_version 1) is read unverified, said
+    once per file, and a job continues it in version 1 (its new lines sealed all the same) rather than refusing
+    it as another encoder's; the control: the same folder as written (version 2) is refused once a line is
+    altered, and this one is not."""
+    from bivit.dataset.format import HEADER_KEY, LINE_KEY
+
+    out = tmp_path / "out"
+    shutil.copytree(reference, out)
+    header = json.loads((out / HEADER).read_text())
+    (out / HEADER).write_text(json.dumps({**{k: v for k, v in header.items() if k != HEADER_KEY},
+                                          "format_version": 1}))
+    lines = [{k: v for k, v in row.items() if k != LINE_KEY} for row in manifest_lines(out)]
+    victim = next(r for r in lines if r["source"] == "img1.png")
+    lines.remove(victim)
+    (out / MANIFEST).write_text("".join(json.dumps(r) + "\n" for r in lines))
+    with caplog.at_level("WARNING", logger="bivit.records"):
+        s = encode_dataset(media, out, progress=False)
+    assert (s.encoded, s.skipped) == (1, len(GOOD) - 1)
+    assert json.loads((out / HEADER).read_text())["format_version"] == 1
+    assert LINE_KEY in json.loads((out / MANIFEST).read_text().splitlines()[-1])
+    assert [r.getMessage() for r in caplog.records if "unverified" in r.getMessage()].count(
+        f"{out / MANIFEST}: written without checksums ({LINE_KEY}, before bivit wrote them): read unverified") == 1
+    assert_same_tensors(reference, out)
+    for folder, refused in ((out, False), (tmp_path / "v2", True)):
+        if refused:
+            shutil.copytree(reference, folder)
+        altered = [json.loads(x) for x in (folder / MANIFEST).read_text().splitlines()]
+        altered[0]["source"] = "other.png"
+        (folder / MANIFEST).write_text("".join(json.dumps(r) + "\n" for r in altered))
+        if refused:
+            with pytest.raises(bivit.records.FormatError, match="not matching its checksum"):
+                open_dataset(folder)
+        else:
+            assert "other.png" in open_dataset(folder).sources
+
+
 def test_cut_off_manifest_line_is_ignored_then_repaired(media, reference, tmp_path):
     out = tmp_path / "out"
     shutil.copytree(reference, out)

@@ -562,9 +562,16 @@ def test_full_disk_on_out_is_one_line(tmp_path):
     src, dst = tmp_path / "src", tmp_path / "ds"
     src.mkdir()
     Image.fromarray(np.full((112, 112, 3), 7, np.uint8)).save(src / "a.png")
+    # 6 KiB: dataset.json (~4 KB) and the journal's one entry (~5 KB) fit, the shard (~7 KB) does not.
     line = one_error_line(run_cli("encode-dataset", src, "--out", dst, "--no-progress",
-                                  preexec_fn=_fsize_limit(4096)), 1)
+                                  preexec_fn=_fsize_limit(6144)), 1)
     assert "shard-000000.safetensors" in line and "File too large" in line
+    # 8 KiB: dataset.json fits, the journal's entry of a 224x224 image (64 rows, ~17 KB) does not.
+    (tmp_path / "src2").mkdir()
+    Image.fromarray(np.full((224, 224, 3), 7, np.uint8)).save(tmp_path / "src2" / "a.png")
+    line = one_error_line(run_cli("encode-dataset", tmp_path / "src2", "--out", tmp_path / "ds2", "--no-progress",
+                                  preexec_fn=_fsize_limit(8192)), 1)
+    assert f"{tmp_path / 'ds2' / 'journal.bin'}: File too large" in line, line
 
 
 def test_refused_dataset_folder_keeps_no_lock(tmp_path):

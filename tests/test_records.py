@@ -135,8 +135,12 @@ def test_an_older_dataset_folder_and_its_shard_still_open(written, tmp_path):
     shutil.copytree(written["folder"], old)
     lines = [json.loads(x) for x in (old / "manifest.jsonl").read_text().splitlines()]
     (old / "manifest.jsonl").write_text("".join(json.dumps({k: v for k, v in line.items()
-                                                             if k not in ("placeholders", "chunk_tokens")}) + "\n"
+                                                             if k not in ("placeholders", "chunk_tokens",
+                                                                          "line_sha256")}) + "\n"
                                                 for line in lines))
+    header = json.loads((old / "dataset.json").read_text())  # version 1: before the checksums
+    (old / "dataset.json").write_text(json.dumps({**{k: v for k, v in header.items() if k != "header_sha256"},
+                                                  "format_version": 1}))
     shard = old / written["shard"].name
     from safetensors.torch import load_file
 

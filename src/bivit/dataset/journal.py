@@ -54,16 +54,19 @@ class Journal:
             head.update(dtype=dtype_name(t.dtype), shape=list(t.shape))
             data = t.reshape(-1).view(torch.uint8).numpy().tobytes()
         text = json.dumps(sealed(head, ENTRY_KEY), separators=(",", ":"), ensure_ascii=False).encode()
-        if self._fd is None:
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         entry = struct.pack("<Q", len(text)) + text + data
-        written = 0
-        while written < len(entry):
-            written += os.write(self._fd, entry[written:])
+        try:
+            if self._fd is None:
+                self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            written = 0
+            while written < len(entry):
+                written += os.write(self._fd, entry[written:])
+            if time.monotonic() - self._synced >= SYNC_SECONDS:
+                os.fsync(self._fd)
+                self._synced = time.monotonic()
+        except OSError as e:  # os.write names no file: a full disk is one line naming this one
+            raise OSError(e.errno, e.strerror, str(self.path)) from None
         self.entries += 1
-        if time.monotonic() - self._synced >= SYNC_SECONDS:
-            os.fsync(self._fd)
-            self._synced = time.monotonic()
 
     def clear(self) -> None:
         """Empty it: what it held is committed (a kill before this leaves entries the next run finds committed
