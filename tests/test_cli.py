@@ -53,7 +53,7 @@ def test_encode_writes_one_tensor_per_input_with_metadata(files, tmp_path):
     inputs = files["good"] + [files["video"]]
     with safe_open(str(out), "pt") as f:  # the raw file: the format's three keys, tensor "i" for input i
         meta = f.metadata()
-        assert meta["format"] == "bivit.embeddings/1" and sorted(f.keys()) == ["0", "1", "2", "3"]
+        assert meta["format"] == "bivit.embeddings/2" and sorted(f.keys()) == ["0", "1", "2", "3"]
         written, here = json.loads(meta["encoder"]), enc.describe()
         assert written.pop("kernels")["gemm"] == here.pop("kernels")["gemm"] and written == here
     items = bivit.load_embeddings(out)

@@ -375,13 +375,14 @@ def test_a_deleted_bad_file_leaves_no_error_behind(media, tmp_path):
     assert [x.source for x in bivit.load_embeddings(out)] == ["img0.png", "photo.jpg"]
 
 
-def _run_cli_until(src: Path, out: Path, pause: str, ready, timeout: float = 60.0) -> None:
+def _run_cli_until(src: Path, out: Path, pause: str, ready, timeout: float = 60.0,
+                   options: tuple = ("--shard-mb", "0.000001")) -> None:
     """Run the real CLI in a subprocess, wait until `ready(out)` holds while it sits at a pause point, kill -9."""
     env = dict(os.environ, **{PAUSE_ENV: pause if ":" in pause else f"{pause}:120"})
     log_path = out.parent / "cli.log"
     log = open(log_path, "wb")
     proc = subprocess.Popen([sys.executable, "-m", "bivit", "encode-dataset", str(src), "--out", str(out),
-                             "--shard-mb", "0.000001", "--no-progress"], env=env, stdout=log, stderr=log)
+                             *options, "--no-progress"], env=env, stdout=log, stderr=log)
     try:
         deadline = time.monotonic() + timeout
         while not (out.is_dir() and ready(out)):
@@ -414,13 +415,89 @@ def test_sigkill_then_resume_is_bit_identical(media, reference, tmp_path, pause,
     assert_consistent(out)
     before = open_dataset(out)  # a reader sees only whole, durable items
     assert len(before) < len(GOOD)
+    from bivit.dataset.journal import JOURNAL, read_entries
+
+    # What the journal holds beyond the committed lines is committed first, and skipped too.
+    journaled = {r.source for lines, _ in read_entries(out / JOURNAL) for r in lines} - set(before.sources)
     s = encode_dataset(media, out, progress=False)
-    assert s.skipped == len(before)
+    assert s.skipped == len(before) + len(journaled)
     assert not [p for p in out.iterdir() if p.name.startswith(TMP_PREFIX)]
     assert not _unreferenced_shards(out)
     assert sorted(r["source"] for r in manifest_lines(out)) == GOOD  # every source exactly once
     assert_consistent(out)
     assert_same_tensors(reference, out)
+
+
+def test_sigkill_below_one_shard_keeps_progress(tmp_path):
+    """With the default --shard-mb (256), eight SIGKILLs of a 10 s job each left no manifest: every resume redid
+    everything. Each input the writer takes is now in the folder's journal before the next is taken: killed
+    once the journal holds 5 of 12 inputs (paused there, so no timing decides it), the folder lists nothing yet
+    (the control: no shard was committed, only the journal holds them), and the resume commits those 5 before
+    it plans and encodes only the other 7 (a journal cut short in its 5th entry: the 4 before it). Every tensor
+    is bit-identical to an uninterrupted run's."""
+    from bivit.dataset.journal import JOURNAL, read_entries
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(12):
+        make_image(src / f"{i:02d}.png", (28 * (1 + i % 3), 56), seed=200 + i)
+    ref = tmp_path / "ref"
+    encode_dataset(src, ref, progress=False)
+    out = tmp_path / "out"
+    _run_cli_until(src, out, "journaled:600:5", lambda d: len(list(read_entries(d / JOURNAL))) >= 5, options=())
+    assert len(list(read_entries(out / JOURNAL))) == 5
+    assert len(open_dataset(out)) == 0 and not shards_in(out)  # the control: nothing committed but the journal
+    cut = tmp_path / "cut"  # killed in the middle of its 5th entry: the 4 before it are kept
+    shutil.copytree(out, cut)
+    with open(cut / JOURNAL, "r+b") as f:
+        f.truncate((cut / JOURNAL).stat().st_size - 100)
+    for folder, kept in ((out, 5), (cut, 4)):
+        journaled = {r.source for lines, _ in read_entries(folder / JOURNAL) for r in lines}
+        s = encode_dataset(src, folder, progress=False)
+        assert (s.skipped, s.encoded, len(journaled)) == (kept, 12 - kept, kept)
+        assert s.tokens == sum(r.tokens for r in open_dataset(ref) if r.source not in journaled)  # this run's own
+        assert not (folder / JOURNAL).exists()
+        done, want = open_dataset(folder), open_dataset(ref)
+        assert sorted(done.sources) == sorted(want.sources) == sorted(p.name for p in src.iterdir())
+        for rec in want:
+            assert torch.equal(done.tensor(rec.source), want.tensor(rec)), rec.source
+
+
+def test_a_version_1_folder_is_continued_in_its_version(media, reference, tmp_path, caplog):
+    """A folder written before lines and header carried checksums (format_version 1) is read unverified, said
+    once per file, and a job continues it in version 1 (its new lines sealed all the same) rather than refusing
+    it as another encoder's; the control: the same folder as written (version 2) is refused once a line is
+    altered, and this one is not."""
+    from bivit.dataset.format import HEADER_KEY, LINE_KEY
+
+    out = tmp_path / "out"
+    shutil.copytree(reference, out)
+    header = json.loads((out / HEADER).read_text())
+    (out / HEADER).write_text(json.dumps({**{k: v for k, v in header.items() if k != HEADER_KEY},
+                                          "format_version": 1}))
+    lines = [{k: v for k, v in row.items() if k != LINE_KEY} for row in manifest_lines(out)]
+    victim = next(r for r in lines if r["source"] == "img1.png")
+    lines.remove(victim)
+    (out / MANIFEST).write_text("".join(json.dumps(r) + "\n" for r in lines))
+    with caplog.at_level("WARNING", logger="bivit.records"):
+        s = encode_dataset(media, out, progress=False)
+    assert (s.encoded, s.skipped) == (1, len(GOOD) - 1)
+    assert json.loads((out / HEADER).read_text())["format_version"] == 1
+    assert LINE_KEY in json.loads((out / MANIFEST).read_text().splitlines()[-1])
+    assert [r.getMessage() for r in caplog.records if "unverified" in r.getMessage()].count(
+        f"{out / MANIFEST}: written without checksums ({LINE_KEY}, before bivit wrote them): read unverified") == 1
+    assert_same_tensors(reference, out)
+    for folder, refused in ((out, False), (tmp_path / "v2", True)):
+        if refused:
+            shutil.copytree(reference, folder)
+        altered = [json.loads(x) for x in (folder / MANIFEST).read_text().splitlines()]
+        altered[0]["source"] = "other.png"
+        (folder / MANIFEST).write_text("".join(json.dumps(r) + "\n" for r in altered))
+        if refused:
+            with pytest.raises(bivit.records.FormatError, match="not matching its checksum"):
+                open_dataset(folder)
+        else:
+            assert "other.png" in open_dataset(folder).sources
 
 
 def test_cut_off_manifest_line_is_ignored_then_repaired(media, reference, tmp_path):

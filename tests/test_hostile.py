@@ -577,9 +577,16 @@ def test_full_disk_on_out_is_one_line(tmp_path):
     src, dst = tmp_path / "src", tmp_path / "ds"
     src.mkdir()
     Image.fromarray(np.full((112, 112, 3), 7, np.uint8)).save(src / "a.png")
+    # 6 KiB: dataset.json (~4 KB) and the journal's one entry (~5 KB) fit, the shard (~7 KB) does not.
     line = one_error_line(run_cli("encode-dataset", src, "--out", dst, "--no-progress",
-                                  preexec_fn=_fsize_limit(4096)), 1)
+                                  preexec_fn=_fsize_limit(6144)), 1)
     assert "shard-000000.safetensors" in line and "File too large" in line
+    # 8 KiB: dataset.json fits, the journal's entry of a 224x224 image (64 rows, ~17 KB) does not.
+    (tmp_path / "src2").mkdir()
+    Image.fromarray(np.full((224, 224, 3), 7, np.uint8)).save(tmp_path / "src2" / "a.png")
+    line = one_error_line(run_cli("encode-dataset", tmp_path / "src2", "--out", tmp_path / "ds2", "--no-progress",
+                                  preexec_fn=_fsize_limit(8192)), 1)
+    assert f"{tmp_path / 'ds2' / 'journal.bin'}: File too large" in line, line
 
 
 def test_refused_dataset_folder_keeps_no_lock(tmp_path):
@@ -900,11 +907,17 @@ def dataset_folder(tmp_path_factory):
 
 
 def _edited(folder: Path, dst: Path, edit) -> Path:
+    """A copy of `folder` whose manifest lines are `edit`ed and sealed again (their checksums made for what they
+    now hold, as a writer that wrote them so): what is checked past the checksum."""
     import shutil
+
+    from bivit.dataset.format import LINE_KEY
+    from bivit.integrity import sealed
 
     shutil.copytree(folder, dst)
     rows = [json.loads(line) for line in (dst / "manifest.jsonl").read_text().splitlines()]
-    (dst / "manifest.jsonl").write_text("".join(line + "\n" for line in edit(rows)))
+    lines = [json.dumps(sealed(json.loads(x), LINE_KEY)) if x.startswith("{") else x for x in edit(rows)]
+    (dst / "manifest.jsonl").write_text("".join(line + "\n" for line in lines))
     return dst
 
 
@@ -943,9 +956,12 @@ def test_a_dataset_folder_read_back_is_checked(dataset_folder, tmp_path, case):
     elif case == "dtype":
         import shutil
 
+        from bivit.dataset.format import HEADER_KEY
+        from bivit.integrity import sealed
+
         shutil.copytree(dataset_folder, dst)
         header = json.loads((dst / "dataset.json").read_text())
-        (dst / "dataset.json").write_text(json.dumps({**header, "output_dtype": "float32"}))
+        (dst / "dataset.json").write_text(json.dumps(sealed({**header, "output_dtype": "float32"}, HEADER_KEY)))
     elif case == "nested":
         _edited(dataset_folder, dst, lambda rows: ["[" * 100_000 + "]" * 100_000])
     elif case == "types":
@@ -953,9 +969,15 @@ def test_a_dataset_folder_read_back_is_checked(dataset_folder, tmp_path, case):
     elif case == "damaged":
         _edited(dataset_folder, dst, each(lambda r: {}))
         (dst / shard).write_bytes(b"\xff" * 64)
-    with pytest.raises(FormatError):
+    with pytest.raises(FormatError) as e:
         for record in bivit.load_embeddings(dst):
             record.embedding  # noqa: B018 - reads it
+    named = {"dotdot": dst / "manifest.jsonl", "absolute": dst / "manifest.jsonl", "symlink": dst / shard,
+             "nested": dst / "manifest.jsonl", "types": dst / "manifest.jsonl", "tokens": dst / "manifest.jsonl"
+             }.get(case, dst / shard)
+    assert str(e.value).startswith(f"{named}"), str(e.value)  # the file at fault, first
+    if case in ("dotdot", "absolute", "symlink"):
+        assert "outside" in str(e.value) or "not a shard file of its folder" in str(e.value), str(e.value)
     assert all(r.embedding is not None for r in bivit.load_embeddings(dataset_folder))  # the control
 
 
@@ -978,3 +1000,82 @@ def test_a_fifo_is_refused_not_waited_on(tmp_path):
     lines = r.stdout.splitlines()
     assert r.returncode == 0 and len(lines) == 2, r.stderr[-2000:]
     assert all("not a regular file" in line for line in lines), lines
+
+
+def _folder_outcomes(folder: Path, scratch: Path, names=("manifest.jsonl", "dataset.json")) -> dict:
+    """One bit flipped at each byte of a folder's `names` (the manifest's last newline kept: a line cut short
+    is a writer killed mid-append, not a line), each read back whole: outcome -> count."""
+    import shutil
+
+    import torch
+
+    want = bivit.load_embeddings(folder)
+    want = (want.encoder, [(r.to_json(), r.embedding) for r in want])
+    out: dict = {}
+    shutil.rmtree(scratch, ignore_errors=True)
+    shutil.copytree(folder, scratch)
+    for name in names:
+        data = (folder / name).read_bytes()
+        for at in range(len(data) - (name == "manifest.jsonl")):
+            body = bytearray(data)
+            body[at] ^= 1 << (at % 8)
+            (scratch / name).write_bytes(body)
+            try:
+                got = bivit.load_embeddings(scratch)
+                same = got.encoder == want[0] and len(got) == len(want[1]) and all(
+                    r.to_json() == j and torch.equal(r.embedding, t) for r, (j, t) in zip(got, want[1]))
+                outcome = "identical" if same else "another record"
+            except bivit.BivitError as e:
+                outcome = type(e).__name__
+            out[outcome] = out.get(outcome, 0) + 1
+        (scratch / name).write_bytes(data)
+    return out
+
+
+def test_one_bit_flipped_in_a_dataset_folders_records_is_refused_or_changes_nothing(dataset_folder, tmp_path):
+    """A dataset folder's records live in its manifest lines and its encoder in dataset.json, neither covered by
+    a checksum: a flipped bit was another record. Each line and the header now carry their checksums, which
+    every reader checks (required from format_version 2, which the header's checksum covers): one bit flipped at
+    each byte of both files is a FormatError or the identical records.
+    The control: the same flips on the folder written as a version-1 one (no checksums) give other records."""
+    from bivit.dataset.format import HEADER_KEY, LINE_KEY
+
+    import shutil
+
+    got = _folder_outcomes(dataset_folder, tmp_path / "scratch")
+    print(f"\none bit flipped at each byte of manifest.jsonl and dataset.json: {got}")
+    assert set(got) <= {"FormatError", "identical"} and got["FormatError"] > 1000, got
+    old = tmp_path / "v1"
+    shutil.copytree(dataset_folder, old)
+    header = json.loads((old / "dataset.json").read_text())
+    header = {k: v for k, v in header.items() if k != HEADER_KEY}
+    (old / "dataset.json").write_text(json.dumps({**header, "format_version": 1}))
+    lines = [{k: v for k, v in json.loads(x).items() if k != LINE_KEY}
+             for x in (old / "manifest.jsonl").read_text().splitlines()]
+    (old / "manifest.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert _folder_outcomes(old, tmp_path / "scratch", ("manifest.jsonl",)).get("another record", 0) > 50
+
+
+def test_a_dataset_folders_own_files_are_read_within_bounds(dataset_folder, tmp_path):
+    """dataset.json and manifest.jsonl were read whole, any size. Now a header above 1 MiB, a manifest above
+    8 GiB (a sparse file: nothing written) and a line above 4 MiB are each a FormatError naming the file,
+    before they are read; the control: the folder as written opens."""
+    import shutil
+
+    from bivit.dataset.format import MAX_HEADER_BYTES, MAX_LINE_BYTES, MAX_LINES_BYTES
+    from bivit.records import FormatError
+
+    assert len(bivit.load_embeddings(dataset_folder)) == 2  # the control
+    for name, size, says in (("dataset.json", MAX_HEADER_BYTES + 1, "unreadable dataset header (larger than"),
+                             ("manifest.jsonl", MAX_LINES_BYTES + 1, f"{MAX_LINES_BYTES + 1} bytes, more than"),
+                             ("manifest.jsonl", None, "1: a line of more than")):
+        dst = tmp_path / f"{name}-{size}"
+        shutil.copytree(dataset_folder, dst)
+        if size is None:
+            (dst / name).write_bytes(b" " * (MAX_LINE_BYTES + 1) + b"\n")
+        else:
+            with open(dst / name, "r+b") as f:
+                f.truncate(size)
+        with pytest.raises(FormatError) as e:
+            bivit.load_embeddings(dst)
+        assert str(e.value).startswith(f"{dst / name}") and says in str(e.value), str(e.value)

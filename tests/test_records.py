@@ -65,7 +65,7 @@ def written(folder, tmp_path_factory) -> dict:
 def test_every_writer_gives_the_same_records_and_bits(written, folder):
     opened = {name: bivit.load_embeddings(path) for name, path in written.items()}
     for name, items in opened.items():
-        assert items.format == "bivit.embeddings/1" or name == "folder", name
+        assert items.format == "bivit.embeddings/2" or name == "folder", name
         assert sorted(items.sources) == sorted(INPUTS), name
     assert opened["encode"].sources == opened["answer"].sources == list(INPUTS)  # input order
     ref = {r.source: r for r in opened["encode"]}
@@ -135,8 +135,12 @@ def test_an_older_dataset_folder_and_its_shard_still_open(written, tmp_path):
     shutil.copytree(written["folder"], old)
     lines = [json.loads(x) for x in (old / "manifest.jsonl").read_text().splitlines()]
     (old / "manifest.jsonl").write_text("".join(json.dumps({k: v for k, v in line.items()
-                                                             if k not in ("placeholders", "chunk_tokens")}) + "\n"
+                                                             if k not in ("placeholders", "chunk_tokens",
+                                                                          "line_sha256")}) + "\n"
                                                 for line in lines))
+    header = json.loads((old / "dataset.json").read_text())  # version 1: before the checksums
+    (old / "dataset.json").write_text(json.dumps({**{k: v for k, v in header.items() if k != "header_sha256"},
+                                                  "format_version": 1}))
     shard = old / written["shard"].name
     from safetensors.torch import load_file
 
@@ -156,10 +160,11 @@ def test_an_older_dataset_folder_and_its_shard_still_open(written, tmp_path):
 
 def test_other_files_fail_naming_what_they_are(tmp_path):
     newer = tmp_path / "newer.safetensors"
-    save_file({"0": torch.zeros(1, 2)}, str(newer), metadata={"format": "bivit.embeddings/2", "encoder": "{}",
+    save_file({"0": torch.zeros(1, 2)}, str(newer), metadata={"format": "bivit.embeddings/3", "encoder": "{}",
                                                                "items": "[]"})
-    with pytest.raises(records.FormatError, match=r"format 'bivit.embeddings/2', which this bivit does not read "
-                                                  r"\(it reads bivit.embeddings/1, bivit.encode/1, bivit.response/1\)"):
+    with pytest.raises(records.FormatError, match=r"format 'bivit.embeddings/3', which this bivit does not read "
+                                                  r"\(it reads bivit.embeddings/2, bivit.embeddings/1, bivit.encode/1, "
+                                                  r"bivit.response/1\)"):
         bivit.load_embeddings(newer)
     plain = tmp_path / "weights.safetensors"
     save_file({"w": torch.zeros(2)}, str(plain))
@@ -227,8 +232,9 @@ def test_a_damaged_file_is_refused_naming_file_and_tensor(written, tmp_path, wri
 
 
 def test_files_without_checksums_still_open_said_once(written, tmp_path, caplog):
-    """Files written before records held `tensor_sha256` open as before; that they are read unverified is said
-    once per file."""
+    """Files written before records held `tensor_sha256` (and before the metadata's checksum: format
+    `bivit.embeddings/1`) open as before; that their records and embeddings are read unverified is said once
+    per file."""
     from safetensors import safe_open
     from safetensors.torch import load_file
 
@@ -236,14 +242,17 @@ def test_files_without_checksums_still_open_said_once(written, tmp_path, caplog)
         meta = f.metadata()
     items = [{k: v for k, v in item.items() if k != "tensor_sha256"} for item in json.loads(meta["items"])]
     old = tmp_path / "old.safetensors"
-    save_file(load_file(str(written["encode"])), str(old), metadata={**meta, "items": json.dumps(items)})
+    save_file(load_file(str(written["encode"])), str(old),
+              metadata={"format": records.FORMAT_1, "encoder": meta["encoder"], "items": json.dumps(items)})
     with caplog.at_level("WARNING", logger="bivit.records"):
         opened = bivit.load_embeddings(old)
         new = bivit.load_embeddings(written["encode"])
         for r, want in zip(opened, new):
             assert r.tensor_sha256 is None and torch.equal(r.embedding, want.embedding)
     said = [rec.getMessage() for rec in caplog.records if "unverified" in rec.getMessage()]
-    assert said == [f"{old}: written without tensor checksums (an older bivit): its embeddings are read unverified"]
+    assert said == [f"{old}: format bivit.embeddings/1 (before metadata checksums): its records are read unverified",
+                    f"{old}: its records hold no tensor checksums (a file of an older bivit format): its embeddings "
+                    "are read unverified"]
 
 
 def test_a_header_of_empty_arrays_is_refused_before_it_is_built(tmp_path):
@@ -262,3 +271,174 @@ def test_a_header_of_empty_arrays_is_refused_before_it_is_built(tmp_path):
     assert message == f"{bomb}: not a safetensors file (unreadable header)", r.stdout + r.stderr
     print(f"\nheader of 5,000,000 empty arrays: peak RSS +{int(grew_kb) / 1024:.0f} MB")
     assert int(grew_kb) < 100 * 1024  # the 15 MB header and one chunk of counting
+
+
+# ------------------------------------------------------------------------------ records that prove themselves
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory) -> Path:
+    """A real `bivit encode` file of the shipped sample (108 rows on the demo model) and a 3-chunk video."""
+    d = tmp_path_factory.mktemp("small")
+    make_video(d / "clip.mp4", frames=20, fps=4, size=(28, 28))
+    sample = Path(__file__).parents[1] / "examples" / "sample.png"
+    cli("encode", sample, "clip.mp4", "--out", d / "e.safetensors", "--dtype", "float32", cwd=d)
+    return d / "e.safetensors"
+
+
+def _identical(opened, want) -> bool:
+    return opened.encoder == want.encoder and len(opened) == len(want) and all(
+        r.to_json() == w.to_json() and torch.equal(r.embedding, w.embedding) for r, w in zip(opened, want))
+
+
+def _flip_each_header_byte(path: Path, tmp_path: Path, disk: bool = True) -> dict:
+    """One bit flipped at each byte of a file's header (its length, the metadata, the tensors' entries), read
+    back from memory (the client's reader) and from disk (`disk`): outcome -> count."""
+    data = path.read_bytes()
+    want = bivit.load_embeddings(path)
+    out: dict = {}
+    flipped = tmp_path / "flipped.safetensors"
+    for at in range(8 + int.from_bytes(data[:8], "little")):
+        body = bytearray(data)
+        body[at] ^= 1 << (at % 8)
+        flipped.write_bytes(body)
+        readers = (lambda: records.from_bytes(bytes(body), "answer"), lambda: bivit.load_embeddings(flipped))
+        for read in readers[:1 + disk]:
+            try:
+                outcome = "identical" if _identical(read(), want) else "another record"
+            except bivit.BivitError as e:
+                outcome = type(e).__name__
+            out[outcome] = out.get(outcome, 0) + 1
+    return out
+
+
+def _resealed(src: Path, dst: Path, edit=None, fmt: str = records.FORMAT) -> Path:
+    """`src` written again with its records edited by `edit` (or not), its checksum made for what it now holds
+    (a writer that wrote them so), in format `fmt` (`bivit.embeddings/1`: no checksum, as before them)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from bivit.integrity import CHECKSUM_KEY, metadata_sha256
+
+    with safe_open(str(src), "pt") as f:
+        meta = f.metadata()
+    items = json.loads(meta["items"])
+    meta = {"format": fmt, "encoder": meta["encoder"],
+            "items": json.dumps(edit(items) if edit else items, ensure_ascii=False)}
+    if fmt == records.FORMAT:
+        meta[CHECKSUM_KEY] = metadata_sha256(meta)
+    save_file(load_file(str(src)), str(dst), metadata=meta)
+    return dst
+
+
+def test_one_bit_flipped_anywhere_in_the_header_is_refused_or_changes_nothing(small, tmp_path):
+    """Flipping one bit at each of the 588 bytes of an encode file's `items`: 223 flips read silently as another
+    record (placeholders, sha256, source, grid_thw, tokens, kind "hmage"), 2 a raw RuntimeError. The metadata
+    now holds its checksum (format, encoder, records), which every reader checks: each flip at every byte of the
+    header is a FormatError or reads the identical records and bits. The control: the same flips on the file
+    written as a `bivit.embeddings/1` one (no checksum, read unverified) do give other records."""
+    outcomes = _flip_each_header_byte(small, tmp_path)
+    print(f"\none bit flipped at each header byte, read from memory and disk: {outcomes}")
+    assert set(outcomes) <= {"FormatError", "identical"} and outcomes.get("FormatError", 0) > 2000, outcomes
+    old = _flip_each_header_byte(_resealed(small, tmp_path / "v1.safetensors", fmt=records.FORMAT_1), tmp_path,
+                                 disk=False)
+    assert old.get("another record", 0) > 100, old  # the control: the flips do change records unchecked
+
+
+def test_the_checksum_cannot_be_dropped_to_pass_as_an_older_file(small, tmp_path):
+    """The key `tensor_sha256` flipped to `uensor_sha256` and one bit of the tensor flipped read a wrong
+    embedding back with a false "an older bivit" line. Now the records' checksum no longer matches; dropping
+    the checksum too leaves a current-format file without one (refused: the format, which the checksum
+    covers, is what says a file may lack it); in an older-format file a record without its tensor's checksum
+    beside records with one is refused too."""
+    data = small.read_bytes()
+    start = 8 + int.from_bytes(data[:8], "little")
+    downgraded = bytearray(data.replace(b'\\"tensor_sha256\\"', b'\\"uensor_sha256\\"', 1))
+    downgraded[start + 4] ^= 0x10
+    (tmp_path / "a.safetensors").write_bytes(downgraded)
+    with pytest.raises(records.FormatError, match="does not match the checksum it holds"):
+        bivit.load_embeddings(tmp_path / "a.safetensors")
+    stripped = _resealed(small, tmp_path / "b.safetensors")
+    from bivit.integrity import CHECKSUM_KEY
+
+    raw = stripped.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    del header["__metadata__"][CHECKSUM_KEY]
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    stripped.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n:])
+    with pytest.raises(records.FormatError, match=f"{stripped}: format 'bivit.embeddings/2' without its "
+                                                  f"'{CHECKSUM_KEY}'"):
+        bivit.load_embeddings(stripped)
+
+    def rename(items):
+        items[0]["uensor_sha256"] = items[0].pop("tensor_sha256")
+        return items
+
+    old = _resealed(small, tmp_path / "c.safetensors", rename, fmt=records.FORMAT_1)
+    with pytest.raises(records.FormatError, match="names tensor '0' without its 'tensor_sha256'"):
+        bivit.load_embeddings(old)
+    # The checksum is what docs/formats.md says, computed without bivit.
+    import hashlib
+
+    from safetensors import safe_open
+
+    with safe_open(str(small), "pt") as f:
+        meta = f.metadata()
+    recipe = json.dumps([meta["format"], meta["encoder"], meta["items"]], ensure_ascii=False)
+    assert hashlib.sha256(recipe.encode()).hexdigest() == meta[CHECKSUM_KEY]
+    # The control: the same file, resealed unchanged, reads back identical (in both formats).
+    assert _identical(bivit.load_embeddings(_resealed(small, tmp_path / "d.safetensors")),
+                      bivit.load_embeddings(small))
+    assert _identical(bivit.load_embeddings(_resealed(small, tmp_path / "e.safetensors", fmt=records.FORMAT_1)),
+                      bivit.load_embeddings(small))
+
+
+def _set(index: int, **values):
+    def edit(items):
+        items[index].update(values)
+        return items
+    return edit
+
+
+@pytest.mark.parametrize("case,edit,field", [
+    ("two chunks of a one-chunk grid", _set(0, chunk_tokens=[100, 8]), "chunk_tokens"),
+    ("chunks not adding up to its rows", _set(0, chunk_tokens=[50, 50]), "chunk_tokens"),
+    ("a grid of 1e18", _set(0, grid_thw=[[1e18] * 3]), "grid_thw"),
+    ("an integer grid past any model's", _set(0, grid_thw=[[1, 10**18, 10**18]]), "grid_thw"),
+    ("placeholder of 5 rows", lambda items: [{**items[0], "placeholders": [{**items[0]["placeholders"][0],
+                                                                          "tokens": 5}]}, items[1]], "placeholders"),
+    ("a 1x2x2 grid for 108 rows", _set(0, grid_thw=[[1, 2, 2]]), "chunk_tokens"),
+    ("kind hmage", _set(0, kind="hmage"), "kind"),
+    ("tokens against its chunks", _set(0, tokens=100), "tokens"),
+    ("an image of two frames", _set(0, grid_thw=[[2, 18, 24]]), "grid_thw"),
+    ("a video chunk without its timestamp", _set(1, timestamps=["00:00:00.000"]), "timestamps"),
+    ("a failed item naming a tensor", _set(1, error="x: broken"), "error"),
+])
+def test_a_record_that_contradicts_itself_is_refused_naming_file_and_field(small, tmp_path, case, edit, field):
+    """Records contradicting themselves were read: chunk_tokens [100, 8] of a one-chunk grid gave 2 chunks,
+    [50, 50] of 108 rows torch's RuntimeError, grid [[1e18]*3] a TypeError; placeholder tokens 5 of 108 rows, a
+    grid of 1 row for 108 and kind "hmage" were accepted. Written by a writer that sealed them (their checksum
+    matches), each is now a FormatError naming the file, the record and the field. The control: the sample's
+    record holds 108 rows in one 18x24 chunk, and the file resealed unchanged reads back."""
+    want = bivit.load_embeddings(small)
+    assert (want[0].tokens, want[0].grid_thw, want[0].chunk_tokens) == (108, [[1, 18, 24]], [108])
+    bad = _resealed(small, tmp_path / "bad.safetensors", edit)
+    with pytest.raises(records.FormatError) as e:
+        [r.embedding for r in bivit.load_embeddings(bad)]
+    assert str(e.value).startswith(f"{bad}: record ") and f": {field!r} " in str(e.value), str(e.value)
+    assert _identical(bivit.load_embeddings(_resealed(small, tmp_path / "good.safetensors")), want)
+
+
+def test_a_record_at_odds_with_its_tensor_is_refused(small, tmp_path):
+    """A record consistent with itself (grid, chunks, tokens, placeholders of one row) but not with its tensor
+    of 108 rows: FormatError naming the file and the tensor when the embedding is read."""
+    one = _set(0, grid_thw=[[1, 2, 2]], chunk_tokens=[1], tokens=1, sizes=[None])
+    bad = _resealed(small, tmp_path / "bad.safetensors",
+                    lambda items: [{**(r := one(items)[0]), "placeholders": [{**r["placeholders"][0], "tokens": 1}]},
+                                   items[1]])
+    opened = bivit.load_embeddings(bad)
+    with pytest.raises(records.FormatError, match=rf"{bad}: tensor '0' of '.*sample.png': a tensor of shape "
+                                                  r"\[108, 128\], its record says 1 rows"):
+        opened[0].embedding  # noqa: B018 - reads it
+    assert torch.equal(opened[1].embedding, bivit.load_embeddings(small)[1].embedding)  # the control

@@ -195,7 +195,7 @@ def test_json_response_round_trips_exactly(server, enc32):
     r = _post_files(server, [("a.png", imgs[0]), ("b.png", imgs[1])], params={"format": "json"})
     assert r.status_code == 200 and r.headers["content-type"].startswith("application/json")
     doc = r.json()
-    assert doc["format"] == "bivit.embeddings/1"
+    assert doc["format"] == "bivit.embeddings/2"
     assert doc["encoder"]["output_dtype"] == "float32" and doc["encoder"]["fingerprint"] == enc32.fingerprint
     for img, item in zip(imgs, doc["items"]):
         emb = torch.tensor(item["embedding"], dtype=torch.float64).to(torch.float32)

@@ -41,7 +41,7 @@ from .kinds import media_kind
 from .names import stored
 from .media import MediaBatch, Placeholder, batch_placeholders, image_placeholder_text, preprocess_images
 from .preprocess_config import ProcessorConfig, check_alpha
-from .records import embedding_sha256
+from .integrity import embedding_sha256
 from .video import preprocess_frames, preprocess_video
 
 PIXELS_TAG = b"bivit.pixels/1"
@@ -125,7 +125,7 @@ class ItemResult(_Item):
 
     @property
     def embedding_sha256(self) -> Optional[str]:
-        """`bivit.records.embedding_sha256` of its embedding (its record's `tensor_sha256`), computed once: copies
+        """`bivit.integrity.embedding_sha256` of its embedding (its record's `tensor_sha256`), computed once: copies
         made with `dataclasses.replace` keep it."""
         if self._embedding_sha256 is None and self.embedding is not None:
             self._embedding_sha256 = embedding_sha256(self.embedding)

@@ -1,13 +1,15 @@
-"""The one embedding file format, `FORMAT` ("bivit.embeddings/1"): its records, writing and reading a file
+"""The one embedding file format, `FORMAT` ("bivit.embeddings/2"): its records, writing and reading a file
 (`bivit.embeddings.load_embeddings` is the public reader, which also opens dataset folders).
 
 What `bivit encode` writes, what the service answers to `POST /v1/encode?format=safetensors` and every shard of a
-dataset folder are safetensors files with the same three header metadata keys:
+dataset folder are safetensors files with the same four header metadata keys:
 
-    format    "bivit.embeddings/1"
+    format    "bivit.embeddings/2"
     encoder   JSON object: what computed the embeddings (`Encoder.describe()`: model, demo, fingerprint, dtype,
               projector_dtype, output_dtype, batch_invariant, alpha, processing, text_hidden_size, kernels)
     items     JSON list: one record per item, in input order (a dataset shard: the order they were committed)
+    metadata_sha256  the checksum of the three above (`bivit.integrity`: every reader checks it, and each record
+              against itself)
 
 and one tensor per item that has an embedding, `[tokens, text_hidden]` in the encoder's output dtype, under the
 key its record names. A record (`Record`) holds the keys of `RECORD_KEYS` (each one's meaning and type:
@@ -19,7 +21,8 @@ plus what only one writer knows, under keys of its own (the service: `cached`; a
 attributes: `r.cached`). A dataset folder keeps the same records in `manifest.jsonl` and the encoder in
 `dataset.json` (see `bivit.dataset.format`).
 
-Files of older bivit versions still open: `bivit.encode/1` (`bivit encode`: one "bivit" JSON key),
+Files of older bivit versions still open: `bivit.embeddings/1` (before the checksum: its records read
+unverified, said once), `bivit.encode/1` (`bivit encode`: one "bivit" JSON key),
 `bivit.response/1` (the service) and dataset folders written before shards carried records; anything else is
 an error naming the format it found.
 
@@ -32,9 +35,7 @@ Imports nothing heavy (`bivit.client` reads answers through it): torch loads wit
 
 from __future__ import annotations
 
-import hashlib
 import json
-import logging
 import os
 import struct
 from dataclasses import dataclass, field, replace
@@ -46,15 +47,17 @@ from safetensors import safe_open  # light: torch loads with the first tensor re
 from .dtypes import dtype_name
 from .errors import BivitError, ErrorKind, FormatError, MediaError
 from .fileio import open_regular, parse_json, write_atomic
+from .integrity import CHECKSUM_KEY, check_embedding, check_metadata, check_record, metadata_sha256, said_unverified
 
 if TYPE_CHECKING:  # type hints only
     import torch
 
-FORMAT = "bivit.embeddings/1"
+FORMAT = "bivit.embeddings/2"  # 2: the metadata's checksum (`bivit.integrity`)
 # Formats this reader maps onto records (older bivit versions).
+FORMAT_1 = "bivit.embeddings/1"
 ENCODE_FORMAT_1 = "bivit.encode/1"
 RESPONSE_FORMAT_1 = "bivit.response/1"
-READS = (FORMAT, ENCODE_FORMAT_1, RESPONSE_FORMAT_1)
+READS = (FORMAT, FORMAT_1, ENCODE_FORMAT_1, RESPONSE_FORMAT_1)
 # The keys of a record, in the order files list them.
 RECORD_KEYS = ("tensor", "tensor_sha256", "source", "kind", "sha256", "tokens", "grid_thw", "chunk_tokens", "sizes",
                "timestamps", "placeholders", "error", "error_kind")
@@ -176,13 +179,16 @@ class Record:
     @staticmethod
     def from_json(obj: Mapping[str, Any], encoder: Optional[dict] = None,
                   load: Optional[Callable[[str], "torch.Tensor"]] = None, file: Optional[str] = None) -> "Record":
-        """A record as a file lists it (`load` reads its tensor from `file`)."""
+        """A record as a file lists it (`load` reads its tensor from `file`); FormatError naming `file`, the
+        record and the field for one that is not a bivit record or contradicts itself (`check_record`)."""
+        where = f"{file}: " if file else ""
         if not isinstance(obj, Mapping) or not isinstance(obj.get("source"), str):
-            raise FormatError(f"not a bivit record (no 'source'): {str(obj)[:200]}")
+            raise FormatError(f"{where}not a bivit record (no 'source'): {str(obj)[:200]}")
+        check_record(obj, where)
         try:
             return replace(Record._from_json(obj, encoder, load), _file=file)
         except (TypeError, ValueError, AttributeError) as e:  # a value of the wrong type, from a file
-            raise FormatError(f"not a bivit record ({type(e).__name__}: {e}): {str(obj)[:200]}") from None
+            raise FormatError(f"{where}not a bivit record ({type(e).__name__}: {e}): {str(obj)[:200]}") from None
 
     @staticmethod
     def _from_json(obj: Mapping[str, Any], encoder: Optional[dict],
@@ -223,18 +229,12 @@ def error_text(error: BaseException, source: str) -> str:
     return str(error) if isinstance(error, BivitError) else f"encode failed: {type(error).__name__}: {error}"
 
 
-def embedding_sha256(tensor: "torch.Tensor") -> str:
-    """A record's `tensor_sha256`: the sha256 of a tensor's bytes as a safetensors file stores them (C order)."""
-    import torch  # heavy (torch): bivit.client reads records without it (module docstring)
-
-    data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
-    return hashlib.sha256(data).hexdigest()
-
-
 def metadata(encoder: Mapping[str, Any], records: Sequence[Record]) -> dict[str, str]:
-    """The safetensors header metadata of a file of `records` computed by `encoder` (`Encoder.describe()`)."""
-    return {"format": FORMAT, "encoder": json.dumps(dict(encoder), separators=(",", ":")),
+    """The safetensors header metadata of a file of `records` computed by `encoder` (`Encoder.describe()`), with
+    its checksum."""
+    meta = {"format": FORMAT, "encoder": json.dumps(dict(encoder), separators=(",", ":")),
             "items": json.dumps([r.to_json() for r in records], separators=(",", ":"), ensure_ascii=False)}
+    return {**meta, CHECKSUM_KEY: metadata_sha256(meta)}
 
 
 # The most of a tensor's bytes `file_pieces` copies at a time.
@@ -334,30 +334,6 @@ class Embeddings(Sequence[Record]):
     def __repr__(self) -> str:
         where = f"{self.path!r}, " if self.path else ""
         return f"Embeddings({where}{len(self)} items, format {self.format}, model {self.encoder.get('model')!r})"
-
-
-def check_embedding(embedding: Any, tokens: int, dtype: Optional[str], name: str, checksum: Optional[str] = None,
-                    file: Optional[str] = None) -> None:
-    """FormatError naming `file` and `name` (the tensor) unless `embedding` is what its record says: a 2-D tensor
-    of `tokens` rows, in `dtype` (a torch dtype's name, if stated), with the record's `checksum` (`tensor_sha256`;
-    none in older files: read unverified, said once per file)."""
-    name = f"{file}: {name}" if file else name
-    shape = tuple(getattr(embedding, "shape", ()))
-    if len(shape) != 2 or shape[0] != tokens:
-        raise FormatError(f"{name}: a tensor of shape {list(shape)}, its record says {tokens} rows")
-    stored = str(embedding.dtype).removeprefix("torch.")
-    if dtype is not None and stored != dtype:
-        raise FormatError(f"{name}: a {stored} tensor, its file says {dtype}")
-    if checksum is None and (file or name) not in _UNVERIFIED:
-        _UNVERIFIED.add(file or name)
-        logging.getLogger(__name__).warning(f"{file or name}: written without tensor checksums (an older bivit): "
-                                            "its embeddings are read unverified")
-    elif checksum is not None and embedding_sha256(embedding) != checksum:
-        raise FormatError(f"{name}: its bytes do not match the checksum its record holds (tensor_sha256): the file "
-                          "is damaged")
-
-
-_UNVERIFIED: set = set()  # files said to be read unverified
 
 
 def file_metadata(path: str | os.PathLike) -> dict:
@@ -461,7 +437,11 @@ def _records(meta: dict, name: str, load: Callable, close: Optional[Callable]) -
             rows = [{**i, "tensor": i.get("key"), "kind": i.get("kind") or ("video" if i.get("timestamps") else "image")}
                     for i in items]
             return _build(rows, encoder, fmt, name, load, close)
-    if fmt == FORMAT:
+    if fmt in (FORMAT, FORMAT_1):
+        if fmt == FORMAT:
+            check_metadata(meta, name)
+        else:
+            said_unverified(name, f"format {FORMAT_1} (before metadata checksums): its records are read unverified")
         encoder = _json(meta, "encoder", name, fmt)
         rows = _json(meta, "items", name, fmt)
         return _build(rows, encoder, fmt, name, load, close)
@@ -479,4 +459,13 @@ def _records(meta: dict, name: str, load: Callable, close: Optional[Callable]) -
 def _build(rows: Any, encoder: Any, fmt: str, name: str, load: Callable, close: Optional[Callable]) -> Embeddings:
     if not isinstance(rows, list) or not isinstance(encoder, dict):
         raise FormatError(f"{name}: {fmt} metadata of the wrong shape (items must be a list, encoder an object)")
+    # A record without its tensor's checksum is one of a file written before them, and such a file has none:
+    # beside records that have one it is damage (or the key altered to pass as old).
+    if fmt in (FORMAT, FORMAT_1) and (fmt == FORMAT or any(isinstance(r, dict) and r.get("tensor_sha256")
+                                                           for r in rows)):
+        bare = next((r for r in rows if isinstance(r, dict) and r.get("tensor") is not None
+                     and r.get("tensor_sha256") is None), None)
+        if bare is not None:
+            raise FormatError(f"{name}: record {str(bare.get('source'))[:200]!r} names tensor "
+                              f"{str(bare['tensor'])[:100]!r} without its 'tensor_sha256'")
     return Embeddings([Record.from_json(r, encoder, load, name) for r in rows], encoder, fmt, name, close)

@@ -6,6 +6,7 @@
                 policies around them: planned hash checked, failures recorded with their reason
     sources     what SRC names, and the plan: skip, deduplicate or encode
     writer      DatasetWriter: the folder's lock, crash recovery and durable commits
+    journal     progress below one shard: every input taken, kept before the next (the writer's alone)
     local       the in-process engine
     ray_engine  the Ray Data engine (imports only `pipeline`)
     job         encode_dataset: one whole run

@@ -16,9 +16,10 @@ from safetensors import safe_open
 
 from .. import records
 from ..dtypes import dtype_name, parse_dtype
-from ..errors import BivitError
+from ..errors import BivitError, FormatError
+from ..integrity import check_embedding
 from ..kinds import media_kind
-from ..records import FormatError, Record, check_embedding
+from ..records import Record
 from .format import FORMAT, HEADER, MANIFEST, current_state, encoder_of, read_header
 
 if TYPE_CHECKING:  # type hints only
@@ -43,7 +44,7 @@ class EncodedDataset:
         if header is None:
             raise BivitError(f"{self.path}: not an encoded dataset (no {HEADER})")
         self.header: dict = header
-        by_source, failed = current_state(self.path)
+        by_source, failed = current_state(self.path, header)
         self._by_source = by_source
         self.records: list[Record] = list(by_source.values())
         self._by_hash: dict[str, list[Record]] = {}

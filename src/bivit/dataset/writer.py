@@ -29,29 +29,33 @@ from .. import __version__, records
 from ..dtypes import dtype_name
 from ..errors import BivitError, ErrorKind
 from ..fileio import append_lines, fsync_dir, temp_target, write_atomic
-from .format import (DEFAULT_SHARD_MB, ERRORS, FORMAT, FORMAT_VERSION, HEADER, LOCK, MANIFEST, SHARD_RE,
-                     encoder_of, manifest_line, manifest_record, read_header, read_jsonl,
+from ..integrity import sealed
+from .format import (DEFAULT_SHARD_MB, ERRORS, FORMAT, FORMAT_VERSION, HEADER, HEADER_KEY, LOCK, MANIFEST,
+                     SHARD_RE, checked, encoder_of, manifest_line, manifest_record, read_header, read_jsonl,
                      state_from_rows)
+from .journal import Journal, read_entries
 from .pipeline import Source
 
 # A pending shard is also committed after this many seconds, so a kill loses at most this much work even when
 # shards are large and encoding is slow.
 DEFAULT_FLUSH_SECONDS = 60.0
-# Test hook, a pause point only: "PHASE:SECONDS[:SHARDS]" sleeps at PHASE (before_rename | after_rename |
-# after_commit) of every shard commit once this run has written SHARDS shards before it (default 0), so a test
-# can SIGKILL the process at a chosen instant. It changes nothing else.
+# Test hook, a pause point only: "PHASE:SECONDS[:COUNT]" sleeps at PHASE (before_rename | after_rename |
+# after_commit) of every shard commit once this run has written COUNT shards before it (default 0), or
+# (journaled) after each input taken once the journal holds COUNT entries, so a test can SIGKILL the process at a
+# chosen instant. It changes nothing else.
 PAUSE_ENV = "BIVIT_DATASET_TEST_PAUSE"
 # A folder written with other values for these keys holds tensors that are not comparable with this run's ("bits"
 # first: a run on a machine whose kernels compute another class of bits is the likeliest cause, and says why).
-_MUST_MATCH = ("bits", "format_version", "fingerprint", "dtype", "projector_dtype", "output_dtype", "batch_invariant",
+# An older format_version is continued in its own (`read_header` refuses a newer one).
+_MUST_MATCH = ("bits", "fingerprint", "dtype", "projector_dtype", "output_dtype", "batch_invariant",
                "alpha")
 
 
-def _pause(phase: str, shards_before: int) -> None:
+def _pause(phase: str, count: int) -> None:
     spec = os.environ.get(PAUSE_ENV)
     if spec:
         want, seconds, after, *_ = spec.split(":") + ["", ""]
-        if want == phase and shards_before >= int(after or 0):
+        if want == phase and count >= int(after or 0):
             time.sleep(float(seconds or 1))
 
 
@@ -98,20 +102,23 @@ class DatasetWriter:
         except BlockingIOError:
             os.close(self._lock_fd)
             raise BivitError(f"{out}: another bivit encode-dataset is writing this folder") from None
-        try:
-            self._open_header()
-            self._recover()
-        except BaseException:
-            if created and not (self.dir / HEADER).exists():  # refused before it became a dataset folder
-                (self.dir / LOCK).unlink(missing_ok=True)
-            self.close()
-            raise
         # key -> (tensor, its manifest lines)
         self._pending: dict[str, tuple[torch.Tensor, list[records.Record]]] = {}
         self._pending_bytes = 0
         self._pending_since: Optional[float] = None
         self.tokens_written = 0
         self._commits = 0  # shards this run has written (for the test hook's pause)
+        self.journal = Journal(self.dir)
+        try:
+            self._open_header()
+            self._recover()
+            self._replay()
+            self.tokens_written = 0  # what this run encodes: a killed run's journal is the killed run's work
+        except BaseException:
+            if created and not (self.dir / HEADER).exists():  # refused before it became a dataset folder
+                (self.dir / LOCK).unlink(missing_ok=True)
+            self.close()
+            raise
 
     # -- opening ---------------------------------------------------------------------------------------------
 
@@ -128,7 +135,7 @@ class DatasetWriter:
             if leftovers:
                 raise BivitError(f"{self.dir}: not empty and has no {HEADER} (found {sorted(leftovers)[0]!r}); "
                                  "choose an empty or new --out")
-            write_atomic(self.dir / HEADER, (json.dumps(self.header, indent=2) + "\n").encode())
+            write_atomic(self.dir / HEADER, (json.dumps(sealed(self.header, HEADER_KEY), indent=2) + "\n").encode())
 
     def _recover(self) -> None:
         for p in self.dir.iterdir():
@@ -146,12 +153,12 @@ class DatasetWriter:
         self._seq = seq
         # Only what resuming needs, kept small: (size, mtime_ns, sha256) per source that is encoded now (a
         # source that failed since is not: it must be read again), one record per stored content.
-        current, failed = state_from_rows(rows[MANIFEST], rows[ERRORS])
+        current, failed = state_from_rows(rows[MANIFEST], rows[ERRORS], self.dir, self.header)
         self.by_source: dict[str, tuple[Optional[int], Optional[int], str]] = {
             r.source: (r.size, r.mtime_ns, r.sha256) for r in current.values()}
         self.by_hash: dict[str, records.Record] = {}
         for row in rows[MANIFEST]:
-            rec = manifest_record(row)
+            rec = manifest_record(row, str(self.dir / MANIFEST), checked(self.header))
             self.by_hash.setdefault(rec.sha256, rec)
         referenced = {r.shard for r in self.by_hash.values()}
         numbers = [-1]
@@ -171,6 +178,28 @@ class DatasetWriter:
         self._write_errors(failed, len(rows[ERRORS]))
         fsync_dir(self.dir)
 
+    def _replay(self) -> None:
+        """Commit what the journal of a killed run holds (`bivit.dataset.journal`), lines already committed
+        left out, then empty it."""
+        for lines, tensor in read_entries(self.journal.path):
+            lines = [r for r in lines if self.by_source.get(r.source) != self._identity(r)]
+            sha = lines[0].sha256 if lines else None
+            if sha is None:
+                continue
+            if sha in self.by_hash:  # its shard is committed
+                self.add_lines([with_keys(r, shard=self.by_hash[sha].shard) for r in lines])
+            elif sha in self._pending:
+                self._pending[sha][1].extend(lines)
+            elif tensor is not None:
+                self._hold(sha, tensor, lines, journal=False)
+        self.commit()
+        self.journal.clear()
+
+    @staticmethod
+    def _identity(rec: records.Record) -> tuple:
+        """What says a source is unchanged since its line was written (`bivit.dataset.sources.plan`)."""
+        return rec.size, rec.mtime_ns, rec.sha256
+
     def _next_seq(self) -> int:
         self._seq += 1
         return self._seq
@@ -183,7 +212,7 @@ class DatasetWriter:
         or of a folder that could be listed this time (its files speak for themselves now), is dropped.
         """
         error_rows, _ = read_jsonl(self.dir / ERRORS)
-        _, failed = state_from_rows(read_jsonl(self.dir / MANIFEST)[0], error_rows)
+        _, failed = state_from_rows(read_jsonl(self.dir / MANIFEST)[0], error_rows, self.dir, self.header)
         if listed is not None:
             failed = {s: e for s, e in failed.items() if s in listed}
         self._write_errors(failed, len(error_rows))
@@ -232,13 +261,22 @@ class DatasetWriter:
         lines = [source_line(rec, s, st) for s, st in zip(sources, stats)]
         if sha in self._pending:
             self._pending[sha][1].extend(lines)
-            return
-        self._pending[sha] = (tensor.contiguous(), lines)
+            self.journal.append(lines, None)
+        else:
+            self._hold(sha, tensor, lines)
+        _pause("journaled", self.journal.entries)
+        if self._pending_bytes >= self.shard_bytes or time.monotonic() - self._pending_since >= self.flush_seconds:
+            self.commit()
+
+    def _hold(self, sha: str, tensor: torch.Tensor, lines: list[records.Record], journal: bool = True) -> None:
+        """A new tensor and its lines, pending until the next commit; in the journal first (`journal`)."""
+        tensor = tensor.contiguous()
+        if journal:
+            self.journal.append(lines, tensor)
+        self._pending[sha] = (tensor, lines)
         self._pending_bytes += tensor.numel() * tensor.element_size()
         if self._pending_since is None:
             self._pending_since = time.monotonic()
-        if self._pending_bytes >= self.shard_bytes or time.monotonic() - self._pending_since >= self.flush_seconds:
-            self.commit()
 
     def commit(self) -> None:
         """Write the pending tensors as one durable shard, then append their manifest lines."""
@@ -256,6 +294,7 @@ class DatasetWriter:
                      before_replace=lambda: _pause("before_rename", self._commits))
         _pause("after_rename", self._commits)
         self.add_lines(lines)
+        self.journal.clear()
         self.tokens_written += sum(int(t.shape[0]) for t, _ in self._pending.values())
         self._pending.clear()
         self._pending_bytes = 0
@@ -264,6 +303,7 @@ class DatasetWriter:
         _pause("after_commit", self._commits - 1)
 
     def close(self) -> None:
+        self.journal.close()
         if getattr(self, "_lock_fd", None) is not None:
             os.close(self._lock_fd)  # releases the flock
             self._lock_fd = None
