@@ -46,8 +46,9 @@ MIXES = {"one image": ["square"], "two images": ["wide", "odd"], "image and vide
 
 
 
-def plugin_engine(model, dtype: str, **bivit_options):
-    """An offline engine of `model` in `dtype` running bivit's plugin architecture (the test engine settings)."""
+def plugin_engine(model, dtype: str, bivit_options=None):
+    """An offline engine of `model` in `dtype` running bivit's plugin architecture (the test engine settings), with
+    the plugin's options (`hf_overrides` key "bivit") if given."""
     engine_environment()
     overrides = {"architectures": [ARCHITECTURE], **({"bivit": bivit_options} if bivit_options else {})}
     return LLM(model=str(model), hf_overrides=overrides, **engine_options(dtype))
@@ -205,7 +206,7 @@ def test_the_seeds_dtype_mix_runs_and_gives_bivits_rows(tiny_kimi, files, dtype)
     same_dtype = bivit.load_encoder(str(tiny_kimi), dtype="bfloat16")
     want = bivit_rows(encoder, paths)
     media = dict(zip(paths, bv.encode(encoder, list(paths.values()))))
-    engine = plugin_engine(tiny_kimi, dtype, dtype="bfloat16", projector_dtype="float32")
+    engine = plugin_engine(tiny_kimi, dtype, {"dtype": "bfloat16", "projector_dtype": "float32"})
     try:
         assert engine.apply_model(vllm_hooks.install) == [True]
         assert engine.apply_model(vllm_hooks.bivit_fingerprint)[0] == encoder.fingerprint
