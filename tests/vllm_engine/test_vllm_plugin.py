@@ -216,3 +216,40 @@ def test_the_seeds_dtype_mix_runs_and_gives_bivits_rows(tiny_kimi, files, dtype)
         assert matches(rows_in, bivit_rows(same_dtype, paths)) == {n: False for n in want}
     finally:
         shutdown(engine)
+
+
+def test_grpo_with_vllm_encoding_the_images_trains_on_the_rows_the_rollout_used(tiny_kimi, dtype, tmp_path):
+    """TRL's GRPO (2 steps, the tower trains, the language model frozen), the trainer with `bivit.hf.attach`, the
+    rollout in a plugin engine given the images as images (`vision_chunk` items): before each rollout the trainer's
+    vision weights go to the engine through the model's `load_weights`. Every image's rows in the trainer are the
+    rows vLLM computed for the rollout, bit for bit (read where its encoder-cache connector saved them)."""
+    pytest.importorskip("trl")
+    from support.grpo import grpo_run  # needs trl (importorskip above)
+    from test_vllm_rl import VllmTowerRollout  # the rollout that sends vLLM the images (needs trl too)
+    from vllm.config import ECTransferConfig  # vLLM's venv only (module importorskip)
+
+    import bivit.hf as bh  # needs transformers (vLLM's venv has it)
+
+    class PluginRollout(VllmTowerRollout):
+        def __call__(self, prompts, trainer):
+            vision = [(k, t.detach().clone()) for k, t in bh.checkpoint_state_dict(trainer.model).items()
+                      if is_vision_key(k)]
+            self.llm.apply_model(functools.partial(vllm_hooks.load_weights, vision))
+            return super().__call__(prompts, trainer)
+
+    engine_environment()
+    ec_dir = tmp_path / "ec"
+    engine = LLM(model=str(tiny_kimi), hf_overrides={"architectures": [ARCHITECTURE]}, **engine_options(dtype),
+                 ec_transfer_config=ECTransferConfig(ec_connector="ECExampleConnector", ec_role="ec_both",
+                                                     ec_connector_extra_config={"shared_storage_path": str(ec_dir)}))
+    try:
+        record, info = grpo_run(tiny_kimi, dtype, "bivit", tmp_path / "run", train_language_model=False,
+                                control=lambda model, processor: PluginRollout(processor, engine, ec_dir, dtype))
+    finally:
+        shutdown(engine)
+    print(f"\nGRPO, vLLM (bivit's plugin) rollout from images, {dtype}, {cpu_kind()} CPU:", json.dumps(record.report()))
+    assert info["steps"] == 2 and len(record.trainer) == 2 * 3 * 2
+    assert record.mismatches() == 0 and record.gap("row_gaps")["max"] == 0.0
+    assert any(k.startswith("model.vision_tower.") for k in info["moved"])
+    keys = {key for _, key in record.rollout}
+    assert all(not torch.equal(record.rollout[(0, k)], record.rollout[(1, k)]) for k in keys)  # the sync reached vLLM
