@@ -186,7 +186,8 @@ def test_weight_updates_reach_bivits_tower(plugin, tiny_kimi, files, encoders, d
     def batch(run: str) -> list[dict]:  # fresh item names each time: encoded again, not read from vLLM's cache
         return requests(plugin, paths, items, media, ["two images"], f"{dtype}-weights-{run}")
 
-    assert matches(rows_fed(plugin, batch("before"))[0], want) == {"odd": False}  # control: not yet the new weights' rows
+    # Control: not yet the new weights' rows.
+    assert matches(rows_fed(plugin, batch("before"))[0], want) == {"odd": False}
 
     # An RL framework's update: the model's load_weights with the vision tensors only (checkpoint names).
     from safetensors.torch import load_file  # the checkpoint's tensors, as a trainer would send them
@@ -200,7 +201,8 @@ def test_weight_updates_reach_bivits_tower(plugin, tiny_kimi, files, encoders, d
     plugin.collective_rpc("reload_weights")
     plugin.reset_prefix_cache()
     assert plugin.apply_model(vllm_hooks.bivit_fingerprint)[0] == fingerprint
-    assert matches(rows_fed(plugin, batch("reloaded"))[0], bivit_rows(encoders(dtype), {"odd": paths["odd"]})) == {"odd": True}
+    original = bivit_rows(encoders(dtype), {"odd": paths["odd"]})
+    assert matches(rows_fed(plugin, batch("reloaded"))[0], original) == {"odd": True}
 
 
 def test_the_seeds_dtype_mix_runs_and_gives_bivits_rows(tiny_kimi, files, dtype):
