@@ -205,10 +205,17 @@ def load_state_dict(directory: str | os.PathLike, cfg: ModelConfig) -> dict[str,
     key_files = vision_key_files(directory)
     if not key_files:
         raise CheckpointError(f"{directory}: no vision_tower.* / mm_projector.* tensors found")
-    tensors = read_tensors(key_files)
+    where = directory / INDEX if (directory / INDEX).is_file() else directory
+    return checked_state(read_tensors(key_files), cfg, where)
+
+
+def checked_state(tensors: dict[str, tuple[torch.Tensor, Path]], cfg: ModelConfig, where: Path
+                  ) -> dict[str, torch.Tensor]:
+    """Vision/projector tensors by checkpoint name (either layout), each with the file or source it came from ->
+    the model's state dict, converted and validated: every key of the model, its shape, a weight dtype, finite.
+    `where` names the whole set in a missing-key error (a checkpoint's index, or another source)."""
     if any(k.startswith(HF_PREFIXES) or ".layers." in k for k in tensors):
         tensors = from_transformers_layout(tensors, cfg)
-    where = directory / INDEX if (directory / INDEX).is_file() else directory
     expected = expected_shapes(cfg)
     check_keys(expected, tensors, lambda k, more: f"{where}: missing vision tensor {k!r}{more}",
                lambda k: f"{tensors[k][1]}: unexpected vision tensor {k!r} (not part of a {cfg.projector_type} "

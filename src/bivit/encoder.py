@@ -27,9 +27,10 @@ from .model import VisionModel
 from .packing import MAX_BATCH_PATCHES, Pass, check_budget, check_pixels
 from .preprocess_config import ProcessorConfig, check_alpha, default_processing, resolve_processing
 from .video import preprocess_video, video_chunks
-from .weights import DEMO_NOTICE, DEMO_SEED, build_model, fingerprint, parse_device, replace_weights
+from .weights import (DEMO_NOTICE, DEMO_SEED, build_model, fingerprint, model_from_state, parse_device,
+                      replace_weights)
 
-__all__ = ["DEMO_NOTICE", "DEMO_SEED", "Encoder", "load_encoder"]
+__all__ = ["DEMO_NOTICE", "DEMO_SEED", "Encoder", "encoder_from_state", "load_encoder"]
 
 
 class Encoder:
@@ -97,14 +98,16 @@ class Encoder:
                 f"dtype={dtype_name(self.dtype)}, projector_dtype={dtype_name(self.projector_dtype)}, "
                 f"output_dtype={dtype_name(self.output_dtype)}, batch_invariant={self.batch_invariant})")
 
-    def update_weights(self, state_dict: Mapping[str, torch.Tensor], *, source: str = "weight update") -> str:
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor], *, source: str = "weight update",
+                       partial: bool = False) -> str:
         """Replace every vision/projector weight at once (e.g. from a trainer's `state_dict()`) -> new fingerprint.
 
         All or nothing (`bivit.weights.replace_weights`: the model's keys, shapes and dtypes, finite); a
-        CheckpointError names `source` and the first offending key and the old weights stay. Not re-entrant
-        with `encode`: call it between forward passes (the server serialises both).
+        CheckpointError names `source` and the first offending key and the old weights stay. `partial`: the
+        update may hold only some of the weights (an engine's weight loader streams them in parts); the others
+        stay. Not re-entrant with `encode`: call it between forward passes (the server serialises both).
         """
-        replace_weights(self.model, state_dict, source)
+        replace_weights(self.model, state_dict, source, partial=partial)
         self._fingerprint = None
         if self.batch_invariant:
             ops.backend_for(self.device).prepare(self.model)  # re-pack (and prove) now rather than on the next request
@@ -284,10 +287,31 @@ def load_encoder(model: str | os.PathLike | None = None, *, device: str | torch.
     device = parse_device(device)
     net, name, is_demo, proc = build_model(model, device=device, dtype=tower_dtype, projector_dtype=proj_dtype,
                                            seed=seed, revision=revision, processing=processing)
+    return _ready(net, model_name=name, is_demo=is_demo, batch_invariant=batch_invariant, output_dtype=out_dtype,
+                  max_batch_patches=budget, device=device, processing=proc, alpha=alpha)
+
+
+def encoder_from_state(config: ModelConfig, state: Mapping[str, torch.Tensor], *, model_name: str,
+                       processing: ProcessorConfig, device: str | torch.device = "cpu",
+                       dtype: str | torch.dtype = "bfloat16", projector_dtype: str | torch.dtype | None = None,
+                       output_dtype: str | torch.dtype | None = None, batch_invariant: bool = True,
+                       max_batch_patches: int | None = None, alpha: str = "model") -> Encoder:
+    """An encoder over vision weights already in memory (checkpoint names, checked by
+    `bivit.checkpoint.checked_state`), e.g. those an inference engine read from the checkpoint: for the same
+    weights, dtypes and preprocessing it is `load_encoder`'s encoder, the same rows and the same fingerprint."""
+    check_alpha(alpha)
+    tower_dtype, proj_dtype, out_dtype = resolve_dtypes(dtype, projector_dtype, output_dtype)
+    device = parse_device(device)
+    net = model_from_state(config, state, device=device, dtype=tower_dtype, projector_dtype=proj_dtype)
+    return _ready(net, model_name=model_name, is_demo=False, batch_invariant=batch_invariant,
+                  output_dtype=out_dtype, max_batch_patches=check_budget(max_batch_patches), device=device,
+                  processing=resolve_processing(processing, config), alpha=alpha)
+
+
+def _ready(net: VisionModel, *, batch_invariant: bool, device: torch.device, **options: Any) -> Encoder:
     net.requires_grad_(False)  # an inference engine: no autograd bookkeeping, ever
     if batch_invariant:
         # CPU: pack the weights and prove every op invariant on this machine now, not on the first request;
         # CUDA: check the Triton kernels can run (fixed tiles, nothing to probe).
         ops.backend_for(device).prepare(net)
-    return Encoder(net, model_name=name, is_demo=is_demo, batch_invariant=batch_invariant, output_dtype=out_dtype,
-                   max_batch_patches=budget, device=device, processing=proc, alpha=alpha)
+    return Encoder(net, batch_invariant=batch_invariant, device=device, **options)

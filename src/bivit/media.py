@@ -207,6 +207,17 @@ def _normalize(frames: np.ndarray, processing: ProcessorConfig) -> np.ndarray:
     return x
 
 
+def normalize_patches(patches: torch.Tensor, processing: ProcessorConfig) -> torch.Tensor:
+    """Raw patches `[L, 3, p, p]` uint8 (resized and zero-padded pixels, cut into patches: what vLLM's Kimi-K2.5
+    processor hands a model that normalises on its device) -> float32 patches normalised exactly as `_patchify`
+    normalises (the same function, channels last)."""
+    if patches.dtype != torch.uint8 or patches.ndim != 4 or patches.shape[1] != 3:
+        raise MediaError(f"expected raw uint8 patches [L, 3, p, p], got {str(patches.dtype).removeprefix('torch.')} "
+                         f"{list(patches.shape)}")
+    x = _normalize(patches.cpu().numpy().transpose(0, 2, 3, 1), processing)
+    return torch.from_numpy(np.ascontiguousarray(x.transpose(0, 3, 1, 2)))
+
+
 def _patchify(arrays: Sequence[np.ndarray], processing: ProcessorConfig) -> tuple[torch.Tensor, tuple[int, int, int]]:
     if len({a.shape for a in arrays}) != 1:
         raise MediaError(f"frames of one chunk differ in size: {sorted({a.shape[:2] for a in arrays})}")

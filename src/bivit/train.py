@@ -21,7 +21,7 @@ from .config import ModelConfig
 from .dtypes import resolve_dtypes
 from .model import VisionModel
 from .packing import check_pixels
-from .weights import DEMO_SEED, build_model, parse_device
+from .weights import DEMO_SEED, build_model, model_from_state, parse_device
 
 
 class TrainableModel(VisionModel):
@@ -115,12 +115,8 @@ def trainable_from_state(cfg: ModelConfig, state: Mapping[str, torch.Tensor], *,
                          activation_checkpointing: bool = False) -> TrainableModel:
     """The trainable module over weights already in memory (checkpoint names, e.g. converted from another
     implementation's module: `bivit.hf.attach`), ready as `load_model` leaves it."""
-    with torch.device("meta"):
-        net = TrainableModel(cfg)
-    net.load_state_dict(dict(state), strict=True, assign=True)
-    net.vision_tower.to(device=device, dtype=dtype)
-    net.mm_projector.to(device=device, dtype=projector_dtype)
-    ops.backend_for(device).load()  # as build_model: the installed kernels loaded and self-tested now
+    net = model_from_state(cfg, state, device=device, dtype=dtype, projector_dtype=projector_dtype,
+                           cls=TrainableModel)
     return _ready(net, batch_invariant, activation_checkpointing)
 
 

@@ -18,7 +18,7 @@ import torch
 
 from . import ops
 from .checkpoint import all_finite, check_keys, load_state_dict, random_state_dict
-from .config import PRESETS, load_config
+from .config import PRESETS, ModelConfig, load_config
 from .dtypes import dtype_name
 from .errors import CheckpointError, ConfigError
 from .hub import check_model, resolve as resolve_repo
@@ -53,14 +53,22 @@ def build_model(model: str | os.PathLike | None, *, device: torch.device, dtype:
         proc = load_processing(path, cfg) if processing is None else resolve_processing(processing, cfg)
         state = load_state_dict(path, cfg)
         is_demo = False
+    return model_from_state(cfg, state, device=device, dtype=dtype, projector_dtype=projector_dtype, cls=cls), \
+        name, is_demo, proc
 
+
+def model_from_state(cfg: ModelConfig, state: Mapping[str, torch.Tensor], *, device: torch.device,
+                     dtype: torch.dtype, projector_dtype: torch.dtype, cls: type[VisionModel] = VisionModel
+                     ) -> VisionModel:
+    """`cls` over a checked state dict (`bivit.checkpoint.checked_state`): the tower in `dtype`, the projector in
+    `projector_dtype`, on `device` (each weight cast once, here)."""
     with torch.device("meta"):
         net = cls(cfg)
-    net.load_state_dict(state, strict=True, assign=True)
+    net.load_state_dict(dict(state), strict=True, assign=True)
     net.vision_tower.to(device=device, dtype=dtype)
     net.mm_projector.to(device=device, dtype=projector_dtype)
     ops.backend_for(device).load()  # CPU: load and self-test the installed kernels now
-    return net, name, is_demo, proc
+    return net
 
 
 def parse_device(device: str | torch.device) -> torch.device:
@@ -89,14 +97,17 @@ def fingerprint(model: VisionModel, *, output_dtype: torch.dtype, batch_invarian
     return h.hexdigest()
 
 
-def replace_weights(model: VisionModel, state_dict: Mapping[str, torch.Tensor], source: str) -> None:
+def replace_weights(model: VisionModel, state_dict: Mapping[str, torch.Tensor], source: str, *,
+                    partial: bool = False) -> None:
     """Copy every weight of `state_dict` into `model` in place, all or nothing.
 
-    The update must hold exactly the model's tensors, by checkpoint name, each with the model's shape and dtype
-    (no silent casts: the computed bits must be the sender's) and finite; otherwise a CheckpointError names
-    `source` and the first offending key and nothing is changed.
+    The update must hold exactly the model's tensors (`partial`: some of them), by checkpoint name, each with the
+    model's shape and dtype (no silent casts: the computed bits must be the sender's) and finite; otherwise a
+    CheckpointError names `source` and the first offending key and nothing is changed.
     """
     current = model.state_dict()
+    if partial:
+        current = {k: t for k, t in current.items() if k in state_dict}
     check_keys(current, state_dict, lambda k, more: f"{source}: missing tensor {k!r}{more}; an update replaces "
                                                     "every weight",
                lambda k: f"{source}: unexpected tensor {k!r} (not a weight of this model)")

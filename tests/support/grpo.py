@@ -169,8 +169,9 @@ def grpo_run(ckpt, dtype: str, mode: str, out_dir, *, engine=None, steps: int = 
              keep_model: bool = False, train_language_model: bool = True) -> tuple[Record, dict]:
     """One GRPO run of `steps` optimizer steps -> (record, {"moved": weights that changed, "steps", "model" if
     `keep_model`}). mode: "bivit" (attached, trainable), "frozen" (attached, rows from the rollout) or "hf-tower"
-    (the control: HF's tower in the trainer; the rollout's rows from HF's tower too, or from `control(model,
-    processor)`, a Rollout). `engine`: the bivit rollout's generation engine (default transformers' generate).
+    (the control: HF's tower in the trainer; the rollout's rows from HF's tower too). `control(model, processor)`:
+    the Rollout to use instead (e.g. vLLM encoding the images itself). `engine`: the bivit rollout's generation
+    engine (default transformers' generate).
     `train_language_model=False` freezes the language model (the tower alone trains)."""
     torch.manual_seed(0)
     model = Kimi_K25ForConditionalGeneration.from_pretrained(str(ckpt), dtype=getattr(torch, dtype))
@@ -190,7 +191,8 @@ def grpo_run(ckpt, dtype: str, mode: str, out_dir, *, engine=None, steps: int = 
         vision = bh.attach(model, rows=store)
         vision.vision_tower.register_forward_pre_hook(lambda *_: setattr(record, "tower_calls",
                                                                            record.tower_calls + 1))
-        rollout = RecordingRollout(bivit.load_encoder(str(ckpt), dtype=dtype), processor, rows=store, engine=engine)
+        rollout = (RecordingRollout(bivit.load_encoder(str(ckpt), dtype=dtype), processor, rows=store, engine=engine)
+                   if control is None else control(model, processor))
     rollout.record = record
     images = [Image.fromarray(random_image(h, w, i)) for i, (h, w) in enumerate(SIZES)]
     dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"Describe picture {i}."}]

@@ -21,8 +21,12 @@ the dtype, so a vLLM whose backends change skips with the reason instead of fail
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
+import sys
+import tempfile
+import tomllib
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
@@ -99,13 +103,40 @@ def cannot_run(dtype: str) -> Optional[str]:
     return None
 
 
+def plugin_metadata() -> Path:
+    """A folder holding the installed-package metadata `pip install bivit` writes for bivit's vLLM plugin: the entry
+    points pyproject.toml declares. The tests run bivit from the checkout (PYTHONPATH), not installed, and vLLM
+    finds general plugins only through installed metadata (`importlib.metadata.entry_points`)."""
+    global _PLUGIN_METADATA
+    if _PLUGIN_METADATA is None:
+        project = tomllib.loads((HERE.parents[1] / "pyproject.toml").read_text())["project"]
+        folder = Path(tempfile.mkdtemp(prefix="bivit-plugin-metadata-"))
+        info = folder / f"bivit-{project['version']}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: bivit\nVersion: {project['version']}\n")
+        (info / "entry_points.txt").write_text("".join(
+            f"[{group}]\n" + "".join(f"{name} = {value}\n" for name, value in points.items()) + "\n"
+            for group, points in project["entry-points"].items()))
+        _PLUGIN_METADATA = folder
+    return _PLUGIN_METADATA
+
+
+_PLUGIN_METADATA: Optional[Path] = None
+
+
 def engine_environment() -> None:
     """vLLM runs the engine core and the worker in their own processes (its default; in one process, numba's
     llvmlite, which vLLM's Kimi image processor imports, trips vLLM's Triton-override scan of sys.modules). The
-    probes in `vllm_hooks` reach the worker by module name, so this folder goes on PYTHONPATH."""
-    paths = os.environ.get("PYTHONPATH", "")
-    if str(HERE) not in paths.split(os.pathsep):
-        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), paths) if p)
+    probes in `vllm_hooks` reach the worker by module name, so this folder goes on PYTHONPATH, and so does bivit's
+    plugin metadata (`plugin_metadata`), as an installed bivit has it."""
+    paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    for folder in (str(HERE), str(plugin_metadata())):
+        if folder not in paths:
+            paths.insert(0, folder)
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+    if str(plugin_metadata()) not in sys.path:  # this process too (vLLM's front end loads its plugins here)
+        sys.path.insert(0, str(plugin_metadata()))
+        importlib.invalidate_caches()
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # LLM.apply_model sends the probes by pickle
     # Tests never reach the network: no usage report to vLLM's collector, no hub look-ups.
     os.environ.update(VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")

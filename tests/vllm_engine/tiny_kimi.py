@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -120,8 +121,10 @@ def language_model_state(seed: int = 1) -> dict[str, torch.Tensor]:
     return {f"language_model.{k}": x for k, x in s.items()}
 
 
-def write_tiny_kimi(directory, *, seed: int = 0, dtype: torch.dtype = torch.float32) -> Path:
-    """Write the whole checkpoint into `directory` (created) and return it."""
+def write_tiny_kimi(directory, *, seed: int = 0, dtype: torch.dtype = torch.float32,
+                    vision_seed: Optional[int] = None) -> Path:
+    """Write the whole checkpoint into `directory` (created) and return it; `vision_seed` (default `seed`): other
+    vision weights beside the same language model."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     ids = write_tokenizer(directory)
@@ -134,8 +137,8 @@ def write_tiny_kimi(directory, *, seed: int = 0, dtype: torch.dtype = torch.floa
         "use_unified_vision_chunk": True, "tie_word_embeddings": False,
     })
     lm = {k: x.to(dtype).contiguous() for k, x in language_model_state(seed + 1).items()}
-    save_checkpoint(directory, VISION, random_state_dict(VISION, seed), dtype=dtype, extra_shards=[lm],
-                    config=config)
+    vision = random_state_dict(VISION, seed if vision_seed is None else vision_seed)
+    save_checkpoint(directory, VISION, vision, dtype=dtype, extra_shards=[lm], config=config)
     (directory / "preprocessor_config.json").write_text(json.dumps(preprocessor_config_dict(K25_PROCESSING), indent=2))
     (directory / "generation_config.json").write_text(json.dumps({"bos_token_id": ids["[BOS]"],
                                                                   "eos_token_id": ids["[EOS]"]}))

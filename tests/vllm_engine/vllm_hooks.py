@@ -13,13 +13,14 @@ from __future__ import annotations
 def install(model) -> bool:
     if getattr(model, "_bivit_probe", None) is not None:
         return False
-    probe = model._bivit_probe = {"encoded_items": 0, "encoder_calls": 0, "rows_in": []}
+    probe = model._bivit_probe = {"encoded_items": 0, "encoder_calls": 0, "items_per_call": [], "rows_in": []}
     embed_multimodal, embed_input_ids = model.embed_multimodal, model.embed_input_ids
 
     def counted_embed_multimodal(**kwargs):
         out = embed_multimodal(**kwargs)
         probe["encoder_calls"] += 1
         probe["encoded_items"] += len(out) if out is not None else 0
+        probe["items_per_call"].append(len(out) if out is not None else 0)
         return out
 
     def recorded_embed_input_ids(input_ids, multimodal_embeddings=None, **kwargs):
@@ -35,5 +36,19 @@ def install(model) -> bool:
 def take(model) -> dict:
     probe = model._bivit_probe
     out = dict(probe)
-    probe.update(encoded_items=0, encoder_calls=0, rows_in=[])
+    probe.update(encoded_items=0, encoder_calls=0, items_per_call=[], rows_in=[])
     return out
+
+
+def model_class(model) -> str:
+    return f"{type(model).__module__}.{type(model).__name__}"
+
+
+def bivit_fingerprint(model) -> str:
+    """The fingerprint of bivit's encoder inside the engine (BivitKimiK25ForConditionalGeneration)."""
+    return model.encoder().fingerprint
+
+
+def load_weights(weights, model) -> None:
+    """The model's own `load_weights` with these (name, tensor) pairs, as RL frameworks call it between steps."""
+    model.load_weights(weights)
