@@ -15,7 +15,7 @@ import torch
 from PIL import Image
 
 import bivit
-from bivit import kernels
+from bivit import kernels, state
 from bivit.client import parse_response
 from support.installs import env_for, package_without
 from support.media import make_video, random_image
@@ -157,3 +157,29 @@ def test_float32_bits_do_not_depend_on_the_process_or_its_history(kimi_ckpt, inp
     here = {d: bivit.load_encoder(kimi_ckpt, dtype=d) for d in ("float32", "bfloat16")}
     assert all(torch.equal(here["float32"].encode([p])[0], b) for p, b in zip(inputs, one["before"]))
     assert all(torch.equal(here["bfloat16"].encode([p])[0], b) for p, b in zip(inputs, one["bfloat16"]))
+
+
+def test_kernel_choices_and_bits_do_not_depend_on_torchs_default_dtype(fresh_state):
+    """vLLM loads a model with torch's default dtype set to the engine's (bf16): the kernels' self-tests,
+    conformance problems and proof name their dtypes, so the same kernels pass, the class is the same, and the
+    load-time proof holds. Control: a conformance problem built in the default dtype is not the committed one."""
+    from bivit.ops import bits
+
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        kinds = {d: backend_kernels(d) for d in (torch.float32, torch.bfloat16)}
+        classes = {d: bivit.ops.bits_class((d, d), torch.device("cpu"), True) for d in kinds}
+        built_by_default = torch.empty(3)
+    finally:
+        torch.set_default_dtype(before)
+    assert all(c == bits.ARITH for c in classes.values()), classes
+    state.reset()
+    assert kinds == {d: backend_kernels(d) for d in kinds}
+    assert built_by_default.dtype == torch.bfloat16  # the control: what an unnamed dtype would have been
+
+
+def backend_kernels(dtype: torch.dtype) -> tuple[str, str]:
+    from bivit.ops import backend
+
+    return backend.gemm_kernel(dtype).name, backend.attention_kernel(dtype).name_for(dtype)

@@ -52,7 +52,8 @@ _OPTIONS = ("dtype", "projector_dtype")
 @contextlib.contextmanager
 def _torch_defaults() -> Iterator[None]:
     """torch's default dtype float32 inside: vLLM loads weights with the engine's dtype as torch's default, and
-    bivit's load-time kernel self-tests build their float32 problems without naming a dtype."""
+    bivit's encoder is built and run here as in any other process. (The kernels' checks name their dtypes,
+    tests/test_backend.py; the model's construction is not proven free of the default.)"""
     before = torch.get_default_dtype()
     torch.set_default_dtype(torch.float32)
     try:

@@ -303,8 +303,8 @@ def _strided(rows: int, heads: int, d: int, row_pad: int, head_pad: int, g: torc
     writes wrong places of it, not past it)."""
     head = d + head_pad
     row = heads * head + row_pad
-    return torch.randn(2 * rows * row + 2 * heads * head, generator=g).to(dtype).as_strided((rows, heads, d),
-                                                                                            (row, head, 1))
+    buffer = torch.randn(2 * rows * row + 2 * heads * head, generator=g, dtype=torch.float32).to(dtype)
+    return buffer.as_strided((rows, heads, d), (row, head, 1))
 
 
 def self_test_inputs(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:

@@ -103,9 +103,9 @@ def self_test(kernel: GemmKernel, dtype: torch.dtype) -> str | None:
     # x and every y are views with row strides of their own (k + 3, n + 5), so a call that passed one's stride as
     # the other's reads or writes the wrong rows and fails below; y's buffers have room for twice its rows, so
     # such a call writes wrong places of them, not past them.
-    w = torch.randn(n, k, generator=g).to(dtype)
-    x = torch.randn(m, k + 3, generator=g).to(dtype)[:, :k]
-    bias = torch.randn(n, generator=g)
+    w = torch.randn(n, k, generator=g, dtype=torch.float32).to(dtype)
+    x = torch.randn(m, k + 3, generator=g, dtype=torch.float32).to(dtype)[:, :k]
+    bias = torch.randn(n, generator=g, dtype=torch.float32)
 
     def out(rows: int) -> torch.Tensor:
         return torch.empty(2 * rows, n + 5, dtype=torch.float32)[:rows, :n]

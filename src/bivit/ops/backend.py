@@ -239,8 +239,8 @@ def gelu_out() -> Callable | None:
     if fn is None:
         return None
     try:
-        x = torch.randn(16)
-        out = torch.empty(16)
+        x = torch.randn(16, dtype=torch.float32)
+        out = torch.empty(16, dtype=torch.float32)
         fn(x, approximate="tanh", out=out)
         if not torch.equal(out, F.gelu(x, approximate="tanh")):
             return None
@@ -258,7 +258,7 @@ def flash_attention_backward() -> Callable | None:
     if fn is None or forward is None:
         return None
     try:
-        q, k, v = torch.randn(3, 1, 1, 4, 8).unbind(0)
+        q, k, v = torch.randn(3, 1, 1, 4, 8, dtype=torch.float32).unbind(0)
         out, lse = forward(q, k, v)[:2]
         fn(torch.ones_like(out), q, k, v, out, lse, 0.0, False, scale=1 / math.sqrt(8))
     except Exception:

@@ -114,14 +114,14 @@ def gemm_outputs(kernel, dtype: torch.dtype) -> list[torch.Tensor]:
     x, w, bias = gemm_problem(dtype)
     packed = kernel.pack(w)
     n = w.shape[0]
-    return [kernel(x, packed, n, bias, torch.empty(x.shape[0], n), gelu=g, bf16=dtype == torch.bfloat16)
-            for g in (None, "tanh", "none")]
+    return [kernel(x, packed, n, bias, torch.empty(x.shape[0], n, dtype=torch.float32), gelu=g,
+                   bf16=dtype == torch.bfloat16) for g in (None, "tanh", "none")]
 
 
 def attention_outputs(kernel, dtype: torch.dtype) -> list[torch.Tensor]:
     """`kernel` (a `bivit.kernels.Attention`) on the attention problem, q and k rotated as it reads them."""
     q, k, v, lens, rope = attention_problem(dtype)
-    out = torch.empty(q.shape)
+    out = torch.empty(q.shape, dtype=torch.float32)
     kernel(q, k, v, out, lens, rope=rope)
     return [out]
 
@@ -130,7 +130,8 @@ def norm_outputs(kernel, dtype: torch.dtype) -> list[torch.Tensor]:
     """`kernel` (a `bivit.kernels.Norm`): LayerNorm with weight and bias, then RMSNorm with weight."""
     x, w, b = norm_problem(dtype)
     eps = 1e-5
-    return [kernel(x, w, b, eps, False, torch.empty(x.shape)), kernel(x, w, None, eps, True, torch.empty(x.shape))]
+    out = [torch.empty(x.shape, dtype=torch.float32) for _ in range(2)]
+    return [kernel(x, w, b, eps, False, out[0]), kernel(x, w, None, eps, True, out[1])]
 
 
 # SHA-256 of each problem's outputs in bivit-arith/1, written by the portable kernel and checked against the numpy

@@ -114,7 +114,7 @@ def _items_invariant(run: Callable[[list], list[torch.Tensor]], items: list, thr
 
 
 def _rows(g: torch.Generator, width: int, dtype: torch.dtype, scale: float = 1.0) -> list[torch.Tensor]:
-    return [(torch.randn(n, width, generator=g) * scale).to(dtype) for n in GEMM_ROWS]
+    return [(torch.randn(n, width, generator=g, dtype=torch.float32) * scale).to(dtype) for n in GEMM_ROWS]
 
 
 def _split_rows(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[list], list[torch.Tensor]]:
@@ -154,7 +154,7 @@ def _prove_attention(heads: int, head_dim: int, theta: float, dtype: torch.dtype
     op = f"attention {heads}x{head_dim} {dtype_name(dtype)}"
     items = []
     for h, w in ATTENTION_GRIDS:
-        q, k, v = (torch.randn(h * w, heads, head_dim, generator=g).to(dtype) for _ in range(3))
+        q, k, v = (torch.randn(h * w, heads, head_dim, generator=g, dtype=torch.float32).to(dtype) for _ in range(3))
         items.append((q, k, v, (1, h, w)))
 
     def run(batch: list) -> list[torch.Tensor]:
