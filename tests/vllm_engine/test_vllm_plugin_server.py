@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -26,7 +25,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed here; run scripts/vllm
 
 from engine_support import engine_environment, load_ec, server_options  # noqa: E402
 from support.media import random_image  # noqa: E402
-from test_vllm_server import STARTUP_S, free_port, png_url  # noqa: E402
+from test_vllm_server import free_port, png_url, stop, wait_ready  # noqa: E402
 
 from bivit.engines.vllm_plugin import ARCHITECTURE  # noqa: E402
 
@@ -45,31 +44,6 @@ def start(tiny_kimi, dtype: str, ec_dir: Path, log_path: Path, overrides: dict |
            *(["--hf-overrides", json.dumps(overrides)] if overrides else [])]
     log = open(log_path, "w")
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), f"http://127.0.0.1:{port}", log
-
-
-def wait_ready(proc, url: str, log) -> None:
-    deadline = time.monotonic() + STARTUP_S
-    while True:  # readiness: the server answers /health, or it died (then the log says why)
-        if proc.poll() is not None:
-            pytest.fail(f"the server exited with {proc.returncode}; see {log.name}")
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            pytest.fail(f"the server did not become ready; see {log.name}")
-        time.sleep(2)
-
-
-def stop(proc, log) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    log.close()
 
 
 def rows_of(url: str, model: str, ec_dir: Path, paths: dict, run: str) -> dict[str, torch.Tensor]:

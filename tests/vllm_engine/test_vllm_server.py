@@ -59,27 +59,35 @@ def server(tiny_kimi, tmp_path_factory, dtype):
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + STARTUP_S
-        while True:  # readiness: the server answers /health, or it died (then the log says why)
-            if proc.poll() is not None:
-                pytest.fail(f"vllm serve exited with {proc.returncode}; see {log.name}")
-            try:
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"vllm serve did not become ready; see {log.name}")
-            time.sleep(2)
+        wait_ready(proc, url, log)
         yield url, ec_dir, cmd
     finally:
-        proc.terminate()
+        stop(proc, log)
+
+
+def wait_ready(proc, url: str, log) -> None:
+    deadline = time.monotonic() + STARTUP_S
+    while True:  # readiness: the server answers /health, or it died (then the log says why)
+        if proc.poll() is not None:
+            pytest.fail(f"the server exited with {proc.returncode}; see {log.name}")
         try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            pytest.fail(f"the server did not become ready; see {log.name}")
+        time.sleep(2)
+
+
+def stop(proc, log) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    log.close()
 
 
 def chat(url: str, model: str, content: list) -> dict:
