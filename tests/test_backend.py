@@ -183,3 +183,23 @@ def backend_kernels(dtype: torch.dtype) -> tuple[str, str]:
     from bivit.ops import backend
 
     return backend.gemm_kernel(dtype).name, backend.attention_kernel(dtype).name_for(dtype)
+
+
+def test_a_forced_gemm_kernel_that_does_not_conform_is_refused_naming_the_variable(monkeypatch, fresh_state):
+    """`BIVIT_GEMM=<kernel>` naming a kernel whose bits are not bivit-arith/1 here (AMX tiles may not be) leaves
+    invariant mode nothing to run: a ConfigError naming the variable and the fix, not another arithmetic. Here the
+    conformance check is made to fail for the kernel this CPU runs bf16 on. Control: unforced, the next kernel
+    (fp32, widened) runs."""
+    from bivit.ops import backend, bits
+
+    name = backend.gemm_kernel(torch.bfloat16).name
+    state.reset()
+    real = bits.conformance
+    monkeypatch.setattr(bits, "conformance", lambda op, k, d: "off (test)" if k.name == name else real(op, k, d))
+    monkeypatch.setenv(backend.GEMM_ENV, name)
+    with pytest.raises(bivit.ConfigError, match=f"{backend.GEMM_ENV}={name}: .*unset {backend.GEMM_ENV}"):
+        backend.gemm_kernel(torch.bfloat16)
+    monkeypatch.delenv(backend.GEMM_ENV)
+    state.reset()
+    if name != "fp32":
+        assert backend.gemm_kernel(torch.bfloat16).name == "fp32"

@@ -73,6 +73,12 @@ def _none_left(op: str, dtype: torch.dtype) -> BivitError:
     if dtype not in kernels.ETYPES:
         return ConfigError(f"invariant mode computes {', '.join(map(dtype_name, kernels.ETYPES))}; a {op} in "
                            f"{dtype_name(dtype)} is none of them")
+    forced = os.environ.get(GEMM_ENV, "").strip()
+    if op == "gemm" and any(k.name == forced and k.takes(dtype) for k in kernels.gemm_kernels()):
+        # the user's choice left nothing: theirs to undo, not this machine's fault
+        return ConfigError(f"{GEMM_ENV}={forced}: that kernel does not compute {bits.ARITH} in {dtype_name(dtype)} "
+                           f"here, and invariant mode runs no other arithmetic (unset {GEMM_ENV}, or "
+                           f"{bits.ARITH_ENV}=native for this machine's own bits)")
     refusals = "; ".join(f"{path}: {why}" for (o, path), why in _refused.items() if o == op)
     return InvarianceError(f"no compiled {op} kernel that computes {bits.ARITH} in {dtype_name(dtype)} is left on "
                            f"this machine{': ' + refusals if refusals else ''} (bivit doctor lists why each is off); "
