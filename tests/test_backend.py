@@ -12,25 +12,18 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from PIL import Image
 
 import bivit
 from bivit import kernels, state
 from bivit.client import parse_response
 from support.installs import env_for, package_without
-from support.media import make_video, random_image
+from support.media import mixed_inputs
 from support.server import ServerProcess
 
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory) -> list[Path]:
-    d = tmp_path_factory.mktemp("inputs")
-    paths = []
-    for i, (h, w) in enumerate([(28, 28), (84, 56), (150, 100)]):
-        paths.append(d / f"img{i}.png")
-        Image.fromarray(random_image(h, w, seed=40 + i)).save(paths[-1])
-    paths.append(make_video(d / "clip.mp4", frames=24, fps=8, size=(84, 56)))
-    return paths
+    return mixed_inputs(tmp_path_factory.mktemp("inputs"), [(28, 28), (84, 56), (150, 100)], 40, frames=24, fps=8)
 
 
 def _bivit(args: list, env: dict | None = None) -> subprocess.CompletedProcess:

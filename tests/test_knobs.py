@@ -18,12 +18,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from PIL import Image
 
 from bivit import kernels
 from bivit.ops import bits
 from support.installs import env_for, package_without
-from support.media import make_video, random_image
+from support.media import mixed_inputs
 from support.variants import CAPABILITY, RUNNABLE
 
 RUN = """
@@ -50,12 +49,8 @@ torch.save({"fingerprint": enc.fingerprint, "bits": enc.bits, "rows": enc.encode
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory) -> list[str]:
-    d = tmp_path_factory.mktemp("knob-inputs")
-    paths = []
-    for i, (h, w) in enumerate([(28, 28), (84, 140), (224, 168)]):
-        paths.append(d / f"im{i}.png")
-        Image.fromarray(random_image(h, w, seed=60 + i)).save(paths[-1])
-    paths.append(make_video(d / "clip.mp4", frames=8, fps=4, size=(84, 56)))
+    paths = mixed_inputs(tmp_path_factory.mktemp("knob-inputs"), [(28, 28), (84, 140), (224, 168)], 60, frames=8,
+                         fps=4)
     return [str(p) for p in paths]
 
 

@@ -45,6 +45,18 @@ def random_image(h: int, w: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed * 7919 + h * 31 + w).integers(0, 256, (h, w, 3), dtype=np.uint8)
 
 
+def mixed_inputs(folder: PathLike, image_sizes: list[tuple[int, int]], seed: int, frames: int, fps: int) -> list[Path]:
+    """PNG files of random pixels, one per (h, w) of `image_sizes` (seeds `seed`, `seed` + 1, ...), then an 84x56
+    video of `frames` frames at `fps`, written into `folder`: the inputs of a test that encodes images and a
+    video across processes."""
+    folder = Path(folder)
+    paths = []
+    for i, (h, w) in enumerate(image_sizes):
+        paths.append(folder / f"im{i}.png")
+        Image.fromarray(random_image(h, w, seed=seed + i)).save(paths[-1])
+    return paths + [make_video(folder / "clip.mp4", frames=frames, fps=fps, size=(84, 56))]
+
+
 def png_bytes(w: int, h: int, seed: int) -> bytes:
     """A w x h RGB PNG of random pixels (distinct seeds give distinct bytes, so no cache hits across tests)."""
     arr = np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)
