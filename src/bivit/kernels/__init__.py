@@ -215,6 +215,7 @@ class Norm:
     """The compiled LayerNorm / RMSNorm (`norm.h`): bivit-arith/1's norms, row by row."""
 
     lib: ctypes.CDLL = field(repr=False)
+    name = "bivit"  # the path's name (the proof's, a refusal's, a native class's): one kind of norm per library
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
                  rms: bool, out: torch.Tensor, mean: torch.Tensor | None = None,

@@ -35,9 +35,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: Sequen
     if is_batch_invariant():
         dtype = q.dtype
         kernel = attention_kernel(dtype)
+        # The kernel reads q's shape from k and v and the rows from the item lengths: refuse what it would read past.
         if not (q.dim() == 3 and q.shape == k.shape == v.shape and sum(seqlens) == q.shape[0]):
             raise RuntimeError(f"attention: q, k, v of shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)} "
-                               f"for items of {sum(seqlens)} rows in all")  # what the kernel would read past
+                               f"for items of {sum(seqlens)} rows in all")
         if q.shape[2] > kernels.MAX_HEAD_DIM:
             raise ConfigError(f"head dim {q.shape[2]}: bivit's compiled attention takes head dims up to "
                               f"{kernels.MAX_HEAD_DIM}, so invariant mode cannot run this model")

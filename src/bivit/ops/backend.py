@@ -200,7 +200,7 @@ def norm_kernel(dtype: torch.dtype):
 @state.memo(state.CHOICES)
 def _decide_norm(dtype: torch.dtype):
     kernel = kernels.norm()
-    if kernel is None or refused("norm", "bivit") or dtype not in kernels.ETYPES:
+    if kernel is None or refused("norm", kernel.name) or dtype not in kernels.ETYPES:
         return None
     off = bits.conformance("norm", kernel, dtype)
     if off is not None:
@@ -224,7 +224,7 @@ def cpu_bits_class(dtypes: tuple[torch.dtype, ...], batch_invariant: bool) -> st
     for dtype in dict.fromkeys(dtypes):
         for op, kernel in (("gemm", gemm_kernel(dtype)), ("norm", norm_kernel(dtype))):
             if bits.conformance(op, kernel, dtype) is not None:
-                own.append(f"{op}-{dtype_name(dtype)}={getattr(kernel, 'name', 'bivit')}")
+                own.append(f"{op}-{dtype_name(dtype)}={kernel.name}")
     attention, compute = attention_kernel(dtypes[0]), compute_dtype(dtypes[0])
     if bits.conformance("attention", attention, compute) is not None:
         own.append(f"attention={attention.name_for(compute)}")

@@ -153,7 +153,7 @@ class CpuBackend:
         attention = attention_kernel(dtypes[0])
         return {"gemm": [f"{dtype_name(d)}: {gemm_kernel(d).describe()}" for d in dtypes],
                 "attention": f"bivit compiled ({attention.name_for(compute_dtype(dtypes[0]))})",
-                "norm": [f"{dtype_name(d)}: bivit compiled norm" for d in dtypes if norm_kernel(d)],
+                "norm": [f"{dtype_name(d)}: {norm_kernel(d).name} compiled norm" for d in dtypes],
                 "proof": prove(model).summary()}
 
     def bits(self, dtypes: Sequence[torch.dtype], batch_invariant: bool) -> str:

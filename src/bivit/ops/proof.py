@@ -132,8 +132,7 @@ def _attention_path(dtype: torch.dtype) -> str:
 
 
 def _norm_path(dtype: torch.dtype) -> str:
-    norm_kernel(dtype)
-    return "bivit compiled norm"
+    return f"{norm_kernel(dtype).name} compiled norm"
 
 
 def _prove_gemm(weight: torch.Tensor, bias: torch.Tensor | None, gelu: str | None, g: torch.Generator,
@@ -192,7 +191,7 @@ def _prove_norm(module: torch.nn.Module, g: torch.Generator, threads: Sequence[i
     else:
         op, fn = f"rms_norm {dim} {dtype_name(dtype)}", lambda x: rms_norm(x, weight, module.eps)
     return _prove_paths(op, "norm", _split_rows(fn), _rows(g, dim, dtype, scale=3.0), threads, refused,
-                        lambda: _norm_path(dtype), lambda: "bivit")
+                        lambda: _norm_path(dtype), lambda: norm_kernel(dtype).name)
 
 
 def _key(model: torch.nn.Module) -> tuple:
