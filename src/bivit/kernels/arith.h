@@ -23,7 +23,7 @@
 #include <string.h>
 
 #if defined(__x86_64__) || defined(__i386__)
-#include <xmmintrin.h>
+#include <immintrin.h>
 #endif
 
 #define MXCSR_DAZ 0x0040u
@@ -183,6 +183,31 @@ static inline float gelu_s(float x, int act) {
     return (0.5f * x) * (1.0f + t);
 }
 
+/* 16 lanes of floats as one value (GCC's vector extension: + and * act lane by lane, each rounded as the scalar
+ * operation is, on whatever vector width the build has), for the sums that arith.h defines in 16 lanes. */
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef float f32x16_unaligned __attribute__((vector_size(64), aligned(4)));
+
+static inline __attribute__((always_inline)) f32x16 v16_load(const float *p) { return *(const f32x16_unaligned *)p; }
+
+static inline __attribute__((always_inline)) void v16_store(float *p, f32x16 v) { *(f32x16_unaligned *)p = v; }
+
+/* fma(a, b, c) lane by lane: the ISA's fused multiply-add where the build has one, else arith's fmaf. */
+static inline __attribute__((always_inline)) f32x16 v16_fma(f32x16 a, f32x16 b, f32x16 c) {
+#if defined(__AVX512F__)
+    return (f32x16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__FMA__)
+    union { f32x16 v; __m256 h[2]; } x = {a}, y = {b}, z = {c};
+    z.h[0] = _mm256_fmadd_ps(x.h[0], y.h[0], z.h[0]);
+    z.h[1] = _mm256_fmadd_ps(x.h[1], y.h[1], z.h[1]);
+    return z.v;
+#else
+    f32x16 r;
+    for (int l = 0; l < 16; l++) r[l] = fmaf(a[l], b[l], c[l]);
+    return r;
+#endif
+}
+
 /* The fixed 16-lane sum: lane l holds the terms j = l, l + 16, l + 32, ... added in order (from +0); the lanes are
  * then added as a tree, (l, l + 8), (l, l + 4), (l, l + 2), (0, 1), whatever the vector width computing it. */
 static inline float lanes16_sum(const float lane[16]) {
@@ -190,6 +215,12 @@ static inline float lanes16_sum(const float lane[16]) {
     for (int l = 0; l < 8; l++) t8[l] = lane[l] + lane[l + 8];
     for (int l = 0; l < 4; l++) t4[l] = t8[l] + t8[l + 4];
     return (t4[0] + t4[2]) + (t4[1] + t4[3]);
+}
+
+static inline float lanes16_sum16(f32x16 v) {
+    float lane[16];
+    v16_store(lane, v);
+    return lanes16_sum(lane);
 }
 
 #endif

@@ -65,6 +65,8 @@ struct gemm_call {
     int flush;          /* bf16 arithmetic: the whole call runs flushed (arith.h), and an odd K's chain ends with
                            one product 0 x 0, as bf16 pairs compute it */
     int64_t M, N, K;
+    const char *xp;     /* the rows as the kernel's `prep_row` rewrote them (xp_row bytes apart), or NULL */
+    int64_t xp_row;
 };
 
 /* GELU after the GEMM (arith.h's ACT_*), on the fp32 sum, in the kernel's own vector code: every element takes
@@ -109,6 +111,11 @@ struct gemm_kernel {
     void (*enter)(void);  /* per thread, before its first block (AMX: load the tile configuration) */
     void (*leave)(void);
     void (*block)(const struct gemm_call *G, int64_t i0, int64_t rows, int64_t p0, int64_t p1, void *scratch);
+    /* Optional: a kernel that reads its rows in another layout (bf16 pairs swapped) gets every row rewritten once
+     * per call, before any block runs: row i into row_bytes(K) bytes at dst. Per block instead, a row would be
+     * rewritten again for every group of column panels (24 times in a 1152-column GEMM). */
+    size_t (*row_bytes)(int64_t K);
+    void (*prep_row)(const struct gemm_call *C, int64_t i, void *dst);
 };
 
 static inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -142,10 +149,22 @@ static int gemm_run(const struct gemm_kernel *G, const struct gemm_call *C, int 
     const int64_t mblocks = ceil_div(C->M, G->mb), pgroups = ceil_div(panels, pt), tasks = mblocks * pgroups;
     if (threads > tasks) threads = (int)tasks;
     const size_t scratch = G->scratch_bytes(C->K);
+    struct gemm_call P = *C;
+    char *rows = NULL;
+    if (G->prep_row) {
+        P.xp_row = (int64_t)G->row_bytes(C->K);
+        if (!(rows = alloc64((size_t)C->M * (size_t)P.xp_row))) return RC_NO_MEMORY;
+        P.xp = rows;
+    }
+    C = &P;
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
         const fp_state fp = fp_enter(C->flush);
+        if (G->prep_row) {
+#pragma omp for schedule(static)
+            for (int64_t i = 0; i < C->M; i++) G->prep_row(C, i, rows + i * C->xp_row);
+        }
         void *buf = alloc64(scratch);
         if (!buf) {
 #pragma omp atomic write
@@ -166,6 +185,7 @@ static int gemm_run(const struct gemm_kernel *G, const struct gemm_call *C, int 
         free(buf);
         fp_leave(fp);
     }
+    free(rows);
     return failed;
 }
 

@@ -157,12 +157,19 @@ GEMM_F32_BLOCK
 #undef MR
 #undef NR
 
-static size_t dp_scratch(int64_t K) { return (size_t)MB512 * ceil_div(K, 2) * 4 + 64; }
+static size_t dp_scratch(int64_t K) { (void)K; return 64; }
 
+static size_t dp_row_bytes(int64_t K) { return (size_t)ceil_div(K, 2) * 4; }
+
+static void dp_prep_row(const struct gemm_call *C, int64_t i, void *dst) {
+    dp_swap_row((const bf16 *)C->x + i * C->x_row, C->K, dst);
+}
+
+/* Rows come swapped from dp_prep_row (gemm_run rewrites each once per call). */
 static void dp_block(const struct gemm_call *C, int64_t i0, int64_t rows, int64_t p0, int64_t p1, void *scratch) {
+    (void)scratch;
     const int64_t xw = ceil_div(C->K, 2);
-    uint32_t *xs = scratch;
-    for (int64_t r = 0; r < rows; r++) dp_swap_row((const bf16 *)C->x + (i0 + r) * C->x_row, C->K, xs + r * xw);
+    const uint32_t *xs = (const uint32_t *)(C->xp + i0 * C->xp_row);
     const size_t panel = (size_t)xw * NR512 * 2;
     for (int64_t p = p0; p < p1; p++)
         for (int64_t r0 = 0; r0 < rows; r0 += MR512) {
@@ -176,7 +183,7 @@ static void dp_block(const struct gemm_call *C, int64_t i0, int64_t rows, int64_
 static const struct gemm_kernel KERNEL_F32 = {MB512, NR512, 512 * 1024, f32_packed_bytes, f32_pack_panel, f32_scratch, NULL, NULL,
                                             f32_block};
 static const struct gemm_kernel KERNEL_DP = {MB512, NR512, 512 * 1024, dp_packed_bytes, dp_pack_panel, dp_scratch, NULL, NULL,
-                                           dp_block};
+                                           dp_block, dp_row_bytes, dp_prep_row};
 
 /* ---- kind 2: AMX. 32 rows x 32 columns per step of 32 k: C tiles 0-3 (2 x 2 of 16 x 16 fp32), A tiles 4-5
  * (16 rows x 32 bf16), B tiles 6-7 (16 pairs of k x 16 columns). Panel p: [ceil(K/32)][2 halves][16 pairs][16
