@@ -81,6 +81,15 @@ def test_in_process_run_summary_and_files(tmp_path):
                 assert row["pct_roofline"] == pytest.approx(roofline / row["median_s"])
         assert 0 < c["other_flops"] < c["flops"]
     assert "**Roofline** per case" in report and "hf-sdpa s (% of roofline)" in report
+    # The kernel peak: measured in every round where invariant mode's GEMM kernel has a peak loop; every case's
+    # share of it is its GFLOP/s over the best round's peak, printed beside its share of the roofline.
+    peaks = [r["kernel_peak"] for r in rounds if r["kernel_peak"] is not None]
+    if peaks:
+        assert "Kernel peak:" in report and "of peak)" in report
+        for row in summary["float32"]["rows"]:
+            assert row["pct_kernel_peak"] == pytest.approx(row["gflops"] / max(peaks))
+    else:
+        assert all(row["pct_kernel_peak"] is None for row in summary["float32"]["rows"])
     written = bench.write_outputs(record, report, summary, tmp_path / "out", "bench", "test", lambda s: None)
     assert sorted(p.name for p in written) == ["bench.json", "bench.md", "bench.png"]
     assert json.loads((tmp_path / "out" / "bench.json").read_text())["record"]["preset"] == "demo"

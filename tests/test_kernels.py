@@ -245,6 +245,24 @@ def test_a_swapped_gemm_stride_fails_the_gemm_self_test(library):
             assert why is not None and "off by" in why, (kernel.name, dtype, why)
 
 
+def test_gemm_peak_loops_count_what_they_execute(library):
+    """A kernel's peak loop (what `bivit bench` prints cases against) reports the FLOPs of the steps it was
+    asked for: steps x accumulators x FLOPs per instruction x threads, doubling with either; the portable
+    kernel (scalar C, no peak loop) and an unknown kind report none."""
+    for kernel in library.gemms:
+        one = kernel.lib.bivit_gemm_peak(kernel.kind, 1000, 1)
+        if library.variant == "portable":
+            assert one == -1.0 and kernel.peak_gflops() is None
+            continue
+        per_step = {"avx512_bf16": 24 * 64, "fp32": 24 * 32 if library.variant == "avx512" else 12 * 16}
+        if kernel.name in per_step:
+            assert one == 1000 * per_step[kernel.name]
+            assert kernel.lib.bivit_gemm_peak(kernel.kind, 2000, 1) == 2 * one
+            assert kernel.lib.bivit_gemm_peak(kernel.kind, 1000, 2) == 2 * one
+            assert kernel.peak_gflops(seconds=0.01) > 0
+    assert library.attention.lib.bivit_gemm_peak(99, 1000, 1) == -1.0
+
+
 def test_argument_structs_have_the_librarys_layout(library):
     """Python's mirrors of abi.h's structs have every field at the offset and size the compiled library
     reports, so a named field reaches the C field of that name. Controls: a mirror with two fields in the

@@ -23,8 +23,9 @@ def machine_rates(run: dict) -> dict:
     attention = {way: {n: max(r["attention"][way][n] for r in rounds) for n in rounds[0]["attention"][way]}
                  for way in rounds[0]["attention"] if rounds[0]["attention"][way] is not None}
     best_attention = {int(n): max(a[n] for a in attention.values()) for n in attention["sdpa"]}
+    peaks = [r["kernel_peak"] for r in rounds if r.get("kernel_peak")]
     return {"gemm": gemm, "attention": attention, "gemm_rate": max(v for g in gemm.values() for v in g.values()),
-            "attention_rate": best_attention}
+            "attention_rate": best_attention, "kernel_peak": max(peaks) if peaks else None}
 
 
 # CPU use (CPU seconds per wall second per thread) below which a run did not have its cores: its times are
@@ -57,6 +58,7 @@ def summarize(record: dict) -> dict:
                 row["minor_faults"] = statistics.median(faults) if faults else None
                 row["roofline_s"] = roof[c["name"]]
                 row["pct_roofline"] = roof[c["name"]] / med
+                row["pct_kernel_peak"] = row["gflops"] / rates["kernel_peak"] if rates["kernel_peak"] else None
                 per_case.append(row)
             rows.extend(per_case)
             total = sum(r["median_s"] for r in per_case)
@@ -66,6 +68,8 @@ def summarize(record: dict) -> dict:
             mix[impl]["round_totals"] = round_totals
             mix[impl]["roofline_s"] = sum(roof.values())
             mix[impl]["pct_roofline"] = sum(roof.values()) / total
+            mix[impl]["pct_kernel_peak"] = (mix[impl]["gflops"] / rates["kernel_peak"] if rates["kernel_peak"]
+                                            else None)
             cpus = [r["cpu_s"] for r in per_case]
             mix[impl]["cpu_s"] = sum(cpus) if None not in cpus else None
             mix[impl]["cpu_use"] = mix[impl]["cpu_s"] / (total * threads) if mix[impl]["cpu_s"] is not None else None
@@ -140,6 +144,11 @@ def format_report(record: dict, summary: dict | None = None) -> str:
                   "| GEMM (out x in) | stock GFLOP/s | bivit GFLOP/s |", "|---|---:|---:|"]
         for shape in rates["gemm"]["stock"]:
             lines.append(f"| {shape} | {rates['gemm']['stock'][shape]:.0f} | {rates['gemm']['bivit'][shape]:.0f} |")
+        kpeak = rates.get("kernel_peak")
+        if kpeak:
+            lines += ["", f"Kernel peak: {kpeak:.0f} GFLOP/s (invariant mode's GEMM instruction alone, every thread, "
+                      f"no memory); best GEMM rate {100 * s['peak_gflops'] / kpeak:.0f}% of it, best attention rate "
+                      f"{100 * max(rates['attention_rate'].values()) / kpeak:.0f}%."]
         bivit_att = rates["attention"].get("bivit")
         lines += ["", "| attention, n | SDPA GFLOP/s | bivit compiled GFLOP/s |", "|---:|---:|---:|"]
         for n, v in sorted(rates["attention"]["sdpa"].items(), key=lambda kv: int(kv[0])):
@@ -148,13 +157,15 @@ def format_report(record: dict, summary: dict | None = None) -> str:
         by = {(r["impl"], r["case"]): r for r in s["rows"]}
         lines += ["", f"**Roofline** per case: GEMM FLOPs at {s['peak_gflops']:.0f} GFLOP/s (the best GEMM rate "
                   "above) + each item's attention FLOPs at the best attention rate for its length; % = roofline / "
-                  "measured time. Other FLOPs (elementwise, approximate) are not in the roofline.", "",
+                  "measured time" + ("; % of peak = the case's GEMM + attention GFLOP/s / the kernel peak" if kpeak
+                                     else "") + ". Other FLOPs (elementwise, approximate) are not in the roofline.", "",
                   "| case | GEMM TFLOP | attention TFLOP | other TFLOP | roofline s | "
                   + " | ".join(f"{impl} s (% of roofline)" for impl in impls)
                   + (" | invariant vs port | invariant vs default |" if len(impls) > 1 else " |"),
                   "|---|---:|---:|---:|---:|" + "---:|" * len(impls) + ("---:|---:|" if len(impls) > 1 else "")]
         for name, c in names.items():
-            cells = [f"{by[(impl, name)]['median_s']:.3f} ({_pct(by[(impl, name)]['pct_roofline'])})" for impl in impls]
+            cells = [f"{by[(impl, name)]['median_s']:.3f} ({_pct(by[(impl, name)]['pct_roofline'])}"
+                     + (f"; {_pct(by[(impl, name)]['pct_kernel_peak'])} of peak)" if kpeak else ")") for impl in impls]
             extra = []
             if len(impls) > 1:
                 inv, dflt, hf = (by.get((i, name)) for i in ("bivit-invariant", "bivit-default", HF_IMPL))

@@ -12,6 +12,10 @@ attention rates measured on this machine, and the roofline time they give.
   bivit's compiled one (where it runs here),
   one item of n patches, at every item length of the mix. Both are measured in every round, between the
   workers' turns, and the best over rounds is the machine's rate.
+* **Kernel peak**: the GFLOP/s of invariant mode's GEMM kernel's multiply-add instruction alone (`vdpbf16ps` for
+  bf16 on AVX-512 BF16, FMAs otherwise), on every thread, touching no memory (`kernel_peak_gflops`): what no
+  kernel built on it can pass. Rates and cases are also printed as a share of it, so the distance to the
+  physical limit is measured in the same run, not inferred.
 * **Roofline** of a case = its GEMM FLOPs at the GEMM rate + each item's attention FLOPs at the attention rate
   for its length: the time of nothing but the two essential kernels, each at the best speed this machine gives
   it. "% of roofline" = roofline / measured time; the gap is everything else (elementwise ops, copies, tile
@@ -28,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import ops
+from ..errors import BivitError
 from ..config import ModelConfig
 from ..model import VisionModel, flops_per_item
 from ..ops import gemms
@@ -139,6 +144,17 @@ def attention_gflops(dtype: torch.dtype, cfg: ModelConfig, lengths: Iterable[int
                 call = lambda: F.scaled_dot_product_attention(qh, kh, vh)  # noqa: E731
             result[n] = 4 * n * n * cfg.num_heads * cfg.head_dim / _best_of(call, tries) / 1e9
     return result
+
+
+def kernel_peak_gflops(dtype: torch.dtype) -> float | None:
+    """GFLOP/s of the multiply-add instruction of invariant mode's GEMM kernel for `dtype` alone (no memory, every
+    thread): the physical limit of bivit's kernels here, which the GEMM and attention rates approach. None where
+    that kernel has no peak loop (the portable one) or no kernel runs."""
+    try:
+        kernel = ops.gemm_kernel(dtype)
+    except BivitError:
+        return None
+    return kernel.peak_gflops() if hasattr(kernel, "peak_gflops") else None
 
 
 def roofline_s(gemm_flops: float, attention_flops: Iterable[tuple[int, float]], gemm_rate: float,

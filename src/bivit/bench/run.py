@@ -33,7 +33,8 @@ from ..config import PRESETS
 from ..dtypes import dtype_option
 from ..errors import BivitError, ConfigError
 from ..kernels import cpu
-from .roofline import PEAK_ROWS, attention_gflops, attention_flops_per_item, case_flops, gemm_gflops, gemm_shapes
+from .roofline import (PEAK_ROWS, attention_flops_per_item, attention_gflops, case_flops, gemm_gflops, gemm_shapes,
+                       kernel_peak_gflops)
 from .workers import InProcessWorker, Worker, hf_unavailable_reason
 from .workload import BIVIT_IMPLS, HF_IMPL, IMPLS, TORCH_DTYPES, Case, bench_dtypes, save_cases, standard_cases, \
     write_checkpoint, write_checkpoint_isolated
@@ -219,13 +220,14 @@ def run_benchmark(*, preset: str = "kimi-k2.6", dtypes: Sequence[str] = ("bfloat
 
 def machine_rates(cfg, dtype: torch.dtype, lengths: Sequence[int]) -> dict:
     """One round of the machine's rates (GFLOP/s): GEMMs both ways at PEAK_ROWS rows per tower shape, attention
-    both ways per item length (bivit's: None where it does not run here)."""
+    both ways per item length (bivit's: None where it does not run here), the kernel peak (None where none)."""
     shapes = gemm_shapes(cfg)
     bivit_attention = attention_gflops(dtype, cfg, lengths, how="bivit")
     return {"gemm": {"stock": gemm_gflops(dtype, shapes, how="stock"), "bivit": gemm_gflops(dtype, shapes, how="bivit")},
             "attention": {"sdpa": {str(n): v for n, v in attention_gflops(dtype, cfg, lengths).items()},
                           "bivit": None if bivit_attention is None else
-                          {str(n): v for n, v in bivit_attention.items()}}}
+                          {str(n): v for n, v in bivit_attention.items()}},
+            "kernel_peak": kernel_peak_gflops(dtype)}
 
 
 def _run_dtype(cfg, dtype, impls, cases, checkpoint, inputs, repeats, warmup, threads, isolate, log) -> dict:

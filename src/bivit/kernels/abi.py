@@ -132,3 +132,5 @@ def bind(lib: ctypes.CDLL) -> None:
         fn.argtypes = [ctypes.POINTER(cls)]
     lib.bivit_amx_init.restype = ctypes.c_int
     lib.bivit_amx_init.argtypes = []
+    lib.bivit_gemm_peak.restype = ctypes.c_double
+    lib.bivit_gemm_peak.argtypes = [ctypes.c_int, _I64, ctypes.c_int]

@@ -116,7 +116,26 @@ struct gemm_kernel {
      * rewritten again for every group of column panels (24 times in a 1152-column GEMM). */
     size_t (*row_bytes)(int64_t K);
     void (*prep_row)(const struct gemm_call *C, int64_t i, void *dst);
+    /* Optional: the kernel's multiply-add instruction at its peak on one core (GEMM_PEAK_DEF); FLOPs done. */
+    double (*peak)(int64_t steps);
 };
+
+/* `static double NAME(int64_t steps)`: `steps` rounds of ACC independent multiply-adds OP(acc[i], a) with vector
+ * accumulators of type V (from ZERO) and an operand `a` of type A (from INIT), touching no memory: the rate no
+ * GEMM built on that instruction can pass on this core (`bivit bench` prints its cases against it). The empty
+ * asm statements keep the compiler from folding the loop. FLOPS: per instruction. */
+#define GEMM_PEAK_DEF(NAME, V, ZERO, A, INIT, OP, ACC, FLOPS)                                                     \
+    static double NAME(int64_t steps) {                                                                          \
+        V acc[ACC];                                                                                              \
+        for (int i = 0; i < (ACC); i++) acc[i] = (ZERO);                                                         \
+        A a = (INIT);                                                                                            \
+        for (int64_t s = 0; s < steps; s++) {                                                                    \
+            _Pragma("GCC unroll 32") for (int i = 0; i < (ACC); i++) acc[i] = OP(acc[i], a);                     \
+            __asm__ volatile("" : "+v"(a));                                                                      \
+        }                                                                                                        \
+        for (int i = 0; i < (ACC); i++) __asm__ volatile("" : : "v"(acc[i]));                                   \
+        return (double)steps * (ACC) * (FLOPS);                                                                  \
+    }
 
 static inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -251,6 +270,14 @@ static int gemm_run(const struct gemm_kernel *G, const struct gemm_call *C, int 
                                     .y = a->y, .y_row = a->y_row, .yt = a->yt, .act = a->act,                   \
                                     .flush = a->flush, .M = a->M, .N = a->N, .K = a->K};                        \
         return gemm_run(G, &C, a->threads);                                                                     \
+    }                                                                                                           \
+    /* FLOPs of `steps` rounds of kernel `kind`'s peak loop on each of `threads` threads; -1 where it has none. */ \
+    double bivit_gemm_peak(int kind, int64_t steps, int threads) {                                              \
+        const struct gemm_kernel *G = gemm_kernel_of(kind);                                                     \
+        if (!G || !G->peak || steps < 1 || threads < 1) return -1.0;                                            \
+        double flops = 0.0;                                                                                     \
+        _Pragma("omp parallel num_threads(threads) reduction(+ : flops)") flops += G->peak(steps);              \
+        return flops;                                                                                           \
     }
 
 #endif

@@ -19,6 +19,7 @@ Which kernel computes a dtype is fixed per process (`bivit.ops.backend`), never 
 from __future__ import annotations
 
 import ctypes
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -80,6 +81,21 @@ class GemmKernel:
         if rc != CONSTS["RC_OK"]:
             raise ValueError(f"bivit gemm: bad sizes {m}x{k} by {k}x{n} (code {rc})")
         return out
+
+    def peak_gflops(self, threads: int | None = None, seconds: float = 0.2) -> float | None:
+        """GFLOP/s of this kernel's multiply-add instruction alone (no memory, independent accumulators) on
+        `threads` threads: the rate no GEMM on that instruction passes here. None where the kernel has no such
+        loop (the portable one)."""
+        threads = threads or torch.get_num_threads()
+        steps, elapsed = 1 << 16, 0.0
+        while elapsed < seconds:  # longer runs until one lasts `seconds`: a short one measures the start-up
+            steps *= 4
+            t0 = time.perf_counter()
+            flops = self.lib.bivit_gemm_peak(self.kind, steps, threads)
+            elapsed = time.perf_counter() - t0
+            if flops < 0:
+                return None
+        return flops / elapsed / 1e9
 
     def args(self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None, out: torch.Tensor,
              gelu: str | None = None, threads: int | None = None, bf16: bool | None = None) -> GemmArgs:

@@ -180,10 +180,15 @@ static void dp_block(const struct gemm_call *C, int64_t i0, int64_t rows, int64_
         }
 }
 
+#define F32_FMA(acc, a) _mm512_fmadd_ps(a, a, acc)
+#define DP_BF16(acc, a) _mm512_dpbf16_ps(acc, (__m512bh)(a), (__m512bh)(a))
+GEMM_PEAK_DEF(f32_peak, __m512, _mm512_setzero_ps(), __m512, _mm512_set1_ps(1e-3f), F32_FMA, MR512 * 3, 32)
+GEMM_PEAK_DEF(dp_peak, __m512, _mm512_setzero_ps(), __m512i, _mm512_set1_epi32(0x3A833A83), DP_BF16, MR512 * 3, 64)
+
 static const struct gemm_kernel KERNEL_F32 = {MB512, NR512, 512 * 1024, f32_packed_bytes, f32_pack_panel, f32_scratch, NULL, NULL,
-                                            f32_block};
+                                            f32_block, NULL, NULL, f32_peak};
 static const struct gemm_kernel KERNEL_DP = {MB512, NR512, 512 * 1024, dp_packed_bytes, dp_pack_panel, dp_scratch, NULL, NULL,
-                                           dp_block, dp_row_bytes, dp_prep_row};
+                                           dp_block, dp_row_bytes, dp_prep_row, dp_peak};
 
 /* ---- kind 2: AMX. 32 rows x 32 columns per step of 32 k: C tiles 0-3 (2 x 2 of 16 x 16 fp32), A tiles 4-5
  * (16 rows x 32 bf16), B tiles 6-7 (16 pairs of k x 16 columns). Panel p: [ceil(K/32)][2 halves][16 pairs][16
