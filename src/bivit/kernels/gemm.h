@@ -160,6 +160,21 @@ static inline int64_t panels_per_task(const struct gemm_kernel *G, int64_t K, in
     return pt < panels ? pt : panels;
 }
 
+/* The calling thread's buffer for prepared rows, at least `bytes`, kept for its next call: a fresh one per
+ * call (megabytes) would be mapped and zeroed by the OS each time wherever malloc hands large blocks back to it.
+ * Per thread, so calls from several threads never share one; a thread keeps its largest until the process ends. */
+static char *rows_buffer(size_t bytes) {
+    static __thread char *buf;
+    static __thread size_t cap;
+    if (bytes > cap) {
+        free(buf);
+        cap = 0;
+        if (!(buf = alloc64(bytes))) return NULL;
+        cap = bytes;
+    }
+    return buf;
+}
+
 /* Returns RC_OK, RC_NO_MEMORY when scratch memory could not be allocated, RC_BAD_SIZES for bad sizes. */
 static int gemm_run(const struct gemm_kernel *G, const struct gemm_call *C, int threads) {
     if (C->M < 0 || C->N <= 0 || C->K <= 0) return RC_BAD_SIZES;
@@ -172,7 +187,7 @@ static int gemm_run(const struct gemm_kernel *G, const struct gemm_call *C, int 
     char *rows = NULL;
     if (G->prep_row) {
         P.xp_row = (int64_t)G->row_bytes(C->K);
-        if (!(rows = alloc64((size_t)C->M * (size_t)P.xp_row))) return RC_NO_MEMORY;
+        if (!(rows = rows_buffer((size_t)C->M * (size_t)P.xp_row))) return RC_NO_MEMORY;
         P.xp = rows;
     }
     C = &P;
@@ -204,7 +219,6 @@ static int gemm_run(const struct gemm_kernel *G, const struct gemm_call *C, int 
         free(buf);
         fp_leave(fp);
     }
-    free(rows);
     return failed;
 }
 
