@@ -8,6 +8,8 @@ The model, weights and pixels are `bivit bench`'s: a seeded random checkpoint (w
 27 layers stay well-conditioned) written once in bf16 and loaded by `load_encoder`, and the bench's input mix
 (`--cases` picks cases by a substring of their names). Before profiling, one traced forward per mode counts
 subnormal values in every op's output (a tower full of denormals would time the FPU's slow path, not bivit).
+bivit's compiled kernels show as profiler ranges: `bivit::gemm <out>x<in>` per GEMM shape, `bivit::attention`,
+`bivit::norm`.
 Then, per case, the two modes alternate for `--repeats` rounds under the profiler; the table shows the ops
 with the most self CPU time (summed over repeats, divided by the repeats), both modes side by side, plus
 wall time and the attention kernel's achieved GFLOP/s. Numbers are from a shared machine unless the load
