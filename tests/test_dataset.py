@@ -27,8 +27,9 @@ from bivit import BivitError
 from bivit.dataset import ERRORS, HEADER, MANIFEST, encode_dataset, open_dataset
 from bivit.dataset.pipeline import encode_prepared
 from bivit.dataset.sources import list_sources
-from bivit.dataset.writer import PAUSE_ENV, DatasetWriter
+from bivit.dataset.writer import DatasetWriter
 from bivit.fileio import TMP_PREFIX, sha256_file
+from support import launch
 from support.media import make_image, make_video
 
 IMAGE_SIZES = [(28, 28), (56, 28), (56, 56), (84, 56), (112, 112), (140, 84), (28, 84), (196, 112)]
@@ -378,11 +379,11 @@ def test_a_deleted_bad_file_leaves_no_error_behind(media, tmp_path):
 def _run_cli_until(src: Path, out: Path, pause: str, ready, timeout: float = 60.0,
                    options: tuple = ("--shard-mb", "0.000001")) -> None:
     """Run the real CLI in a subprocess, wait until `ready(out)` holds while it sits at a pause point, kill -9."""
-    env = dict(os.environ, **{PAUSE_ENV: pause if ":" in pause else f"{pause}:120"})
     log_path = out.parent / "cli.log"
     log = open(log_path, "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "bivit", "encode-dataset", str(src), "--out", str(out),
-                             *options, "--no-progress"], env=env, stdout=log, stderr=log)
+    proc = subprocess.Popen([sys.executable, launch.__file__, "pause", pause if ":" in pause else f"{pause}:120",
+                             "encode-dataset", str(src), "--out", str(out), *options, "--no-progress"],
+                            stdout=log, stderr=log)
     try:
         deadline = time.monotonic() + timeout
         while not (out.is_dir() and ready(out)):

@@ -95,7 +95,7 @@ def cli(*args, **kw) -> subprocess.CompletedProcess:
 
 def item_everywhere(env: Env, kind: ErrorKind, name: str, data: bytes) -> None:
     """An item of `kind` through every front end the table says meets it: the service answers the table's status
-    with the kind in the item's record; `bivit encode` says the table's word and files the kind in the record;
+    with the kind in the item's record; `bivit encode` says it skipped the item and files the kind in the record;
     `bivit encode-dataset` keeps the kind in errors.jsonl."""
     body = refused(encode(env.keyed, [(name, data)]), kind)
     assert body["items"][0]["error_kind"] == kind.value and body["items"][0]["error"].startswith(name)
@@ -103,13 +103,13 @@ def item_everywhere(env: Env, kind: ErrorKind, name: str, data: bytes) -> None:
     (env.tmp / "in" / name).write_bytes(data)
     (env.tmp / "in" / "good.png").write_bytes(png_bytes(56, 56, 1))
     r = cli("encode", env.tmp / "in" / name, env.tmp / "in" / "good.png", "--out", env.tmp / "e.safetensors")
-    assert r.returncode == 1 and f"bivit: {kind.cli}: {env.tmp / 'in' / name}: " in r.stderr, r.stderr[-2000:]
+    assert r.returncode == 1 and f"bivit: skipped: {env.tmp / 'in' / name}: " in r.stderr, r.stderr[-2000:]
     recs = bivit.load_embeddings(env.tmp / "e.safetensors")
     assert recs[0].error_kind == kind and recs[1].error_kind is None and recs[1].ok
     r = cli("encode-dataset", env.tmp / "in", "--out", env.tmp / "ds", "--no-progress")
     assert r.returncode == 1, r.stderr[-2000:]
     rows = [json.loads(line) for line in (env.tmp / "ds" / "errors.jsonl").read_text().splitlines()]
-    assert [(row["source"], row["error_kind"]) for row in rows] == [(name, kind.dataset)]
+    assert [(row["source"], row["error_kind"]) for row in rows] == [(name, kind.value)]
     [err] = bivit.open_dataset(env.tmp / "ds").errors
     assert err.error_kind == kind and err.error.startswith(f"{name}: ")
 
@@ -141,12 +141,12 @@ def _(env: Env) -> None:
 @trigger(ErrorKind.INVALID)
 def _(env: Env) -> None:
     # A name bivit will not store (over 4096 bytes; the path need not exist: it is refused before it is read),
-    # next to a good input: refused alone, said in the table's word, filed with its kind.
+    # next to a good input: refused alone, said skipped, filed with its kind.
     good = env.tmp / "good.png"
     good.write_bytes(png_bytes(28, 28, 3))
     long = Path("d/.." * 1100 + "/x.png")
     r = cli("encode", long, good, "--out", env.tmp / "e.safetensors")
-    assert r.returncode == 1 and f"bivit: {ErrorKind.INVALID.cli}: " in r.stderr, r.stderr[-2000:]
+    assert r.returncode == 1 and f"bivit: skipped: " in r.stderr, r.stderr[-2000:]
     recs = bivit.load_embeddings(env.tmp / "e.safetensors")
     assert [r.error_kind for r in recs] == [ErrorKind.INVALID, None] and "4096" in recs[0].error
 
@@ -354,7 +354,7 @@ def test_each_exception_class_has_one_kind():
     for k in ErrorKind:
         if not k.item:
             assert ErrorKind.of(k.error("m")) is k and k.error("m").status == k.status
-            assert isinstance(k.error("m"), RequestError) and (k.cli, k.dataset) == (None, None)
+            assert isinstance(k.error("m"), RequestError)
 
 
 def test_no_kind_is_spelled_outside_the_table():

@@ -133,8 +133,8 @@ def test_four_first_runs_started_together_give_the_same_bits(tmp_path):
 BROKEN_KERNEL = textwrap.dedent("""
     import json, sys, torch
     import bivit
-    from bivit import notices
-    from bivit.ops import backend
+    from bivit import kernels, notices
+    from bivit.ops import bits
 
     class RowCountDependent:
         '''A GEMM whose rounding depends on the row count once a call has 64 rows or more (as a library GEMM
@@ -160,7 +160,12 @@ BROKEN_KERNEL = textwrap.dedent("""
                 acc = torch.nn.functional.gelu(acc, approximate=gelu)
             return out.copy_(acc)
 
-    backend.extra_gemm_kernels.append(RowCountDependent())
+    # Placed first among the library's GEMMs, and taken as computing bivit-arith/1 (its committed bits are
+    # another matter): the load-time proof is then the one check that can refuse it.
+    broken = RowCountDependent()
+    library, conformance = kernels.gemm_kernels, bits.conformance
+    kernels.gemm_kernels = lambda: (broken, *library())
+    bits.conformance = lambda op, kernel, dtype: None if kernel is broken else conformance(op, kernel, dtype)
     enc = bivit.load_encoder(None, dtype="float32")
     d = enc.describe()
     x = [torch.rand(3, 28 * k, 28 * (k + 1)) for k in range(1, 6)]

@@ -519,13 +519,14 @@ def test_a_heavy_image_never_holds_the_thread_a_small_one_needs():
     the pool is free (the control: a busy pool does hold back what is queued in it)."""
     from bivit.media import image_work_bytes
     from bivit.serve.protocol import UploadItem
-    from bivit.serve.serving import Service, item_cost
+    from bivit.serve.admission import item_cost
+    from bivit.serve.serving import Service
     from bivit.serve.settings import ServerSettings
 
     svc = Service(bivit.load_encoder(), ServerSettings(cache_mb=0, preprocess_threads=1))
-    svc.heavy_bytes = image_work_bytes(112, 112, "RGB", svc.encoder.processing)  # small limits in tests
+    svc.admission.heavy_bytes = image_work_bytes(112, 112, "RGB", svc.encoder.processing)  # small limits in tests
     heavy, small = UploadItem("heavy.png", png_bytes(300, 300, 1)), UploadItem("small.png", png_bytes(56, 56, 2))
-    assert item_cost(heavy, svc.encoder.processing).work > svc.heavy_bytes \
+    assert item_cost(heavy, svc.encoder.processing).work > svc.admission.heavy_bytes \
         >= item_cost(small, svc.encoder.processing).work
     busy_pool_scenario(svc, "heavy_pool", first=small, held=heavy)
 
@@ -536,7 +537,7 @@ def busy_pool_scenario(svc, pool: str, first, held) -> None:
     svc.start()
     busy = threading.Event()
     try:
-        blocker = getattr(svc, pool).submit("another request", busy.wait)
+        blocker = getattr(svc.admission, pool).submit("another request", busy.wait)
 
         async def scenario() -> None:
             held_task = asyncio.ensure_future(svc.encode_request([held]))
@@ -834,15 +835,16 @@ def test_a_long_video_never_holds_the_thread_a_short_one_needs(tmp_path):
     decoding, decodes in a pool of its own. Shown without timing, at small sizes: the heavy-video pool is held
     busy while a long video waits in it; a short one completes meanwhile."""
     from bivit.serve.protocol import UploadItem
-    from bivit.serve.serving import Service, item_cost
+    from bivit.serve.admission import item_cost
+    from bivit.serve.serving import Service
     from bivit.serve.settings import ServerSettings
     from bivit.container import FRAME_MIN_PIXELS
 
     svc = Service(bivit.load_encoder(), ServerSettings(cache_mb=0, preprocess_threads=1))
-    svc.heavy_video_work = 20 * FRAME_MIN_PIXELS  # small limits in tests
+    svc.admission.heavy_video_work = 20 * FRAME_MIN_PIXELS  # small limits in tests
     long = UploadItem("long.mp4", make_video(tmp_path / "long.mp4", frames=40, fps=10).read_bytes())
     short = UploadItem("short.mp4", make_video(tmp_path / "short.mp4", frames=8, fps=10).read_bytes())
-    assert item_cost(long, svc.encoder.processing).work > svc.heavy_video_work \
+    assert item_cost(long, svc.encoder.processing).work > svc.admission.heavy_video_work \
         >= item_cost(short, svc.encoder.processing).work
     busy_pool_scenario(svc, "heavy_video_pool", first=short, held=long)
 
@@ -853,13 +855,14 @@ def test_a_light_image_never_waits_for_a_thread_decoding_a_large_one():
     the image pool is held busy; a light request completes meanwhile (the control: the busy pool holds back an
     image queued in it)."""
     from bivit.serve.protocol import UploadItem
-    from bivit.serve.serving import Service, item_cost
+    from bivit.serve.admission import item_cost
+    from bivit.serve.serving import Service
     from bivit.serve.settings import ServerSettings
 
     svc = Service(bivit.load_encoder(), ServerSettings(cache_mb=0, preprocess_threads=1))
     light, mid = UploadItem("light.png", png_bytes(56, 56, 21)), UploadItem("mid.png", png_bytes(1200, 1200, 22))
-    assert item_cost(light, svc.encoder.processing).work <= svc.light_bytes \
-        < item_cost(mid, svc.encoder.processing).work <= svc.heavy_bytes
+    assert item_cost(light, svc.encoder.processing).work <= svc.admission.light_bytes \
+        < item_cost(mid, svc.encoder.processing).work <= svc.admission.heavy_bytes
     busy_pool_scenario(svc, "pool", first=light, held=mid)
 
 

@@ -644,13 +644,13 @@ def test_video_work_is_counted_in_frames(tmp_path):
 
 def test_uvicorn_is_the_minor_the_connection_limits_were_read_against():
     """The header, slow-reader and connection limits subclass uvicorn's private H11Protocol
-    (`bivit.serve.app.UVICORN_TESTED` says what they rely on): pyproject.toml pins that minor, and another one
+    (`bivit.serve.transport.UVICORN_TESTED` says what they rely on): pyproject.toml pins that minor, and another one
     installed fails here rather than losing the limits silently."""
     import importlib.metadata
     import re
     from pathlib import Path
 
-    from bivit.serve.app import UVICORN_TESTED
+    from bivit.serve.transport import UVICORN_TESTED
 
     installed = importlib.metadata.version("uvicorn")
     assert installed.split(".")[:2] == UVICORN_TESTED.split("."), \

@@ -21,7 +21,7 @@ from support.server import ServerProcess, rss_mb
 
 pytest.importorskip("fastapi")
 
-from bivit.serve.app import LINGER_BYTES  # noqa: E402 - needs the serve extra, skipped above without it
+from bivit.serve.transport import LINGER_BYTES  # noqa: E402 - needs the serve extra, skipped above without it
 
 MB = 2**20
 OFFERED = 64 * MB  # what each client would send if nothing stopped it

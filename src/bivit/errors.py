@@ -2,8 +2,8 @@
 
 Every user mistake surfaces as one of these exceptions, with a message naming the file, key or reason. Each
 failure a front end reports has a kind (`ErrorKind`): its name on the wire (the service's `error_kind` and
-`{"error": {"kind"}}`), its HTTP status, the word the CLI's line starts with, and the code a dataset's
-errors.jsonl keeps. The table below is the only place a kind is spelled; every site names a member.
+`{"error": {"kind"}}`, a dataset's errors.jsonl) and its HTTP status. The table below is the only place a
+kind is spelled; every site names a member.
 """
 
 from __future__ import annotations
@@ -83,40 +83,37 @@ class ErrorKind(str, enum.Enum):
     value      its name on the wire: a record's `error_kind`, an error answer's `error.kind`, the metrics label
     status     the HTTP status of an answer that fails for this reason alone
     exception  the exception class that carries it (request-level kinds: `RequestError`, which names its kind)
-    cli        the word a `bivit` line about an item of this kind starts with (`bivit: skipped: NAME: reason`);
-               None for kinds only the service meets
-    dataset    the code an errors.jsonl line keeps (`error_kind`); None for kinds a dataset job never meets
 
     A str: a record's `error_kind` compares equal to its wire name (`r.error_kind == "media"`).
     """
 
     # One item of a request (or of `bivit encode`, or of a dataset job) failed; the others are answered.
-    BAD_ITEM = ("bad_item", 422, BadItem, None, None)
-    MEDIA = ("media", 422, MediaError, "skipped", "media")
-    INVALID = ("invalid", 422, BivitError, "skipped", "invalid")
-    INTERNAL = ("internal", 500, EncodeFailed, "skipped", "internal")
+    BAD_ITEM = ("bad_item", 422, BadItem)
+    MEDIA = ("media", 422, MediaError)
+    INVALID = ("invalid", 422, BivitError)
+    INTERNAL = ("internal", 500, EncodeFailed)
     # The request as a whole is refused (`RequestError`).
-    BAD_REQUEST = ("bad_request", 400, RequestError, None, None)
-    AUTH = ("auth", 401, RequestError, None, None)
-    FORBIDDEN = ("forbidden", 403, RequestError, None, None)
-    NOT_FOUND = ("not_found", 404, RequestError, None, None)
-    METHOD_NOT_ALLOWED = ("method_not_allowed", 405, RequestError, None, None)
-    BODY_TIMEOUT = ("body_timeout", 408, RequestError, None, None)
-    TOO_LARGE = ("too_large", 413, RequestError, None, None)
-    TOO_MANY_ITEMS = ("too_many_items", 413, RequestError, None, None)
-    RESPONSE_TOO_LARGE = ("response_too_large", 413, RequestError, None, None)
-    UNSUPPORTED_MEDIA_TYPE = ("unsupported_media_type", 415, RequestError, None, None)
-    BAD_WEIGHTS = ("bad_weights", 422, RequestError, None, None)
-    QUEUE_FULL = ("queue_full", 429, RequestError, None, None)
-    CLIENT_CLOSED = ("client_closed", 499, RequestError, None, None)
-    BUSY = ("busy", 503, RequestError, None, None)
-    TIMEOUT = ("timeout", 504, RequestError, None, None)
-    INSUFFICIENT_STORAGE = ("insufficient_storage", 507, RequestError, None, None)
+    BAD_REQUEST = ("bad_request", 400, RequestError)
+    AUTH = ("auth", 401, RequestError)
+    FORBIDDEN = ("forbidden", 403, RequestError)
+    NOT_FOUND = ("not_found", 404, RequestError)
+    METHOD_NOT_ALLOWED = ("method_not_allowed", 405, RequestError)
+    BODY_TIMEOUT = ("body_timeout", 408, RequestError)
+    TOO_LARGE = ("too_large", 413, RequestError)
+    TOO_MANY_ITEMS = ("too_many_items", 413, RequestError)
+    RESPONSE_TOO_LARGE = ("response_too_large", 413, RequestError)
+    UNSUPPORTED_MEDIA_TYPE = ("unsupported_media_type", 415, RequestError)
+    BAD_WEIGHTS = ("bad_weights", 422, RequestError)
+    QUEUE_FULL = ("queue_full", 429, RequestError)
+    CLIENT_CLOSED = ("client_closed", 499, RequestError)
+    BUSY = ("busy", 503, RequestError)
+    TIMEOUT = ("timeout", 504, RequestError)
+    INSUFFICIENT_STORAGE = ("insufficient_storage", 507, RequestError)
 
-    def __new__(cls, value: str, status: int, exception: type, cli: Optional[str], dataset: Optional[str]):
+    def __new__(cls, value: str, status: int, exception: type):
         obj = str.__new__(cls, value)
         obj._value_ = value
-        obj.status, obj.exception, obj.cli, obj.dataset = status, exception, cli, dataset
+        obj.status, obj.exception = status, exception
         return obj
 
     def __str__(self) -> str:

@@ -2,8 +2,8 @@
 (`benchmarks/loadtest.py`, `benchmarks/hostile_load.py` put `tests/` on their path to use it).
 
 The server logs to a file (not a pipe: a full pipe would block the server), so callers can read its JSON lines.
-`holdable=True` arms the batching worker's test hook (`bivit.serve.batcher`): inside `with srv.held():` no
-forward pass starts, so a test decides what is in flight instead of racing the server.
+`holdable=True` starts it through `launch.py`, which hands the batching worker a `held` check (a file's existence):
+inside `with srv.held():` no forward pass starts, so a test decides what is in flight instead of racing the server.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import httpx
 
-from bivit.serve.batcher import HOLD_ENV
+LAUNCH = Path(__file__).with_name("launch.py")
 
 
 def free_port() -> int:
@@ -41,15 +41,14 @@ class ServerProcess:
         self.api_key = api_key
         self.log_path = Path(log_dir) / f"server-{self.port}.log"
         self.hold_path = Path(log_dir) / f"hold-{self.port}" if holdable else None
-        cmd = [sys.executable, "-m", "bivit", "serve", "--host", "127.0.0.1", "--port", str(self.port), *args]
+        bivit = [sys.executable, "-m", "bivit"] if self.hold_path is None else \
+            [sys.executable, str(LAUNCH), "hold", str(self.hold_path)]
+        cmd = [*bivit, "serve", "--host", "127.0.0.1", "--port", str(self.port), *args]
         if api_key:
             cmd += ["--api-key", api_key]
         self._log = open(self.log_path, "wb")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         env.pop("BIVIT_API_KEY", None)
-        env.pop(HOLD_ENV, None)
-        if self.hold_path is not None:
-            env[HOLD_ENV] = str(self.hold_path)
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
         try:
             self._wait_ready(ready_timeout)

@@ -10,7 +10,7 @@ from typing import Any, List, Optional
 import typer
 
 from .. import records as rec
-from ..errors import BivitError, ErrorKind
+from ..errors import BivitError
 from ..kinds import media_kind
 from ..names import label, shown, stored, too_long
 from .common import (EC_PROBE, FAILURE, AlphaOpt, DeviceOpt, DtypeOpt, EcDirOpt, MaxBatchPatchesOpt, ModelOpt,
@@ -60,7 +60,7 @@ def encode(
             kinds[i] = items.check_input(path, names[i])
         except BivitError as e:
             results[i] = e
-            typer.echo(f"bivit: {ErrorKind.of(e).cli}: {shown(str(e))}", err=True)
+            typer.echo(f"bivit: skipped: {shown(str(e))}", err=True)
     if not kinds:
         typer.echo(f"encoded 0 of {plural(len(files), 'input')} (nothing written); {len(files)} failed")
         raise typer.Exit(FAILURE)
@@ -90,7 +90,7 @@ def encode(
                     record.extra["ec_error"] = str(e)
                     ec_failed.append(e)
             if r.error is not None:  # named, whatever raised it (an allocation failure names no file)
-                bar.write(f"bivit: {ErrorKind.of(r.error).cli}: {shown(names[i])}: "
+                bar.write(f"bivit: skipped: {shown(names[i])}: "
                           f"{shown(rec.error_text(r.error, r.source))}",
                           file=sys.stderr)
 

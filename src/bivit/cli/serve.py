@@ -86,7 +86,8 @@ def serve(
     check_options(model, dtype, projector_dtype, output_dtype, alpha, device, max_batch_patches)
     if ec_dir is not None:
         writable(ec_dir / EC_PROBE, option="--ec-dir")
-    from ..serve.app import configure_logging, run  # FastAPI, uvicorn and torch: once the options are good
+    from ..serve.logs import configure_logging  # the serve folder: once the options are good
+    from ..serve.transport import run  # FastAPI, uvicorn and torch: once the options are good
 
     configure_logging(log_level)  # the service logs JSON lines, its demo warning included
     encoder = open_encoder(model, dtype, projector_dtype, output_dtype, batch_invariant, alpha=alpha, device=device,

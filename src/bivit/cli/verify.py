@@ -9,7 +9,7 @@ from typing import List, Optional
 import typer
 
 from ..dtypes import dtype_name
-from ..errors import BivitError, ErrorKind
+from ..errors import BivitError
 from ..names import shown
 from ..options import whole
 from .common import (DTYPE_CHOICES, FAILURE, DeviceOpt, ModelOpt, OutDtypeOpt, ProjDtypeOpt, check_options, command,
@@ -57,7 +57,7 @@ def verify(
 
     def skip(e: BivitError) -> None:  # named in one line and left out, as `bivit encode` does
         skipped.append(e)
-        typer.echo(f"bivit: {ErrorKind.of(e).cli}: {shown(str(e))}", err=True)
+        typer.echo(f"bivit: skipped: {shown(str(e))}", err=True)
 
     def none_left() -> None:
         typer.echo(f"verified 0 of {plural(len(files), 'input')}; {len(skipped)} failed")

@@ -20,7 +20,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from safetensors.torch import save
@@ -39,24 +39,11 @@ from .pipeline import Source
 # A pending shard is also committed after this many seconds, so a kill loses at most this much work even when
 # shards are large and encoding is slow.
 DEFAULT_FLUSH_SECONDS = 60.0
-# Test hook, a pause point only: "PHASE:SECONDS[:COUNT]" sleeps at PHASE (before_rename | after_rename |
-# after_commit) of every shard commit once this run has written COUNT shards before it (default 0), or
-# (journaled) after each input taken once the journal holds COUNT entries, so a test can SIGKILL the process at a
-# chosen instant. It changes nothing else.
-PAUSE_ENV = "BIVIT_DATASET_TEST_PAUSE"
 # A folder written with other values for these keys holds tensors that are not comparable with this run's ("bits"
 # first: a run on a machine whose kernels compute another class of bits is the likeliest cause, and says why).
 # An older format_version is continued in its own (`read_header` refuses a newer one).
 _MUST_MATCH = ("bits", "fingerprint", "dtype", "projector_dtype", "output_dtype", "batch_invariant",
                "alpha")
-
-
-def _pause(phase: str, count: int) -> None:
-    spec = os.environ.get(PAUSE_ENV)
-    if spec:
-        want, seconds, after, *_ = spec.split(":") + ["", ""]
-        if want == phase and count >= int(after or 0):
-            time.sleep(float(seconds or 1))
 
 
 def _own_temp(name: str) -> bool:
@@ -77,14 +64,22 @@ def header_for(encoder: Any, model: Optional[str]) -> dict:
 
 class DatasetWriter:
     """Holds DIR's lock, recovers it, and commits shards + manifest lines. Not thread-safe: one thread calls it
-    (the driver, in the Ray engine)."""
+    (the driver, in the Ray engine).
+
+    `on_step(step, count)`, when given, is called at each step of a commit (`before_rename`, `after_rename`,
+    `after_commit`, with the shards this writer committed before it) and after each input taken (`journaled`,
+    with the journal's entries): the instants a crash can fall between, so that a test can stop the process at
+    one it chooses.
+    """
 
     def __init__(self, out: str | os.PathLike, header: dict, *, shard_mb: float = DEFAULT_SHARD_MB,
-                 flush_seconds: float = DEFAULT_FLUSH_SECONDS):
+                 flush_seconds: float = DEFAULT_FLUSH_SECONDS,
+                 on_step: Optional[Callable[[str, int], None]] = None):
         self.dir = Path(out)
         self.header = header
         self.shard_bytes = max(1, int(shard_mb * 2**20))
         self.flush_seconds = flush_seconds
+        self._on_step = on_step or (lambda step, count: None)
         if self.dir.exists() and not self.dir.is_dir():
             raise BivitError(f"{out}: exists and is not a directory")
         created = False  # whether this run created DIR's lock file: a refused folder must not keep it
@@ -107,7 +102,7 @@ class DatasetWriter:
         self._pending_bytes = 0
         self._pending_since: Optional[float] = None
         self.tokens_written = 0
-        self._commits = 0  # shards this run has written (for the test hook's pause)
+        self._commits = 0  # shards this writer has committed (`on_step`)
         self.journal = Journal(self.dir)
         try:
             self._open_header()
@@ -264,7 +259,7 @@ class DatasetWriter:
             self.journal.append(lines, None)
         else:
             self._hold(sha, tensor, lines)
-        _pause("journaled", self.journal.entries)
+        self._on_step("journaled", self.journal.entries)
         if self._pending_bytes >= self.shard_bytes or time.monotonic() - self._pending_since >= self.flush_seconds:
             self.commit()
 
@@ -291,8 +286,8 @@ class DatasetWriter:
         encoder = encoder_of(self.header)
         meta = records.metadata(encoder, lines)
         write_atomic(self.dir / name, save(tensors, metadata=meta),
-                     before_replace=lambda: _pause("before_rename", self._commits))
-        _pause("after_rename", self._commits)
+                     before_replace=lambda: self._on_step("before_rename", self._commits))
+        self._on_step("after_rename", self._commits)
         self.add_lines(lines)
         self.journal.clear()
         self.tokens_written += sum(int(t.shape[0]) for t, _ in self._pending.values())
@@ -300,7 +295,7 @@ class DatasetWriter:
         self._pending_bytes = 0
         self._pending_since = None
         self._commits += 1
-        _pause("after_commit", self._commits - 1)
+        self._on_step("after_commit", self._commits - 1)
 
     def close(self) -> None:
         self.journal.close()

@@ -95,10 +95,6 @@ def gemm_kernel(dtype: torch.dtype):
     return kernel
 
 
-# Kernels tried before the library's own (tests put a deliberately broken one here to see the proof refuse it).
-extra_gemm_kernels: list = []
-
-
 GEMM_ENV = "BIVIT_GEMM"  # a GEMM kernel's name: run that one wherever it takes the dtype (how tests force each)
 
 
@@ -114,7 +110,7 @@ def _decide_gemm_kernel(dtype: torch.dtype):
     elif forced and any(k.name == forced for k in candidates):  # (a kernel that does not take the dtype: not here)
         candidates = [k for k in candidates if k.name == forced]
     amx_off = None
-    for kernel in (*extra_gemm_kernels, *candidates):
+    for kernel in candidates:
         if refused("gemm", kernel.name):
             continue
         why = _gemm_self_test(kernel, dtype, self_test)
@@ -122,7 +118,7 @@ def _decide_gemm_kernel(dtype: torch.dtype):
             notices.fallback(f"gemm-{kernel.name}-{name}", f"{kernel.name} GEMM off for {name}",
                              f"it failed its self-test: {why}", "the next GEMM kernel runs instead", None)
             continue
-        if kernel not in extra_gemm_kernels and bits.mode() == "canonical":
+        if bits.mode() == "canonical":
             off = bits.conformance("gemm", kernel, dtype)
             if off is not None and kernel.name.startswith("amx"):
                 amx_off = amx_off or off  # AMX's own order: said once, below, if no AMX kernel computes it

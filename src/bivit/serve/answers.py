@@ -9,7 +9,7 @@ item read from its one tensor), each sent when the previous one has left the wri
 embeddings and about one piece. A JSON answer (`?format=json`, ~20 bytes a value) was one `json.dumps` call of
 12 s under the interpreter lock for 145 MB; it is made a few rows at a time (`bivit.serve.protocol.json_chunks`).
 Pieces are made on a worker thread. A client that reads nothing is cut off by the server's write timeout
-(`bivit.serve.app`); its answer stops being made.
+(`bivit.serve.transport`); its answer stops being made.
 """
 
 from __future__ import annotations

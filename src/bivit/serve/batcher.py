@@ -3,19 +3,12 @@ video chunks) from all requests into forward passes, by the packing rule (`bivit
 
 Anything else that touches the encoder (a weight update) runs on the same thread, between forward passes
 (`Batcher.call`), so no forward pass ever sees half-updated weights.
-
-Test hook (off unless set): while the file named by `$BIVIT_SERVE_TEST_HOLD` exists, the worker starts no
-forward pass and no call; requests are still admitted and their items queued (`bivit_queue_depth`). A test
-creates the file, sends requests, waits for the queue or admission metrics to show them, and deletes the file:
-what is in flight at a given moment, and which items share a forward pass, is then decided by the test, not by
-how fast this machine happens to be. While items wait on the file, the worker checks it every few milliseconds.
 """
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -25,8 +18,7 @@ from ..media import MediaBatch
 from ..packing import Pass
 from .metrics import Metrics
 
-HOLD_ENV = "BIVIT_SERVE_TEST_HOLD"
-_HOLD_POLL_S = 0.005
+HELD_POLL_S = 0.005  # how often a worker with items queued asks `held` again
 
 
 @dataclass
@@ -45,9 +37,15 @@ class Batcher:
     the encoder's `max_batch_patches`), or `max_wait_s` after its oldest item was queued, whichever comes first. Items are taken in
     arrival order. An item larger than the budget runs alone. A pass that raises is run again item by item
     (`Encoder.forward_each`), so that one bad item fails only itself.
+
+    `held()`, when given, is asked before each forward pass or call: while it says True none starts (unless the
+    worker is stopping); requests are still admitted and their items queued (`bivit_queue_depth`). What is in
+    flight at a given moment, and which items share a forward pass, is then decided by whoever holds it (a test),
+    not by how fast the machine happens to be.
     """
 
-    def __init__(self, encoder: Any, max_wait_s: float, metrics: Metrics):
+    def __init__(self, encoder: Any, max_wait_s: float, metrics: Metrics,
+                 held: Optional[Callable[[], bool]] = None):
         self._encoder = encoder
         self._max_patches = encoder.max_batch_patches  # checked when the encoder was loaded
         self._max_wait = max(0.0, float(max_wait_s))
@@ -56,7 +54,7 @@ class Batcher:
         self._cv = threading.Condition()
         self._stopping = False
         self._thread: Optional[threading.Thread] = None
-        self._hold = os.environ.get(HOLD_ENV) or None  # the test hook (module docstring)
+        self._held = held or (lambda: False)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="bivit-batcher", daemon=True)
@@ -109,7 +107,7 @@ class Batcher:
             while not self._queue or (self._held() and not self._stopping):  # stopping: queued items still run
                 if self._stopping and not self._queue:
                     return None
-                self._cv.wait(_HOLD_POLL_S if self._queue else None)  # queued: only held
+                self._cv.wait(HELD_POLL_S if self._queue else None)  # queued: only held
             filling: Pass[_Job] = Pass(self._max_patches)  # the packing rule decides where the batch ends
             deadline = self._queue[0].enqueued + self._max_wait
             while True:
@@ -135,9 +133,6 @@ class Batcher:
                 self._cv.wait(remaining)
             self._metrics.queue_depth.set(len(self._queue))
             return filling.take()
-
-    def _held(self) -> bool:
-        return self._hold is not None and os.path.exists(self._hold)
 
     @staticmethod
     def _call(job: _Job) -> None:

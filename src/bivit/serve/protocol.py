@@ -1,4 +1,4 @@
-"""The wire format of `POST /v1/encode`, shared by the server and `bivit.client`.
+"""The wire format of `POST /v1/encode`: reading a request's items, writing its answer or an error.
 
 Request: multipart `file` parts, or JSON `{"items": [{"data": "<base64>", "name": ..., "kind": ...}]}`.
 Response: an embedding file (`bivit.records`, format bivit.embeddings/1: `format`, `encoder`, `items` in its
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
 from .. import records
-from ..errors import BadItem, ErrorKind, RequestError  # noqa: F401  (their home before errors)
+from ..errors import ErrorKind, RequestError
 from ..fileio import TooManyElements, parse_json
 from ..kinds import media_kind
 from ..names import label, shown, stored, too_long

@@ -59,7 +59,7 @@ class ServerSettings:
     preprocess_threads: int = field(default_factory=lambda: max(1, min(4, os.cpu_count() or 1)))
     retry_after_s: int = 1
     # POST /v1/weights body limit; None: the served model's weights as their dtypes store them + 16 MiB, the
-    # largest body a valid update can be (`Service.weights_limit_mb`)
+    # largest body a valid update can be (`bivit.serve.weights.WeightUpdates.limit_mb`)
     max_weights_mb: Optional[float] = None
     allow_weight_updates_without_key: bool = False  # POST /v1/weights is refused while api_key is unset
     ec_dir: Optional[str] = None  # also write each item's rows to vLLM's encoder cache here (item meta "ec_ids")
