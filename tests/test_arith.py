@@ -25,7 +25,7 @@ import torch
 
 import bivit
 from bivit import golden, kernels, ops, state
-from bivit.ops import backend, bits
+from bivit.ops import selection, bits
 from support import arith_model, arith_reference as R
 from support.variants import CAPABILITY, FLAGS, RUNNABLE, library_or_skip
 
@@ -165,9 +165,9 @@ def test_the_chosen_kernels_compute_the_committed_bits():
     """In canonical mode (the default) every kernel the backend chooses here conforms, and the class is
     bivit-arith/1."""
     for dtype in (torch.float32, torch.bfloat16):
-        assert bits.conformance("gemm", backend.gemm_kernel(dtype), dtype) is None
-        assert bits.conformance("attention", backend.attention_kernel(dtype), dtype) is None
-        assert bits.conformance("norm", backend.norm_kernel(dtype), dtype) is None
+        assert bits.conformance("gemm", selection.gemm_kernel(dtype), dtype) is None
+        assert bits.conformance("attention", selection.attention_kernel(dtype), dtype) is None
+        assert bits.conformance("norm", selection.norm_kernel(dtype), dtype) is None
         assert ops.bits_class((dtype, dtype), torch.device("cpu"), True) == bits.ARITH
 
 
@@ -285,8 +285,8 @@ def test_a_dataset_folder_refuses_a_run_of_another_class(tmp_path):
     first = subprocess.run([sys.executable, "-m", "bivit", *args], capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stderr
     Image.fromarray(golden.pixels(56, 56, 2)).save(src / "b.png")
-    other = ("import sys; from bivit.ops import device; from bivit.cli import main; "
-             "device.CpuBackend.bits = lambda self, dtypes, invariant: 'native/gemm-bfloat16=amx/test'; "
+    other = ("import sys; from bivit.ops import dispatch; from bivit.cli import main; "
+             "dispatch.CpuBackend.bits = lambda self, dtypes, invariant: 'native/gemm-bfloat16=amx/test'; "
              "sys.argv[0] = 'bivit'; main()")
     again = subprocess.run([sys.executable, "-c", other, *args], capture_output=True, text=True, timeout=600)
     assert again.returncode != 0

@@ -134,7 +134,7 @@ BROKEN_KERNEL = textwrap.dedent("""
     import json, sys, torch
     import bivit
     from bivit import notices
-    from bivit.ops import backend
+    from bivit.ops import selection
 
     class RowCountDependent:
         '''A GEMM whose rounding depends on the row count once a call has 64 rows or more (as a library GEMM
@@ -160,7 +160,7 @@ BROKEN_KERNEL = textwrap.dedent("""
                 acc = torch.nn.functional.gelu(acc, approximate=gelu)
             return out.copy_(acc)
 
-    backend.extra_gemm_kernels.append(RowCountDependent())
+    selection.extra_gemm_kernels.append(RowCountDependent())
     enc = bivit.load_encoder(None, dtype="float32")
     d = enc.describe()
     x = [torch.rand(3, 28 * k, 28 * (k + 1)) for k in range(1, 6)]
@@ -209,7 +209,7 @@ def test_every_kernel_keeps_the_dtype_contract(monkeypatch, name, dtype):
     """`ops.linear` (with and without GELU, forward and backward) returns the weights' dtype whichever GEMM kernel
     this CPU runs computes it: a kernel that widens bf16 to fp32 must not hand fp32 on (the vLLM 41638 class of
     crash: a bf16 LayerNorm fed fp32)."""
-    from bivit.ops import backend
+    from bivit.ops import selection
 
     kernel = next((k for k in kernels.gemm_kernels() if k.name == name), None)
     if kernel is None or not kernel.takes(dtype):

@@ -29,7 +29,7 @@ from .encoder import load_encoder
 from .kernels.cpu import FLAGS, cpu_info
 from .notices import Notice
 from .ops import attention_kernel, bits_class, gemm_kernel
-from .ops.backend import compute_dtype
+from .ops.selection import compute_dtype
 from .ops.bits import mode
 
 # Environment variables that change a kernel choice or the threads (docs/cpu-kinds.md: what each does to the class).

@@ -13,7 +13,7 @@ gives the whole argument), nor on the kernel wherever it computes bivit-arith/1.
 * `amx`, `amx_swapped`: bf16 on AMX tiles, where the CPU has AMX and the OS grants its tile state, with each
   pair as stored or swapped (what tdpbf16ps computes is decided by the load-time conformance check).
 
-Which kernel computes a dtype is fixed per process (`bivit.ops.backend`), never per call.
+Which kernel computes a dtype is fixed per process (`bivit.ops.selection`), never per call.
 """
 
 from __future__ import annotations

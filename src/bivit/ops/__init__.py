@@ -31,11 +31,11 @@ order, so they do not depend on the thread count. Without autograd (`encode` run
 Functions are skipped: the fast path stays the fast path.
 """
 
-from .backend import attention_kernel, gemm_kernel, norm_kernel, require
+from .selection import attention_kernel, gemm_kernel, norm_kernel, require
 from .bits import ARITH
-# The ops the model calls: each picks the op table of its first tensor's device (device.py: CPU, or in invariant
+# The ops the model calls: each picks the op table of its first tensor's device (dispatch.py: CPU, or in invariant
 # mode CUDA's Triton ops).
-from .device import (attention, backend_for, bits_class, layer_norm, linear, patch_conv, residual_linear, rms_norm,
+from .dispatch import (attention, backend_for, bits_class, layer_norm, linear, patch_conv, residual_linear, rms_norm,
                      temporal_mean)
 from .gemm import gemms, prepare
 from .mode import batch_invariant, checkpoint, is_batch_invariant, trace

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from .. import kernels
 from ..errors import ConfigError
-from .backend import attention_kernel, compute_dtype, flash_attention_backward
+from .selection import attention_kernel, compute_dtype, flash_attention_backward
 from .mode import emit, is_batch_invariant, needs_grad
 from .rotary import rope as rotate
 

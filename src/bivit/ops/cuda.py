@@ -1,6 +1,6 @@
-"""The ops of the invariant forward for CUDA tensors (`bivit.ops.device`'s CUDA table): the same names, arguments
+"""The ops of the invariant forward for CUDA tensors (`bivit.ops.dispatch`'s CUDA table): the same names, arguments
 and output dtypes as the CPU ops they stand in for, each one or two Triton kernel launches
-(`bivit.kernels.triton_jit`); forward only. Importing it imports triton: `ops.device.cuda_ops` imports it after
+(`bivit.kernels.triton_jit`); forward only. Importing it imports triton: `ops.dispatch.cuda_ops` imports it after
 `kernels.cuda.require`.
 """
 

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from . import packs
-from .backend import gemm_kernel
+from .selection import gemm_kernel
 from .mode import emit, is_batch_invariant, needs_grad
 from .pointwise import chunked_gelu_backward
 

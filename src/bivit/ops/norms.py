@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .backend import norm_kernel
+from .selection import norm_kernel
 from .mode import emit, is_batch_invariant, needs_grad
 
 

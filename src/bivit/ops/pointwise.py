@@ -9,7 +9,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .backend import gelu_out
+from .selection import gelu_out
 from .mode import emit, is_batch_invariant, needs_grad
 
 

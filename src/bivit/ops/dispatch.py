@@ -26,7 +26,7 @@ from ..dtypes import dtype_name
 from ..errors import ConfigError
 from ..kernels import cuda
 from . import attend, gemm, norms, pointwise
-from .backend import attention_kernel, compute_dtype, cpu_bits_class, gemm_kernel, norm_kernel, require
+from .selection import attention_kernel, compute_dtype, cpu_bits_class, gemm_kernel, norm_kernel, require
 from .mode import is_batch_invariant
 from .proof import prove
 
