@@ -108,7 +108,7 @@ def prove(model: str | None, dtype: str, projector_dtype: str | None) -> dict:
     `dtype` against the committed ones. Raises InvarianceError where an op has no invariant path."""
     encoder = load_encoder(model, dtype=dtype, projector_dtype=projector_dtype, batch_invariant=False)
     start = time.perf_counter()
-    ops.prepare(ops.gemms(encoder.model))
+    ops.pack_weights(ops.gemms(encoder.model))
     packed = time.perf_counter() - start
     proof = ops.prove(encoder.model, fresh=True)
     rows = golden.check(load_encoder(None, dtype=dtype))

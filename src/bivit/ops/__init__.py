@@ -12,7 +12,7 @@ a way that does not depend on which other rows share the call:
 * `attend`: attention per item (bivit's compiled kernel, whose units are fixed per item).
 * `rotary`: the rotary embedding of q and k, elementwise in fp32 (bivit's compiled kernel or PyTorch's ops, same
   bits).
-* `backend`: which compiled kernel each op uses, decided once per process and dtype from the CPU and the
+* `selection`: which compiled kernel each op uses, decided once per process and dtype from the CPU and the
   installed kernels, never switched by a failure; invariant mode on a CPU runs bivit's kernels only (one
   arithmetic, bivit-arith/1) or is refused. The load-time proof can refuse a kernel first.
 * `proof`: the load-time proof: every op of the model, at its real shapes, computes each item's rows
@@ -37,7 +37,7 @@ from .bits import ARITH
 # mode CUDA's Triton ops).
 from .dispatch import (attention, backend_for, bits_class, layer_norm, linear, patch_conv, residual_linear, rms_norm,
                      temporal_mean)
-from .gemm import gemms, prepare
+from .gemm import gemms, pack_weights
 from .mode import batch_invariant, checkpoint, is_batch_invariant, trace
 from .pointwise import POINTWISE_CHUNK, gelu
 from .proof import InvarianceError, Proof, prove
@@ -46,6 +46,6 @@ from .rotary import rope, rope_tables
 __all__ = [
     "ARITH", "POINTWISE_CHUNK", "InvarianceError", "Proof", "attention", "attention_kernel",
     "backend_for", "batch_invariant", "bits_class", "checkpoint", "gelu", "gemm_kernel", "gemms", "is_batch_invariant",
-    "layer_norm", "linear", "norm_kernel", "patch_conv", "prepare", "prove", "require", "residual_linear", "rms_norm",
+    "layer_norm", "linear", "norm_kernel", "pack_weights", "patch_conv", "prove", "require", "residual_linear", "rms_norm",
     "rope", "rope_tables", "temporal_mean", "trace",
 ]

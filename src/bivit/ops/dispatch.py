@@ -5,7 +5,7 @@
   CPU table's ops, whose stock branches run PyTorch's on any device. `linear` ... `temporal_mean` below pick the
   table for their first tensor: the only place that decides it.
 * `backend_for(device)`: what an encoder on that device type does at load and reports: load its kernels
-  (`load`), pack the weights and prove invariance (`prepare`), describe the kernels and name the class of bits.
+  (`load`), pack the weights and prove invariance (`pack_and_prove`), describe the kernels and name the class of bits.
 * `interpreted()` / `recording()`: CPU tensors take the CUDA table too, under Triton's interpreter (the GPU
   path's tests and its CPU dry run) or with every launch recorded instead of run (`bivit.gpu.build`).
 """
@@ -137,11 +137,11 @@ class CpuBackend:
     def load(self) -> None:
         kernels.library()  # load and self-test the installed kernels now, not mid-request
 
-    def prepare(self, model: torch.nn.Module) -> None:
+    def pack_and_prove(self, model: torch.nn.Module) -> None:
         """Refuse invariant mode where it cannot run here; pack the weights and prove every op invariant on this
         machine now, not on the first request."""
         require()
-        gemm.prepare(gemm.gemms(model))
+        gemm.pack_weights(gemm.gemms(model))
         prove(model)
 
     def describe(self, model: torch.nn.Module, dtypes: Sequence[torch.dtype], batch_invariant: bool) -> dict:
@@ -164,10 +164,10 @@ class CudaBackend:
     """Invariant mode on an NVIDIA GPU: bivit's Triton kernels (fixed tiles: nothing to pack or prove)."""
 
     def load(self) -> None:
-        pass  # triton is needed by invariant mode only: `prepare`
+        pass  # triton is needed by invariant mode only: `pack_and_prove`
 
-    def prepare(self, model: torch.nn.Module) -> None:
-        cuda_ops()
+    def pack_and_prove(self, model: torch.nn.Module) -> None:
+        cuda_ops()  # fixed tiles: nothing to pack or prove, only triton to check
 
     def describe(self, model: torch.nn.Module, dtypes: Sequence[torch.dtype], batch_invariant: bool) -> dict:
         return {**cuda.describe(batch_invariant), "proof": None}

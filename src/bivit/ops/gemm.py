@@ -3,7 +3,7 @@
 In invariant mode a GEMM runs in bivit's compiled GEMM (`bivit.kernels.gemm`), whose reduction order bivit fixes:
 each output element is one fp32 accumulator fed its K products in order by one thread, and threads split the
 output by rows and columns only. A row's bits therefore depend on that row, the weights and the kernel, not on
-the batch, the row count or the thread count, by construction. The kernel per dtype is `backend.gemm_kernel`:
+the batch, the row count or the thread count, by construction. The kernel per dtype is `selection.gemm_kernel`:
 the best one this CPU runs that computes bivit-arith/1 and passed its self-test and the load-time proof
 (`bivit.ops.proof`), fixed for the process.
 
@@ -25,11 +25,11 @@ from .pointwise import chunked_gelu_backward
 
 Layer = tuple[torch.Tensor, "torch.Tensor | None", "str | None"]  # (weight, bias, GELU after it or None)
 
-def _prepared(kernel, weight: torch.Tensor, bias: torch.Tensor | None, key: torch.Tensor,
+def _packed(kernel, weight: torch.Tensor, bias: torch.Tensor | None, key: torch.Tensor,
               transposed: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(packed weight, float32 bias) for `kernel` (`bivit.ops.packs`); the bias widened exactly: it is never
     wider than float32."""
-    return packs.prepared(key, (kernel, transposed), lambda: (
+    return packs.packed(key, (kernel, transposed), lambda: (
         kernel.pack(weight.detach()), None if bias is None else bias.detach().float().contiguous()))
 
 
@@ -48,7 +48,7 @@ def _gemm(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, key
     kernel = gemm_kernel(weight.dtype)
     x2 = x2 if x2.dtype == weight.dtype and x2.stride(-1) == 1 else x2.to(weight.dtype).contiguous()
     x2 = _widened(kernel, x2)
-    packed, bias32 = _prepared(kernel, weight, bias, key, transposed)
+    packed, bias32 = _packed(kernel, weight, bias, key, transposed)
     out = torch.empty(x2.shape[0], weight.shape[0], dtype=weight.dtype)  # the weights' dtype, as F.linear returns
     return kernel(x2, packed, weight.shape[0], bias32, out, gelu=gelu, bf16=weight.dtype == torch.bfloat16)
 
@@ -144,14 +144,14 @@ def patch_conv(pixels: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 def gemms(module: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor | None, str | None]]:
     """(weight, bias, GELU after it) of every GEMM of `module`: its Linear layers and kernel-sized convs (the
-    patch embedding), as `prepare`, the proof and the roofline need them."""
+    patch embedding), as `pack_weights`, the proof and the roofline need them."""
     return [(m.weight, m.bias, getattr(m, "gelu", None)) for m in module.modules()
             if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))]
 
 
-def prepare(gemms: Sequence[tuple]) -> None:
+def pack_weights(gemms: Sequence[tuple]) -> None:
     """Pack the weights of the GEMMs `(weight, bias[, gelu])` of a model now (at load, or after a weight update)
     rather than at their first use."""
     with torch.no_grad():
         for w, b, *_ in gemms:
-            _prepared(gemm_kernel(w.dtype), w.reshape(w.shape[0], -1), b, w, False)
+            _packed(gemm_kernel(w.dtype), w.reshape(w.shape[0], -1), b, w, False)
