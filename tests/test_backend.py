@@ -75,6 +75,7 @@ _IN_ONE_PROCESS = """
 import sys
 import torch, bivit
 from bivit import state
+from bivit.kernels.gemm import APPROXIMATE
 from bivit.ops import selection
 
 ckpt, out, *inputs = sys.argv[1:]
@@ -100,7 +101,7 @@ class Stock:
 
     def __call__(self, x, packed, n, bias, out, gelu=None, threads=None, bf16=None):
         y = torch.nn.functional.linear(x.to(packed.dtype), packed, None if bias is None else bias.to(packed.dtype))
-        return out.copy_(y if gelu is None else torch.nn.functional.gelu(y, approximate=gelu))
+        return out.copy_(y if gelu is None else torch.nn.functional.gelu(y, approximate=APPROXIMATE[gelu]))
 
 
 # The control: a process-wide switch of the float32 GEMM kernel after the other loads, as bivit once did.

@@ -115,7 +115,7 @@ def gemm_outputs(kernel, dtype: torch.dtype) -> list[torch.Tensor]:
     packed = kernel.pack(w)
     n = w.shape[0]
     return [kernel(x, packed, n, bias, torch.empty(x.shape[0], n, dtype=torch.float32), gelu=g,
-                   bf16=dtype == torch.bfloat16) for g in (None, "tanh", "none")]
+                   bf16=dtype == torch.bfloat16) for g in (None, "tanh", "erf")]
 
 
 def attention_outputs(kernel, dtype: torch.dtype) -> list[torch.Tensor]:

@@ -36,7 +36,6 @@ class Ops:
     """The ops of the forward pass for tensors of one device (same names, arguments and output dtypes)."""
 
     linear: Callable
-    residual_linear: Callable
     patch_conv: Callable
     layer_norm: Callable
     rms_norm: Callable
@@ -44,7 +43,7 @@ class Ops:
     temporal_mean: Callable
 
 
-CPU_OPS = Ops(gemm.linear, gemm.residual_linear, gemm.patch_conv, norms.layer_norm, norms.rms_norm,
+CPU_OPS = Ops(gemm.linear, gemm.patch_conv, norms.layer_norm, norms.rms_norm,
               attend.attention, pointwise.temporal_mean)
 
 
@@ -54,7 +53,7 @@ def cuda_ops() -> Ops:
     cuda.require()
     from . import cuda as ops  # optional: imports triton (the gpu extra), so only after `require` says it is there
 
-    return Ops(ops.linear, ops.residual_linear, ops.patch_conv, ops.layer_norm, ops.rms_norm, ops.attention,
+    return Ops(ops.linear, ops.patch_conv, ops.layer_norm, ops.rms_norm, ops.attention,
                ops.temporal_mean)
 
 
@@ -68,15 +67,12 @@ def ops_for(x: torch.Tensor) -> Ops:
     return CPU_OPS
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           gelu: str | None = None) -> torch.Tensor:
-    """`x @ weight.t() + bias`, then GELU when `gelu` names its approximation ("tanh" or "none" = erf)."""
-    return ops_for(x).linear(x, weight, bias, gelu)
-
-
-def residual_linear(residual: torch.Tensor, x: torch.Tensor, layers: Sequence[tuple]) -> torch.Tensor:
-    """`residual + L_k(... L_1(x))` for a chain of linear layers `(weight, bias, gelu)`."""
-    return ops_for(residual).residual_linear(residual, x, layers)
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gelu: str | None = None,
+           add_to: torch.Tensor | None = None) -> torch.Tensor:
+    """`x @ weight.t() + bias`, then GELU when `gelu` names it ("erf" or "tanh"), then `add_to +` that when
+    `add_to` is given (a residual): written into `add_to` unless autograd records, the add fused into the GEMM
+    where the device's kernel can (the GPU's adds in its epilogue)."""
+    return ops_for(x).linear(x, weight, bias, gelu, add_to)
 
 
 def patch_conv(pixels: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -195,5 +191,4 @@ def bits_class(dtypes: Sequence[torch.dtype], device: torch.device, batch_invari
 
 
 __all__ = ["BACKENDS", "CPU_OPS", "Ops", "attention", "backend_for", "bits_class", "cuda_ops", "interpreted",
-           "layer_norm", "linear", "ops_for", "patch_conv", "recording", "residual_linear", "rms_norm",
-           "temporal_mean"]
+           "layer_norm", "linear", "ops_for", "patch_conv", "recording", "rms_norm", "temporal_mean"]

@@ -18,12 +18,12 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from ..kernels.gemm import APPROXIMATE
 from . import packs
 from .selection import gemm_kernel
 from .mode import emit, is_batch_invariant, needs_grad
 from .pointwise import chunked_gelu_backward
 
-Layer = tuple[torch.Tensor, "torch.Tensor | None", "str | None"]  # (weight, bias, GELU after it or None)
 
 def _packed(kernel, weight: torch.Tensor, bias: torch.Tensor | None, key: torch.Tensor,
               transposed: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -102,34 +102,29 @@ def _invariant_linear(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     return _gemm(x2, weight, bias, key, gelu=gelu)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           gelu: str | None = None) -> torch.Tensor:
-    """`x @ weight.t() + bias`, then GELU when `gelu` names its approximation ("tanh" or "none" = erf).
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gelu: str | None = None,
+           add_to: torch.Tensor | None = None) -> torch.Tensor:
+    """`x @ weight.t() + bias`, then GELU when `gelu` names it ("erf" or "tanh"), then `add_to +` that when
+    `add_to` is given (a residual): written into `add_to` unless autograd records (then a new tensor), so a
+    residual add makes no tensor of its own.
 
-    Traced as "linear" then "gelu" in default mode (two stock ops), as one "linear_gelu" in invariant mode."""
+    Traced as "linear", "gelu", "add" in default mode (stock ops), as one "linear[_gelu][_add]" in invariant
+    mode."""
     if not is_batch_invariant():
         out = emit("linear", F.linear(x, weight, bias))
-        return out if gelu is None else emit("gelu", F.gelu(out, approximate=gelu))
+        if gelu is not None:
+            out = emit("gelu", F.gelu(out, approximate=APPROXIMATE[gelu]))
+        return out if add_to is None else emit("add", _added(add_to, out))
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    out = _invariant_linear(x2, weight, bias, weight, gelu)
-    return emit("linear" if gelu is None else "linear_gelu", out.view(*lead, weight.shape[0]))
+    out = _invariant_linear(x2, weight, bias, weight, gelu).view(*lead, weight.shape[0])
+    kind = "linear" if gelu is None else "linear_gelu"
+    return emit(kind, out) if add_to is None else emit(kind + "_add", _added(add_to, out))
 
 
-def residual_linear(residual: torch.Tensor, x: torch.Tensor, layers: Sequence[Layer]) -> torch.Tensor:
-    """`residual + L_k(... L_1(x))` for a chain of linear layers `(weight, bias, gelu)` (a block's output
-    projection: one; its MLP: two), written into `residual` unless autograd records (then a new tensor).
-    Traced as one "residual_linear"."""
-    if is_batch_invariant() and not torch.is_grad_enabled():
-        y = x.reshape(-1, x.shape[-1]).contiguous()
-        for weight, bias, gelu in layers:
-            y = _gemm(y, weight, bias, weight, gelu=gelu)
-        residual.view(-1, residual.shape[-1]).add_(y)
-        return emit("residual_linear", residual)
-    y = x
-    for weight, bias, gelu in layers:
-        y = linear(y, weight, bias, gelu=gelu)
-    return emit("residual_linear", residual + y if torch.is_grad_enabled() else residual.add_(y))
+def _added(add_to: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """`add_to + y`: into `add_to` where autograd records nothing (same bits: one rounding to their dtype)."""
+    return add_to + y if torch.is_grad_enabled() else add_to.add_(y)
 
 
 def patch_conv(pixels: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
