@@ -135,6 +135,7 @@ BROKEN_KERNEL = textwrap.dedent("""
     import json, sys, torch
     import bivit
     from bivit import notices
+    from bivit.kernels.gemm import APPROXIMATE
     from bivit.ops import selection
 
     class RowCountDependent:
@@ -215,7 +216,7 @@ def test_every_kernel_keeps_the_dtype_contract(monkeypatch, name, dtype):
     kernel = next((k for k in kernels.gemm_kernels() if k.name == name), None)
     if kernel is None or not kernel.takes(dtype):
         pytest.skip(f"this CPU does not run the {name} GEMM kernel for {dtype}")
-    monkeypatch.setattr(backend, "_decide_gemm_kernel", lambda *a: kernel)
+    monkeypatch.setattr(selection, "_decide_gemm_kernel", lambda *a: kernel)
     g = torch.Generator().manual_seed(3)
     w = (torch.randn(40, 70, generator=g) / 8).to(dtype).requires_grad_()
     b = torch.randn(40, generator=g).to(dtype).requires_grad_()

@@ -25,8 +25,9 @@ class Linear(nn.Linear):
         self.gelu = gelu
 
     def forward(self, x: torch.Tensor, add_to: torch.Tensor | None = None) -> torch.Tensor:
-        """The layer of `x`; with `add_to` (a residual), `add_to + ` it, computed into `add_to` unless autograd
-        records: the add costs no tensor of its own, and on the GPU no pass of its own (the GEMM adds)."""
+        """The layer applied to `x`, plus `add_to` when given (a residual): the sum is written into `add_to` unless
+        autograd records, so the add makes no tensor of its own, and on the GPU no pass of its own (the GEMM adds
+        in its epilogue)."""
         return ops.linear(x, self.weight, self.bias, gelu=self.gelu, add_to=add_to)
 
 
