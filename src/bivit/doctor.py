@@ -29,8 +29,8 @@ from .encoder import load_encoder
 from .kernels.cpu import FLAGS, cpu_info
 from .notices import Notice
 from .ops import attention_kernel, bits_class, gemm_kernel
-from .ops.selection import compute_dtype
 from .ops.bits import mode
+from .ops.selection import compute_dtype
 
 # Environment variables that change a kernel choice or the threads (docs/cpu-kinds.md: what each does to the class).
 ENV_VARS = ("BIVIT_ARITH", "BIVIT_ATTENTION", "BIVIT_GEMM", "ATEN_CPU_CAPABILITY", *ops.bits.STEERING_ENV,

@@ -15,9 +15,9 @@ import torch.nn.functional as F
 
 from .. import kernels
 from ..errors import ConfigError
-from .selection import attention_kernel, compute_dtype, flash_attention_backward
 from .mode import emit, is_batch_invariant, needs_grad
 from .rotary import rope as rotate
+from .selection import attention_kernel, compute_dtype, flash_attention_backward
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: Sequence[int],

@@ -5,7 +5,8 @@
   CPU table's ops, whose stock branches run PyTorch's on any device. `linear` ... `temporal_mean` below pick the
   table for their first tensor: the only place that decides it.
 * `backend_for(device)`: what an encoder on that device type does at load and reports: load its kernels
-  (`load`), pack the weights and prove invariance (`pack_and_prove`), describe the kernels and name the class of bits.
+  (`load`), pack the weights and prove invariance (`pack_and_prove`), describe the kernels and name the class of
+  bits.
 * `interpreted()` / `recording()`: CPU tensors take the CUDA table too, under Triton's interpreter (the GPU
   path's tests and its CPU dry run) or with every launch recorded instead of run (`bivit.gpu.build`).
 """
@@ -26,9 +27,9 @@ from ..dtypes import dtype_name
 from ..errors import ConfigError
 from ..kernels import cuda
 from . import attend, gemm, norms, pointwise
-from .selection import attention_kernel, compute_dtype, cpu_bits_class, gemm_kernel, norm_kernel, require
 from .mode import is_batch_invariant
 from .proof import prove
+from .selection import attention_kernel, compute_dtype, cpu_bits_class, gemm_kernel, norm_kernel, require
 
 
 @dataclass(frozen=True)
@@ -43,8 +44,7 @@ class Ops:
     temporal_mean: Callable
 
 
-CPU_OPS = Ops(gemm.linear, gemm.patch_conv, norms.layer_norm, norms.rms_norm,
-              attend.attention, pointwise.temporal_mean)
+CPU_OPS = Ops(gemm.linear, gemm.patch_conv, norms.layer_norm, norms.rms_norm, attend.attention, pointwise.temporal_mean)
 
 
 @state.memo(state.FIXED)
@@ -53,8 +53,7 @@ def cuda_ops() -> Ops:
     cuda.require()
     from . import cuda as ops  # optional: imports triton (the gpu extra), so only after `require` says it is there
 
-    return Ops(ops.linear, ops.patch_conv, ops.layer_norm, ops.rms_norm, ops.attention,
-               ops.temporal_mean)
+    return Ops(ops.linear, ops.patch_conv, ops.layer_norm, ops.rms_norm, ops.attention, ops.temporal_mean)
 
 
 _routed: ContextVar[bool] = ContextVar("bivit_cpu_tensors_take_cuda_ops", default=False)

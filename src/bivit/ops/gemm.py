@@ -20,9 +20,9 @@ import torch.nn.functional as F
 
 from ..kernels.gemm import APPROXIMATE
 from . import packs
-from .selection import gemm_kernel
 from .mode import emit, is_batch_invariant, needs_grad
 from .pointwise import chunked_gelu_backward
+from .selection import gemm_kernel
 
 
 def _packed(kernel, weight: torch.Tensor, bias: torch.Tensor | None, key: torch.Tensor,

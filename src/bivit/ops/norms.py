@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .selection import norm_kernel
 from .mode import emit, is_batch_invariant, needs_grad
+from .selection import norm_kernel
 
 
 def _compiled(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None):

@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels.gemm import APPROXIMATE
-from .selection import gelu_out
 from .mode import emit, is_batch_invariant, needs_grad
+from .selection import gelu_out
 
 
 # Vectorised CPU kernels finish each thread's range with scalar code for its last (length mod 2 x vector width)

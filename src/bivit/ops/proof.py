@@ -36,11 +36,11 @@ from .. import state
 from ..dtypes import dtype_name
 from ..errors import InvarianceError
 from .attend import attention
-from .selection import attention_kernel, compute_dtype, gemm_kernel, norm_kernel, refuse
 from .gemm import gemms, linear
 from .mode import batch_invariant
 from .norms import layer_norm, rms_norm
 from .rotary import rope_tables
+from .selection import attention_kernel, compute_dtype, gemm_kernel, norm_kernel, refuse
 
 log = logging.getLogger("bivit")
 
