@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
         with torch.no_grad():
             net = VisionModel(PRESETS[args.preset]).to(getattr(torch, name)).requires_grad_(False)
             times = [(time.process_time(), time.perf_counter())]
-            ops.prepare(ops.gemms(net))
+            ops.pack_weights(ops.gemms(net))
             times.append((time.process_time(), time.perf_counter()))
             proof = ops.prove(net)
             times.append((time.process_time(), time.perf_counter()))

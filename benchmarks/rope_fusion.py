@@ -20,7 +20,7 @@ import time
 import torch
 
 from bivit import bench, kernels
-from bivit.model import rope_tables
+from bivit.ops import rope_tables
 
 LAYOUTS = {"32x64": (32, 8, 8), "1x1024": (1, 32, 32), "1x3072": (1, 48, 64)}  # items, grid h, grid w
 

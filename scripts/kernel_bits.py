@@ -72,7 +72,7 @@ def run():
                     xx = torch.randn(m, kk + 5, generator=g).to(wdt)[:, :kk]
                     bias = torch.randn(n, generator=g)
                     packed = gk.pack(w)
-                    for gelu in (None, "tanh", "none"):
+                    for gelu in (None, "tanh", "erf"):
                         for odt in (torch.float32, wdt):
                             y = torch.zeros(m, n + 3, dtype=odt)[:, :n]
                             gk(xx, packed, n, bias, y, gelu=gelu)

@@ -25,7 +25,8 @@ import torch
 
 import bivit
 from bivit import golden, kernels, ops, state
-from bivit.ops import backend, bits
+from bivit.kernels.gemm import APPROXIMATE
+from bivit.ops import bits, selection
 from support import arith_model, arith_reference as R
 from support.variants import CAPABILITY, FLAGS, RUNNABLE, library_or_skip
 
@@ -47,7 +48,7 @@ def _reference(op: str, dtype: torch.dtype, **variation) -> str:
     name = str(dtype).removeprefix("torch.")
     if op == "gemm":
         x, w, b = (_np(t) for t in bits.gemm_problem(dtype))
-        return _hash(*(R.gemm(x, w, b, act, dtype == torch.bfloat16, **variation) for act in (None, "tanh", "none")))
+        return _hash(*(R.gemm(x, w, b, act, dtype == torch.bfloat16, **variation) for act in (None, "tanh", "erf")))
     if op == "attention":
         q, k, v, lens, (cos, sin) = bits.attention_problem(dtype)
         return _hash(R.attention(_np(q), _np(k), _np(v), lens, name, (_np(cos), _np(sin)), **variation))
@@ -165,9 +166,9 @@ def test_the_chosen_kernels_compute_the_committed_bits():
     """In canonical mode (the default) every kernel the backend chooses here conforms, and the class is
     bivit-arith/1."""
     for dtype in (torch.float32, torch.bfloat16):
-        assert bits.conformance("gemm", backend.gemm_kernel(dtype), dtype) is None
-        assert bits.conformance("attention", backend.attention_kernel(dtype), dtype) is None
-        assert bits.conformance("norm", backend.norm_kernel(dtype), dtype) is None
+        assert bits.conformance("gemm", selection.gemm_kernel(dtype), dtype) is None
+        assert bits.conformance("attention", selection.attention_kernel(dtype), dtype) is None
+        assert bits.conformance("norm", selection.norm_kernel(dtype), dtype) is None
         assert ops.bits_class((dtype, dtype), torch.device("cpu"), True) == bits.ARITH
 
 
@@ -182,7 +183,7 @@ def test_control_a_kernel_of_another_order_is_not_conformant():
 
         def __call__(self, x, packed, n, bias, out, gelu=None, bf16=None):
             y = torch.nn.functional.linear(x.float(), packed.float(), bias)
-            return out.copy_(y if gelu is None else torch.nn.functional.gelu(y, approximate=gelu))
+            return out.copy_(y if gelu is None else torch.nn.functional.gelu(y, approximate=APPROXIMATE[gelu]))
 
     for dtype in (torch.float32, torch.bfloat16):
         assert "not bivit-arith/1's" in bits.conformance("gemm", Stock(), dtype)
@@ -285,8 +286,8 @@ def test_a_dataset_folder_refuses_a_run_of_another_class(tmp_path):
     first = subprocess.run([sys.executable, "-m", "bivit", *args], capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stderr
     Image.fromarray(golden.pixels(56, 56, 2)).save(src / "b.png")
-    other = ("import sys; from bivit.ops import device; from bivit.cli import main; "
-             "device.CpuBackend.bits = lambda self, dtypes, invariant: 'native/gemm-bfloat16=amx/test'; "
+    other = ("import sys; from bivit.ops import dispatch; from bivit.cli import main; "
+             "dispatch.CpuBackend.bits = lambda self, dtypes, invariant: 'native/gemm-bfloat16=amx/test'; "
              "sys.argv[0] = 'bivit'; main()")
     again = subprocess.run([sys.executable, "-c", other, *args], capture_output=True, text=True, timeout=600)
     assert again.returncode != 0
@@ -298,7 +299,7 @@ def test_a_dataset_folder_refuses_a_run_of_another_class(tmp_path):
 
 def test_the_proof_loads_a_checkpoint_whose_gemm_shapes_coincide(tmp_path):
     """Text hidden size 4x the vision hidden size: the projector's two GEMMs are both 256x256, one with GELU and one
-    without. The load-time proof keys GEMMs by shape and GELU (it sorted None against "none" and crashed)."""
+    without. The load-time proof keys GEMMs by shape and GELU (it sorted None against a GELU's name and crashed)."""
     from bivit.config import ModelConfig
     from support.checkpoints import write_checkpoint
 

@@ -1,4 +1,4 @@
-"""Which kernel runs (`bivit.ops.backend`): invariant mode on a CPU runs bivit's installed kernels and nothing else,
+"""Which kernel runs (`bivit.ops.selection`): invariant mode on a CPU runs bivit's installed kernels and nothing else,
 or is refused with one line saying why; and bits that depend only on the checkpoint, the dtype settings and the
 input, never on what the process did before, nor on which process computes them.
 """
@@ -75,7 +75,8 @@ _IN_ONE_PROCESS = """
 import sys
 import torch, bivit
 from bivit import state
-from bivit.ops import backend
+from bivit.kernels.gemm import APPROXIMATE
+from bivit.ops import selection
 
 ckpt, out, *inputs = sys.argv[1:]
 run = lambda enc: [enc.encode([p])[0] for p in inputs]
@@ -85,7 +86,7 @@ for dtype in ("bfloat16", "float16"):
     res[dtype] = run(bivit.load_encoder(ckpt, dtype=dtype))
 res["after"] = run(f32)
 res["reloaded"] = run(bivit.load_encoder(ckpt, dtype="float32"))
-res["paths"] = {str(d): str(backend.gemm_kernel(d)) for d in (torch.float32, torch.bfloat16, torch.float16)}
+res["paths"] = {str(d): str(selection.gemm_kernel(d)) for d in (torch.float32, torch.bfloat16, torch.float16)}
 
 
 class Stock:
@@ -100,11 +101,11 @@ class Stock:
 
     def __call__(self, x, packed, n, bias, out, gelu=None, threads=None, bf16=None):
         y = torch.nn.functional.linear(x.to(packed.dtype), packed, None if bias is None else bias.to(packed.dtype))
-        return out.copy_(y if gelu is None else torch.nn.functional.gelu(y, approximate=gelu))
+        return out.copy_(y if gelu is None else torch.nn.functional.gelu(y, approximate=APPROXIMATE[gelu]))
 
 
 # The control: a process-wide switch of the float32 GEMM kernel after the other loads, as bivit once did.
-backend._decide_gemm_kernel = lambda *a: Stock()
+selection._decide_gemm_kernel = lambda *a: Stock()
 state.reset(state.WEIGHTS)
 res["switched"] = run(f32)
 torch.save(res, out)
@@ -173,9 +174,9 @@ def test_kernel_choices_and_bits_do_not_depend_on_torchs_default_dtype(fresh_sta
 
 
 def backend_kernels(dtype: torch.dtype) -> tuple[str, str]:
-    from bivit.ops import backend
+    from bivit.ops import selection
 
-    return backend.gemm_kernel(dtype).name, backend.attention_kernel(dtype).name_for(dtype)
+    return selection.gemm_kernel(dtype).name, selection.attention_kernel(dtype).name_for(dtype)
 
 
 def test_a_forced_gemm_kernel_that_does_not_conform_is_refused_naming_the_variable(monkeypatch, fresh_state):
@@ -183,16 +184,16 @@ def test_a_forced_gemm_kernel_that_does_not_conform_is_refused_naming_the_variab
     invariant mode nothing to run: a ConfigError naming the variable and the fix, not another arithmetic. Here the
     conformance check is made to fail for the kernel this CPU runs bf16 on. Control: unforced, the next kernel
     (fp32, widened) runs."""
-    from bivit.ops import backend, bits
+    from bivit.ops import selection, bits
 
-    name = backend.gemm_kernel(torch.bfloat16).name
+    name = selection.gemm_kernel(torch.bfloat16).name
     state.reset()
     real = bits.conformance
     monkeypatch.setattr(bits, "conformance", lambda op, k, d: "off (test)" if k.name == name else real(op, k, d))
-    monkeypatch.setenv(backend.GEMM_ENV, name)
-    with pytest.raises(bivit.ConfigError, match=f"{backend.GEMM_ENV}={name}: .*unset {backend.GEMM_ENV}"):
-        backend.gemm_kernel(torch.bfloat16)
-    monkeypatch.delenv(backend.GEMM_ENV)
+    monkeypatch.setenv(selection.GEMM_ENV, name)
+    with pytest.raises(bivit.ConfigError, match=f"{selection.GEMM_ENV}={name}: .*unset {selection.GEMM_ENV}"):
+        selection.gemm_kernel(torch.bfloat16)
+    monkeypatch.delenv(selection.GEMM_ENV)
     state.reset()
     if name != "fp32":
-        assert backend.gemm_kernel(torch.bfloat16).name == "fp32"
+        assert selection.gemm_kernel(torch.bfloat16).name == "fp32"

@@ -14,6 +14,7 @@ from PIL import Image
 
 import bivit
 from bivit import kernels, ops
+from bivit.kernels.gemm import APPROXIMATE
 from support.controls import row_count_dependent_gemms
 from support.media import make_video, random_image
 
@@ -38,7 +39,7 @@ def _rows_invariant(gemm, x: torch.Tensor) -> bool:
 
 @pytest.mark.parametrize("name,dtype", [("amx", torch.bfloat16), ("avx512_bf16", torch.bfloat16),
                                         ("fp32", torch.float32), ("fp32", torch.bfloat16), ("fp32", torch.float16)])
-@pytest.mark.parametrize("gelu", [None, "tanh", "none"])
+@pytest.mark.parametrize("gelu", [None, "tanh", "erf"])
 def test_every_compiled_gemm_kernel_is_row_invariant_and_accurate(name, dtype, gelu):
     """Every GEMM kernel this CPU runs (not only the one chosen): a row's bits do not depend on the rows beside it,
     their number or the thread count, at shapes off every block size (K = 4304 and 588: the tower's MLP and patch
@@ -60,7 +61,7 @@ def test_every_compiled_gemm_kernel_is_row_invariant_and_accurate(name, dtype, g
         assert _rows_invariant(gemm, x), (kernel.name, dtype, n, k)
         ref = torch.nn.functional.linear(x.double(), w.double(), bias.double())
         if gelu is not None:
-            ref = torch.nn.functional.gelu(ref, approximate=gelu)
+            ref = torch.nn.functional.gelu(ref, approximate=APPROXIMATE[gelu])
         tol = {torch.float32: 2e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}[dtype]
         torch.testing.assert_close(gemm(x).double(), ref, rtol=tol, atol=tol * float(ref.abs().max()))
     with row_count_dependent_gemms():
@@ -134,6 +135,7 @@ BROKEN_KERNEL = textwrap.dedent("""
     import json, sys, torch
     import bivit
     from bivit import kernels, notices
+    from bivit.kernels.gemm import APPROXIMATE
     from bivit.ops import bits
 
     class RowCountDependent:
@@ -157,7 +159,7 @@ BROKEN_KERNEL = textwrap.dedent("""
                 acc = acc + acc.abs() * 2.0 ** -20
             acc = acc.float() if bias is None else acc.float() + bias
             if gelu is not None:
-                acc = torch.nn.functional.gelu(acc, approximate=gelu)
+                acc = torch.nn.functional.gelu(acc, approximate=APPROXIMATE[gelu])
             return out.copy_(acc)
 
     # Placed first among the library's GEMMs, and taken as computing bivit-arith/1 (its committed bits are
@@ -214,12 +216,12 @@ def test_every_kernel_keeps_the_dtype_contract(monkeypatch, name, dtype):
     """`ops.linear` (with and without GELU, forward and backward) returns the weights' dtype whichever GEMM kernel
     this CPU runs computes it: a kernel that widens bf16 to fp32 must not hand fp32 on (the vLLM 41638 class of
     crash: a bf16 LayerNorm fed fp32)."""
-    from bivit.ops import backend
+    from bivit.ops import selection
 
     kernel = next((k for k in kernels.gemm_kernels() if k.name == name), None)
     if kernel is None or not kernel.takes(dtype):
         pytest.skip(f"this CPU does not run the {name} GEMM kernel for {dtype}")
-    monkeypatch.setattr(backend, "_decide_gemm_kernel", lambda *a: kernel)
+    monkeypatch.setattr(selection, "_decide_gemm_kernel", lambda *a: kernel)
     g = torch.Generator().manual_seed(3)
     w = (torch.randn(40, 70, generator=g) / 8).to(dtype).requires_grad_()
     b = torch.randn(40, generator=g).to(dtype).requires_grad_()

@@ -24,7 +24,8 @@ from PIL import Image
 import bivit
 from bivit.config import ModelConfig
 from bivit.media import composite, image_size, load_image, navit_size, preprocess_images
-from bivit.model import PositionEmbedding, resample, temporal_embedding
+from bivit.model import PositionEmbedding
+from bivit.ops import resample, temporal_embedding
 from bivit.preprocess_config import K3_PROCESSING, K25_PROCESSING, load_processing, processing_from_dict
 from bivit.video import chunk_timestamp
 from support import reference as ref
@@ -324,7 +325,7 @@ def test_video_position_terms_round_in_the_references_order(dtype, mode):
 
 RESAMPLE_SCRIPT = """
 import json, sys, torch, torch.nn.functional as F
-from bivit.model import resample
+from bivit.ops import resample
 g = torch.Generator().manual_seed(0)
 out = []
 for H, W, h, w in [(16, 16, 37, 23), (8, 8, 10, 14), (64, 64, 64, 100), (64, 64, 20, 9)]:

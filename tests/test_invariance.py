@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import bivit
+from bivit.kernels.gemm import APPROXIMATE
 from bivit.media import MediaBatch, preprocess_images
 from bivit.verify import encode_cut
 from support.controls import differences_found_by_check, differing, row_count_dependent_gemms
@@ -135,28 +136,31 @@ def test_threads_and_repeats(paths, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_residual_branch_gives_the_bits_of_whole_layers(dtype):
-    """`ops.residual_linear` (the MLP chain into the residual): each row's bits equal those of running each
-    invariant linear over all rows, then adding (2500 rows, and 700 of them). Control: the same chain in default
-    mode gives other bits."""
+    """`ops.linear(..., add_to=residual)` (the MLP chain into the residual): each row's bits equal those of running
+    each invariant linear over all rows, then adding (2500 rows, and 700 of them). Control: the same chain in
+    default mode gives other bits."""
     from bivit import ops
 
     g = torch.Generator().manual_seed(3)
     x, res = (torch.randn(2500, 96, generator=g).to(dtype) for _ in range(2))
     w0, b0 = (torch.randn(200, 96, generator=g) / 10).to(dtype), torch.randn(200, generator=g).to(dtype)
     w1, b1 = (torch.randn(96, 200, generator=g) / 14).to(dtype), torch.randn(96, generator=g).to(dtype)
-    layers = [(w0, b0, "tanh"), (w1, b1, None)]
+
+    def residual_mlp(res, x):
+        return ops.linear(ops.linear(x, w0, b0, gelu="tanh"), w1, b1, add_to=res)
+
     with torch.inference_mode():
         with ops.batch_invariant():
             whole = res + ops.linear(ops.linear(x, w0, b0, gelu="tanh"), w1, b1)
-            tiled = ops.residual_linear(res.clone(), x, layers)
+            tiled = residual_mlp(res.clone(), x)
             assert torch.equal(tiled, whole)
-            assert torch.equal(ops.residual_linear(res[:700].clone(), x[:700], layers), whole[:700])
+            assert torch.equal(residual_mlp(res[:700].clone(), x[:700]), whole[:700])
         with ops.batch_invariant(False):
-            assert not torch.equal(ops.residual_linear(res.clone(), x, layers), whole)
+            assert not torch.equal(residual_mlp(res.clone(), x), whole)
 
 
-@pytest.mark.parametrize("approximate", ["tanh", "none"])
-def test_pointwise_gelu_is_independent_of_tensor_size_and_threads(approximate):
+@pytest.mark.parametrize("kind", ["tanh", "erf"])
+def test_pointwise_gelu_is_independent_of_tensor_size_and_threads(kind):
     """Vectorised kernels compute each thread's last elements with scalar code that rounds differently (tanh
     GELU in fp32), and PyTorch's GELU cuts a large tensor into one range per thread: stock GELU gives a row
     different bits depending on how many rows share the tensor and on the thread count (3: ranges that are no
@@ -169,21 +173,21 @@ def test_pointwise_gelu_is_independent_of_tensor_size_and_threads(approximate):
     for invariant in (False, True):
         with ops.batch_invariant(invariant):
             torch.set_num_threads(2)
-            ref = ops.gelu(x, approximate)
+            ref = ops.gelu(x, kind)
             diffs = 0
             for threads in (1, 2, 3, 4):
                 torch.set_num_threads(threads)
                 for m in (1, 2, 3, 5, 13, 34, 89):
-                    diffs += int((ops.gelu(x[:m], approximate) != ref[:m]).sum())
-                    diffs += int((ops.gelu(x[m:], approximate) != ref[m:]).sum())
+                    diffs += int((ops.gelu(x[:m], kind) != ref[:m]).sum())
+                    diffs += int((ops.gelu(x[m:], kind) != ref[m:]).sum())
         counts[invariant] = diffs
     assert counts[True] == 0
-    if approximate == "tanh":
+    if kind == "tanh":
         assert counts[False] > 0  # the control: the check can fail
 
 
-@pytest.mark.parametrize("approximate", ["tanh", "none"])
-def test_gemm_gelu_rows_do_not_depend_on_position_batch_or_threads(approximate):
+@pytest.mark.parametrize("kind", ["tanh", "erf"])
+def test_gemm_gelu_rows_do_not_depend_on_position_batch_or_threads(kind):
     """Linear + GELU (the MLP's fc0, the projector's first layer) runs as one invariant GEMM with GELU applied
     to the fp32 sum inside it. A row's bits must not depend on how many rows share the call, where in it the
     row sits, or the thread count (1-4: more threads than this CI machine's cores), in bf16 and fp32. Control:
@@ -203,22 +207,22 @@ def test_gemm_gelu_rows_do_not_depend_on_position_batch_or_threads(approximate):
             for invariant in (False, True):
                 with ops.batch_invariant(invariant), torch.inference_mode():
                     torch.set_num_threads(2)
-                    ref = ops.linear(x, w, b, gelu=approximate)
+                    ref = ops.linear(x, w, b, gelu=kind)
                     for t in (1, 2, 3, 4):
                         torch.set_num_threads(t)
-                        out = ops.linear(x.flip(0), w, b, gelu=approximate).flip(0)
+                        out = ops.linear(x.flip(0), w, b, gelu=kind).flip(0)
                         counts[invariant] += int((out != ref).sum())
                         for m in (1, 2, 3, 5, 64, 77, 256, 300):
-                            counts[invariant] += int((ops.linear(x[:m], w, b, gelu=approximate) != ref[:m]).sum())
-                            counts[invariant] += int((ops.linear(x[m:], w, b, gelu=approximate) != ref[m:]).sum())
+                            counts[invariant] += int((ops.linear(x[:m], w, b, gelu=kind) != ref[:m]).sum())
+                            counts[invariant] += int((ops.linear(x[m:], w, b, gelu=kind) != ref[m:]).sum())
             # GELU on the float32 sum rounds once, the stock pair twice: close, not always equal.
-            stock = torch.nn.functional.gelu(torch.nn.functional.linear(x, w, b), approximate=approximate)
+            stock = torch.nn.functional.gelu(torch.nn.functional.linear(x, w, b), approximate=APPROXIMATE[kind])
             tol = 1.6e-2 if dtype == torch.bfloat16 else 1e-5
             torch.testing.assert_close(ref, stock, rtol=tol, atol=tol)
         if counts[False] == 0:  # stock kernels row-count invariant here: the control uses GEMMs that are not
             with row_count_dependent_gemms(), ops.batch_invariant(False), torch.inference_mode():
-                counts[False] += int((ops.linear(x[:1], w, b, gelu=approximate)
-                                      != ops.linear(x[:3], w, b, gelu=approximate)[:1]).sum())
+                counts[False] += int((ops.linear(x[:1], w, b, gelu=kind)
+                                      != ops.linear(x[:3], w, b, gelu=kind)[:1]).sum())
     finally:
         torch.set_num_threads(threads)
     assert counts[True] == 0

@@ -116,8 +116,8 @@ def _arrows_up(graph: dict[str, set[str]]) -> list[str]:
 def test_no_arrow_back_up_from_the_kernel_floor_and_the_op_layer():
     graph = {_module_name(p): _imports(p) for p in ROOT.rglob("*.py")}
     assert _arrows_up(graph) == []
-    assert _arrows_up({**graph, "bivit.kernels.cuda": graph["bivit.kernels.cuda"] | {"bivit.ops.device"}})  # control
-    assert _arrows_up({**graph, "bivit.ops.device": graph["bivit.ops.device"] | {"bivit.gpu"}})
+    assert _arrows_up({**graph, "bivit.kernels.cuda": graph["bivit.kernels.cuda"] | {"bivit.ops.dispatch"}})  # control
+    assert _arrows_up({**graph, "bivit.ops.dispatch": graph["bivit.ops.dispatch"] | {"bivit.gpu"}})
 
 
 def _unregistered_caches(source: str) -> list[str]:
@@ -138,7 +138,7 @@ def test_the_engines_process_state_is_made_through_bivit_state():
     `bivit.state.memo`/`table`, so the one reset (`refuse`, the tests' `fresh_state`) forgets them all; bounded
     `lru_cache`s of values (RoPE tables) are not state. Control: a bare `functools.cache` is found."""
     paths = [*(ROOT / "ops").rglob("*.py"), *(ROOT / "kernels").rglob("*.py"), ROOT / "notices.py"]
-    assert {p.name for p in paths} >= {"backend.py", "proof.py", "notices.py", "cpu.py"}
+    assert {p.name for p in paths} >= {"selection.py", "proof.py", "notices.py", "cpu.py"}
     assert [f"{p.name}: {f}" for p in paths for f in _unregistered_caches(p.read_text())] == []
     assert _unregistered_caches("import functools\n@functools.cache\ndef f():\n    return 1\n") == ["f"]
 

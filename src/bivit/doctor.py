@@ -29,8 +29,8 @@ from .encoder import load_encoder
 from .kernels.cpu import FLAGS, cpu_info
 from .notices import Notice
 from .ops import attention_kernel, bits_class, gemm_kernel
-from .ops.backend import compute_dtype
 from .ops.bits import mode
+from .ops.selection import compute_dtype
 
 # Environment variables that change a kernel choice or the threads (docs/cpu-kinds.md: what each does to the class).
 ENV_VARS = ("BIVIT_ARITH", "BIVIT_ATTENTION", "BIVIT_GEMM", "ATEN_CPU_CAPABILITY", *ops.bits.STEERING_ENV,
@@ -108,7 +108,7 @@ def prove(model: str | None, dtype: str, projector_dtype: str | None) -> dict:
     `dtype` against the committed ones. Raises InvarianceError where an op has no invariant path."""
     encoder = load_encoder(model, dtype=dtype, projector_dtype=projector_dtype, batch_invariant=False)
     start = time.perf_counter()
-    ops.prepare(ops.gemms(encoder.model))
+    ops.pack_weights(ops.gemms(encoder.model))
     packed = time.perf_counter() - start
     proof = ops.prove(encoder.model, fresh=True)
     rows = golden.check(load_encoder(None, dtype=dtype))

@@ -110,7 +110,7 @@ class Encoder:
         replace_weights(self.model, state_dict, source, partial=partial)
         self._fingerprint = None
         if self.batch_invariant:
-            ops.backend_for(self.device).prepare(self.model)  # re-pack (and prove) now rather than on the next request
+            ops.backend_for(self.device).pack_and_prove(self.model)  # re-pack (and prove) now rather than on the next request
         return self.fingerprint
 
     # ------------------------------------------------------------------------------------------ stages
@@ -313,5 +313,5 @@ def _ready(net: VisionModel, *, batch_invariant: bool, device: torch.device, **o
     if batch_invariant:
         # CPU: pack the weights and prove every op invariant on this machine now, not on the first request;
         # CUDA: check the Triton kernels can run (fixed tiles, nothing to probe).
-        ops.backend_for(device).prepare(net)
+        ops.backend_for(device).pack_and_prove(net)
     return Encoder(net, batch_invariant=batch_invariant, device=device, **options)

@@ -9,10 +9,6 @@ load without renaming; other layouts are converted in `bivit.checkpoint`.
 
 from __future__ import annotations
 
-import math
-from functools import lru_cache
-
-import numpy as np
 import torch
 import torch.nn as nn
 
@@ -21,19 +17,18 @@ from .config import ModelConfig
 
 
 class Linear(nn.Linear):
-    """nn.Linear, optionally followed by GELU (`gelu` = its approximation), which bivit.ops may fuse into the GEMM."""
+    """nn.Linear, optionally followed by GELU (`gelu`: "erf" or "tanh", the form it computes), which bivit.ops may
+    fuse into the GEMM."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, gelu: str | None = None) -> None:
         super().__init__(in_features, out_features, bias=bias)
         self.gelu = gelu
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(x, self.weight, self.bias, gelu=self.gelu)
-
-    @property
-    def layer(self) -> tuple[torch.Tensor, torch.Tensor | None, str | None]:
-        """(weight, bias, GELU) for `ops.residual_linear`."""
-        return self.weight, self.bias, self.gelu
+    def forward(self, x: torch.Tensor, add_to: torch.Tensor | None = None) -> torch.Tensor:
+        """The layer applied to `x`, plus `add_to` when given (a residual): the sum is written into `add_to` unless
+        autograd records, so the add makes no tensor of its own, and on the GPU no pass of its own (the GEMM adds
+        in its epilogue)."""
+        return ops.linear(x, self.weight, self.bias, gelu=self.gelu, add_to=add_to)
 
 
 class LayerNorm(nn.LayerNorm):
@@ -56,72 +51,6 @@ def grids(grid_thw: torch.Tensor) -> list[tuple[int, int, int]]:
     return [(int(t), int(h), int(w)) for t, h, w in grid_thw.tolist()]
 
 
-# ------------------------------------------------------------------------------------------ position terms
-
-def _libm32(fn, x: np.ndarray) -> np.ndarray:
-    """fn (a float64 function of the C library) of each float32 value, rounded once to float32: not numpy's or
-    PyTorch's float32 pow/sin/cos, whose last bit depends on the CPU's vector width (and, with MKL, on the
-    process); one value at a time, so no element lands in a vector kernel's scalar tail."""
-    return np.array([fn(float(v)) for v in x.ravel()], dtype=np.float64).astype(np.float32).reshape(x.shape)
-
-
-@lru_cache(maxsize=16)
-def temporal_embedding(frames: int, dim: int) -> torch.Tensor:
-    """Frame f of a multi-frame chunk gets [sin(f*w_k), cos(f*w_k)], w_k = 10000^(-k/(dim/2)); fp32 `[frames, dim]`.
-
-    The reference's buffer, in bivit-arith/1's arithmetic: e_k = k / (dim/2) and w_k = 1 / p_k in float32, p_k =
-    10000^e_k and the sines and cosines of the float32 angles f * w_k each computed in float64 by the C library
-    and rounded once. Row f depends on f alone, so a chunk of t frames builds (and caches) t rows.
-    """
-    e = np.arange(dim // 2, dtype=np.float32) / np.float32(dim / 2.0)
-    omega = np.float32(1.0) / _libm32(lambda v: 10000.0 ** v, e)
-    angles = np.arange(frames, dtype=np.float32)[:, None] * omega[None, :]
-    return torch.from_numpy(np.concatenate([_libm32(math.sin, angles), _libm32(math.cos, angles)], axis=1))
-
-
-def _source_weights(out_size: int, in_size: int, mode: str) -> tuple[np.ndarray, np.ndarray]:
-    """Per output index: the input indices and float32 weights of PyTorch's resampling (align_corners=False;
-    bicubic with A = -0.75, clamped taps; bilinear), each weight computed in float32 operation by operation as
-    ATen's formulas are written (no fused multiply-add): int64 [out, taps], float32 [out, taps]."""
-    f32 = np.float32
-    scale = f32(in_size) / f32(out_size)
-    src = scale * (np.arange(out_size, dtype=f32) + f32(0.5)) - f32(0.5)
-    if mode == "bilinear":
-        src = np.maximum(src, f32(0))
-    i0 = np.minimum(np.floor(src).astype(np.int64), in_size - 1)
-    t = np.minimum(np.maximum(src - i0.astype(f32), f32(0)), f32(1))
-    if mode == "bilinear":
-        idx = np.stack([i0, i0 + (i0 < in_size - 1)], axis=1)
-        return idx, np.stack([f32(1) - t, t], axis=1)
-    a = f32(-0.75)
-
-    def near(x):  # |x| <= 1: ((A + 2) x - (A + 3)) x x + 1
-        return ((((a + f32(2)) * x - (a + f32(3))) * x) * x) + f32(1)
-
-    def far(x):  # 1 < |x| < 2: ((A x - 5A) x + 8A) x - 4A
-        return (((a * x - f32(5) * a) * x + f32(8) * a) * x) - f32(4) * a
-
-    weights = np.stack([far(t + f32(1)), near(t), near(f32(1) - t), far((f32(1) - t) + f32(1))], axis=1)
-    idx = np.clip(i0[:, None] + np.arange(-1, 3), 0, in_size - 1)
-    return idx, weights.astype(f32)
-
-
-def resample(table: torch.Tensor, h: int, w: int, mode: str) -> torch.Tensor:
-    """A `[H, W, D]` float32 table resampled to `[h, w, D]` (PyTorch's bicubic or bilinear interpolation,
-    align_corners=False) in bivit-arith/1's order: along the width first, each tap's product and each sum
-    rounded in float32 in tap order, then along the height the same way. PyTorch's CPU kernel computes these
-    sums as compiled for the CPU kind (fused or not): other bits on AVX2 than without it."""
-    iy, wy = (torch.from_numpy(a) for a in _source_weights(h, table.shape[0], mode))
-    ix, wx = (torch.from_numpy(a) for a in _source_weights(w, table.shape[1], mode))
-    rows = table[:, ix[:, 0]] * wx[None, :, 0, None]
-    for j in range(1, ix.shape[1]):
-        rows = rows + table[:, ix[:, j]] * wx[None, :, j, None]
-    out = rows[iy[:, 0]] * wy[:, 0, None, None]
-    for j in range(1, iy.shape[1]):
-        out = out + rows[iy[:, j]] * wy[:, j, None, None]
-    return out
-
-
 # ------------------------------------------------------------------------------------------------- tower
 
 class PositionEmbedding(nn.Module):
@@ -134,7 +63,7 @@ class PositionEmbedding(nn.Module):
 
     def spatial(self, h: int, w: int) -> torch.Tensor:
         """The learned table resampled to an h x w grid, `[h*w, D]` in the table's dtype (exact when the sizes
-        match). Resampled in fp32 (`resample`) and rounded once, as the reference's GPU kernels (fp32
+        match). Resampled in fp32 (`ops.resample`) and rounded once, as the reference's GPU kernels (fp32
         accumulation) do."""
         if torch.is_grad_enabled() and self.weight.requires_grad:
             return self._resample(h, w)  # training: recomputed, so gradients reach the table and never go stale
@@ -148,14 +77,14 @@ class PositionEmbedding(nn.Module):
     def _resample(self, h: int, w: int) -> torch.Tensor:
         table = self.weight
         if (h, w) != tuple(table.shape[:2]):
-            table = resample(table.float(), h, w, self.mode).to(self.weight.dtype)
+            table = ops.resample(table.float(), h, w, self.mode).to(self.weight.dtype)
         return table.reshape(h * w, -1)
 
     def temporal(self, t: int) -> torch.Tensor:
         """The sin-cos term of a t-frame chunk `[t, D]`, held in the table's dtype like the reference's buffer."""
         if t > self.max_frames:
             raise ValueError(f"a chunk of {t} frames exceeds init_pos_emb_time = {self.max_frames}")
-        return temporal_embedding(t, self.weight.shape[-1]).to(device=self.weight.device, dtype=self.weight.dtype)
+        return ops.temporal_embedding(t, self.weight.shape[-1]).to(device=self.weight.device, dtype=self.weight.dtype)
 
     def _apply(self, fn, recurse=True):  # a dtype/device change invalidates the resampled tables
         self._cache = {}
@@ -189,8 +118,8 @@ class MLP(nn.Module):
         self.fc0 = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.linear_bias, gelu="tanh")
         self.fc1 = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.linear_bias)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return ops.residual_linear(residual, x, [self.fc0.layer, self.fc1.layer])  # residual + fc1(gelu_tanh(fc0(x)))
+    def forward(self, x: torch.Tensor, add_to: torch.Tensor | None = None) -> torch.Tensor:
+        return self.fc1(self.fc0(x), add_to=add_to)  # [add_to +] fc1(gelu_tanh(fc0(x)))
 
 
 class Block(nn.Module):
@@ -206,16 +135,16 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
 
     def attention(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], seqlens: list[int],
-                  residual: torch.Tensor) -> torch.Tensor:
+                  add_to: torch.Tensor | None = None) -> torch.Tensor:
         qkv = self.wqkv(x).view(x.shape[0], 3, self.heads, self.head_dim)
         out = ops.attention(qkv[:, 0], qkv[:, 1], qkv[:, 2], seqlens, rope=rope)  # q and k rotated first
-        return ops.residual_linear(residual, out, [self.wo.layer])
+        return self.wo(out, add_to=add_to)  # [add_to +] wo(out)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], seqlens: list[int]) -> torch.Tensor:
-        # x + attention(norm0(x)), then x + mlp(norm1(x)): the residual adds happen in the ops (in place unless
-        # autograd records).
-        x = self.attention(self.norm0(x), rope, seqlens, residual=x)
-        return self.mlp(self.norm1(x), residual=x)
+        # x = x + attention(norm0(x)); x = x + mlp(norm1(x)): each add made by the branch's last GEMM (`add_to`),
+        # into x itself unless autograd records.
+        x = self.attention(self.norm0(x), rope, seqlens, add_to=x)
+        return self.mlp(self.norm1(x), add_to=x)
 
 
 class BlockStack(nn.Module):
@@ -284,7 +213,7 @@ class PatchMerger(Projector):
         d = cfg.projector_input_size * cfg.merge_area
         self.pre_norm = LayerNorm(cfg.projector_input_size, eps=cfg.projector_ln_eps)
         # proj.0 ends in GELU(erf); the parameter-less slot proj.1 keeps the checkpoint's indices.
-        self.proj = nn.Sequential(Linear(d, d, gelu="none"), nn.Identity(), Linear(d, cfg.text_hidden_size))
+        self.proj = nn.Sequential(Linear(d, d, gelu="erf"), nn.Identity(), Linear(d, cfg.text_hidden_size))
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(self.pre_norm(x).flatten(1))
@@ -296,7 +225,7 @@ class PatchMergerV2(Projector):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         d = cfg.projector_input_size * cfg.merge_area
-        self.proj = nn.Sequential(Linear(d, d, bias=False, gelu="none"), nn.Identity(),
+        self.proj = nn.Sequential(Linear(d, d, bias=False, gelu="erf"), nn.Identity(),
                                   Linear(d, cfg.text_hidden_size, bias=False))
         self.post_norm = RMSNorm(cfg.text_hidden_size, eps=cfg.projector_ln_eps)
 
@@ -320,11 +249,3 @@ class VisionModel(nn.Module):
         out = self.mm_projector(self.vision_tower(pixels, g))
         return list(out.split([(h // 2) * (w // 2) for _, h, w in g]))
 
-
-def flops_per_item(cfg: ModelConfig, t: int, h: int, w: int) -> int:
-    """Multiply-add FLOPs (x2) of the GEMMs and attention for one item; used by benchmarks."""
-    n, d, a = t * h * w, cfg.hidden_size, cfg.attn_width
-    per_layer = 2 * n * d * (3 * a) + 2 * n * a * d + 2 * 2 * n * d * cfg.intermediate_size + 2 * 2 * n * n * a
-    tokens = (h // 2) * (w // 2)
-    proj = 2 * tokens * (4 * d) * (4 * d) + 2 * tokens * (4 * d) * cfg.text_hidden_size
-    return cfg.num_layers * per_layer + 2 * n * d * 3 * cfg.patch_size ** 2 + proj

@@ -3,7 +3,7 @@
 Every per-process cache of the engine is made here, with `memo` (a function computed once per arguments) or
 `table` (a mapping filled as the process goes), under the scope it belongs to:
 
-* `CHOICES`: which kernel computes each op per dtype (`bivit.ops.backend`). Forgotten when the load-time proof
+* `CHOICES`: which kernel computes each op per dtype (`bivit.ops.selection`). Forgotten when the load-time proof
   refuses a kernel (`refuse`): every choice is made again without it.
 * `PROOFS`: what was proven or tested on this machine: the load-time proofs, each kernel's
   self-test and conformance, the paths refused.

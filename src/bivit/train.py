@@ -126,5 +126,5 @@ def _ready(net: TrainableModel, batch_invariant: bool, activation_checkpointing:
     net.requires_grad_(True)
     _follow_optimizer_steps(net)
     if batch_invariant:  # (the GPU path's forward refuses autograd: bivit.ops.cuda)
-        ops.backend_for(next(net.parameters()).device).prepare(net)
+        ops.backend_for(next(net.parameters()).device).pack_and_prove(net)
     return net

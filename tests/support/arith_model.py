@@ -131,5 +131,5 @@ def forward(state: dict[str, np.ndarray], cfg, pixels: np.ndarray, grid_thw: lis
         merged.append(mean.transpose(0, 2, 1, 3, 4).reshape((h // 2) * (w // 2), 4, -1))
     m = np.concatenate(merged)
     m = rnd(R.layer_norm(m, W("mm_projector.pre_norm.weight"), W("mm_projector.pre_norm.bias"), cfg.projector_ln_eps))
-    out = linear(linear(m.reshape(m.shape[0], -1), "mm_projector.proj.0", "none"), "mm_projector.proj.2")
+    out = linear(linear(m.reshape(m.shape[0], -1), "mm_projector.proj.0", "erf"), "mm_projector.proj.2")
     return np.split(out, np.cumsum([(h // 2) * (w // 2) for _, h, w in grid_thw])[:-1])

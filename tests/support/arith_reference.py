@@ -135,6 +135,7 @@ def exp2_neg(A: Arith, x: np.ndarray) -> np.ndarray:
 
 
 def gelu(A: Arith, x: np.ndarray, act: str) -> np.ndarray:
+    """GELU of `act`: "tanh" (the tanh approximation) or "erf"."""
     x = np.asarray(x, F32)
     if act == "tanh":
         u = A.mul(F32(0.7978845608028654), A.fma(A.mul(F32(0.044715), x), A.mul(x, x), x))

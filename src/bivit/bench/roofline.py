@@ -2,7 +2,7 @@
 attention rates measured on this machine, and the roofline time they give.
 
 * **FLOPs.** GEMM: every linear layer, the patch conv and the projector; attention: QK^T and PV over each
-  item's patches (`bivit.model.flops_per_item` is their sum, tested against `torch.utils.flop_counter`);
+  item's patches (`flops_per_item` is their sum, tested against `torch.utils.flop_counter`);
   other: an approximate count of the elementwise work (norms, GELU, RoPE, softmax, residual adds; one FLOP per
   multiply or add as written, `OTHER_PER_ELEMENT`). GFLOP/s figures count GEMM + attention only. Invariant
   mode executes more than that (zero-padded GEMM tiles); that is a cost, not work, so it is not counted.
@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from .. import ops
 from ..errors import BivitError
 from ..config import ModelConfig
-from ..model import VisionModel, flops_per_item
+from ..model import VisionModel
 from ..ops import gemms
 from .workload import Case
 
@@ -54,6 +54,15 @@ class Flops:
     def total(self) -> int:
         """GEMM + attention: the work GFLOP/s figures count."""
         return self.gemm + self.attention
+
+
+def flops_per_item(cfg: ModelConfig, t: int, h: int, w: int) -> int:
+    """Multiply-add FLOPs (x2) of the GEMMs and attention for one item."""
+    n, d, a = t * h * w, cfg.hidden_size, cfg.attn_width
+    per_layer = 2 * n * d * (3 * a) + 2 * n * a * d + 2 * 2 * n * d * cfg.intermediate_size + 2 * 2 * n * n * a
+    tokens = (h // 2) * (w // 2)
+    proj = 2 * tokens * (4 * d) * (4 * d) + 2 * tokens * (4 * d) * cfg.text_hidden_size
+    return cfg.num_layers * per_layer + 2 * n * d * 3 * cfg.patch_size ** 2 + proj
 
 
 def attention_flops_per_item(cfg: ModelConfig, t: int, h: int, w: int) -> int:

@@ -35,7 +35,7 @@ from .. import ops
 from ..config import PRESETS
 from ..kernels.cuda import interpreting
 from ..model import VisionModel
-from ..ops.device import recording
+from ..ops.dispatch import recording
 
 _TY = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 IMAGE, VIDEO = (1, 4, 4), (4, 4, 4)  # grids (t, h, w) of the recorded forward: an image and a 4-frame chunk

@@ -12,7 +12,7 @@ process uses the best installed variant that both the CPU's flags (/proc/cpuinfo
 the AVX-512 state) allow: decided once per process from those facts, never from a failure. Where no library
 runs (an install without its kernels, a variant named that this CPU or install lacks), `library()` is None
 and `unavailable()` says why: default mode then runs PyTorch's kernels, invariant mode is refused with that
-reason (`bivit.ops.backend`). `status()` reports what happened, for `bivit doctor`.
+reason (`bivit.ops.selection`). `status()` reports what happened, for `bivit doctor`.
 
 `BIVIT_ATTENTION` chooses: `auto` (default: the best variant, except that default mode on CPUs with AMX keeps
 PyTorch's attention, running on AMX tiles), `bivit` (the best variant wherever one runs), `avx512`, `avx2` or
@@ -248,7 +248,7 @@ class Norm:
 @dataclass(frozen=True)
 class Library:
     """One variant's compiled kernels, loaded and self-tested (the GEMM kernels are self-tested per dtype when
-    first chosen: `bivit.ops.backend`). `attention` is the variant's own code (bivit-arith/1); `attention_amx`
+    first chosen: `bivit.ops.selection`). `attention` is the variant's own code (bivit-arith/1); `attention_amx`
     runs bf16 on AMX tiles where the CPU has them (its own arithmetic: BIVIT_ARITH=native), else None."""
 
     path: Path
@@ -393,7 +393,7 @@ def attention() -> Attention | None:
 
 
 def attention_candidates() -> tuple[Attention, ...]:
-    """Invariant mode's compiled attentions, fastest first (`bivit.ops.backend` picks one): AMX tiles where the
+    """Invariant mode's compiled attentions, fastest first (`bivit.ops.selection` picks one): AMX tiles where the
     library has them, then the variant's own code; none where no library runs. Each is invariant by construction
     (PyTorch's fused attention on AMX tiles is faster still but gave other bits at other thread counts)."""
     lib = library()

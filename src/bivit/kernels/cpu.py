@@ -11,7 +11,7 @@ from .build import VARIANTS
 
 # AMX tiles (the avx512 variant's `amx` GEMMs and bf16 attention) need both.
 AMX_FLAGS = ("amx_tile", "amx_bf16")
-# Flags that change oneDNN's choices only (its native fp16 GEMM: `bivit.ops.backend`).
+# Flags that change oneDNN's choices only (its native fp16 GEMM: `bivit.ops.selection`).
 ONEDNN_FLAGS = ("avx512_fp16", "amx_fp16")
 # Every flag a kernel choice depends on (what `bivit doctor` and `bivit bench` report), as /proc/cpuinfo spells them.
 FLAGS = tuple(dict.fromkeys((*(f for v in VARIANTS for f in v.needs), *AMX_FLAGS, *ONEDNN_FLAGS)))

@@ -13,7 +13,7 @@ gives the whole argument), nor on the kernel wherever it computes bivit-arith/1.
 * `amx`, `amx_swapped`: bf16 on AMX tiles, where the CPU has AMX and the OS grants its tile state, with each
   pair as stored or swapped (what tdpbf16ps computes is decided by the load-time conformance check).
 
-Which kernel computes a dtype is fixed per process (`bivit.ops.backend`), never per call.
+Which kernel computes a dtype is fixed per process (`bivit.ops.selection`), never per call.
 """
 
 from __future__ import annotations
@@ -27,8 +27,10 @@ import torch
 from .abi import CONSTS, GemmArgs, GemmPackArgs, fill
 
 ETYPES = {torch.float32: CONSTS["E_F32"], torch.bfloat16: CONSTS["E_BF16"], torch.float16: CONSTS["E_F16"]}
-# GELU after the GEMM, by its `approximate` name
-ACTS = {None: CONSTS["ACT_NONE"], "tanh": CONSTS["ACT_GELU_TANH"], "none": CONSTS["ACT_GELU_ERF"]}
+# GELU after the GEMM, by the function it computes: "erf" (the exact GELU) or "tanh" (its tanh approximation)
+ACTS = {None: CONSTS["ACT_NONE"], "tanh": CONSTS["ACT_GELU_TANH"], "erf": CONSTS["ACT_GELU_ERF"]}
+# each GELU by PyTorch's name for it (F.gelu's `approximate`: "none" is the erf form)
+APPROXIMATE = {"erf": "none", "tanh": "tanh"}
 KINDS = {"fp32": CONSTS["GEMM_FP32"], "avx512_bf16": CONSTS["GEMM_AVX512_BF16"], "amx": CONSTS["GEMM_AMX"],
          "amx_swapped": CONSTS["GEMM_AMX_SWAPPED"]}
 
@@ -69,7 +71,7 @@ class GemmKernel:
     def __call__(self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None,
                  out: torch.Tensor, gelu: str | None = None, threads: int | None = None,
                  bf16: bool | None = None) -> torch.Tensor:
-        """`out[M, n] = x[M, K] @ weight.t() + bias`, then GELU `gelu` ("tanh", "none" = erf, or None) on the fp32
+        """`out[M, n] = x[M, K] @ weight.t() + bias`, then GELU `gelu` ("erf", "tanh" or None) on the fp32
         sum: x and out with a contiguous last dim, bias float32 `[n]` contiguous or None. `threads` defaults to
         PyTorch's thread count; it never changes the bits. `bf16`: the arithmetic is a bf16 GEMM's (flushed;
         default: x is bf16, or the kernel multiplies bf16 pairs), as it is for bf16 weights whose rows the fp32
@@ -137,9 +139,10 @@ def self_test(kernel: GemmKernel, dtype: torch.dtype) -> str | None:
     err = float((y.double() - ref).abs().max() / ref.abs().max())
     if not err <= 1e-5:
         return f"its result is off by {err:.3g} (relative) from float64"
-    for gelu in ("tanh", "none"):
+    for gelu in ("tanh", "erf"):
         act = kernel(x, packed, n, bias, out(m), gelu=gelu)
-        gerr = float((act.double() - torch.nn.functional.gelu(ref, approximate=gelu)).abs().max() / ref.abs().max())
+        exact = torch.nn.functional.gelu(ref, approximate=APPROXIMATE[gelu])
+        gerr = float((act.double() - exact).abs().max() / ref.abs().max())
         if not gerr <= 1e-5:
             return f"its GELU ({gelu}) is off by {gerr:.3g} (relative) from float64"
     if not (torch.equal(alone, y[:5]) and torch.equal(many, y)):

@@ -10,9 +10,11 @@ a way that does not depend on which other rows share the call:
   temporal mean adds frames in a fixed order in float32.
 * `norms`: row-wise kernels; LayerNorm's weight gradient is summed in a fixed order.
 * `attend`: attention per item (bivit's compiled kernel, whose units are fixed per item).
+* `positions`: the position terms' tables (a video chunk's sin-cos term, the learned table resampled to an
+  item's grid), each value by a fixed sequence of float32 operations, so no CPU or process changes them.
 * `rotary`: the rotary embedding of q and k, elementwise in fp32 (bivit's compiled kernel or PyTorch's ops, same
   bits).
-* `backend`: which compiled kernel each op uses, decided once per process and dtype from the CPU and the
+* `selection`: which compiled kernel each op uses, decided once per process and dtype from the CPU and the
   installed kernels, never switched by a failure; invariant mode on a CPU runs bivit's kernels only (one
   arithmetic, bivit-arith/1) or is refused. The load-time proof can refuse a kernel first.
 * `proof`: the load-time proof: every op of the model, at its real shapes, computes each item's rows
@@ -31,21 +33,21 @@ order, so they do not depend on the thread count. Without autograd (`encode` run
 Functions are skipped: the fast path stays the fast path.
 """
 
-from .backend import attention_kernel, gemm_kernel, norm_kernel, require
 from .bits import ARITH
-# The ops the model calls: each picks the op table of its first tensor's device (device.py: CPU, or in invariant
+# The ops the model calls: each picks the op table of its first tensor's device (dispatch.py: CPU, or in invariant
 # mode CUDA's Triton ops).
-from .device import (attention, backend_for, bits_class, layer_norm, linear, patch_conv, residual_linear, rms_norm,
-                     temporal_mean)
-from .gemm import gemms, prepare
+from .dispatch import attention, backend_for, bits_class, layer_norm, linear, patch_conv, rms_norm, temporal_mean
+from .gemm import gemms, pack_weights
 from .mode import batch_invariant, checkpoint, is_batch_invariant, trace
 from .pointwise import POINTWISE_CHUNK, gelu
+from .positions import resample, temporal_embedding
 from .proof import InvarianceError, Proof, prove
 from .rotary import rope, rope_tables
+from .selection import attention_kernel, gemm_kernel, norm_kernel, require
 
 __all__ = [
-    "ARITH", "POINTWISE_CHUNK", "InvarianceError", "Proof", "attention", "attention_kernel",
-    "backend_for", "batch_invariant", "bits_class", "checkpoint", "gelu", "gemm_kernel", "gemms", "is_batch_invariant",
-    "layer_norm", "linear", "norm_kernel", "patch_conv", "prepare", "prove", "require", "residual_linear", "rms_norm",
-    "rope", "rope_tables", "temporal_mean", "trace",
+    "ARITH", "POINTWISE_CHUNK", "InvarianceError", "Proof", "attention", "attention_kernel", "backend_for",
+    "batch_invariant", "bits_class", "checkpoint", "gelu", "gemm_kernel", "gemms", "is_batch_invariant", "layer_norm",
+    "linear", "norm_kernel", "pack_weights", "patch_conv", "prove", "require", "resample", "rms_norm", "rope",
+    "rope_tables", "temporal_embedding", "temporal_mean", "trace",
 ]

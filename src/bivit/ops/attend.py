@@ -15,9 +15,9 @@ import torch.nn.functional as F
 
 from .. import kernels
 from ..errors import ConfigError
-from .backend import attention_kernel, compute_dtype, flash_attention_backward
 from .mode import emit, is_batch_invariant, needs_grad
 from .rotary import rope as rotate
+from .selection import attention_kernel, compute_dtype, flash_attention_backward
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: Sequence[int],
@@ -28,7 +28,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: Sequen
     Each item attends only to itself, so it runs alone: its kernel shapes depend on that item alone (what the
     reference does on CPU too). bivit's compiled attention (`bivit.kernels`) makes one call for the whole batch,
     split into per-item units computed by one thread each, so an item's bits depend on neither the batch nor
-    the thread count: invariant mode always runs it (`backend.attention_kernel`), default mode where it is the
+    the thread count: invariant mode always runs it (`selection.attention_kernel`), default mode where it is the
     faster kernel; elsewhere PyTorch's fused attention runs. Without autograd the compiled kernel also rotates
     q and k as it reads them, with `ops.rope`'s bits: the rotated q and k are never written out.
     """
@@ -106,7 +106,7 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: Sequence[i
 class _CompiledAttention(torch.autograd.Function):
     """The compiled attention's forward (the bits `encode` serves) with PyTorch's flash-attention backward,
     fed the forward's output and log-sum-exp; per item, so gradients are batch-invariant too. Where that
-    private backward is missing (`backend.flash_attention_backward`), the gradient of PyTorch's own attention,
+    private backward is missing (`selection.flash_attention_backward`), the gradient of PyTorch's own attention,
     recomputed (same math, its rounding).
     """
 

@@ -13,7 +13,7 @@ rows are one set of bits on every CPU: class `bivit-arith/1`. Not every path com
 * `gpu/...`: the Triton path on a GPU.
 
 There is no other: invariant mode on a CPU computes bivit-arith/1 or `native/`, or is refused
-(`bivit.ops.backend.require`); docs/cpu-kinds.md lists every knob and what it does to the class.
+(`bivit.ops.selection.require`); docs/cpu-kinds.md lists every knob and what it does to the class.
 
 The class is part of the fingerprint, hence of every encoder-cache id, a dataset's header and every answer
 (`Encoder.describe()["bits"]`): rows of two classes never share an id.
@@ -115,7 +115,7 @@ def gemm_outputs(kernel, dtype: torch.dtype) -> list[torch.Tensor]:
     packed = kernel.pack(w)
     n = w.shape[0]
     return [kernel(x, packed, n, bias, torch.empty(x.shape[0], n, dtype=torch.float32), gelu=g,
-                   bf16=dtype == torch.bfloat16) for g in (None, "tanh", "none")]
+                   bf16=dtype == torch.bfloat16) for g in (None, "tanh", "erf")]
 
 
 def attention_outputs(kernel, dtype: torch.dtype) -> list[torch.Tensor]:

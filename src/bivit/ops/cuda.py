@@ -1,6 +1,6 @@
-"""The ops of the invariant forward for CUDA tensors (`bivit.ops.device`'s CUDA table): the same names, arguments
+"""The ops of the invariant forward for CUDA tensors (`bivit.ops.dispatch`'s CUDA table): the same names, arguments
 and output dtypes as the CPU ops they stand in for, each one or two Triton kernel launches
-(`bivit.kernels.triton_jit`); forward only. Importing it imports triton: `ops.device.cuda_ops` imports it after
+(`bivit.kernels.triton_jit`); forward only. Importing it imports triton: `ops.dispatch.cuda_ops` imports it after
 `kernels.cuda.require`.
 """
 
@@ -21,26 +21,20 @@ def _inference_only(*tensors: torch.Tensor | None) -> None:
                           "batch_invariant(False) on a GPU, or invariant on a CPU")
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           gelu: str | None = None) -> torch.Tensor:
-    _inference_only(x, weight, bias)
-    out = triton_jit.gemm(x.reshape(-1, x.shape[-1]), weight, bias, gelu)
-    return emit("linear" if gelu is None else "linear_gelu", out.view(*x.shape[:-1], weight.shape[0]))
-
-
-def residual_linear(residual: torch.Tensor, x: torch.Tensor, layers: Sequence[tuple]) -> torch.Tensor:
-    """`residual + L_k(... L_1(x))`, written into `residual`: the last GEMM adds into it in its epilogue."""
-    _inference_only(residual, x, *(t for layer in layers for t in layer[:2]))
-    h = x.reshape(-1, x.shape[-1])
-    for weight, bias, gelu in layers[:-1]:
-        h = triton_jit.gemm(h, weight, bias, gelu)
-    weight, bias, gelu = layers[-1]
-    r2 = residual.view(-1, residual.shape[-1])
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gelu: str | None = None,
+           add_to: torch.Tensor | None = None) -> torch.Tensor:
+    """With `add_to`, written into it: the GEMM adds into it in its epilogue (no pass of its own)."""
+    _inference_only(x, weight, bias, add_to)
+    x2 = x.reshape(-1, x.shape[-1])
+    kind = "linear" if gelu is None else "linear_gelu"
+    if add_to is None:
+        return emit(kind, triton_jit.gemm(x2, weight, bias, gelu).view(*x.shape[:-1], weight.shape[0]))
+    r2 = add_to.view(-1, add_to.shape[-1])
     if r2.dtype != weight.dtype or not r2.is_contiguous():
-        raise ConfigError(f"residual_linear: the residual ({r2.dtype}) must be a contiguous tensor of the "
-                          f"weights' dtype ({weight.dtype})")
-    triton_jit.gemm(h, weight, bias, gelu, residual=r2)
-    return emit("residual_linear", residual)
+        raise ConfigError(f"linear: add_to ({r2.dtype}) must be a contiguous tensor of the weights' dtype "
+                          f"({weight.dtype})")
+    triton_jit.gemm(x2, weight, bias, gelu, residual=r2)
+    return emit(kind + "_add", add_to)
 
 
 def patch_conv(pixels: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

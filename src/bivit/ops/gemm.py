@@ -3,7 +3,7 @@
 In invariant mode a GEMM runs in bivit's compiled GEMM (`bivit.kernels.gemm`), whose reduction order bivit fixes:
 each output element is one fp32 accumulator fed its K products in order by one thread, and threads split the
 output by rows and columns only. A row's bits therefore depend on that row, the weights and the kernel, not on
-the batch, the row count or the thread count, by construction. The kernel per dtype is `backend.gemm_kernel`:
+the batch, the row count or the thread count, by construction. The kernel per dtype is `selection.gemm_kernel`:
 the best one this CPU runs that computes bivit-arith/1 and passed its self-test and the load-time proof
 (`bivit.ops.proof`), fixed for the process.
 
@@ -18,18 +18,18 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from ..kernels.gemm import APPROXIMATE
 from . import packs
-from .backend import gemm_kernel
 from .mode import emit, is_batch_invariant, needs_grad
 from .pointwise import chunked_gelu_backward
+from .selection import gemm_kernel
 
-Layer = tuple[torch.Tensor, "torch.Tensor | None", "str | None"]  # (weight, bias, GELU after it or None)
 
-def _prepared(kernel, weight: torch.Tensor, bias: torch.Tensor | None, key: torch.Tensor,
+def _packed(kernel, weight: torch.Tensor, bias: torch.Tensor | None, key: torch.Tensor,
               transposed: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(packed weight, float32 bias) for `kernel` (`bivit.ops.packs`); the bias widened exactly: it is never
     wider than float32."""
-    return packs.prepared(key, (kernel, transposed), lambda: (
+    return packs.packed(key, (kernel, transposed), lambda: (
         kernel.pack(weight.detach()), None if bias is None else bias.detach().float().contiguous()))
 
 
@@ -48,7 +48,7 @@ def _gemm(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, key
     kernel = gemm_kernel(weight.dtype)
     x2 = x2 if x2.dtype == weight.dtype and x2.stride(-1) == 1 else x2.to(weight.dtype).contiguous()
     x2 = _widened(kernel, x2)
-    packed, bias32 = _prepared(kernel, weight, bias, key, transposed)
+    packed, bias32 = _packed(kernel, weight, bias, key, transposed)
     out = torch.empty(x2.shape[0], weight.shape[0], dtype=weight.dtype)  # the weights' dtype, as F.linear returns
     # A profiler range per shape: the compiled call is invisible to torch.profiler otherwise (profile_ops.py).
     with torch.profiler.record_function(f"bivit::gemm {weight.shape[0]}x{weight.shape[1]}"):
@@ -104,34 +104,29 @@ def _invariant_linear(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     return _gemm(x2, weight, bias, key, gelu=gelu)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           gelu: str | None = None) -> torch.Tensor:
-    """`x @ weight.t() + bias`, then GELU when `gelu` names its approximation ("tanh" or "none" = erf).
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gelu: str | None = None,
+           add_to: torch.Tensor | None = None) -> torch.Tensor:
+    """`x @ weight.t() + bias`, then GELU when `gelu` names it ("erf" or "tanh"), then `add_to +` that when
+    `add_to` is given (a residual): written into `add_to` unless autograd records (then a new tensor), so a
+    residual add makes no tensor of its own.
 
-    Traced as "linear" then "gelu" in default mode (two stock ops), as one "linear_gelu" in invariant mode."""
+    Traced as "linear", "gelu", "add" in default mode (stock ops), as one "linear[_gelu][_add]" in invariant
+    mode."""
     if not is_batch_invariant():
         out = emit("linear", F.linear(x, weight, bias))
-        return out if gelu is None else emit("gelu", F.gelu(out, approximate=gelu))
+        if gelu is not None:
+            out = emit("gelu", F.gelu(out, approximate=APPROXIMATE[gelu]))
+        return out if add_to is None else emit("add", _added(add_to, out))
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    out = _invariant_linear(x2, weight, bias, weight, gelu)
-    return emit("linear" if gelu is None else "linear_gelu", out.view(*lead, weight.shape[0]))
+    out = _invariant_linear(x2, weight, bias, weight, gelu).view(*lead, weight.shape[0])
+    kind = "linear" if gelu is None else "linear_gelu"
+    return emit(kind, out) if add_to is None else emit(kind + "_add", _added(add_to, out))
 
 
-def residual_linear(residual: torch.Tensor, x: torch.Tensor, layers: Sequence[Layer]) -> torch.Tensor:
-    """`residual + L_k(... L_1(x))` for a chain of linear layers `(weight, bias, gelu)` (a block's output
-    projection: one; its MLP: two), written into `residual` unless autograd records (then a new tensor).
-    Traced as one "residual_linear"."""
-    if is_batch_invariant() and not torch.is_grad_enabled():
-        y = x.reshape(-1, x.shape[-1]).contiguous()
-        for weight, bias, gelu in layers:
-            y = _gemm(y, weight, bias, weight, gelu=gelu)
-        residual.view(-1, residual.shape[-1]).add_(y)
-        return emit("residual_linear", residual)
-    y = x
-    for weight, bias, gelu in layers:
-        y = linear(y, weight, bias, gelu=gelu)
-    return emit("residual_linear", residual + y if torch.is_grad_enabled() else residual.add_(y))
+def _added(add_to: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """`add_to + y`: into `add_to` where autograd records nothing (same bits: one rounding to their dtype)."""
+    return add_to + y if torch.is_grad_enabled() else add_to.add_(y)
 
 
 def patch_conv(pixels: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -146,14 +141,14 @@ def patch_conv(pixels: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 def gemms(module: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor | None, str | None]]:
     """(weight, bias, GELU after it) of every GEMM of `module`: its Linear layers and kernel-sized convs (the
-    patch embedding), as `prepare`, the proof and the roofline need them."""
+    patch embedding), as `pack_weights`, the proof and the roofline need them."""
     return [(m.weight, m.bias, getattr(m, "gelu", None)) for m in module.modules()
             if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))]
 
 
-def prepare(gemms: Sequence[tuple]) -> None:
+def pack_weights(gemms: Sequence[tuple]) -> None:
     """Pack the weights of the GEMMs `(weight, bias[, gelu])` of a model now (at load, or after a weight update)
     rather than at their first use."""
     with torch.no_grad():
         for w, b, *_ in gemms:
-            _prepared(gemm_kernel(w.dtype), w.reshape(w.shape[0], -1), b, w, False)
+            _packed(gemm_kernel(w.dtype), w.reshape(w.shape[0], -1), b, w, False)

@@ -1,7 +1,7 @@
 """Row-wise norms (LayerNorm, RMSNorm).
 
 In invariant mode they run bivit's compiled norm (`bivit.kernels.Norm`, bivit-arith/1: each row's sums in 16
-lanes whatever the CPU's vector width; `backend.norm_kernel`): PyTorch's CPU kernels normalise each row on its
+lanes whatever the CPU's vector width; `selection.norm_kernel`): PyTorch's CPU kernels normalise each row on its
 own too, but sum it in as many lanes as the CPU's vector type has, so their bits depend on the CPU kind.
 Default mode: PyTorch's.
 
@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .backend import norm_kernel
 from .mode import emit, is_batch_invariant, needs_grad
+from .selection import norm_kernel
 
 
 def _compiled(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None):

@@ -1,4 +1,4 @@
-"""Weights prepared for a GEMM kernel (packed into its blocked layout, widened to the dtype it multiplies in):
+"""Weights packed for a GEMM kernel (into its blocked layout, widened to the dtype it multiplies in):
 made once per weight tensor, kernel and layout, made again when the weight is updated in place (an optimizer
 step, `update_weights`: a new tensor version), and dropped with the tensor.
 """
@@ -14,8 +14,8 @@ from .. import state
 
 T = TypeVar("T")
 
-# weight tensor -> {how it was prepared: (the tensor's version then, the prepared weight)}
-_prepared: WeakIdKeyDictionary = state.table(state.WEIGHTS, WeakIdKeyDictionary)
+# weight tensor -> {how it was packed: (the tensor's version then, the packed weight)}
+_packs: WeakIdKeyDictionary = state.table(state.WEIGHTS, WeakIdKeyDictionary)
 
 
 def _version(t: torch.Tensor) -> int:
@@ -25,10 +25,10 @@ def _version(t: torch.Tensor) -> int:
         return -1
 
 
-def prepared(key: torch.Tensor, how: Hashable, make: Callable[[], T]) -> T:
-    """`make()`'s weight for `key` (the Linear or conv weight it belongs to) prepared `how` (the kernel and
+def packed(key: torch.Tensor, how: Hashable, make: Callable[[], T]) -> T:
+    """`make()`'s weight for `key` (the Linear or conv weight it belongs to) packed `how` (the kernel and
     layout it is for), made on the first call and again after `key` was updated in place."""
-    slot = _prepared.setdefault(key, {})
+    slot = _packs.setdefault(key, {})
     version, ready = slot.get(how, (None, None))
     if version != _version(key) or ready is None:
         ready = make()

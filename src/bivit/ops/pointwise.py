@@ -1,5 +1,8 @@
 """Elementwise ops whose bits must not depend on the tensor's size or the thread count (GELU), and the
 temporal mean of a video chunk's frames.
+
+A GELU is named by the function it computes: "erf" (the exact GELU) or "tanh" (its tanh approximation); PyTorch's
+name for each (`approximate`) is used only where its ops are called.
 """
 
 from __future__ import annotations
@@ -9,8 +12,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .backend import gelu_out
+from ..kernels.gemm import APPROXIMATE
 from .mode import emit, is_batch_invariant, needs_grad
+from .selection import gelu_out
 
 
 # Vectorised CPU kernels finish each thread's range with scalar code for its last (length mod 2 x vector width)
@@ -50,42 +54,43 @@ def _chunked_pointwise(fn: Callable[..., torch.Tensor], *xs: torch.Tensor, out_f
     return out.view(xs[0].shape)
 
 
-def chunked_gelu(x: torch.Tensor, approximate: str) -> torch.Tensor:
+def chunked_gelu(x: torch.Tensor, kind: str) -> torch.Tensor:
     # With or without `out=`, GELU at the same chunk size gives the same bits; `out=` saves a temporary per chunk.
-    return _chunked_pointwise(F.gelu, x, out_fn=gelu_out(), approximate=approximate)
+    return _chunked_pointwise(F.gelu, x, out_fn=gelu_out(), approximate=APPROXIMATE[kind])
 
 
 class _InvariantGelu(torch.autograd.Function):
     """GELU in fixed-size chunks, forward and backward (both have vector/scalar rounding differences)."""
 
     @staticmethod
-    def forward(ctx, x, approximate):
+    def forward(ctx, x, kind):
         ctx.save_for_backward(x)
-        ctx.approximate = approximate
-        return chunked_gelu(x, approximate)
+        ctx.kind = kind
+        return chunked_gelu(x, kind)
 
     @staticmethod
     def backward(ctx, grad):
         (x,) = ctx.saved_tensors
-        return chunked_gelu_backward(grad, x, ctx.approximate), None
+        return chunked_gelu_backward(grad, x, ctx.kind), None
 
 
-def chunked_gelu_backward(grad: torch.Tensor, x: torch.Tensor, approximate: str) -> torch.Tensor:
-    """GELU's input gradient at `x`, in the same fixed-size chunks as the forward."""
+def chunked_gelu_backward(grad: torch.Tensor, x: torch.Tensor, kind: str) -> torch.Tensor:
+    """GELU's (`kind`) input gradient at `x`, in the same fixed-size chunks as the forward."""
     return _chunked_pointwise(torch.ops.aten.gelu_backward, grad, x, out_fn=_gelu_backward_out,
-                              approximate=approximate)
+                              approximate=APPROXIMATE[kind])
 
 
 def _gelu_backward_out(grad: torch.Tensor, x: torch.Tensor, approximate: str, out: torch.Tensor) -> torch.Tensor:
     return torch.ops.aten.gelu_backward.grad_input(grad, x, approximate=approximate, grad_input=out)
 
 
-def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+def gelu(x: torch.Tensor, kind: str = "erf") -> torch.Tensor:
+    """GELU of `kind` ("erf" or "tanh")."""
     if not is_batch_invariant():
-        return emit("gelu", F.gelu(x, approximate=approximate))
+        return emit("gelu", F.gelu(x, approximate=APPROXIMATE[kind]))
     if needs_grad(x):
-        return emit("gelu", _InvariantGelu.apply(x, approximate))
-    return emit("gelu", chunked_gelu(x, approximate))
+        return emit("gelu", _InvariantGelu.apply(x, kind))
+    return emit("gelu", chunked_gelu(x, kind))
 
 
 def temporal_mean(x: torch.Tensor) -> torch.Tensor:

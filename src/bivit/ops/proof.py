@@ -13,7 +13,7 @@ item's rows must come out bit-identical when it is computed
 The ops: every distinct GEMM (Linear layers, the patch conv as its GEMM, GELU after it where the model has one),
 attention at the model's heads and head dim (item lengths on both sides of the compiled kernel's small-item
 split, with the rotary tables), and every norm. A kernel that fails is refused in this process
-(`backend.refuse`: said once on stderr, listed in `bivit doctor`, `Encoder.describe()` and /v1/info) and the op is
+(`selection.refuse`: said once on stderr, listed in `bivit doctor`, `Encoder.describe()` and /v1/info) and the op is
 proven again on the next compiled kernel (GEMM: the next kernel of the library; attention: the variant's AVX-512
 code instead of AMX tiles). An op with no kernel left raises InvarianceError: invariant mode would break its
 promise here.
@@ -36,11 +36,11 @@ from .. import state
 from ..dtypes import dtype_name
 from ..errors import InvarianceError
 from .attend import attention
-from .backend import attention_kernel, compute_dtype, gemm_kernel, norm_kernel, refuse
 from .gemm import gemms, linear
 from .mode import batch_invariant
 from .norms import layer_norm, rms_norm
 from .rotary import rope_tables
+from .selection import attention_kernel, compute_dtype, gemm_kernel, norm_kernel, refuse
 
 log = logging.getLogger("bivit")
 
@@ -172,7 +172,7 @@ def _prove_paths(op: str, kind: str, run: Callable[[list], list[torch.Tensor]], 
                  threads: Sequence[int], refused: list, path: Callable[[], str],
                  kernel: Callable[[], str]) -> Check:
     """`op` proven on the kernel `kind` runs now (`path()`: its description, `kernel()`: its name); one that fails
-    is refused and the next proven, until one passes (InvarianceError where none is left: `backend`)."""
+    is refused and the next proven, until one passes (InvarianceError where none is left: `selection`)."""
     while True:
         current = path()
         if _items_invariant(run, items, threads):

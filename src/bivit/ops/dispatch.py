@@ -5,7 +5,8 @@
   CPU table's ops, whose stock branches run PyTorch's on any device. `linear` ... `temporal_mean` below pick the
   table for their first tensor: the only place that decides it.
 * `backend_for(device)`: what an encoder on that device type does at load and reports: load its kernels
-  (`load`), pack the weights and prove invariance (`prepare`), describe the kernels and name the class of bits.
+  (`load`), pack the weights and prove invariance (`pack_and_prove`), describe the kernels and name the class of
+  bits.
 * `interpreted()` / `recording()`: CPU tensors take the CUDA table too, under Triton's interpreter (the GPU
   path's tests and its CPU dry run) or with every launch recorded instead of run (`bivit.gpu.build`).
 """
@@ -26,9 +27,9 @@ from ..dtypes import dtype_name
 from ..errors import ConfigError
 from ..kernels import cuda
 from . import attend, gemm, norms, pointwise
-from .backend import attention_kernel, compute_dtype, cpu_bits_class, gemm_kernel, norm_kernel, require
 from .mode import is_batch_invariant
 from .proof import prove
+from .selection import attention_kernel, compute_dtype, cpu_bits_class, gemm_kernel, norm_kernel, require
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,6 @@ class Ops:
     """The ops of the forward pass for tensors of one device (same names, arguments and output dtypes)."""
 
     linear: Callable
-    residual_linear: Callable
     patch_conv: Callable
     layer_norm: Callable
     rms_norm: Callable
@@ -44,8 +44,7 @@ class Ops:
     temporal_mean: Callable
 
 
-CPU_OPS = Ops(gemm.linear, gemm.residual_linear, gemm.patch_conv, norms.layer_norm, norms.rms_norm,
-              attend.attention, pointwise.temporal_mean)
+CPU_OPS = Ops(gemm.linear, gemm.patch_conv, norms.layer_norm, norms.rms_norm, attend.attention, pointwise.temporal_mean)
 
 
 @state.memo(state.FIXED)
@@ -54,8 +53,7 @@ def cuda_ops() -> Ops:
     cuda.require()
     from . import cuda as ops  # optional: imports triton (the gpu extra), so only after `require` says it is there
 
-    return Ops(ops.linear, ops.residual_linear, ops.patch_conv, ops.layer_norm, ops.rms_norm, ops.attention,
-               ops.temporal_mean)
+    return Ops(ops.linear, ops.patch_conv, ops.layer_norm, ops.rms_norm, ops.attention, ops.temporal_mean)
 
 
 _routed: ContextVar[bool] = ContextVar("bivit_cpu_tensors_take_cuda_ops", default=False)
@@ -68,15 +66,12 @@ def ops_for(x: torch.Tensor) -> Ops:
     return CPU_OPS
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           gelu: str | None = None) -> torch.Tensor:
-    """`x @ weight.t() + bias`, then GELU when `gelu` names its approximation ("tanh" or "none" = erf)."""
-    return ops_for(x).linear(x, weight, bias, gelu)
-
-
-def residual_linear(residual: torch.Tensor, x: torch.Tensor, layers: Sequence[tuple]) -> torch.Tensor:
-    """`residual + L_k(... L_1(x))` for a chain of linear layers `(weight, bias, gelu)`."""
-    return ops_for(residual).residual_linear(residual, x, layers)
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gelu: str | None = None,
+           add_to: torch.Tensor | None = None) -> torch.Tensor:
+    """`x @ weight.t() + bias`, then GELU when `gelu` names it ("erf" or "tanh"), then `add_to +` that when
+    `add_to` is given (a residual): written into `add_to` unless autograd records, the add fused into the GEMM
+    where the device's kernel can (the GPU's adds in its epilogue)."""
+    return ops_for(x).linear(x, weight, bias, gelu, add_to)
 
 
 def patch_conv(pixels: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -137,11 +132,11 @@ class CpuBackend:
     def load(self) -> None:
         kernels.library()  # load and self-test the installed kernels now, not mid-request
 
-    def prepare(self, model: torch.nn.Module) -> None:
+    def pack_and_prove(self, model: torch.nn.Module) -> None:
         """Refuse invariant mode where it cannot run here; pack the weights and prove every op invariant on this
         machine now, not on the first request."""
         require()
-        gemm.prepare(gemm.gemms(model))
+        gemm.pack_weights(gemm.gemms(model))
         prove(model)
 
     def describe(self, model: torch.nn.Module, dtypes: Sequence[torch.dtype], batch_invariant: bool) -> dict:
@@ -164,10 +159,10 @@ class CudaBackend:
     """Invariant mode on an NVIDIA GPU: bivit's Triton kernels (fixed tiles: nothing to pack or prove)."""
 
     def load(self) -> None:
-        pass  # triton is needed by invariant mode only: `prepare`
+        pass  # triton is needed by invariant mode only: `pack_and_prove`
 
-    def prepare(self, model: torch.nn.Module) -> None:
-        cuda_ops()
+    def pack_and_prove(self, model: torch.nn.Module) -> None:
+        cuda_ops()  # fixed tiles: nothing to pack or prove, only triton to check
 
     def describe(self, model: torch.nn.Module, dtypes: Sequence[torch.dtype], batch_invariant: bool) -> dict:
         return {**cuda.describe(batch_invariant), "proof": None}
@@ -195,5 +190,4 @@ def bits_class(dtypes: Sequence[torch.dtype], device: torch.device, batch_invari
 
 
 __all__ = ["BACKENDS", "CPU_OPS", "Ops", "attention", "backend_for", "bits_class", "cuda_ops", "interpreted",
-           "layer_norm", "linear", "ops_for", "patch_conv", "recording", "residual_linear", "rms_norm",
-           "temporal_mean"]
+           "layer_norm", "linear", "ops_for", "patch_conv", "recording", "rms_norm", "temporal_mean"]
