@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import hashlib
 import logging
 import time
@@ -45,7 +46,7 @@ from .. import records
 from ..container import FRAME_MIN_PIXELS, DecodeBudget
 from ..decode import image_header, image_work_bytes
 from ..encoder import Encoder
-from ..encoder_cache import EncoderCacheError, Sink
+from ..encoder_cache import Sink
 from ..errors import BadItem, BivitError, CheckpointError, EncodeFailed, ErrorKind, MediaError
 from ..grids import PATCH_SIZE, grid_tokens, image_grid
 from ..items import ItemResult, Prepared, assemble
@@ -246,18 +247,16 @@ class Service:
             outs = [EncodeFailed(f"encoding failed ({type(e).__name__}: {e})")]
         return assemble(prepared, outs)
 
-    async def _with_encoder_cache(self, result: ItemResult, owner: object) -> tuple[ItemResult, dict]:
+    async def _with_encoder_cache(self, result: records.Record, owner: object) -> tuple[records.Record, dict]:
         """`result` and its record's own keys: with --ec-dir its rows written there (only files missing: so
         also on a cache hit, whose files may have been deleted since) and their ids, or `ec_error` (the item
         keeps its embedding)."""
         if self.ec is None or result.error is not None:
             return result, {}
-        try:
-            return result, {"ec_ids": await asyncio.wrap_future(self.pool.submit(
-                owner, self.ec.put, records.Record.of_result(result)))}
-        except EncoderCacheError as e:
-            log.error("encoder cache not written", extra={"fields": {"item": result.source, "reason": str(e)}})
-            return result, {"ec_error": str(e)}
+        keys = await asyncio.wrap_future(self.pool.submit(owner, self.ec.feed, result))
+        if "ec_error" in keys:
+            log.error("encoder cache not written", extra={"fields": {"item": result.source, "reason": keys["ec_error"]}})
+        return result, keys
 
     async def encode_request(self, items: list[UploadItem], json_response: bool = False
                              ) -> tuple[list[records.Record], dict, Callable[[], None]]:
@@ -288,14 +287,14 @@ class Service:
             raise too_many_items(len(items), self.settings.max_queue)
         # Every byte of the answer is counted, records included: a failed item has no tokens but a record.
         budget.take(0, 0, sum(RECORD_BYTES + 3 * len(it.name.encode("utf-8", "surrogatepass")) for it in items))
-        results: list[Optional[tuple[ItemResult, dict]]] = [None] * len(items)
+        results: list[Optional[tuple[records.Record, dict]]] = [None] * len(items)
         todo: list[tuple[int, tuple]] = []
         fp = self.fingerprint
         loop = asyncio.get_running_loop()
         keys = await loop.run_in_executor(None, self._keys, items, fp)
         for i, (it, key) in enumerate(zip(items, keys)):
             if key is None:
-                results[i] = ItemResult(it.name, it.kind, error=BadItem(it.error)), {}
+                results[i] = records.Record.of_error(it.name, it.kind, BadItem(it.error)), {}
                 continue
             hit = self.cache.get(key) if self.cache.max_bytes else None
             if hit is not None:
@@ -338,7 +337,9 @@ class Service:
                     fresh = await _gathered(tasks, max(0.0, deadline - time.monotonic()))
                     if time.monotonic() > deadline and any(r.error is not None for r in fresh):
                         raise asyncio.TimeoutError  # items stopped at the deadline decoding shares: a timeout
-                    fresh = [await self._with_encoder_cache(r, budget) for r in fresh]
+                    # The one conversion of an item in the service: its record (no embedding hashed here, on the
+                    # event loop), which the cache, --ec-dir and the answer (`_record`) take.
+                    fresh = [await self._with_encoder_cache(records.Record.of_result(r), budget) for r in fresh]
                 except asyncio.TimeoutError:
                     raise ErrorKind.TIMEOUT.error(f"request not answered within --request-timeout-s "
                                        f"{self.settings.request_timeout_s:g}") from None
@@ -482,10 +483,12 @@ class _LazyTensors(Mapping):
         return len(self._keys)
 
 
-def _record(i: int, name: str, result: ItemResult, extra: dict) -> records.Record:
+def _record(i: int, name: str, result: records.Record, extra: dict) -> records.Record:
     """Input `i`'s record in the answer (its tensor "i"), its embedding in memory, under its upload's `name`
-    (copies of one item and cache hits share a result computed under another name); a failed item's reason
+    (copies of one item and cache hits share a record made under another name); a failed item's reason
     names it."""
-    return records.Record.of_result(result, None if result.error else str(i), source=name, named=True,
-                                    cached=extra.get("cached", False) and result.error is None,
-                                    **{k: v for k, v in extra.items() if k != "cached"})
+    own = {"cached": extra.get("cached", False) and result.error is None,
+           **{k: v for k, v in extra.items() if k != "cached"}}
+    if result.error is not None:
+        return dataclasses.replace(result, source=name, error=f"{name}: {result.error}", extra=own)
+    return dataclasses.replace(result, source=name, tensor=str(i), tensor_sha256=result.embedding_sha256, extra=own)
