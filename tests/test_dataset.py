@@ -23,7 +23,7 @@ import torch
 from safetensors import safe_open
 
 import bivit
-from bivit import BivitError
+from bivit import BivitError, EncoderSpec
 from bivit.dataset import ERRORS, HEADER, MANIFEST, encode_dataset, open_dataset
 from bivit.dataset.pipeline import encode_prepared
 from bivit.dataset.sources import list_sources
@@ -299,7 +299,7 @@ def test_encoder_stage_with_empty_batch_keeps_schema_and_dtype(media, encoder):
     pa = pytest.importorskip("pyarrow")
     from bivit.dataset.ray_engine import ENCODED_SCHEMA, PREPARED_SCHEMA, EncodeActor, decode_encoded, prepare_rows
 
-    actor = EncodeActor(None, {"dtype": "bfloat16", "projector_dtype": None, "output_dtype": None},
+    actor = EncodeActor(EncoderSpec(dtype="bfloat16"),
                         encoder.fingerprint, encoder.bits, threads=torch.get_num_threads())
     empty = actor(prepare_rows(pa.table({"sha256": [], "kind": [], "path": [], "name": []},
                                         schema=pa.schema([(n, pa.string()) for n in ("sha256", "kind", "path", "name")]))))
@@ -314,13 +314,13 @@ def test_encoder_stage_with_empty_batch_keeps_schema_and_dtype(media, encoder):
     e = decode_encoded(full.to_pylist()[0])
     assert e.embedding.dtype == torch.bfloat16 and torch.equal(e.embedding, encoder.encode([path])[0])
     with pytest.raises(BivitError, match="fingerprint"):
-        EncodeActor(None, {"dtype": "bfloat16", "projector_dtype": None, "output_dtype": None}, "f" * 64,
+        EncodeActor(EncoderSpec(dtype="bfloat16"), "f" * 64,
                     encoder.bits, 1)
     # A worker whose kernels compute another class of bits than the driver's (another CPU kind with
     # BIVIT_ARITH=native, a node without a C compiler) is refused, naming both classes.
     other = f"native/gemm-bfloat16=amx/{encoder.bits}"
     with pytest.raises(BivitError, match=f"computes bits {encoder.bits}, the driver {other}"):
-        EncodeActor(None, {"dtype": "bfloat16", "projector_dtype": None, "output_dtype": None}, encoder.fingerprint,
+        EncodeActor(EncoderSpec(dtype="bfloat16"), encoder.fingerprint,
                     other, 1)
 
 

@@ -7,11 +7,11 @@ Inputs are sent so that the server sees exactly what offline `Encoder.encode` wo
 bytes under their own file name (the extension decides image vs video, as offline), bytes as they are, PIL
 images and HxWx3 uint8 arrays as lossless PNG of their RGB pixels. The answer is the server's safetensors body,
 so the tensors arrive bit for bit, in the encoder's output dtype: an embedding file (`bivit.records`), whose
-records (`EncodeResult`) the client returns.
+records (`bivit.Record`) the client returns.
 
 Failed items: `encode` raises `EncodeError` if any item failed (its `.errors` maps input index -> the server's
 message and its `.results` still holds the tensors of the items that succeeded, None for the failed ones);
-`encode_results` never raises for item failures and returns one `EncodeResult` per input instead.
+`encode_results` never raises for item failures and returns one record per input instead.
 Request-level failures (auth, size, overload, timeout, unreachable server) raise `ServerError`.
 
 Importing the client loads neither torch nor PyAV (nor numpy, Pillow or httpx): httpx loads with the first
@@ -34,9 +34,6 @@ if TYPE_CHECKING:  # type hints only
     import torch
     from PIL import Image
 
-# One item of an answer: its embedding (None if it failed) and its record (source, kind, sha256, tokens, grid_thw,
-# chunk_tokens, timestamps, placeholders, error, error_kind; the service's `cached` in `.extra`).
-EncodeResult = records.Record
 # The status of an answer whose every item failed by the input's fault: its JSON lists each item's record.
 ITEMS_FAILED = ErrorKind.MEDIA.status
 
@@ -106,8 +103,8 @@ def _as_part(src: Any, i: int) -> tuple[str, bytes]:
                      "or an HxWx3 uint8 array")
 
 
-def parse_response(body: bytes) -> tuple[dict, list[EncodeResult]]:
-    """Split an answer into (the encoder's description: model, fingerprint, dtypes, ...; one EncodeResult per
+def parse_response(body: bytes) -> tuple[dict, list[records.Record]]:
+    """Split an answer into (the encoder's description: model, fingerprint, dtypes, ...; one record per
     input, in order)."""
     try:
         answer = records.from_bytes(body, "response")
@@ -155,8 +152,10 @@ class Client:
                               float(retry) if retry and retry.replace(".", "", 1).isdigit() else None)
         return r
 
-    def encode_results(self, inputs: Sequence[Any]) -> list[EncodeResult]:
-        """Encode; one EncodeResult per input (failed items carry `.error`, no embedding). Never raises for items."""
+    def encode_results(self, inputs: Sequence[Any]) -> list[records.Record]:
+        """Encode; one record per input (its embedding, None if it failed, and its metadata: source, kind, sha256,
+        tokens, grid_thw, chunk_tokens, timestamps, placeholders, error, error_kind; the service's `cached` in
+        `.extra`). Never raises for items."""
         if isinstance(inputs, (str, os.PathLike, bytes)) or _is(inputs, "PIL.Image", "Image") \
                 or _is(inputs, "numpy", "ndarray"):
             inputs = [inputs]

@@ -31,6 +31,7 @@ from .notices import Notice
 from .ops import attention_kernel, bits_class, gemm_kernel
 from .ops.bits import mode
 from .ops.selection import compute_dtype
+from .spec import EncoderSpec
 
 # Environment variables that change a kernel choice or the threads (docs/cpu-kinds.md: what each does to the class).
 ENV_VARS = ("BIVIT_ARITH", "BIVIT_ATTENTION", "BIVIT_GEMM", "ATEN_CPU_CAPABILITY", *ops.bits.STEERING_ENV,
@@ -102,17 +103,18 @@ def attention() -> dict:
     return {**kernels.status(), "choice": os.environ.get(kernels.ATTENTION_ENV, "auto"), "invariant_mode": invariant}
 
 
-def prove(model: str | None, dtype: str, projector_dtype: str | None) -> dict:
-    """Run the load-time proof now (`bivit.ops.proof`) on `model`'s real shapes: the table, its cost, and whether it
-    passes; then the golden rows (`bivit.golden`): the demo model's rows at
-    `dtype` against the committed ones. Raises InvarianceError where an op has no invariant path."""
-    encoder = load_encoder(model, dtype=dtype, projector_dtype=projector_dtype, batch_invariant=False)
+def prove(spec: EncoderSpec) -> dict:
+    """Run the load-time proof now (`bivit.ops.proof`) on the real shapes of `spec`'s model (its dtypes, loaded
+    in default mode: the proof is what runs here): the table, its cost, and whether it passes; then the golden rows
+    (`bivit.golden`): the demo model's rows at `spec.dtype` against the committed ones. Raises InvarianceError where
+    an op has no invariant path."""
+    encoder = load_encoder(spec, batch_invariant=False)
     start = time.perf_counter()
     ops.pack_weights(ops.gemms(encoder.model))
     packed = time.perf_counter() - start
     proof = ops.prove(encoder.model, fresh=True)
-    rows = golden.check(load_encoder(None, dtype=dtype))
-    return {"model": encoder.model_name, "dtype": dtype, **proof.to_dict(), "pack_seconds": round(packed, 3),
+    rows = golden.check(load_encoder(EncoderSpec(dtype=spec.dtype)))
+    return {"model": encoder.model_name, "dtype": spec.dtype, **proof.to_dict(), "pack_seconds": round(packed, 3),
             "table": proof.table(), "golden": {"bits": rows.bits, "match": rows.match, "committed": rows.committed,
                                                "differ": list(rows.differ), "inputs": rows.total,
                                                "line": rows.line()}}

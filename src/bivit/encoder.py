@@ -11,6 +11,7 @@ parameters), projector output -> output dtype (here).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import os
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
@@ -24,11 +25,12 @@ from .items import ItemResult, Prepared, assemble, prepare
 from .grids import image_token_count
 from .media import MediaBatch, Placeholder, preprocess_images
 from .model import VisionModel
-from .packing import MAX_BATCH_PATCHES, Pass, check_budget, check_pixels
+from .options import DEMO_SEED
+from .packing import MAX_BATCH_PATCHES, Pass, check_pixels
 from .preprocess_config import ProcessorConfig, check_alpha, default_processing, resolve_processing
+from .spec import EncoderSpec
 from .video import preprocess_video, video_chunks
-from .weights import (DEMO_NOTICE, DEMO_SEED, build_model, fingerprint, model_from_state, parse_device,
-                      replace_weights)
+from .weights import DEMO_NOTICE, build_model, fingerprint, model_from_state, replace_weights
 
 __all__ = ["DEMO_NOTICE", "DEMO_SEED", "Encoder", "encoder_from_state", "load_encoder"]
 
@@ -38,7 +40,8 @@ class Encoder:
 
     def __init__(self, model: VisionModel, *, model_name: str, is_demo: bool, batch_invariant: bool,
                  output_dtype: torch.dtype, device: torch.device, max_batch_patches: int = MAX_BATCH_PATCHES,
-                 processing: ProcessorConfig | None = None, alpha: str = "model") -> None:
+                 processing: ProcessorConfig | None = None, alpha: str = "model",
+                 spec: EncoderSpec | None = None) -> None:
         self.model = model.eval()
         self.config: ModelConfig = model.config
         self.processing: ProcessorConfig = (default_processing(model.config) if processing is None
@@ -50,6 +53,7 @@ class Encoder:
         self.output_dtype = output_dtype
         self.max_batch_patches = max_batch_patches  # patches per forward pass (checked by load_encoder: bivit.packing)
         self.device = device
+        self.spec = spec  # what it was loaded from (`load_encoder`), checked; None for one built by hand
         self._fingerprint: str | None = None
 
     # ------------------------------------------------------------------------------------- properties
@@ -259,13 +263,10 @@ def _as_list(inputs: Any) -> list:
     return list(inputs)
 
 
-def load_encoder(model: str | os.PathLike | None = None, *, device: str | torch.device = "cpu",
-                 dtype: str | torch.dtype = "bfloat16", batch_invariant: bool = True,
-                 projector_dtype: str | torch.dtype | None = None, output_dtype: str | torch.dtype | None = None,
-                 max_batch_patches: int | None = None, seed: int = DEMO_SEED, alpha: str = "model",
-                 processing: ProcessorConfig | str | dict | None = None, revision: str | None = None,
-                 **options: Any) -> Encoder:
-    """Load an encoder.
+def load_encoder(model: EncoderSpec | str | os.PathLike | None = None, **options: Any) -> Encoder:
+    """Load the encoder an `EncoderSpec` describes: `load_encoder(spec)`, or its fields as keywords (the
+    convenience: `load_encoder("moonshotai/Kimi-K2.6", dtype="bfloat16")` is
+    `load_encoder(EncoderSpec("moonshotai/Kimi-K2.6", dtype="bfloat16"))`; keywords after a spec replace its fields).
 
     model: None (or "demo") for the built-in demo model, a checkpoint directory (Moonshot weights, either
     config layout), or a Hugging Face repo id ("moonshotai/Kimi-K2.6", "org/name@rev" or `revision=`), of which
@@ -279,39 +280,39 @@ def load_encoder(model: str | os.PathLike | None = None, *, device: str | torch.
     ProcessorConfig, a preset name or a `media_proc_cfg` dict); by default the checkpoint's
     `preprocessor_config.json`, else the published values of the model family.
     """
-    if options:
-        raise ConfigError(f"unknown option(s) {', '.join(map(repr, sorted(options)))}")
-    check_alpha(alpha)
-    tower_dtype, proj_dtype, out_dtype = resolve_dtypes(dtype, projector_dtype, output_dtype)
-    budget = check_budget(max_batch_patches)
-    device = parse_device(device)
-    net, name, is_demo, proc = build_model(model, device=device, dtype=tower_dtype, projector_dtype=proj_dtype,
-                                           seed=seed, revision=revision, processing=processing)
-    return _ready(net, model_name=name, is_demo=is_demo, batch_invariant=batch_invariant, output_dtype=out_dtype,
-                  max_batch_patches=budget, device=device, processing=proc, alpha=alpha)
+    spec = EncoderSpec.of(model, **options).checked()
+    device = torch.device(spec.device)
+    tower_dtype, proj_dtype, out_dtype = resolve_dtypes(spec.dtype, spec.projector_dtype, spec.output_dtype)
+    net, name, is_demo, proc = build_model(spec.model, device=device, dtype=tower_dtype, projector_dtype=proj_dtype,
+                                           seed=spec.seed, revision=spec.revision, processing=spec.processing)
+    return _ready(net, spec, model_name=name, is_demo=is_demo, output_dtype=out_dtype, processing=proc)
 
 
-def encoder_from_state(config: ModelConfig, state: Mapping[str, torch.Tensor], *, model_name: str,
-                       processing: ProcessorConfig, device: str | torch.device = "cpu",
-                       dtype: str | torch.dtype = "bfloat16", projector_dtype: str | torch.dtype | None = None,
-                       output_dtype: str | torch.dtype | None = None, batch_invariant: bool = True,
-                       max_batch_patches: int | None = None, alpha: str = "model") -> Encoder:
+def encoder_from_state(config: ModelConfig, state: Mapping[str, torch.Tensor], spec: EncoderSpec | None = None,
+                       **options: Any) -> Encoder:
     """An encoder over vision weights already in memory (checkpoint names, checked by
     `bivit.checkpoint.checked_state`), e.g. those an inference engine read from the checkpoint: for the same
-    weights, dtypes and preprocessing it is `load_encoder`'s encoder, the same rows and the same fingerprint."""
-    check_alpha(alpha)
-    tower_dtype, proj_dtype, out_dtype = resolve_dtypes(dtype, projector_dtype, output_dtype)
-    device = parse_device(device)
+    weights, dtypes and preprocessing it is `load_encoder`'s encoder, the same rows and the same fingerprint.
+    `spec` (or its fields as keywords, `model_name` for its `model`): `model` only names the weights, and
+    `processing` is required (a checkpoint's, `bivit.preprocess_config.load_processing`)."""
+    if "model_name" in options:
+        options["model"] = options.pop("model_name")
+    spec = EncoderSpec.of(spec, **options).checked(model=False)
+    if spec.processing is None:
+        raise ConfigError("encoder_from_state: option 'processing' is required (the checkpoint's preprocessing)")
+    device = torch.device(spec.device)
+    tower_dtype, proj_dtype, out_dtype = resolve_dtypes(spec.dtype, spec.projector_dtype, spec.output_dtype)
     net = model_from_state(config, state, device=device, dtype=tower_dtype, projector_dtype=proj_dtype)
-    return _ready(net, model_name=model_name, is_demo=False, batch_invariant=batch_invariant,
-                  output_dtype=out_dtype, max_batch_patches=check_budget(max_batch_patches), device=device,
-                  processing=resolve_processing(processing, config), alpha=alpha)
+    return _ready(net, spec, model_name=str(spec.model), is_demo=False, output_dtype=out_dtype,
+                  processing=resolve_processing(spec.processing, config))
 
 
-def _ready(net: VisionModel, *, batch_invariant: bool, device: torch.device, **options: Any) -> Encoder:
+def _ready(net: VisionModel, spec: EncoderSpec, **options: Any) -> Encoder:
     net.requires_grad_(False)  # an inference engine: no autograd bookkeeping, ever
-    if batch_invariant:
+    device = torch.device(spec.device)
+    if spec.batch_invariant:
         # CPU: pack the weights and prove every op invariant on this machine now, not on the first request;
         # CUDA: check the Triton kernels can run (fixed tiles, nothing to probe).
         ops.backend_for(device).pack_and_prove(net)
-    return Encoder(net, batch_invariant=batch_invariant, device=device, **options)
+    return Encoder(net, batch_invariant=spec.batch_invariant, device=device, max_batch_patches=spec.max_batch_patches,
+                   alpha=spec.alpha, spec=spec, **options)

@@ -4,8 +4,8 @@ the encoder and the content, for vLLM's ECExampleConnector (`shared_storage_path
     DIR/<id>/encoder_cache.safetensors    one contiguous CPU tensor "ec_cache": the rows vLLM loads as the
                                           item's encoder output
 
-`Sink` is the one writer the front ends use for `--ec-dir` (`bivit encode`, `bivit encode-dataset`, the
-service): each encoded input's files are written as its result arrives. An input whose files cannot be written
+`Sink.feed` is the one way the front ends feed `--ec-dir` (`bivit encode`, `bivit encode-dataset`, the service):
+each encoded input's record (`bivit.records.Record`, its embedding in memory) as it arrives. An input whose files cannot be written
 (`EncoderCacheError`) keeps its embedding everywhere (nothing encoded is lost): its record carries `ec_error`
 instead of `ec_ids`, and the command fails in one line once its output is written (the service answers the
 item with `ec_error`). `bivit.engines.vllm` reads and checks the same layout.
@@ -113,3 +113,14 @@ class Sink:
                                     f"({e.strerror or e})") from None
         self.written += len(ids)
         return ids
+
+    def feed(self, record: Any) -> dict:
+        """`--ec-dir`'s one step in every front end: an input's record (embedding in memory) -> the keys its record
+        gains, {"ec_ids": its ids} or {"ec_error": why its files could not be written} (it keeps its embedding);
+        {} for an input that failed."""
+        if record.error is not None:
+            return {}
+        try:
+            return {"ec_ids": self.put(record)}
+        except EncoderCacheError as e:
+            return {"ec_error": str(e)}

@@ -1,7 +1,7 @@
 """The numbers every front end's options hold, checked one way with one message each: whole numbers in a range
-and sizes in MiB (dtypes by name are `bivit.dtypes`'). A command's flag (`--shard-mb`) or the library's keyword
-(`shard_mb`) names the option, so a value is refused with the same line whichever command or call it came
-through.
+and sizes in MiB (dtypes by name are `bivit.dtypes`'; an encoder's options are `bivit.spec`'s). A command's flag
+(`--shard-mb`) or the library's keyword (`shard_mb`) names the option, so a value is refused with the same line
+whichever command or call it came through.
 
 Imports nothing heavy: the CLI checks its options before torch loads.
 """
@@ -44,3 +44,7 @@ def size_mb(value: Any, option: str, low: float = KIB_IN_MIB, note: str = "") ->
     """A size in MiB from `low` to 1 TiB (a larger one overflows what it sizes, a smaller one refuses everything:
     `--max-body-mb 1e-9` is 0 bytes), else ConfigError naming `option`."""
     return number(value, option, low, TIB_IN_MIB, size_mb_words(low, note))
+
+
+# The demo model's weights are seeded: the same seed, the same demo encoder (and golden rows) everywhere.
+DEMO_SEED = 0

@@ -47,7 +47,8 @@ from safetensors import safe_open  # light: torch loads with the first tensor re
 from .dtypes import dtype_name
 from .errors import BivitError, ErrorKind, FormatError, MediaError
 from .fileio import open_regular, parse_json, write_atomic
-from .integrity import CHECKSUM_KEY, check_embedding, check_metadata, check_record, metadata_sha256, said_unverified
+from .integrity import (CHECKSUM_KEY, check_embedding, check_metadata, check_record, embedding_sha256, metadata_sha256,
+                        said_unverified)
 
 if TYPE_CHECKING:  # type hints only
     import torch
@@ -89,6 +90,7 @@ class Record:
     _load: Optional[Callable[[str], "torch.Tensor"]] = field(default=None, repr=False, compare=False)
     _embedding: Optional["torch.Tensor"] = field(default=None, repr=False, compare=False)
     _file: Optional[str] = field(default=None, repr=False, compare=False)  # where `_load` reads, for messages
+    _embedding_sha256: Optional[str] = field(default=None, repr=False, compare=False)
 
     def __getattr__(self, name: str) -> Any:
         # A writer's own keys read as attributes too (`r.cached` of a service answer); only those.
@@ -111,6 +113,16 @@ class Record:
                             f"tensor {self.tensor!r} of {self.source!r}", self.tensor_sha256, self._file)
             self._embedding = embedding
         return self._embedding
+
+    @property
+    def embedding_sha256(self) -> Optional[str]:
+        """The checksum its embedding is filed with (`tensor_sha256`; `bivit.integrity.embedding_sha256` of one
+        in memory), computed once: copies made with `dataclasses.replace` after it keep it (the service files one
+        record under every copy of an item in a request)."""
+        if self._embedding_sha256 is None:
+            e = None if self.tensor_sha256 is not None else self.embedding
+            self._embedding_sha256 = self.tensor_sha256 if e is None else embedding_sha256(e)
+        return self._embedding_sha256
 
     @property
     def chunks(self) -> list["torch.Tensor"]:
@@ -150,10 +162,8 @@ class Record:
         "SOURCE: reason" (the service, errors.jsonl), else the reason alone; `extra`: the writer's own keys."""
         name = result.source if source is None else source
         if result.error is not None:
-            reason = error_text(result.error, result.source)
-            return cls(source=name, kind=result.kind, sha256=result.sha256,
-                       error=f"{name}: {reason}" if named else reason, error_kind=ErrorKind.of(result.error),
-                       extra=dict(extra))
+            return cls.of_error(name, result.kind, result.error, result.sha256, about=result.source, named=named,
+                                **extra)
         embedding = getattr(result, "embedding", None)  # a `Prepared` (Ray's rows) has none yet
         grid = [list(map(int, g)) for g in result.grid_thw]
         chunk_tokens = [int(n) for n in result.chunk_tokens]
@@ -163,6 +173,16 @@ class Record:
                    placeholders=[p if isinstance(p, dict) else p.to_dict() for p in result.placeholders],
                    tensor=tensor, tensor_sha256=None if embedding is None or tensor is None
                    else result.embedding_sha256, extra=dict(extra), _embedding=embedding)
+
+    @classmethod
+    def of_error(cls, source: str, kind: str, error: BaseException, sha256: Optional[str] = None, *,
+                 about: Optional[str] = None, named: bool = False, **extra: Any) -> "Record":
+        """The record of an input that failed with `error` (in the core, or refused before it), filed under
+        `source`: its reason (`error_text`, about the input the error was raised for: `about`, default `source`)
+        and its kind; `named` and `extra` as in `of_result`."""
+        reason = error_text(error, source if about is None else about)
+        return cls(source=source, kind=kind, sha256=sha256, error=f"{source}: {reason}" if named else reason,
+                   error_kind=ErrorKind.of(error), extra=dict(extra))
 
     def to_item(self, cls: type) -> Any:
         """`of_result`'s inverse past a process boundary (Ray rows): its metadata as `cls` (`ItemResult`, `Prepared`),
@@ -210,9 +230,6 @@ class Record:
                       tensor=obj.get("tensor"), tensor_sha256=obj.get("tensor_sha256"),
                       extra={k: v for k, v in obj.items() if k not in RECORD_KEYS},
                       encoder=encoder if encoder is not None else {}, _load=load)
-
-
-EmbeddingRecord = Record  # its public name: `bivit.EmbeddingRecord`
 
 
 def chunk_sizes(sizes: Optional[Sequence], chunks: int) -> list:

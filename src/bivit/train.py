@@ -20,8 +20,9 @@ from . import ops
 from .config import ModelConfig
 from .dtypes import resolve_dtypes
 from .model import VisionModel
+from .options import DEMO_SEED
 from .packing import check_pixels
-from .weights import DEMO_SEED, build_model, model_from_state, parse_device
+from .weights import build_model, model_from_state, parse_device
 
 
 class TrainableModel(VisionModel):

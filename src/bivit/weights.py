@@ -23,11 +23,11 @@ from .dtypes import dtype_name
 from .errors import CheckpointError, ConfigError
 from .hub import check_model, resolve as resolve_repo
 from .model import VisionModel
+from .options import DEMO_SEED
 from .preprocess_config import ProcessorConfig, load_processing, resolve_processing
 
 log = logging.getLogger("bivit")
 
-DEMO_SEED = 0
 DEMO_NOTICE = "bivit: using the built-in DEMO model (tiny, seeded random weights) — its embeddings are not Kimi's"
 
 

@@ -20,7 +20,7 @@ from .. import __version__
 from ..dtypes import CHOICES as DTYPE_CHOICES, DEFAULT_DTYPE, canonical_name
 from ..errors import BivitError
 from ..fileio import check_writable
-from ..packing import check_budget
+from ..spec import EncoderSpec
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="bivit: batch-invariant vision encoding for Kimi-K2.5/K2.6/K3.")
@@ -116,31 +116,12 @@ def writable(path: Path, inputs: Any = (), option: str = "--out") -> None:
         fail(f"{option} {path}: {e.strerror or e}")
 
 
-def check_options(model: Any = None, dtype: Optional[str] = None, projector_dtype: Optional[str] = None,
-                  output_dtype: Optional[str] = None, alpha: str = "model", device: Optional[str] = None,
-                  max_batch_patches: Optional[int] = None) -> None:
-    """The encoder options a command was given, checked before its inputs are read, before any output is
-    created and before the model loads (ConfigError, one line, exit 2)."""
-    check_budget(max_batch_patches, "--max-batch-patches")
-    for flag, value in (("--dtype", dtype), ("--projector-dtype", projector_dtype), ("--output-dtype", output_dtype)):
-        canonical_name(value, flag)
-    # torch (by the weights): not for --help, nor for an option refused above
-    from .. import config, hub, preprocess_config, weights
-
-    preprocess_config.check_alpha(alpha, "--alpha")
-    if device is not None:
-        weights.parse_device(device)
-    hub.check_model(model)
-    if model is not None and str(model) != "demo" and Path(model).is_dir():
-        config.load_config(Path(model))  # a checkpoint's config.json is read now, before the inputs
-
-
-def open_encoder(model: Optional[str], dtype: str, projector_dtype: Optional[str], output_dtype: Optional[str],
-                 batch_invariant: bool = True, alpha: str = "model", device: str = "cpu",
-                 max_batch_patches: Optional[int] = None) -> Any:
-    from ..encoder import load_encoder  # torch and the model: only a command that encodes loads them
-
-    # The demo notice and any fast path that is off are said by the library's log (see cli.main), once.
-    return load_encoder(model, dtype=dtype, projector_dtype=projector_dtype, output_dtype=output_dtype,
-                        batch_invariant=batch_invariant, alpha=alpha, device=device,
-                        max_batch_patches=max_batch_patches)
+def encoder_spec(model: Optional[str] = None, dtype: Optional[str] = None, projector_dtype: Optional[str] = None,
+                 output_dtype: Optional[str] = None, alpha: str = "model", device: str = "cpu",
+                 max_batch_patches: Optional[int] = None, batch_invariant: bool = True) -> EncoderSpec:
+    """The encoder a command was given, as its spec (`bivit.options.EncoderSpec`), checked before its inputs are
+    read, before any output is created and before the model loads (ConfigError naming the flag: one line, exit 2).
+    The command hands it whole to `load_encoder`."""
+    return EncoderSpec(model, dtype=dtype, projector_dtype=projector_dtype, output_dtype=output_dtype, alpha=alpha,
+                       device=device, max_batch_patches=max_batch_patches,
+                       batch_invariant=batch_invariant).checked(flags=True)

@@ -9,7 +9,7 @@ import typer
 
 from ..dataset import format as dataset_format  # light: file names and defaults
 from .common import (EC_PROBE, FAILURE, AlphaOpt, DeviceOpt, DtypeOpt, EcDirOpt, MaxBatchPatchesOpt, ModelOpt,
-                     OutDtypeOpt, ProjDtypeOpt, check_options, command, plural, progress_shown, writable)
+                     OutDtypeOpt, ProjDtypeOpt, command, encoder_spec, plural, progress_shown, writable)
 
 
 @command("encode-dataset")
@@ -46,7 +46,7 @@ def encode_dataset(
     cannot be encoded are listed in OUT/errors.jsonl (and `open_dataset(OUT).errors`) until they are encoded; the
     exit status is then 1 unless --allow-failures. With --ec-dir, each input this run encodes also goes to vLLM's
     encoder cache as it is encoded (ids: `bivit.engines.vllm.load_media(OUT)`)."""
-    check_options(model, dtype, projector_dtype, output_dtype, alpha, device, max_batch_patches)
+    spec = encoder_spec(model, dtype, projector_dtype, output_dtype, alpha, device, max_batch_patches)
     # torch (the job's and the listing's media rules): loaded once the encoder options are good
     from ..dataset import job, sources
 
@@ -57,12 +57,9 @@ def encode_dataset(
     if ec_dir is not None:
         writable(ec_dir / EC_PROBE, option="--ec-dir")
     try:
-        summary = job.encode_dataset(src, out, model=model, dtype=dtype, projector_dtype=projector_dtype,
-                                     output_dtype=output_dtype, device=device, engine=engine,
-                                     ray_address=ray_address, workers=workers, cpus_per_worker=cpus_per_worker,
-                                     max_batch_patches=max_batch_patches, ec_dir=ec_dir, shard_mb=shard_mb,
-                                     progress=progress and progress_shown(), alpha=alpha,
-                                     follow_symlinks=follow_symlinks)
+        summary = job.encode_dataset(src, out, spec, engine=engine, ray_address=ray_address, workers=workers,
+                                     cpus_per_worker=cpus_per_worker, ec_dir=ec_dir, shard_mb=shard_mb,
+                                     progress=progress and progress_shown(), follow_symlinks=follow_symlinks)
     except KeyboardInterrupt:
         typer.echo(f"interrupted; everything encoded so far is in {out}, run the same command to resume", err=True)
         raise typer.Exit(130) from None

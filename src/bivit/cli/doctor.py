@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 
 from ..errors import ConfigError, InvarianceError
-from .common import FAILURE, DtypeOpt, ModelOpt, ProjDtypeOpt, check_options, command, fail
+from .common import FAILURE, DtypeOpt, ModelOpt, ProjDtypeOpt, command, encoder_spec, fail
 
 
 @command()
@@ -30,14 +30,14 @@ def doctor(
     it is refused here). Loads no model, unless --prove: then the load-time proof runs on --model (default: the
     demo) at --dtype, and the demo model's rows for bivit's golden inputs are compared with the committed ones
     ("bits bivit-arith/1: match"); exit 1 where invariant mode is refused here or the rows differ."""
-    check_options(model, dtype, projector_dtype)  # refused as every command refuses them, --prove or not
+    spec = encoder_spec(model, dtype, projector_dtype)  # refused as every command refuses them, --prove or not
     from ..doctor import format_report, prove as run_proof, report  # torch and the kernels: not for --help
 
     logging.getLogger("bivit").setLevel(logging.ERROR)  # every fallback is in the report itself
     r = report()
     if prove:
         try:
-            r["proof"] = run_proof(model, dtype, projector_dtype)
+            r["proof"] = run_proof(spec)
         except (ConfigError, InvarianceError) as e:
             typer.echo(json.dumps(r, indent=2) if as_json else "\n".join(format_report(r)))
             fail(str(e), FAILURE)

@@ -14,8 +14,7 @@ from ..errors import BivitError
 from ..kinds import media_kind
 from ..names import label, shown, stored, too_long
 from .common import (EC_PROBE, FAILURE, AlphaOpt, DeviceOpt, DtypeOpt, EcDirOpt, MaxBatchPatchesOpt, ModelOpt,
-                     OutDtypeOpt, ProjDtypeOpt, check_options, command, fail, open_encoder, plural, progress_shown,
-                     writable)
+                     OutDtypeOpt, ProjDtypeOpt, command, encoder_spec, fail, plural, progress_shown, writable)
 
 @command()
 def encode(
@@ -41,12 +40,13 @@ def encode(
     encoder cache and their ids into the record ("ec_ids"). Bad files are reported and skipped; exit status 1 if any
     failed."""
     # Options, output, inputs: all checked before anything is loaded or encoded.
-    check_options(model, dtype, projector_dtype, output_dtype, alpha, device, max_batch_patches)
+    spec = encoder_spec(model, dtype, projector_dtype, output_dtype, alpha, device, max_batch_patches,
+                        batch_invariant=not no_batch_invariant)
     writable(out, files)
     if ec_dir is not None:
         writable(ec_dir / EC_PROBE, option="--ec-dir")
     # torch (the media pipeline, the encoder cache's writer): loaded once the options are good
-    from .. import encoder_cache, items
+    from .. import encoder, encoder_cache, items
 
     results: list[Any] = [None] * len(files)  # per input: its record, or its error before any model loaded
     # How each input is named in the file (a name that is not UTF-8 escaped; one too long to keep, cut)
@@ -65,8 +65,7 @@ def encode(
         typer.echo(f"encoded 0 of {plural(len(files), 'input')} (nothing written); {len(files)} failed")
         raise typer.Exit(FAILURE)
 
-    enc = open_encoder(model, dtype, projector_dtype, output_dtype, not no_batch_invariant, alpha=alpha,
-                       device=device, max_batch_patches=max_batch_patches)
+    enc = encoder.load_encoder(spec)  # its demo notice and any fast path left off: said once by the log (cli.main)
     t0 = time.perf_counter()
     with _progress(show=(len(kinds) > 1 or "video" in kinds.values()) and progress_shown()) as bar:
         def prepared():
@@ -82,19 +81,18 @@ def encode(
         # invariant mode each result is the bits of encoding it alone.
         ec, ec_failed = (None if ec_dir is None else encoder_cache.Sink(ec_dir, enc.fingerprint)), []
         for i, r in zip(kinds, enc.encode_stream(prepared(), on_pass=bar.update)):
+            # The one conversion: the file's record of the core's result, its embedding filed as tensor "i"
             results[i] = record = rec.Record.of_result(r, tensor=str(i))
-            if r.error is None and ec is not None:  # as each result arrives, as every front end does
-                try:
-                    record.extra["ec_ids"] = ec.put(record)
-                except encoder_cache.EncoderCacheError as e:  # the embedding is kept: said once --out is written
-                    record.extra["ec_error"] = str(e)
-                    ec_failed.append(e)
+            if ec is not None:  # as each result arrives, as every front end does
+                record.extra.update(ec.feed(record))
+                if "ec_error" in record.extra:  # the embedding is kept: said once --out is written
+                    ec_failed.append(record.extra["ec_error"])
             if r.error is not None:  # named, whatever raised it (an allocation failure names no file)
                 bar.write(f"bivit: skipped: {shown(names[i])}: "
                           f"{shown(rec.error_text(r.error, r.source))}",
                           file=sys.stderr)
 
-    records = [rec.Record.of_result(items.ItemResult(names[i], media_kind(path) or "image", error=r))
+    records = [rec.Record.of_error(names[i], media_kind(path) or "image", r)
                if isinstance(r, BaseException) else r  # refused before the model loaded
                for i, (path, r) in enumerate(zip(files, results))]
     embeddings = [r.embedding for r in records]

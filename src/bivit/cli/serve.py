@@ -10,7 +10,7 @@ import typer
 from ..options import whole
 from ..serve.settings import ServerSettings as Limits  # light: no web framework
 from .common import (EC_PROBE, AlphaOpt, DeviceOpt, DtypeOpt, EcDirOpt, MaxBatchPatchesOpt, ModelOpt, OutDtypeOpt,
-                     ProjDtypeOpt, check_options, command, fail, need_extra, open_encoder, writable)
+                     ProjDtypeOpt, command, encoder_spec, fail, need_extra, writable)
 
 
 @command()
@@ -83,15 +83,15 @@ def serve(
         fail(f"--log-level must be debug, info, warning or error, got {log_level!r}")
     whole(port, "--port", 0, 65535, "a TCP port")
     _check_listen(host, port)  # before the model loads: a port in use or a host not here is one line
-    check_options(model, dtype, projector_dtype, output_dtype, alpha, device, max_batch_patches)
+    spec = encoder_spec(model, dtype, projector_dtype, output_dtype, alpha, device, max_batch_patches, batch_invariant)
     if ec_dir is not None:
         writable(ec_dir / EC_PROBE, option="--ec-dir")
+    from ..encoder import load_encoder  # torch and the model, as below
     from ..serve.logs import configure_logging  # the serve folder: once the options are good
     from ..serve.transport import run  # FastAPI, uvicorn and torch: once the options are good
 
     configure_logging(log_level)  # the service logs JSON lines, its demo warning included
-    encoder = open_encoder(model, dtype, projector_dtype, output_dtype, batch_invariant, alpha=alpha, device=device,
-                           max_batch_patches=max_batch_patches)
+    encoder = load_encoder(spec)
     run(encoder, settings, host=host, port=port, log_level=log_level)
 
 

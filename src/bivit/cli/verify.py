@@ -12,8 +12,8 @@ from ..dtypes import dtype_name
 from ..errors import BivitError
 from ..names import shown
 from ..options import whole
-from .common import (DTYPE_CHOICES, FAILURE, DeviceOpt, ModelOpt, OutDtypeOpt, ProjDtypeOpt, check_options, command,
-                     need_extra, open_encoder, plural, writable)
+from .common import (DTYPE_CHOICES, FAILURE, DeviceOpt, ModelOpt, OutDtypeOpt, ProjDtypeOpt, command, encoder_spec,
+                     need_extra, plural, writable)
 
 # Why float32: stock float32 GEMMs (MKL/oneDNN, AVX2 or AVX-512; float32 never runs on AMX tiles, so AMX Xeons
 # behave like AVX-512 CPUs here) compute a single row (a 1-token item alone: M = 1) with another kernel and
@@ -45,9 +45,9 @@ def verify(
 
     Encodes each item alone and inside random batch layouts, in invariant and default mode, and prints per item
     "bit-identical" or the max difference; exit 1 unless invariant mode is bit-stable."""
-    from .. import items, verify as v  # torch and the model: loaded once the options are good
+    from .. import encoder, items, verify as v  # torch and the model: loaded once the options are good
 
-    check_options(model, dtype, projector_dtype, output_dtype, device=device)  # before --plot's folder is made
+    spec = encoder_spec(model, dtype, projector_dtype, output_dtype, device=device)  # before --plot's folder is made
     whole(layouts, "--layouts", 1, 10_000)
     whole(seed, "--seed", 0, 2**32 - 1)
     if plot is not None:
@@ -72,7 +72,7 @@ def verify(
             skip(e)
     if files and not good:
         none_left()
-    encoders = [open_encoder(model, dtype, projector_dtype, output_dtype, inv, device=device) for inv in (True, False)]
+    encoders = [encoder.load_encoder(spec, batch_invariant=inv) for inv in (True, False)]
     if files:
         batch = v.items_of(encoders[0], [str(f) for f in good], skip=skip)  # a file that fails to decode
         if batch is None:

@@ -19,11 +19,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..records import Record
-from .format import ERRORS, HEADER, MANIFEST, ErrorRecord
+from .format import ERRORS, HEADER, MANIFEST
 from .reader import EncodedDataset, open_dataset
 
-__all__ = ["ERRORS", "HEADER", "MANIFEST", "EncodedDataset", "ErrorRecord", "Record", "encode_dataset", "open_dataset"]
+# Its records are `bivit.Record`s (`bivit.records`), as every file bivit writes holds.
+__all__ = ["ERRORS", "HEADER", "MANIFEST", "EncodedDataset", "encode_dataset", "open_dataset"]
 
 
 def __getattr__(name: str) -> Any:

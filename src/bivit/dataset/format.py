@@ -107,9 +107,6 @@ def error_record(obj: Any, where: str = ERRORS, checked: bool = False) -> record
     return rec
 
 
-ErrorRecord = records.Record  # a failed input's record: its name before errors were records like the others
-
-
 def encoder_of(header: dict) -> dict:
     """The encoder's description (`Encoder.describe()`'s keys) in a folder's header, as records carry it."""
     folder_only = {"format", "format_version", "bivit_version", "model", "model_name", "is_demo", "created"}

@@ -19,13 +19,12 @@ from typing import Any, Optional
 
 from tqdm import tqdm
 
-from .. import records
-from ..dtypes import canonical_name
 from ..encoder import load_encoder
-from ..errors import BivitError, ErrorKind
-from ..encoder_cache import EncoderCacheError, Sink
-from ..items import ItemResult
+from ..encoder_cache import Sink
+from ..errors import BivitError, ConfigError
 from ..options import BYTE_IN_MIB, size_mb, whole
+from ..records import Record
+from ..spec import EncoderSpec
 from .format import DEFAULT_SHARD_MB
 from .local import run_local
 from .sources import list_sources, plan
@@ -61,54 +60,54 @@ def check_job(engine: str = "local", device: str = "cpu", workers: int = 1, cpus
     size_mb(shard_mb, "--shard-mb", BYTE_IN_MIB)  # a tiny one: one item per shard
 
 
-def encode_dataset(src: str | os.PathLike, out: str | os.PathLike, *, model: Optional[str] = None,
-                   dtype: str = "bfloat16", projector_dtype: Optional[str] = None,
-                   output_dtype: Optional[str] = None, device: str = "cpu", engine: str = "local",
-                   ray_address: Optional[str] = None, workers: int = 1, cpus_per_worker: int = 1,
-                   max_batch_patches: Optional[int] = None,
-                   shard_mb: float = DEFAULT_SHARD_MB, flush_seconds: float = DEFAULT_FLUSH_SECONDS,
-                   progress: bool = True, alpha: str = "model",
-                   ec_dir: Optional[str | os.PathLike] = None, follow_symlinks: bool = False) -> Summary:
+def encode_dataset(src: str | os.PathLike, out: str | os.PathLike, spec: Optional[EncoderSpec] = None, *,
+                   engine: str = "local", ray_address: Optional[str] = None, workers: int = 1,
+                   cpus_per_worker: int = 1, shard_mb: float = DEFAULT_SHARD_MB,
+                   flush_seconds: float = DEFAULT_FLUSH_SECONDS, progress: bool = True,
+                   ec_dir: Optional[str | os.PathLike] = None, follow_symlinks: bool = False,
+                   **options: Any) -> Summary:
     """Encode every image/video named by `src` into `out` (see `bivit.dataset`). Returns the summary.
 
-    `max_batch_patches`: patches per forward pass (`bivit.packing`: a memory bound, results do not depend on
-    it). `device`: where the local engine's model runs (the Ray engine's workers encode on CPU). `ec_dir`: also
+    The encoder: `spec` (`bivit.EncoderSpec`; invariant mode), or its fields as keywords (`model`, `dtype`,
+    `projector_dtype`, `output_dtype`, `device`, `alpha`, `max_batch_patches`, ...), as `load_encoder` takes
+    them; refused naming the command's flags (`--dtype`). `max_batch_patches`: patches per forward pass
+    (`bivit.packing`: a memory bound, results do not depend on it). `device`: where the local engine's model
+    runs (the Ray engine's workers encode on CPU). `ec_dir`: also
     write each input this run encodes to vLLM's encoder cache there (`bivit.encoder_cache`), as it is encoded;
     one whose files cannot be written keeps its embedding and is listed in `Summary.ec_failed`.
     `follow_symlinks`: read the files that symbolic links in a `src` folder point to outside it (by default
     such a link is a failed input: `bivit.dataset.sources.list_sources`).
     """
     t0 = time.monotonic()
-    check_job(engine, device, workers, cpus_per_worker, shard_mb)
-    opts = dict(dtype=canonical_name(dtype, "--dtype"),
-                projector_dtype=canonical_name(projector_dtype, "--projector-dtype"),
-                output_dtype=canonical_name(output_dtype, "--output-dtype"), alpha=alpha,
-                max_batch_patches=max_batch_patches)
+    spec = EncoderSpec.of(spec, **options)
+    check_job(engine, spec.device, workers, cpus_per_worker, shard_mb)
+    if not spec.batch_invariant:  # shards of one folder must hold the same rows for the same bytes, always
+        raise ConfigError("a dataset is encoded in invariant mode: batch_invariant=False is not an option here")
+    spec = spec.checked(flags=True)
     out = Path(out)
     sources = list_sources(src, exclude=out, follow_symlinks=follow_symlinks)
 
     # The driver always loads the model: its fingerprint goes into (or is checked against) the header, and each
     # Ray worker checks that it loaded the same thing.
-    encoder = load_encoder(model, batch_invariant=True, device=device, **opts)
+    encoder = load_encoder(spec)
     summary = Summary(engine=engine, workers=workers)
-    with DatasetWriter(out, header_for(encoder, model), shard_mb=shard_mb, flush_seconds=flush_seconds) as writer:
+    with DatasetWriter(out, header_for(encoder), shard_mb=shard_mb, flush_seconds=flush_seconds) as writer:
         p = plan(sources, writer)
         summary.skipped, summary.deduplicated, summary.failed = p.skipped, p.deduplicated, p.failed
         bar = _progress(len(p.work), progress)
         works = {w.sha256: w for w in p.work}
         ec = None if ec_dir is None else Sink(ec_dir, writer.header["fingerprint"])
 
-        def sink(r: ItemResult) -> None:
+        def sink(r: Record) -> None:  # each item's record, as the engine made it (`pipeline.record_of`)
             w = works.pop(r.sha256, None)
             if w is None:  # a result delivered twice (a retried Ray task): already handled
                 return
-            if r.error is None and ec is not None:
-                try:
-                    ec.put(records.Record.of_result(r))
-                except EncoderCacheError as e:  # the embedding is kept (committed below); the run says so
-                    summary.ec_failed.append(f"{r.source}: {e}")
+            if ec is not None:
+                failed = ec.feed(r).get("ec_error")
+                if failed is not None:  # the embedding is kept (committed below); the run says so
+                    summary.ec_failed.append(f"{r.source}: {failed}")
             if r.error is not None:
-                writer.add_error(w.sources, records.error_text(r.error, r.source), r.sha256, ErrorKind.of(r.error))
+                writer.add_error(w.sources, r.error, r.sha256, r.error_kind)
                 summary.failed += len(w.sources)
                 summary.deduplicated -= len(w.sources) - 1  # nothing was stored for them to share
             else:
@@ -128,7 +127,7 @@ def encode_dataset(src: str | os.PathLike, out: str | os.PathLike, *, model: Opt
                     raise BivitError(f"--engine ray needs Ray Data ({e.name or e} is missing): "
                                      "pip install 'bivit[ray]'") from None
 
-                run_ray(p.work, sink, model=model, opts=opts, fingerprint=writer.header["fingerprint"],
+                run_ray(p.work, sink, spec=spec, fingerprint=writer.header["fingerprint"],
                         bits=writer.header.get("bits"), address=ray_address, workers=workers,
                         cpus_per_worker=cpus_per_worker, processing=processing)
         except BaseException:

@@ -7,17 +7,18 @@ import queue
 import threading
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
-from ..items import ItemResult, Prepared
-from .pipeline import Work, prepare
+from ..items import Prepared
+from ..records import Record
+from .pipeline import Work, prepare, record_of
 
 
-def run_local(encoder: Any, work: Sequence[Work], sink: Callable[[ItemResult], None]) -> None:
+def run_local(encoder: Any, work: Sequence[Work], sink: Callable[[Record], None]) -> None:
     """In-process: one thread prepares ahead (about two passes of pixels) while this one encodes (PIL and torch
-    both release the GIL); results go to `sink` in order."""
+    both release the GIL); each result's record (`record_of`) goes to `sink`, in order."""
     prepared = (prepare(w.sha256, w.kind, w.path, w.sources[0].source, encoder.processing, encoder.alpha)
                 for w in work)
     for result in encoder.encode_stream(_prefetch(prepared, 2 * encoder.max_batch_patches)):
-        sink(result)
+        sink(record_of(result))
 
 
 def _prefetch(items: Iterable[Prepared], max_patches: int) -> Iterator[Prepared]:

@@ -1,6 +1,6 @@
 """The per-item stages of encode-dataset, the same for both engines: what an item is (`Source`, `Work`), reading
-it with its planned hash checked (`prepare`), encoding prepared items (`encode_prepared`), and the reason a
-failed item is recorded with (`reason`). Both stages are the core's (`bivit.items`, `Encoder.encode_stream`);
+it with its planned hash checked (`prepare`), encoding prepared items (`encode_prepared`), and the one conversion
+of an encoded item into what the job commits (`record_of`). Both stages are the core's (`bivit.items`, `Encoder.encode_stream`);
 this module adds only the dataset's policies: the bytes decoded are the bytes planned, and nothing an input
 does stops the job.
 
@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from .. import records
 from ..errors import BivitError
 from ..fileio import read_regular, sha256_file
 from ..items import ItemResult, Prepared, prepare as prepare_input
@@ -84,7 +85,15 @@ def prepare(sha: str, kind: str, path: Path, name: str, processing: Any = None, 
     return Prepared(name, kind, sha, error=error)
 
 
-def encode_prepared(encoder: Any, items: Sequence[Prepared]) -> list[ItemResult]:
+def encode_prepared(encoder: Any, items: Sequence[Prepared]) -> list[records.Record]:
     """Encode prepared items (any number, zero included) in passes of the encoder's `max_batch_patches`;
-    failures are per item."""
-    return list(encoder.encode_stream(items))
+    failures are per item. -> their records (`record_of`)."""
+    return [record_of(r) for r in encoder.encode_stream(items)]
+
+
+def record_of(result: ItemResult) -> records.Record:
+    """The job's one conversion of an encoded item, where it is encoded (in process, or in a Ray actor): its
+    record, embedding in memory and filed under its content hash (its tensor's key in a shard), `shard` to be
+    set by the writer; a failed item's reason and kind as errors.jsonl keeps them. The writer, --ec-dir and the
+    Ray rows take this record."""
+    return records.Record.of_result(result, tensor=result.sha256, shard="")

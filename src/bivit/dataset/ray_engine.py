@@ -9,13 +9,17 @@ crash-safety rules of `bivit.dataset.writer` hold unchanged). Imports only the p
 
 Every row crosses process boundaries on its own, as its record (`bivit.records.Record` JSON: the one shape of an
 item outside memory) and raw bytes plus their stated dtype and shape, under one fixed Arrow schema, also for an
-empty batch. Nothing concatenates results across workers, so an idle worker (no
+empty batch: Ray Data's rows are Arrow values, not Python objects. Going in, a prepared item is its record and its
+pixels, made a `Prepared` again in the actor (the core encodes those); coming out, the actor converts each result
+once (`bivit.dataset.pipeline.record_of`) and the driver reads that record back with its embedding, which is
+what the writer and --ec-dir take. The encoder crosses as its `EncoderSpec` (a dataclass: it pickles). Nothing concatenates results across workers, so an idle worker (no
 items) contributes zero rows and cannot inject a tensor of another dtype (the vLLM data-parallel bug).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -34,8 +38,9 @@ from ..allocator import tune
 from ..dtypes import dtype_name, parse_dtype
 from ..encoder import load_encoder
 from ..errors import BivitError
-from ..items import ItemResult, Prepared
+from ..items import Prepared
 from ..media import MediaBatch
+from ..spec import EncoderSpec
 from .pipeline import Work, encode_prepared, prepare
 
 # Rows entering the encoders: one per distinct file (a `bivit.items.Prepared`: its record, and its pixels).
@@ -44,7 +49,7 @@ PREPARED_SCHEMA = pa.schema([
     ("pixels", pa.large_binary()),  # float32 [L, 3, p, p], C order
     ("patch", pa.int64()),  # p
 ])
-# Rows leaving the encoders (a `bivit.items.ItemResult`: its record, and its embedding).
+# Rows leaving the encoders (a `bivit.records.Record`: its JSON, and its embedding).
 ENCODED_SCHEMA = pa.schema([
     ("record", pa.string()),
     ("data", pa.large_binary()),  # the embedding's raw bytes
@@ -65,14 +70,14 @@ def prepare_rows(table: pa.Table, processing: Any = None, alpha: str = "model") 
     for row in table.to_pylist():
         p = prepare(row["sha256"], row["kind"], Path(os.fsdecode(row["path"])), row["name"], processing, alpha)
         pixels = None if p.batch is None else p.batch.pixel_values.contiguous()
-        out["record"].append(_record_json(p))
+        out["record"].append(_record_json(records.Record.of_result(p)))
         out["pixels"].append(None if pixels is None else pixels.numpy().tobytes())
         out["patch"].append(None if pixels is None else int(pixels.shape[-1]))
     return pa.table(out, schema=PREPARED_SCHEMA)
 
 
-def _record_json(item: Prepared | ItemResult) -> str:
-    return json.dumps(records.Record.of_result(item).to_json(), separators=(",", ":"), ensure_ascii=False)
+def _record_json(record: records.Record) -> str:
+    return json.dumps(record.to_json(), separators=(",", ":"), ensure_ascii=False)
 
 
 def _unpack_prepared(row: dict) -> Prepared:
@@ -87,13 +92,13 @@ def _unpack_prepared(row: dict) -> Prepared:
 class EncodeActor:
     """Ray actor: loads the encoder once, then encodes whatever batch it is given (zero rows included)."""
 
-    def __init__(self, model: Optional[str], opts: dict, fingerprint: str, bits: Optional[str], threads: int):
+    def __init__(self, spec: EncoderSpec, fingerprint: str, bits: Optional[str], threads: int):
         # The driver loaded the same model first and said its notices (demo model, a fast path off) once; each
         # actor saying them again would only repeat them, prefixed by Ray, on the driver's terminal.
         logging.getLogger("bivit").setLevel(logging.ERROR)
         torch.set_num_threads(threads)
         tune()  # an actor process is bivit's own (see bivit.allocator)
-        self.encoder = load_encoder(model, batch_invariant=True, **opts)
+        self.encoder = load_encoder(spec)
         if bits is not None and self.encoder.bits != bits:
             # Another CPU kind or install whose kernels do not compute the driver's arithmetic (bivit.ops.bits):
             # its rows would not be the rows the dataset's other shards hold for the same inputs.
@@ -102,7 +107,7 @@ class EncodeActor:
                              "(bivit-arith/1 wherever a C compiler is found and BIVIT_ARITH is unset)")
         if self.encoder.fingerprint != fingerprint:
             # Another node with other weights (or another torch/bivit build that loads them differently).
-            raise BivitError(f"worker on {os.uname().nodename} loaded model {model or 'demo'} with fingerprint "
+            raise BivitError(f"worker on {os.uname().nodename} loaded model {spec.model or 'demo'} with fingerprint "
                              f"{self.encoder.fingerprint[:16]}, the driver has {fingerprint[:16]}")
 
     def __call__(self, table: pa.Table) -> pa.Table:
@@ -110,8 +115,8 @@ class EncodeActor:
         return encoded_table(encode_prepared(self.encoder, items))
 
 
-def encoded_table(results: Sequence[ItemResult]) -> pa.Table:
-    """Results as rows of ENCODED_SCHEMA; an empty list gives an empty table of the same schema."""
+def encoded_table(results: Sequence[records.Record]) -> pa.Table:
+    """Results' records as rows of ENCODED_SCHEMA; an empty list gives an empty table of the same schema."""
     out = {name: [] for name in ENCODED_SCHEMA.names}
     for r in results:
         t = None if r.embedding is None else r.embedding.contiguous()
@@ -123,13 +128,14 @@ def encoded_table(results: Sequence[ItemResult]) -> pa.Table:
     return pa.table(out, schema=ENCODED_SCHEMA)
 
 
-def decode_encoded(row: dict) -> ItemResult:
-    r = records.Record.from_json(json.loads(row["record"])).to_item(ItemResult)
+def decode_encoded(row: dict) -> records.Record:
+    """A row of ENCODED_SCHEMA -> the record the actor made, its embedding in memory."""
+    r = records.Record.from_json(json.loads(row["record"]))
     if r.error is None:
         dtype = parse_dtype(row["dtype"], "dtype")
         raw = (torch.frombuffer(bytearray(row["data"]), dtype=torch.uint8) if row["data"]
                else torch.zeros(0, dtype=torch.uint8))
-        r.embedding = raw.view(dtype).reshape(row["rows"], row["cols"])
+        r = dataclasses.replace(r, _embedding=raw.view(dtype).reshape(row["rows"], row["cols"]))
     return r
 
 
@@ -162,15 +168,17 @@ def _ray_session(address: Optional[str], cpus_needed: int) -> Iterator[Any]:
         ray.shutdown()
 
 
-def run_ray(work: Sequence[Work], sink: Callable[[ItemResult], None], *, model: Optional[str], opts: dict,
+def run_ray(work: Sequence[Work], sink: Callable[[records.Record], None], *, spec: EncoderSpec,
             fingerprint: str, address: Optional[str], workers: int, cpus_per_worker: int,
             processing: Any = None, bits: Optional[str] = None) -> None:
-    """Encode `work` on a Ray actor pool and hand every result to `sink` (called in this thread only)."""
+    """Encode `work` on a Ray actor pool, each actor loading the encoder of `spec`, and hand every result's
+    record to `sink` (called in this thread only)."""
     if not work:
         return
-    if model is not None and Path(model).exists():
-        model = str(Path(model).resolve())  # workers do not share the driver's working directory (a hub repo
-        # id stays as it is: each worker resolves it from its own Hugging Face cache)
+    if spec.model is not None and Path(spec.model).exists():
+        # workers do not share the driver's working directory (a hub repo id stays as it is: each worker
+        # resolves it from its own Hugging Face cache)
+        spec = dataclasses.replace(spec, model=str(Path(spec.model).resolve()))
     with _ray_session(address, workers * cpus_per_worker + 1), warnings.catch_warnings():
         # Ray's warnings stay out of the output (docs/dataset.md), e.g. that an actor pool larger than the blocks
         # it gets will not use all its actors: advice about Ray's own tuning that bivit's user cannot act on.
@@ -186,14 +194,13 @@ def run_ray(work: Sequence[Work], sink: Callable[[ItemResult], None], *, model: 
                   "name": w.sources[0].source} for w in work]
         try:
             ds = ray.data.from_items(items, override_num_blocks=max(1, min(len(items), 4 * workers, 256)))
-            ds = ds.map_batches(prepare_rows, fn_kwargs=dict(processing=processing, alpha=opts.get("alpha", "model")),
+            ds = ds.map_batches(prepare_rows, fn_kwargs=dict(processing=processing, alpha=spec.alpha),
                                 batch_format="pyarrow", batch_size=ROWS_PER_ACTOR_BATCH, num_cpus=1)
             with warnings.catch_warnings():  # max_restarts has no named parameter (yet): Ray warns of the kwargs
                 warnings.filterwarnings("ignore", message="`ray_remote_args` is deprecated")
                 ds = ds.map_batches(
                     EncodeActor,
-                    fn_constructor_kwargs=dict(model=model, opts=opts, fingerprint=fingerprint, bits=bits,
-                                               threads=cpus_per_worker),
+                    fn_constructor_kwargs=dict(spec=spec, fingerprint=fingerprint, bits=bits, threads=cpus_per_worker),
                     compute=ray.data.ActorPoolStrategy(size=workers),
                     batch_format="pyarrow", batch_size=ROWS_PER_ACTOR_BATCH, num_cpus=cpus_per_worker,
                     **({} if address else _NO_RESTARTS),

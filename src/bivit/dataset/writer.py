@@ -53,11 +53,13 @@ def _own_temp(name: str) -> bool:
     return target is not None and (target in (HEADER, MANIFEST, ERRORS) or SHARD_RE.fullmatch(target) is not None)
 
 
-def header_for(encoder: Any, model: Optional[str]) -> dict:
-    """What a dataset folder records about the encoder that wrote it (`Encoder.describe`, under this format's key
-    names); a later run must match the checked keys."""
+def header_for(encoder: Any) -> dict:
+    """What a dataset folder records about the encoder that wrote it: the model as its spec names it
+    (`Encoder.spec`) and what computes (`Encoder.describe`, under this format's key names); a later run must match
+    the checked keys."""
     about = encoder.describe()
-    return {"format": FORMAT, "format_version": FORMAT_VERSION, "bivit_version": __version__, "model": model,
+    return {"format": FORMAT, "format_version": FORMAT_VERSION, "bivit_version": __version__,
+            "model": encoder.spec.model,
             "model_name": about.pop("model"), "is_demo": about.pop("demo"), **about,
             "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
 
@@ -239,10 +241,10 @@ class DatasetWriter:
         for s in sources:
             self.by_source.pop(s.source, None)
 
-    def add(self, result: Any, sources: Sequence[Source], stats: Sequence[Optional[os.stat_result]]) -> None:
-        """One encoded input (`bivit.items.ItemResult`) and every source with its bytes; commits a shard when
-        one is full."""
-        sha, tensor = result.sha256, result.embedding
+    def add(self, rec: records.Record, sources: Sequence[Source], stats: Sequence[Optional[os.stat_result]]) -> None:
+        """One encoded input (its record, `bivit.dataset.pipeline.record_of`: embedding in memory) and every
+        source with its bytes; commits a shard when one is full."""
+        sha, tensor = rec.sha256, rec.embedding
         stored = self.by_hash.get(sha)
         if stored is not None:  # bytes already durable: the sources only need lines pointing there
             self.add_lines([source_line(stored, s, st) for s, st in zip(sources, stats)])
@@ -252,7 +254,6 @@ class DatasetWriter:
             # Guard against a worker returning something else (the vLLM idle-rank dtype bug, a mismatched model).
             raise BivitError(f"encoder returned {tuple(tensor.shape)} {tensor.dtype} for {sources[0].source}; "
                              f"expected [tokens, {width}] {expected}")
-        rec = records.Record.of_result(result, tensor=sha, shard="")
         lines = [source_line(rec, s, st) for s, st in zip(sources, stats)]
         if sha in self._pending:
             self._pending[sha][1].extend(lines)

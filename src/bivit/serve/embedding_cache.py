@@ -6,11 +6,11 @@ import collections
 import threading
 from typing import Optional
 
-from ..items import ItemResult
+from ..records import Record
 
 
 class EmbeddingCache:
-    """Exact LRU cache of embeddings, bounded by bytes.
+    """Exact LRU cache of embeddings (each item's record, its embedding in memory), bounded by bytes.
 
     Keyed by (encoder fingerprint, item kind, sha256 of the item bytes). Serving a hit is exact only because the
     encoder is batch invariant: the cached bits are the bits any batch would produce for those bytes.
@@ -18,19 +18,19 @@ class EmbeddingCache:
 
     def __init__(self, max_bytes: int):
         self.max_bytes = max(0, int(max_bytes))
-        self._data: collections.OrderedDict[tuple, ItemResult] = collections.OrderedDict()
+        self._data: collections.OrderedDict[tuple, Record] = collections.OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
 
     @staticmethod
-    def _size(r: ItemResult) -> int:
+    def _size(r: Record) -> int:
         return (r.embedding.numel() * r.embedding.element_size() if r.embedding is not None else 0) + 256
 
     @property
     def nbytes(self) -> int:
         return self._bytes
 
-    def get(self, key: tuple) -> Optional[ItemResult]:
+    def get(self, key: tuple) -> Optional[Record]:
         with self._lock:
             r = self._data.get(key)
             if r is not None:
@@ -42,7 +42,7 @@ class EmbeddingCache:
             self._data.clear()
             self._bytes = 0
 
-    def put(self, key: tuple, r: ItemResult) -> None:
+    def put(self, key: tuple, r: Record) -> None:
         size = self._size(r)
         if size > self.max_bytes:
             return

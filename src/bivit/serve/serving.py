@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import hashlib
 import time
 from typing import Callable, Optional
@@ -30,7 +31,7 @@ from typing import Callable, Optional
 from .. import records
 from ..container import DecodeBudget
 from ..encoder import Encoder
-from ..encoder_cache import EncoderCacheError, Sink
+from ..encoder_cache import Sink
 from ..errors import BadItem, BivitError, EncodeFailed, ErrorKind
 from ..items import ItemResult, Prepared, assemble
 from .admission import JSON_BYTES_PER_VALUE, Admission, Budget, Cost
@@ -121,18 +122,16 @@ class Service:
             outs = [EncodeFailed(f"encoding failed ({type(e).__name__}: {e})")]
         return assemble(prepared, outs)
 
-    async def _with_encoder_cache(self, result: ItemResult, owner: object) -> tuple[ItemResult, dict]:
+    async def _with_encoder_cache(self, result: records.Record, owner: object) -> tuple[records.Record, dict]:
         """`result` and its record's own keys: with --ec-dir its rows written there (only files missing: so
         also on a cache hit, whose files may have been deleted since) and their ids, or `ec_error` (the item
         keeps its embedding)."""
         if self.ec is None or result.error is not None:
             return result, {}
-        try:
-            return result, {"ec_ids": await asyncio.wrap_future(self.admission.pool.submit(
-                owner, self.ec.put, records.Record.of_result(result)))}
-        except EncoderCacheError as e:
-            log.error("encoder cache not written", extra={"fields": {"item": result.source, "reason": str(e)}})
-            return result, {"ec_error": str(e)}
+        keys = await asyncio.wrap_future(self.admission.pool.submit(owner, self.ec.feed, result))
+        if "ec_error" in keys:
+            log.error("encoder cache not written", extra={"fields": {"item": result.source, "reason": keys["ec_error"]}})
+        return result, keys
 
     async def encode_request(self, items: list[UploadItem], json_response: bool = False
                              ) -> tuple[list[records.Record], dict, Callable[[], None]]:
@@ -158,14 +157,14 @@ class Service:
         if len(items) > self.settings.max_queue:
             raise too_many_items(len(items), self.settings.max_queue)
         budget.take_records([it.name for it in items])
-        results: list[Optional[tuple[ItemResult, dict]]] = [None] * len(items)
+        results: list[Optional[tuple[records.Record, dict]]] = [None] * len(items)
         todo: list[tuple[int, tuple]] = []
         fp = self.fingerprint
         loop = asyncio.get_running_loop()
         keys = await loop.run_in_executor(None, self._keys, items, fp)
         for i, (it, key) in enumerate(zip(items, keys)):
             if key is None:
-                results[i] = ItemResult(it.name, it.kind, error=BadItem(it.error)), {}
+                results[i] = records.Record.of_error(it.name, it.kind, BadItem(it.error)), {}
                 continue
             hit = self.cache.get(key) if self.cache.max_bytes else None
             if hit is not None:
@@ -201,7 +200,9 @@ class Service:
                         fresh = await _gathered(tasks, max(0.0, deadline - time.monotonic()))
                         if time.monotonic() > deadline and any(r.error is not None for r in fresh):
                             raise asyncio.TimeoutError  # items stopped at the deadline decoding shares: a timeout
-                        fresh = [await self._with_encoder_cache(r, budget) for r in fresh]
+                        # The one conversion of an item in the service: its record (no embedding hashed here, on
+                        # the event loop), which the cache, --ec-dir and the answer (`_record`) take.
+                        fresh = [await self._with_encoder_cache(records.Record.of_result(r), budget) for r in fresh]
                     except asyncio.TimeoutError:
                         raise ErrorKind.TIMEOUT.error(f"request not answered within --request-timeout-s "
                                                       f"{self.settings.request_timeout_s:g}") from None
@@ -230,10 +231,12 @@ async def _gathered(tasks: list, seconds: float) -> list:
         return await asyncio.gather(*tasks)
 
 
-def _record(i: int, name: str, result: ItemResult, extra: dict) -> records.Record:
+def _record(i: int, name: str, result: records.Record, extra: dict) -> records.Record:
     """Input `i`'s record in the answer (its tensor "i"), its embedding in memory, under its upload's `name`
-    (copies of one item and cache hits share a result computed under another name); a failed item's reason
+    (copies of one item and cache hits share a record made under another name); a failed item's reason
     names it."""
-    return records.Record.of_result(result, None if result.error else str(i), source=name, named=True,
-                                    cached=extra.get("cached", False) and result.error is None,
-                                    **{k: v for k, v in extra.items() if k != "cached"})
+    own = {"cached": extra.get("cached", False) and result.error is None,
+           **{k: v for k, v in extra.items() if k != "cached"}}
+    if result.error is not None:
+        return dataclasses.replace(result, source=name, error=f"{name}: {result.error}", extra=own)
+    return dataclasses.replace(result, source=name, tensor=str(i), tensor_sha256=result.embedding_sha256, extra=own)
