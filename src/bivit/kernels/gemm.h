@@ -120,6 +120,16 @@ struct gemm_kernel {
     double (*peak)(int64_t steps);
 };
 
+/* The empty asm statements that keep a peak loop from being folded: the operand in a vector register, or, under
+ * an emulation of the instruction set (tests/support/emu: its vector types are structs), in memory. */
+#ifdef SIMDE_VERSION_MAJOR
+#define PEAK_OPAQUE(v) __asm__ volatile("" : "+m"(v))
+#define PEAK_KEEP(v) __asm__ volatile("" : : "m"(v))
+#else
+#define PEAK_OPAQUE(v) __asm__ volatile("" : "+v"(v))
+#define PEAK_KEEP(v) __asm__ volatile("" : : "v"(v))
+#endif
+
 /* `static double NAME(int64_t steps)`: `steps` rounds of ACC independent multiply-adds OP(acc[i], a) with vector
  * accumulators of type V (from ZERO) and an operand `a` of type A (from INIT), touching no memory: the rate no
  * GEMM built on that instruction can pass on this core (`bivit bench` prints its cases against it). The empty
@@ -131,9 +141,9 @@ struct gemm_kernel {
         A a = (INIT);                                                                                            \
         for (int64_t s = 0; s < steps; s++) {                                                                    \
             _Pragma("GCC unroll 32") for (int i = 0; i < (ACC); i++) acc[i] = OP(acc[i], a);                     \
-            __asm__ volatile("" : "+v"(a));                                                                      \
+            PEAK_OPAQUE(a);                                                                                      \
         }                                                                                                        \
-        for (int i = 0; i < (ACC); i++) __asm__ volatile("" : : "v"(acc[i]));                                   \
+        for (int i = 0; i < (ACC); i++) PEAK_KEEP(acc[i]);                                                       \
         return (double)steps * (ACC) * (FLOPS);                                                                  \
     }
 
