@@ -1,4 +1,4 @@
-"""What glibc's malloc thresholds (`bivit.allocator`) are worth: the same mode with and without them.
+"""What glibc's malloc thresholds (`bivit.base.allocator`) are worth: the same mode with and without them.
 
     python benchmarks/allocator.py                         # full-size K2.6, bf16, invariant, the bench's mix
     python benchmarks/allocator.py --dtype float32 --mode default --repeats 5

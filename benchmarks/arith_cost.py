@@ -34,7 +34,7 @@ kind, ckpt, dtype, cases_path = sys.argv[1:5]
 cases = torch.load(cases_path)
 if kind == "hf":
     from bivit.bench.workers import load_runner
-    from bivit.media import MediaBatch
+    from bivit.media.pixels import MediaBatch
     runner = load_runner("hf-sdpa", ckpt, dtype)
     run = lambda c: runner(MediaBatch(c["pixels"], c["grid"], None, ["x"] * len(c["grid"])))
 else:

@@ -274,8 +274,8 @@ def case_ec() -> None:
     import torch
     from safetensors.torch import load_file, save_file
 
-    from bivit import records
-    from bivit.encoder_cache import EC_FILE, EC_KEY, ec_id
+    from bivit.core import records
+    from bivit.core.encoder_cache import EC_FILE, EC_KEY, ec_id
 
     ec = Path(tempfile.mkdtemp(prefix="round5-ec-"))
     m = Measured(["--ec-dir", str(ec)])

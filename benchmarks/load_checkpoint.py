@@ -51,8 +51,8 @@ def main() -> None:
     if not (args.dir / "model.safetensors.index.json").exists():
         import torch
 
-        from bivit.checkpoint import random_state_dict, save_checkpoint
-        from bivit.config import PRESETS
+        from bivit.checkpoint.state_dict import random_state_dict, save_checkpoint
+        from bivit.checkpoint.config import PRESETS
 
         cfg = PRESETS["kimi-k2.6"]
         tower = {k: v for k, v in random_state_dict(cfg).items()}

@@ -27,9 +27,9 @@ from pathlib import Path
 from torch.profiler import ProfilerActivity, profile
 
 from bivit import bench
+from bivit.checkpoint.config import PRESETS
+from bivit.core.encoder import load_encoder
 from bivit.errors import BivitError
-from bivit.config import PRESETS
-from bivit.encoder import load_encoder
 
 MODES = ("invariant", "default")
 # PyTorch's fused attention, and bivit's compiled one (a profiler range around the kernel calls)

@@ -13,7 +13,7 @@ import time
 import torch
 
 from bivit import bench, ops
-from bivit.config import PRESETS
+from bivit.checkpoint.config import PRESETS
 from bivit.model import VisionModel
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from bivit import bench
-from bivit.config import PRESETS
+from bivit.checkpoint.config import PRESETS
 from bivit.errors import BivitError
 
 POINTS = (256, 1024, 2304, 4096, 9216, 16384)

@@ -23,8 +23,8 @@ import tempfile
 from pathlib import Path
 
 from bivit import bench
+from bivit.checkpoint.config import PRESETS
 from bivit.errors import BivitError
-from bivit.config import PRESETS
 
 IMPL_DEFAULT = ("bivit-invariant", "hf-sdpa")
 

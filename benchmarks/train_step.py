@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from bivit import bench
-from bivit.config import PRESETS
+from bivit.checkpoint.config import PRESETS
 
 IMPLS = ("bivit-invariant", "bivit-default", "hf-sdpa")
 

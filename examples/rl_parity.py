@@ -27,8 +27,8 @@ import torch.nn as nn
 from safetensors.torch import save as safetensors_bytes
 
 import bivit
-from bivit.client import parse_response
-from bivit.media import MediaBatch, preprocess_images
+from bivit.media.pixels import MediaBatch, preprocess_images
+from bivit.serve.client import parse_response
 
 RESPONSE_TOKENS = 8
 

@@ -38,11 +38,11 @@ with bivit.load_embeddings(sys.argv[1]) as f:
 PY
 echo "first bivit encode of the sample on the fresh install: $(( (end - start) / 1000000 )) ms (wall, process start to exit)"
 # The golden images written as PNG files and encoded by the command itself: each file's rows against the committed
-# hashes (bivit/golden.json; the golden video is decoded frames, not a file: doctor --prove checks it below).
+# hashes (bivit/diagnose/golden.json; the golden video is decoded frames, not a file: doctor --prove checks it below).
 mkdir -p "$work/golden"
 run python - "$work/golden" <<'PY'
 import sys
-from bivit import golden
+from bivit.diagnose import golden
 for name, x in golden.inputs().items():
     if name.startswith("image"):
         x.save(f"{sys.argv[1]}/{name.split()[1]}.png")
@@ -52,7 +52,7 @@ for dtype in bfloat16 float32; do
     run python - "$work/out/golden-$dtype.safetensors" "$dtype" <<'PY'
 import sys
 import bivit
-from bivit import golden
+from bivit.diagnose import golden
 want = golden.committed()["bivit-arith/1"]["demo"][sys.argv[2]]
 with bivit.load_embeddings(sys.argv[1]) as f:
     got = {f"image {r.source.rsplit('/', 1)[-1][:-4]}": golden.digest(r.embedding) for r in f}

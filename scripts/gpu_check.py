@@ -97,7 +97,7 @@ def install_missing(wheels: Path) -> list[dict]:
 def preflight(ctx) -> dict:
     import torch
 
-    from bivit import gpu
+    from bivit.kernels.cuda import gpu_extra, triton_mismatch, triton_version
 
     lines = ctx.installed[:]
 
@@ -133,9 +133,9 @@ def preflight(ctx) -> dict:
     header = Path(sysconfig.get_paths()["include"]) / "Python.h"
     need("Python.h (Triton's launcher)", header.exists(), header)
     torch_pin = [r for r in (importlib.metadata.requires("torch") or []) if r.startswith("triton")]
-    unlisted = gpu.triton_mismatch()
+    unlisted = triton_mismatch()
     need("torch and triton", unlisted is None, f"torch {torch.__version__} (pins {torch_pin or 'no triton'}), "
-         f"triton {gpu.triton_version()}, gpu extra {gpu.gpu_extra()}" + (f": {unlisted}" if unlisted else ""))
+         f"triton {triton_version()}, gpu extra {gpu_extra()}" + (f": {unlisted}" if unlisted else ""))
     cache = Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
     try:
         cache.mkdir(parents=True, exist_ok=True)
@@ -172,7 +172,7 @@ class Context:
     def __init__(self, args) -> None:
         import torch
 
-        from bivit.config import PRESETS
+        from bivit.checkpoint.config import PRESETS
 
         self.args = args
         self.dry = args.dry_run
@@ -199,12 +199,12 @@ class Context:
         """The context the Triton path needs here: none on a GPU, the interpreter's routing on a CPU."""
         import contextlib
 
-        from bivit import gpu
+        from bivit.ops.dispatch import interpreted
 
-        return gpu.interpreted() if self.dry else contextlib.nullcontext()
+        return interpreted() if self.dry else contextlib.nullcontext()
 
     def state(self):
-        from bivit.checkpoint import random_state_dict
+        from bivit.checkpoint.state_dict import random_state_dict
 
         if self._state is None:
             self._state = random_state_dict(self.cfg, 0)
@@ -297,7 +297,7 @@ def correctness(ctx) -> dict:
 
 
 def invariance(ctx) -> dict:
-    from bivit.divergence import first_difference
+    from bivit.diagnose.divergence import first_difference
 
     dtype = ctx.dtype16
     net = ctx.net(dtype)
@@ -343,7 +343,7 @@ def ops_section(ctx) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from bivit import gpu
+    from bivit.kernels.cuda import triton_version
     from bivit.kernels import triton_jit as K
 
     cfg, dtype, iters = ctx.cfg, ctx.dtype16, ctx.iters
@@ -379,7 +379,7 @@ def ops_section(ctx) -> dict:
     out["attention"] = {"items_tokens_heads_dim": [images, tokens, heads, hd], "triton_tflops": flop / ours / 1e12,
                         "sdpa_tflops": flop / stock / 1e12, "triton_over_sdpa": stock / ours}
     out["compiled"] = compiled_kernels(ctx, K) if not ctx.dry else "interpreter: nothing compiled"
-    out["triton"] = gpu.triton_version()
+    out["triton"] = triton_version()
     return out
 
 

@@ -9,7 +9,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest
 import torch
 
-from bivit import state
+from bivit.base import state
 from support.checkpoints import K3_SMALL, KIMI_SMALL, write_checkpoint
 
 
@@ -42,7 +42,7 @@ def k3_ckpt(tmp_path_factory):
 
 @pytest.fixture
 def fresh_state():
-    """bivit's per-process kernel choices, proofs and prepared weights (`bivit.state.reset`) forgotten before the
+    """bivit's per-process kernel choices, proofs and prepared weights (`bivit.base.state.reset`) forgotten before the
     test and again after it: what the test decides under conditions of its own (a forced kernel, a patched
     PyTorch) neither sees what came before it nor outlives it."""
     state.reset()

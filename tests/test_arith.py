@@ -8,7 +8,7 @@ checked against committed hashes, whatever CPU runs the suite.
   they do).
 * Whole rows: bivit's model equals a numpy forward pass written from the spec (tests/support/arith_model.py), and
   the golden inputs' rows from every kernel, at 1-4 threads, alone, packed and reversed, equal the committed ones
-  (bivit/golden.json), held to AVX2 too where the CPU has more.
+  (bivit/diagnose/golden.json), held to AVX2 too where the CPU has more.
 * The class of bits travels: describe(), the fingerprint, encoder-cache ids, doctor; mixing classes is refused.
 """
 
@@ -24,7 +24,9 @@ import pytest
 import torch
 
 import bivit
-from bivit import golden, kernels, ops, state
+from bivit import kernels, ops
+from bivit.base import state
+from bivit.diagnose import golden
 from bivit.kernels.gemm import APPROXIMATE
 from bivit.ops import bits, selection
 from support import arith_model, arith_reference as R
@@ -258,8 +260,8 @@ def test_golden_rows_from_every_kernel_at_1_to_4_threads_alone_packed_reversed(c
 def test_the_class_is_in_describe_the_fingerprint_and_every_encoder_cache_id():
     """describe()["bits"] names the class; the fingerprint (hence every encoder-cache id and cache key) is a function
     of it: the same weights computed by another class of kernels get other ids."""
-    from bivit.encoder_cache import ec_id
-    from bivit.weights import fingerprint
+    from bivit.core.encoder_cache import ec_id
+    from bivit.checkpoint.weights import fingerprint
 
     enc = bivit.load_encoder(None, dtype="bfloat16")
     assert enc.describe()["bits"] == enc.bits
@@ -300,7 +302,7 @@ def test_a_dataset_folder_refuses_a_run_of_another_class(tmp_path):
 def test_the_proof_loads_a_checkpoint_whose_gemm_shapes_coincide(tmp_path):
     """Text hidden size 4x the vision hidden size: the projector's two GEMMs are both 256x256, one with GELU and one
     without. The load-time proof keys GEMMs by shape and GELU (it sorted None against a GELU's name and crashed)."""
-    from bivit.config import ModelConfig
+    from bivit.checkpoint.config import ModelConfig
     from support.checkpoints import write_checkpoint
 
     cfg = ModelConfig(pos_emb_height=4, pos_emb_width=4, hidden_size=64, num_layers=1, num_heads=2,

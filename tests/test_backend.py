@@ -14,8 +14,9 @@ import pytest
 import torch
 
 import bivit
-from bivit import kernels, state
-from bivit.client import parse_response
+from bivit import kernels
+from bivit.base import state
+from bivit.serve.client import parse_response
 from support.installs import env_for, package_without
 from support.media import mixed_inputs
 from support.server import ServerProcess
@@ -74,7 +75,7 @@ def test_pytorchs_attention_is_refused_in_invariant_mode(tmp_path, inputs):
 _IN_ONE_PROCESS = """
 import sys
 import torch, bivit
-from bivit import state
+from bivit.base import state
 from bivit.kernels.gemm import APPROXIMATE
 from bivit.ops import selection
 

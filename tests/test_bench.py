@@ -13,7 +13,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import bivit
 from bivit import bench, kernels
 from bivit.bench.roofline import attention_flops_per_item, flops_per_item, gemm_flops_per_item
-from bivit.config import PRESETS
+from bivit.checkpoint.config import PRESETS
 from support.checkpoints import KIMI_SMALL
 
 GRIDS = [(1, 8, 8), (1, 6, 10), (4, 4, 6), (2, 8, 4)]

@@ -438,8 +438,8 @@ def test_the_cli_starts_without_torch_numpy_pillow_or_pyav():
 
 
 def test_import_client_loads_neither_torch_nor_pyav():
-    code = ("import sys, bivit.client; "
-            "print(sorted(m for m in ('torch', 'av', 'numpy', 'PIL', 'httpx', 'bivit.video') if m in sys.modules))")
+    code = ("import sys, bivit.serve.client; "
+            "print(sorted(m for m in ('torch', 'av', 'numpy', 'PIL', 'httpx', 'bivit.media.video') if m in sys.modules))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
 
@@ -463,7 +463,7 @@ def test_every_command_takes_the_same_dtype_spellings_with_the_same_refusal(tmp_
         return one_error_line(run(command, *needs, "--dtype", spelling, *(refused_later if later else ()),
                                   cwd=tmp_path))
 
-    # One accepted and one refused spelling per command (a process each); `bivit.dtypes` lists them all.
+    # One accepted and one refused spelling per command (a process each); `bivit.base.dtypes` lists them all.
     jobs = [(c, s, later) for c in _DTYPE_COMMANDS for s, later in (("bf16", True), ("Int8", False))]
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         lines = dict(zip(jobs, pool.map(lambda j: line(*j), jobs)))

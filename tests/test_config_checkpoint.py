@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import save_file
 
 import bivit
-from bivit.checkpoint import INDEX, moonshot_config_dict, random_state_dict, save_checkpoint
-from bivit.config import PRESETS, config_from_dict, load_config
+from bivit.checkpoint.config import PRESETS, config_from_dict, load_config
+from bivit.checkpoint.state_dict import INDEX, moonshot_config_dict, random_state_dict, save_checkpoint
 from support.media import random_image
 from support.checkpoints import KIMI_SMALL, hf_config_dict, write_checkpoint
 

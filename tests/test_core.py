@@ -21,11 +21,11 @@ from PIL import Image
 from safetensors import safe_open
 
 import bivit
-import bivit.packing
-from bivit.items import ItemResult, Prepared, VideoFrames, pixels_sha256
-from bivit.media import MediaBatch
-from bivit.packing import pack
-from bivit.video import preprocess_video, sample_frame_indices
+import bivit.core.packing
+from bivit.core.items import ItemResult, Prepared, VideoFrames, pixels_sha256
+from bivit.core.packing import pack
+from bivit.media.pixels import MediaBatch
+from bivit.media.video import preprocess_video, sample_frame_indices
 from support.controls import row_count_dependent_gemms
 from support.media import make_video, random_image
 
@@ -178,7 +178,7 @@ def test_stream_and_service_fill_passes_by_one_rule(enc, monkeypatch):
     assert len(passes["stream"]) == 5
     assert all(torch.equal(a, b) for a, b in zip(stream, service))
     # Control: both users ask `Pass.fits` and nothing else; change the rule and both follow it.
-    monkeypatch.setattr(bivit.packing.Pass, "fits", lambda self, patches: not self.items)
+    monkeypatch.setattr(bivit.core.packing.Pass, "fits", lambda self, patches: not self.items)
     passes, _, _ = _passes_of_both_users(enc, monkeypatch, images, 20)
     assert passes["stream"] == passes["service"] == [[n] for n in counts]
 
@@ -227,7 +227,7 @@ def test_describe(enc):
 def test_one_budget_one_name_one_default(enc):
     """The patch budget has one name and one default, the library's included (no unbounded pass), and the old
     spellings are gone rather than converted."""
-    from bivit.packing import MAX_BATCH_PATCHES
+    from bivit.core.packing import MAX_BATCH_PATCHES
     from bivit.serve.settings import ServerSettings
 
     assert enc.max_batch_patches == MAX_BATCH_PATCHES == 16384

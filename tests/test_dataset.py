@@ -24,11 +24,11 @@ from safetensors import safe_open
 
 import bivit
 from bivit import BivitError, EncoderSpec
+from bivit.base.fileio import TMP_PREFIX, sha256_file
 from bivit.dataset import ERRORS, HEADER, MANIFEST, encode_dataset, open_dataset
 from bivit.dataset.pipeline import encode_prepared
 from bivit.dataset.sources import list_sources
 from bivit.dataset.writer import DatasetWriter
-from bivit.fileio import TMP_PREFIX, sha256_file
 from support import launch
 from support.media import make_image, make_video
 
@@ -53,7 +53,7 @@ def media(tmp_path_factory) -> Path:
     (d / "empty.png").write_bytes(b"")
     (d / "text.png").write_text("not an image\n")
     (d / "truncated.png").write_bytes((d / "img5.png").read_bytes()[:80])
-    # Videos: 20 frames at 4 fps sample 10 frames -> chunks of 4, 4, 2; a GIF is a video too (bivit.video's rule).
+    # Videos: 20 frames at 4 fps sample 10 frames -> chunks of 4, 4, 2; a GIF is a video too (bivit.media.video's rule).
     make_video(d / "clip.mp4", frames=20, fps=4, size=(56, 56))
     make_video(d / "sub" / "anim.gif", frames=3, fps=2, size=(28, 28))
     # Not inputs: unknown extension, hidden file, hidden folder.
@@ -495,7 +495,7 @@ def test_a_version_1_folder_is_continued_in_its_version(media, reference, tmp_pa
         altered[0]["source"] = "other.png"
         (folder / MANIFEST).write_text("".join(json.dumps(r) + "\n" for r in altered))
         if refused:
-            with pytest.raises(bivit.records.FormatError, match="not matching its checksum"):
+            with pytest.raises(bivit.errors.FormatError, match="not matching its checksum"):
                 open_dataset(folder)
         else:
             assert "other.png" in open_dataset(folder).sources

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import bivit
 from bivit import ops
-from bivit.config import PRESETS
+from bivit.checkpoint.config import PRESETS
 from support.media import random_image
 from support.checkpoints import K3_SMALL, KIMI_SMALL, write_checkpoint
 

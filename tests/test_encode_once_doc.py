@@ -11,7 +11,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from bivit.engines import vllm as bv
+from bivit.core.encoder_cache import EC_FILE, EC_KEY
+from bivit.integrations import vllm as bv
 from support import doc_code
 
 
@@ -38,9 +39,9 @@ def test_encode_and_trainer_code_run_as_written(tiny_kimi, tmp_path, monkeypatch
     assert done.returncode == 0, done.stderr
     for m in encoded:
         for i, rows in zip(m.ec_ids(), m.chunks()):
-            with safe_open(str(tmp_path / "ec" / i / bv.EC_FILE), framework="pt") as f:
+            with safe_open(str(tmp_path / "ec" / i / EC_FILE), framework="pt") as f:
                 # the command's files: the same ids, the same bits (what the command said, if not)
-                assert torch.equal(f.get_tensor(bv.EC_KEY), rows), (m.source, done.stderr)
+                assert torch.equal(f.get_tensor(EC_KEY), rows), (m.source, done.stderr)
     doc_code.run(["trainer"], ns)
     assert all(torch.equal(a.embedding, b.embedding) for a, b in zip(ns["media"], encoded))
 

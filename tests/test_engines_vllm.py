@@ -1,4 +1,4 @@
-"""bivit.engines.vllm without vLLM: the inputs it builds, the encoder-cache files it writes, the errors it raises.
+"""bivit.integrations.vllm without vLLM: the inputs it builds, the encoder-cache files it writes, the errors it raises.
 
 What vLLM does with them is proven in tests/vllm_engine (a real vLLM, in the environment scripts/vllm-env.sh
 builds); here, that each input is exactly the rows bivit produced, placed where the prompt says, under ids that
@@ -24,9 +24,12 @@ from PIL import Image
 from safetensors.torch import load_file, save_file
 
 import bivit
-from bivit.client import Client
-from bivit.engines import vllm as bv
+from bivit.core.encoder_cache import EC_FILE, EC_KEY, ec_id
+from bivit.core.items import content_sha256
 from bivit.errors import BivitError, ConfigError
+from bivit.integrations import vllm as bv
+from bivit.integrations.rows import Media, encode, load_media
+from bivit.serve.client import Client
 from support.media import make_video, png_bytes
 from support.server import ServerProcess
 from vllm_engine.tiny_kimi import write_tokenizer
@@ -50,7 +53,7 @@ def files(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def media(enc, files):
-    return bv.encode(enc, [files / "a.png", files / "b.png", files / "c.mp4"])
+    return encode(enc, [files / "a.png", files / "b.png", files / "c.mp4"])
 
 
 @pytest.fixture(scope="module")
@@ -75,12 +78,12 @@ def test_encode_gives_the_encoders_bits_placeholders_and_content_hashes(enc, fil
 
 def test_in_memory_images_hash_their_pixels(enc):
     arr = np.random.default_rng(0).integers(0, 256, (20, 30, 3), dtype=np.uint8)
-    same = bv.content_sha256(Image.fromarray(arr))
-    assert same == bv.content_sha256(Image.fromarray(arr.copy()))
+    same = content_sha256(Image.fromarray(arr))
+    assert same == content_sha256(Image.fromarray(arr.copy()))
     arr[0, 0, 0] ^= 1
-    assert bv.content_sha256(Image.fromarray(arr)) != same
+    assert content_sha256(Image.fromarray(arr)) != same
     with pytest.raises(BivitError, match="cannot hash"):
-        bv.content_sha256(3.5)
+        content_sha256(3.5)
 
 
 def test_ec_ids_pin_encoder_content_kind_and_chunk(media):
@@ -89,18 +92,18 @@ def test_ec_ids_pin_encoder_content_kind_and_chunk(media):
     assert len(ids) == 2 and len(set(ids)) == 2
     assert ids == c.ec_ids()  # deterministic
     base = (a.fingerprint, a.sha256, "image", 0)
-    assert a.ec_ids() == [bv.ec_id(*base)]
+    assert a.ec_ids() == [ec_id(*base)]
     for i in range(4):  # any component changed -> another id
         changed = list(base)
         changed[i] = changed[i] + 1 if i == 3 else changed[i][:-1] + ("0" if changed[i][-1] != "0" else "1")
-        assert bv.ec_id(*changed) != bv.ec_id(*base)
+        assert ec_id(*changed) != ec_id(*base)
     assert all(i.replace("-", "").isalnum() for i in ids)  # a folder name anywhere
 
 
 def test_media_refuses_rows_its_placeholders_do_not_announce(media):
     a = media[0]
     with pytest.raises(BivitError, match="announce"):
-        bv.Media(a.embedding[:-1], a.placeholders, a.fingerprint, a.sha256)
+        Media(a.embedding[:-1], a.placeholders, a.fingerprint, a.sha256)
 
 
 def test_target_refuses_another_encoder_width_or_dtype(media, target, enc, kimi_hf_ckpt):
@@ -158,7 +161,7 @@ def test_build_prompt_refuses_a_placeholder_count_that_does_not_match(media, tar
     a, _, c = media
     with pytest.raises(BivitError, match=r"1 <\|media_pad\|> .* 3 placeholder"):
         bv.build_prompt([PAD], [a, c], target=target, media_pad_id=PAD)
-    other = bv.Media(a.embedding, a.placeholders, "f" * 64, a.sha256)
+    other = Media(a.embedding, a.placeholders, "f" * 64, a.sha256)
     with pytest.raises(BivitError, match="mixes rows of 2 encoders"):
         bv.build_prompt([PAD, PAD], [a, other], target=bv.Target(target.hidden_size, target.dtype),
                         media_pad_id=PAD)
@@ -289,7 +292,7 @@ def test_encode_command_writes_the_encoder_cache_under_the_apis_ids(files, media
     r = cli("encode", *inputs, "--out", out, "--dtype", "float32", "--ec-dir", ec)
     assert r.returncode == 0, r.stderr
     assert "encoder cache: 4 items" in r.stdout
-    loaded = bv.load_media(out)
+    loaded = load_media(out)
     for got, want in zip(loaded, media):  # the file gives back what the API encodes, ids and all
         assert torch.equal(got.embedding, want.embedding) and got.placeholders == want.placeholders
         assert got.ec_ids() == want.ec_ids() and got.sizes == want.sizes and got.kind == want.kind
@@ -303,7 +306,7 @@ def test_encode_dataset_command_writes_the_encoder_cache_under_the_same_ids(file
     out, ec = tmp_path / "ds", tmp_path / "ec"
     r = cli("encode-dataset", files, "--out", out, "--dtype", "float32", "--ec-dir", ec, "--no-progress")
     assert r.returncode == 0, r.stderr
-    by_name = {Path(m.source).name: m for m in bv.load_media(out)}
+    by_name = {Path(m.source).name: m for m in load_media(out)}
     assert len(by_name) == 3
     for want in media:
         got = by_name[Path(want.source).name]
@@ -342,20 +345,20 @@ def test_encoder_cache_writes_replace_what_is_not_theirs(media, tmp_path):
     outside.mkdir()
     (i, *_) = media[0].ec_ids()
     bv.write_encoder_cache(ec, media[:1])
-    path = ec / i / bv.EC_FILE
+    path = ec / i / EC_FILE
     kept = path.stat().st_mtime_ns
     bv.write_encoder_cache(ec, media[:1])
     assert path.stat().st_mtime_ns == kept  # the right rows: left as they are
     rows = media[0].chunks()[0]
     planted = {"empty": lambda: path.write_bytes(b""),
-               "foreign": lambda: save_file({bv.EC_KEY: torch.zeros(3, 3)}, str(path)),
+               "foreign": lambda: save_file({EC_KEY: torch.zeros(3, 3)}, str(path)),
                "file link": lambda: (path.unlink(), os.symlink(outside / "x.safetensors", path)),
                "folder link": lambda: (__import__("shutil").rmtree(ec / i), os.symlink(outside, ec / i))}
     for name, plant in planted.items():
         plant()
         bv.write_encoder_cache(ec, media[:1])
         assert not (ec / i).is_symlink() and not path.is_symlink(), name
-        assert torch.equal(load_file(str(path))[bv.EC_KEY], rows), name
+        assert torch.equal(load_file(str(path))[EC_KEY], rows), name
         assert list(outside.iterdir()) == [], name
 
 
@@ -363,7 +366,7 @@ def test_encode_writes_out_before_the_encoder_cache(enc, files, tmp_path):
     """A failing `--ec-dir` (here: an id's folder taken by a file) fails `bivit encode` in one line, after --out
     was written with every embedding: nothing encoded is lost, and the record says why it has no ids."""
     image = files / "a.png"
-    (i,) = bv.encode(enc, [image])[0].ec_ids()
+    (i,) = encode(enc, [image])[0].ec_ids()
     ec, out = tmp_path / "ec", tmp_path / "out.safetensors"
     ec.mkdir()
     (ec / i).write_text("in the way")

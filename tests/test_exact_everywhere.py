@@ -134,7 +134,8 @@ def test_four_first_runs_started_together_give_the_same_bits(tmp_path):
 BROKEN_KERNEL = textwrap.dedent("""
     import json, sys, torch
     import bivit
-    from bivit import kernels, notices
+    from bivit import kernels
+    from bivit.base import notices
     from bivit.kernels.gemm import APPROXIMATE
     from bivit.ops import bits
 
@@ -171,9 +172,9 @@ BROKEN_KERNEL = textwrap.dedent("""
     enc = bivit.load_encoder(None, dtype="float32")
     d = enc.describe()
     x = [torch.rand(3, 28 * k, 28 * (k + 1)) for k in range(1, 6)]
-    from bivit.media import preprocess_images
+    from bivit.media.pixels import preprocess_images
     items = [preprocess_images([(t * 255).byte().permute(1, 2, 0).numpy()]) for t in x]
-    from bivit.media import MediaBatch
+    from bivit.media.pixels import MediaBatch
     alone = [enc.encode_batch(it)[0] for it in items]
     packed = enc.encode_batch(MediaBatch.concat(items))
     print(json.dumps({"gemm": d["kernels"]["gemm"], "refused": d["kernels"]["proof"]["refused"],

@@ -22,12 +22,14 @@ import torch.nn.functional as F
 from PIL import Image
 
 import bivit
-from bivit.config import ModelConfig
-from bivit.media import composite, image_size, load_image, navit_size, preprocess_images
+from bivit.checkpoint.config import ModelConfig
+from bivit.checkpoint.preprocess_config import K3_PROCESSING, K25_PROCESSING, load_processing, processing_from_dict
+from bivit.media.decode import image_size, load_image
+from bivit.media.grids import navit_size
+from bivit.media.pixels import composite, preprocess_images
+from bivit.media.video import chunk_timestamp
 from bivit.model import PositionEmbedding
 from bivit.ops import resample, temporal_embedding
-from bivit.preprocess_config import K3_PROCESSING, K25_PROCESSING, load_processing, processing_from_dict
-from bivit.video import chunk_timestamp
 from support import reference as ref
 from support.checkpoints import K3_SMALL, KIMI_SMALL
 from support.media import make_video
@@ -99,7 +101,7 @@ def test_k3_chessboard_compositing_pixels(mode, stage, limit):
     {"pattern": "white"}, {"pattern": "black"}, {"pattern": "gray"}, None,
 ])
 def test_composite_equals_the_reference_fill(bg):
-    from bivit.preprocess_config import TransparentBg
+    from bivit.checkpoint.preprocess_config import TransparentBg
 
     for img in _transparent_images(31, 23, seed=1).values():
         want = np.asarray(ref.fill_transparent_bg(img, bg))

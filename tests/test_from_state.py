@@ -10,12 +10,12 @@ import pytest
 import torch
 
 import bivit
-from bivit.checkpoint import checked_state, random_state_dict
-from bivit.config import load_config
-from bivit.encoder import encoder_from_state
+from bivit.checkpoint.config import load_config
+from bivit.checkpoint.preprocess_config import load_processing
+from bivit.checkpoint.state_dict import checked_state, random_state_dict
+from bivit.core.encoder import encoder_from_state
 from bivit.errors import CheckpointError, MediaError
-from bivit.media import _resize_pad, normalize_patches
-from bivit.preprocess_config import load_processing
+from bivit.media.pixels import _resize_pad, normalize_patches
 from support.media import random_image
 
 IMAGES = [random_image(97, 203, 1), random_image(56, 84, 2)]

@@ -1,7 +1,7 @@
 """Compile what runs: every kernel launch of a bf16 invariant forward of the demo, a Kimi-K2.5-sized and a
 Kimi-K3-sized model (head dims 24, 72, 128; patch GEMM K = 588), plus attention at head dim 64, compiled for
 sm_90a (H100/H200) on this CPU with Triton's bundled ptxas, specialised by Triton's own JIT binder from the
-recorded arguments (`bivit.gpu.build`). Read from the compiled kernels: no register spills anywhere, the GEMMs'
+recorded arguments (`bivit.diagnose.gpu_build`). Read from the compiled kernels: no register spills anywhere, the GEMMs'
 and attention's K loops software-pipelined (cp.async into multi-buffered shared memory) on wgmma.
 
 The control compiles the same attention with the head dim as a run-time argument (the kernel before it was a
@@ -32,7 +32,7 @@ def _child(args: list[str]) -> str:
 
 @pytest.fixture(scope="module")
 def records() -> list[dict]:
-    args = ["-m", "bivit.gpu.build", "--arch", "90", "--dtype", "bfloat16", "--head-dim", "64", "--json"]
+    args = ["-m", "bivit.diagnose.gpu_build", "--arch", "90", "--dtype", "bfloat16", "--head-dim", "64", "--json"]
     for model in HEAD_DIMS:
         args += ["--model", model]
     return json.loads(_child(args))
@@ -67,7 +67,7 @@ CONTROL = """
 import dataclasses, importlib.util, inspect, json, re, sys
 from pathlib import Path
 import torch
-from bivit.gpu import build
+from bivit.diagnose import gpu_build as build
 from bivit.kernels import triton_jit as kernels
 
 source = inspect.getsource(kernels.attention_kernel.fn)

@@ -1,4 +1,4 @@
-"""The invariant GPU path (bivit.gpu), tested without a GPU: its Triton kernels run on CPU tensors in Triton's
+"""The invariant GPU path (bivit.kernels.cuda), tested without a GPU: its Triton kernels run on CPU tensors in Triton's
 interpreter (what they compile to for sm_90a: tests/test_gpu_compiled.py).
 
 What this proves here, and what it cannot (docs/gpu.md): the kernels' arithmetic as written (tiles, K order,
@@ -23,9 +23,11 @@ if not triton.knobs.runtime.interpret:  # conftest.py sets TRITON_INTERPRET=1 be
                 allow_module_level=True)
 
 import bivit
-from bivit import gpu, ops
-from bivit.checkpoint import random_state_dict
+from bivit import ops
+from bivit.checkpoint.state_dict import random_state_dict
+from bivit.kernels.cuda import gpu_extra, triton_mismatch
 from bivit.model import VisionModel
+from bivit.ops.dispatch import interpreted
 from support.checkpoints import K3_SMALL, KIMI_SMALL
 from support.controls import row_count_dependent_gemms
 from support.media import random_image
@@ -55,7 +57,7 @@ def _pixels(grid, seed: int) -> torch.Tensor:
 def _forward(net, grids, pixels, triton: bool, invariant: bool = True) -> list[torch.Tensor]:
     with torch.inference_mode(), ops.batch_invariant(invariant):
         if triton:
-            with gpu.interpreted():
+            with interpreted():
                 return net(torch.cat(pixels), torch.tensor(grids))
         return net(torch.cat(pixels), torch.tensor(grids))
 
@@ -119,7 +121,7 @@ def test_parity_through_the_encoder_k3(k3_ckpt):
     enc = bivit.load_encoder(str(k3_ckpt), dtype="float32")
     batch = enc.preprocess([random_image(56, 84, 3), random_image(28, 56, 4)])
     ref = enc.encode_batch(batch)
-    with gpu.interpreted():
+    with interpreted():
         ours = enc.encode_batch(batch)
     for o, r in zip(ours, ref):
         assert o.dtype == r.dtype and float((o - r).abs().max()) <= PARITY * float(r.abs().max())
@@ -135,7 +137,7 @@ def test_gemm_rows_at_odd_offsets_are_bit_identical_and_stock_matmul_is_not():
     item = slice(37, 37 + 14)  # 14 rows: the controls' GEMM splits K 3 ways here, 2 ways for all 151
     for dtype in (torch.float32, torch.float16):
         xs, ws, bs = x.to(dtype), w.to(dtype), b.to(dtype)
-        with ops.batch_invariant(True), gpu.interpreted():
+        with ops.batch_invariant(True), interpreted():
             packed = ops.linear(xs, ws, bs, gelu="tanh")
             alone = ops.linear(xs[item], ws, bs, gelu="tanh")
             flipped = ops.linear(xs.flip(0), ws, bs, gelu="tanh").flip(0)
@@ -155,7 +157,7 @@ def test_attention_items_of_odd_lengths_do_not_depend_on_the_pack():
     lengths = [37, 1, 130, 65]
     g = torch.Generator().manual_seed(6)
     q, k, v = torch.randn(3, sum(lengths), 4, 72, generator=g).unbind(0)
-    with ops.batch_invariant(True), gpu.interpreted():
+    with ops.batch_invariant(True), interpreted():
         packed = ops.attention(q, k, v, lengths)
         starts = [sum(lengths[:i]) for i in range(len(lengths))]
         for s, n in zip(starts, lengths):
@@ -209,7 +211,7 @@ def test_guard_invariant_gpu_path_calls_no_stock_gemm_attention_or_norm(cfg):
 
 def test_autograd_on_the_gpu_path_is_refused_with_a_bivit_error():
     w = torch.randn(8, 16, requires_grad=True)
-    with ops.batch_invariant(True), gpu.interpreted(), pytest.raises(bivit.errors.ConfigError, match="forward"):
+    with ops.batch_invariant(True), interpreted(), pytest.raises(bivit.errors.ConfigError, match="forward"):
         ops.linear(torch.randn(4, 16), w)
 
 
@@ -227,11 +229,11 @@ def test_encode_on_a_missing_cuda_device_is_one_line_before_any_work(tmp_path):
 def test_triton_is_checked_against_the_gpu_extra(monkeypatch, version, allowed):
     """The triton CUDA torch 2.11 and 2.13 pin (3.6.0, 3.7.1) and the suite's (3.8.0) are in the gpu extra's range
     (pyproject.toml, read by the code); others get one message naming the range."""
-    assert any(r.startswith("triton") for r in gpu.gpu_extra())
+    assert any(r.startswith("triton") for r in gpu_extra())
     from bivit.kernels import cuda
 
     monkeypatch.setattr(cuda, "triton_version", lambda: version)
-    why = gpu.triton_mismatch()
+    why = triton_mismatch()
     assert (why is None) == allowed
     if not allowed:
         assert "gpu extra allows (triton" in why

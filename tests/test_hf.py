@@ -1,5 +1,5 @@
-"""bivit inside transformers' Kimi-K2.5 model (`bivit.hf`), on a whole tiny Kimi-K2.5 checkpoint (random weights,
-a DeepSeek-V3 language model, tokenizer) loaded by `Kimi_K25ForConditionalGeneration`.
+"""bivit inside transformers' Kimi-K2.5 model (`bivit.integrations.hf`), on a whole tiny Kimi-K2.5 checkpoint (random
+weights, a DeepSeek-V3 language model, tokenizer) loaded by `Kimi_K25ForConditionalGeneration`.
 
 After `attach`, the model's image features are `Encoder.encode`'s bits for images and video chunks (t > 1), its
 parameters are exactly the tensors bivit's forward reads (gradients reach them, the optimizer steps them), and
@@ -20,14 +20,14 @@ from safetensors import safe_open
 
 import bivit
 from bivit.errors import BivitError
-from bivit.media import MEDIA_PAD
+from bivit.media.pixels import MEDIA_PAD
 from bivit.model import Block
 from support.media import make_video, random_image
 
 pytest.importorskip("transformers")
 from transformers import Kimi_K25ForConditionalGeneration  # noqa: E402
 
-import bivit.hf as bh  # noqa: E402
+import bivit.integrations.hf as bh  # noqa: E402
 
 SIZES = [(112, 112), (60, 250), (203, 97)]  # (h, w): 16, 27 and 32 rows
 PARITY_RTOL = 1e-4  # fp32 bivit vs transformers' port on the same weights and pixels (measured ~1e-6)

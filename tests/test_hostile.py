@@ -29,15 +29,16 @@ from PIL import Image
 from safetensors.torch import save_file
 
 import bivit
-from bivit.checkpoint import INDEX, load_state_dict, moonshot_config_dict, random_state_dict, \
-    transformers_config_dict
-from bivit.config import ModelConfig, load_config
+from bivit.base.fileio import MAX_JSON_DEPTH
+from bivit.checkpoint.config import ModelConfig, load_config
+from bivit.checkpoint.preprocess_config import load_processing
+from bivit.checkpoint.state_dict import (INDEX, load_state_dict, moonshot_config_dict, random_state_dict,
+                                         transformers_config_dict)
 from bivit.errors import CheckpointError, ConfigError, MediaError
-from bivit.fileio import MAX_JSON_DEPTH
-from bivit.decode import MAX_IMAGE_SIDE
-from bivit.media import MAX_IMAGE_BYTES, load_image, preprocess_images
-from bivit.preprocess_config import load_processing
-from bivit.video import preprocess_video
+from bivit.media.decode import MAX_IMAGE_SIDE
+from bivit.media.decode import MAX_IMAGE_BYTES, load_image
+from bivit.media.pixels import preprocess_images
+from bivit.media.video import preprocess_video
 from support.media import blank_png, make_video, png_bytes
 
 REPO = Path(__file__).resolve().parents[1]
@@ -123,7 +124,7 @@ def test_a_path_is_opened_as_a_file_never_parsed_as_a_url(secret, monkeypatch):
 SECCOMP_CHILD = """
     import ctypes, platform, struct, sys
     from bivit.errors import MediaError
-    from bivit.video import preprocess_video
+    from bivit.media.video import preprocess_video
 
     # seccomp: the first socket() kills the process with SIGSYS (no_new_privs first, so no privilege is needed).
     nr = {"x86_64": 41, "aarch64": 198}[platform.machine()]
@@ -175,8 +176,9 @@ def test_image_formats_outside_the_list_are_refused(tmp_path):
 MEASURE_CHILD = """
     import ctypes, json, os, sys
     from bivit.errors import MediaError
-    from bivit.media import image_header, preprocess_images
-    from bivit.preprocess_config import PROCESSING_PRESETS
+    from bivit.media.decode import image_header
+    from bivit.media.pixels import preprocess_images
+    from bivit.checkpoint.preprocess_config import PROCESSING_PRESETS
 
     def status(key):
         with open("/proc/self/status") as f:
@@ -302,7 +304,7 @@ def test_out_of_memory_while_decoding_is_a_media_error(tmp_path):
     r = run_python("""
         import resource, sys
         from bivit.errors import MediaError
-        from bivit.media import preprocess_images
+        from bivit.media.pixels import preprocess_images
         data = open(sys.argv[1], "rb").read()
         with open("/proc/self/status") as f:
             vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
@@ -368,7 +370,7 @@ def test_absurd_config_sizes_are_refused_naming_the_key(tmp_path, key, value):
     """`init_pos_emb_time` 300,000 was missing from the memory estimate (1154 MB for a 40-frame video instead of
     312 MB); 2e9 failed the first video with "Unable to allocate 7.45 GiB", the skip line naming no file. Every
     size key now has a bound and counts in the model's size, checked when config.json is read."""
-    from bivit.checkpoint import moonshot_config_dict
+    from bivit.checkpoint.state_dict import moonshot_config_dict
 
     config = moonshot_config_dict(ModelConfig(pos_emb_height=8, pos_emb_width=8, hidden_size=32, num_layers=1,
                                               num_heads=2, intermediate_size=64, text_hidden_size=32))
@@ -385,7 +387,7 @@ def test_float_config_values_in_range_or_refused():
         with pytest.raises(ConfigError, match=key):
             ModelConfig(**{key: value})
     ModelConfig(norm_eps=1e-6, projector_ln_eps=1e-5, rope_theta=10000.0)  # Kimi's own values pass
-    from bivit.preprocess_config import ProcessorConfig
+    from bivit.checkpoint.preprocess_config import ProcessorConfig
 
     for std in ((1e-300,) * 3, (-0.5, 0.5, 0.5)):
         with pytest.raises(ConfigError, match="image_std"):
@@ -488,7 +490,7 @@ def test_service_never_decodes_a_file_it_was_not_given(server, secret):
         assert r.status_code == 422, r.text[:500]
         reasons.add(r.json()["items"][0]["error"])
     assert reasons == {"u.mp4: not a video container bivit reads (FFmpeg demuxers "
-                       + ", ".join(bivit.video.VIDEO_DEMUXERS) + ")",
+                       + ", ".join(bivit.media.container.VIDEO_DEMUXERS) + ")",
                        "u.png: not an image format bivit reads (PNG, JPEG, WEBP, BMP, TIFF, GIF)"}, reasons
 
 
@@ -517,7 +519,7 @@ def test_a_heavy_image_never_holds_the_thread_a_small_one_needs():
     header) now decode in a pool of their own. Shown without timing: the heavy pool is held busy (standing in for
     a long decode) while a heavy item waits in it; a small request completes meanwhile, the heavy one only after
     the pool is free (the control: a busy pool does hold back what is queued in it)."""
-    from bivit.media import image_work_bytes
+    from bivit.media.decode import image_work_bytes
     from bivit.serve.protocol import UploadItem
     from bivit.serve.admission import item_cost
     from bivit.serve.serving import Service
@@ -641,7 +643,7 @@ def test_jpeg_scan_bomb_is_refused_before_decoding(tmp_path):
     """60 KB of empty scans ran 84 s past a 2 s deadline in the service; 1 MB was still decoding in `bivit encode`
     after 45 s; the dataset job had no deadline at all. The scans are counted from the marker segments before
     anything is decoded: library, CLI, dataset job, each a one-line reason."""
-    from bivit.decode import MAX_JPEG_SCANS, jpeg_scans
+    from bivit.media.decode import MAX_JPEG_SCANS, jpeg_scans
 
     bomb = scan_bomb(512, 512, 20_000)
     assert len(jpeg_scans(scan_bomb(512, 512, 0))) < 20 and len(jpeg_scans(bomb)) == MAX_JPEG_SCANS + 1
@@ -665,7 +667,7 @@ def test_jpeg_decoding_checks_its_deadline_between_scans(monkeypatch):
     time. Shown without timing: a clock that ticks once per look at it; the deadline falls a few ticks after the
     last look a plain progressive JPEG needs. That JPEG decodes; the same image with 80 more (empty) scans, under
     the scan limit and only 800 bytes longer, reaches its deadline inside the decode."""
-    import bivit.decode as decode
+    import bivit.media.decode as decode
 
     class Ticks:
         now = 0.0
@@ -722,8 +724,8 @@ def test_frames_bigger_than_the_header_are_refused_in_every_pass(fmt):
     small sizes: a 12,288-pixel frame limit, frames of 640x480 wherever sampling does not look. FFmpeg's decoder
     now refuses such a frame before allocating it (its own message says so), and every frame decoded in every pass
     counts its real size."""
-    from bivit.container import FRAME_MIN_PIXELS
-    from bivit.video import SAMPLE_FPS, sample_frame_indices
+    from bivit.media.container import FRAME_MIN_PIXELS
+    from bivit.media.video import SAMPLE_FPS, sample_frame_indices
 
     sampled = set(sample_frame_indices(30, 10, SAMPLE_FPS))
     work = 2 * 30 * FRAME_MIN_PIXELS  # two passes (counting, sampling) of 30 frames of at most 128x128
@@ -740,7 +742,7 @@ def test_frames_bigger_than_the_header_are_refused_in_every_pass(fmt):
 VIDEO_PEAK_CHILD = """
     import ctypes, json, os, sys
     from bivit.errors import MediaError
-    from bivit.video import preprocess_video
+    from bivit.media.video import preprocess_video
 
     def status(key):
         with open("/proc/self/status") as f:
@@ -811,7 +813,7 @@ def tiff_tag_bomb(values: int) -> bytes:
 def test_png_chunk_and_tiff_tag_floods_are_refused_before_parsing():
     """An 8x8 PNG with 5M empty chunks took 11.5 s and +850 MB to parse, a TIFF with one tag of 15M values 1.3 s
     and +1.2 GB, both on the service's event loop. Counted from the bytes now, before Pillow parses anything."""
-    from bivit.decode import MAX_PNG_OTHER_CHUNKS, MAX_TIFF_TAG_VALUES
+    from bivit.media.decode import MAX_PNG_OTHER_CHUNKS, MAX_TIFF_TAG_VALUES
 
     buf = io.BytesIO()
     Image.new("RGB", (8, 8)).save(buf, "PNG")
@@ -838,7 +840,7 @@ def test_a_long_video_never_holds_the_thread_a_short_one_needs(tmp_path):
     from bivit.serve.admission import item_cost
     from bivit.serve.serving import Service
     from bivit.serve.settings import ServerSettings
-    from bivit.container import FRAME_MIN_PIXELS
+    from bivit.media.container import FRAME_MIN_PIXELS
 
     svc = Service(bivit.load_encoder(), ServerSettings(cache_mb=0, preprocess_threads=1))
     svc.admission.heavy_video_work = 20 * FRAME_MIN_PIXELS  # small limits in tests
@@ -915,7 +917,7 @@ def _edited(folder: Path, dst: Path, edit) -> Path:
     import shutil
 
     from bivit.dataset.format import LINE_KEY
-    from bivit.integrity import sealed
+    from bivit.core.integrity import sealed
 
     shutil.copytree(folder, dst)
     rows = [json.loads(line) for line in (dst / "manifest.jsonl").read_text().splitlines()]
@@ -934,7 +936,7 @@ def test_a_dataset_folder_read_back_is_checked(dataset_folder, tmp_path, case):
     from safetensors.torch import save_file as save
 
     import torch
-    from bivit.records import FormatError
+    from bivit.errors import FormatError
 
     outside = tmp_path / "x.safetensors"
     shard = json.loads((dataset_folder / "manifest.jsonl").read_text().splitlines()[0])["shard"]
@@ -960,7 +962,7 @@ def test_a_dataset_folder_read_back_is_checked(dataset_folder, tmp_path, case):
         import shutil
 
         from bivit.dataset.format import HEADER_KEY
-        from bivit.integrity import sealed
+        from bivit.core.integrity import sealed
 
         shutil.copytree(dataset_folder, dst)
         header = json.loads((dst / "dataset.json").read_text())
@@ -1066,7 +1068,7 @@ def test_a_dataset_folders_own_files_are_read_within_bounds(dataset_folder, tmp_
     import shutil
 
     from bivit.dataset.format import MAX_HEADER_BYTES, MAX_LINE_BYTES, MAX_LINES_BYTES
-    from bivit.records import FormatError
+    from bivit.errors import FormatError
 
     assert len(bivit.load_embeddings(dataset_folder)) == 2  # the control
     for name, size, says in (("dataset.json", MAX_HEADER_BYTES + 1, "unreadable dataset header (larger than"),

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import bivit
-from bivit.checkpoint import INDEX
-from bivit.hub import parse_repo_ref
+from bivit.checkpoint.hub import parse_repo_ref
+from bivit.checkpoint.state_dict import INDEX
 from support.checkpoints import KIMI_SMALL, write_checkpoint
 
 hub_constants = pytest.importorskip("huggingface_hub.constants")
@@ -208,7 +208,7 @@ def test_silent_hub_times_out_then_the_cache_serves(sharded, tmp_path, monkeypat
     import logging
     import socket
 
-    from bivit import hub
+    from bivit.checkpoint import hub
 
     d, vision, _ = sharded
     cache = tmp_path / "hub"

@@ -9,9 +9,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import bivit
+from bivit.diagnose.verify import encode_cut
 from bivit.kernels.gemm import APPROXIMATE
-from bivit.media import MediaBatch, preprocess_images
-from bivit.verify import encode_cut
+from bivit.media.pixels import MediaBatch, preprocess_images
 from support.controls import differences_found_by_check, differing, row_count_dependent_gemms
 from support.media import random_image
 
@@ -102,7 +102,7 @@ def test_micro_batch_budgets_and_item_larger_than_budget(paths, dtype):
 
 
 def test_budget_splits_into_passes_of_at_most_n_patches():
-    from bivit.packing import pack
+    from bivit.core.packing import pack
 
     enc = bivit.load_encoder(max_batch_patches=100)
     counts = [4, 8, 200, 16, 64, 30, 1]

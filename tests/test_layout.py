@@ -71,18 +71,18 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_no_import_cycle_and_the_finder_finds_one():
     graph = {_module_name(p): _imports(p) for p in ROOT.rglob("*.py")}
     graph = {m: {d for d in deps if d in graph and d != m} for m, deps in graph.items()}
-    assert len(graph) > 40 and "bivit.items" in graph["bivit.encoder"]
+    assert len(graph) > 40 and "bivit.core.items" in graph["bivit.core.encoder"]
     assert _cycles(graph) == []
-    assert _cycles({**graph, "bivit.media": graph["bivit.media"] | {"bivit.encoder"}})  # control
+    assert _cycles({**graph, "bivit.media.pixels": graph["bivit.media.pixels"] | {"bivit.core.encoder"}})  # control
 
 
 def test_engines_are_a_leaf():
-    """`bivit.engines` (what inference engines and trainers consume) sits beside the front ends: no other bivit
-    module imports it (the encoder cache the front ends write is `bivit.encoder_cache`, which engines read)."""
+    """`bivit.integrations` (what inference engines and trainers consume) sits beside the front ends: no other bivit
+    module imports it (the encoder cache the front ends write is `bivit.core.encoder_cache`, which engines read)."""
     graph = {_module_name(p): _imports(p) for p in ROOT.rglob("*.py")}
-    users = sorted(m for m, deps in graph.items() if not m.startswith("bivit.engines")
-                   and any(d.startswith("bivit.engines") for d in deps))
-    assert any(m.startswith("bivit.engines") for m in graph) and users == []
+    users = sorted(m for m, deps in graph.items() if not m.startswith("bivit.integrations")
+                   and any(d.startswith("bivit.integrations") for d in deps))
+    assert any(m.startswith("bivit.integrations") for m in graph) and users == []
 
 
 def test_module_and_class_sizes():
@@ -99,7 +99,9 @@ def test_module_and_class_sizes():
 
 # The engine's floors, lowest first: a module imports its own floor and the ones below, never one above (the
 # kernels know nothing of the op layer, the op layer nothing of the model, the encoder or the front ends).
-FLOORS = [("bivit.kernels", {"bivit.errors", "bivit.notices", "bivit.dtypes", "bivit.state"}), ("bivit.ops", set())]
+FLOORS = [("bivit.kernels", {"bivit.errors", "bivit.base", "bivit.base.notices", "bivit.base.dtypes",
+                             "bivit.base.state"}),
+          ("bivit.ops", set())]
 
 
 def _arrows_up(graph: dict[str, set[str]]) -> list[str]:
@@ -117,12 +119,12 @@ def test_no_arrow_back_up_from_the_kernel_floor_and_the_op_layer():
     graph = {_module_name(p): _imports(p) for p in ROOT.rglob("*.py")}
     assert _arrows_up(graph) == []
     assert _arrows_up({**graph, "bivit.kernels.cuda": graph["bivit.kernels.cuda"] | {"bivit.ops.dispatch"}})  # control
-    assert _arrows_up({**graph, "bivit.ops.dispatch": graph["bivit.ops.dispatch"] | {"bivit.gpu"}})
+    assert _arrows_up({**graph, "bivit.ops.dispatch": graph["bivit.ops.dispatch"] | {"bivit.model"}})
 
 
 def _unregistered_caches(source: str) -> list[str]:
     """Functions of `source` cached with `functools.cache` (or an unbounded `lru_cache`), i.e. process state that
-    `bivit.state.reset` would not know of."""
+    `bivit.base.state.reset` would not know of."""
     found = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -135,9 +137,9 @@ def _unregistered_caches(source: str) -> list[str]:
 
 def test_the_engines_process_state_is_made_through_bivit_state():
     """Kernel choices, proofs and caches of the kernel floor, the op layer and the notices are made with
-    `bivit.state.memo`/`table`, so the one reset (`refuse`, the tests' `fresh_state`) forgets them all; bounded
+    `bivit.base.state.memo`/`table`, so the one reset (`refuse`, the tests' `fresh_state`) forgets them all; bounded
     `lru_cache`s of values (RoPE tables) are not state. Control: a bare `functools.cache` is found."""
-    paths = [*(ROOT / "ops").rglob("*.py"), *(ROOT / "kernels").rglob("*.py"), ROOT / "notices.py"]
+    paths = [*(ROOT / "ops").rglob("*.py"), *(ROOT / "kernels").rglob("*.py"), ROOT / "base" / "notices.py"]
     assert {p.name for p in paths} >= {"selection.py", "proof.py", "notices.py", "cpu.py"}
     assert [f"{p.name}: {f}" for p in paths for f in _unregistered_caches(p.read_text())] == []
     assert _unregistered_caches("import functools\n@functools.cache\ndef f():\n    return 1\n") == ["f"]

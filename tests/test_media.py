@@ -9,7 +9,9 @@ import torch
 from PIL import Image
 
 import bivit
-from bivit.media import frames_to_item, image_token_count, navit_size, open_image, preprocess_images
+from bivit.media.decode import open_image
+from bivit.media.grids import image_token_count, navit_size
+from bivit.media.pixels import frames_to_item, preprocess_images
 
 SPEC_TABLE = [  # (w, h) -> (grid h, grid w, tokens), docs/model.md "Images"
     ((224, 224), (16, 16, 64)), ((448, 448), (32, 32, 256)), ((640, 480), (36, 46, 414)),

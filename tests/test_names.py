@@ -1,5 +1,5 @@
 """Names of any bytes (file names, upload names, manifest paths) reach the records, losslessly, and never stop a
-batch or a dataset; what a terminal or a log line quotes of them is escaped and cut (`bivit.names`).
+batch or a dataset; what a terminal or a log line quotes of them is escaped and cut (`bivit.media.names`).
 
 Before: `bivit encode ok0.png $'bad\\xff.png'` raised UnicodeEncodeError writing its file (a traceback, no output,
 the good input lost too); `bivit encode-dataset` on a folder holding such a name failed before its first shard,
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 import bivit
-from bivit.names import MAX_NAME_BYTES, shown, stored, too_long, unescape
+from bivit.media.names import MAX_NAME_BYTES, shown, stored, too_long, unescape
 from support.media import png_bytes
 
 # Each kind of name that is not plain text, as the file system gives it to Python (bytes that are not UTF-8

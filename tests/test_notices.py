@@ -13,7 +13,8 @@ import sys
 import pytest
 from PIL import Image
 
-from bivit import kernels, notices
+from bivit import kernels
+from bivit.base import notices
 from bivit.kernels.cpu import amx_unused
 from support.installs import env_for, package_without
 from support.media import random_image

@@ -17,7 +17,8 @@ import torch
 from safetensors.torch import save_file
 
 import bivit
-from bivit import records
+from bivit.core import records
+from bivit.errors import FormatError
 from support.media import make_image, make_video
 
 INPUTS = ("a.png", "clip.mp4", "b.jpg")
@@ -154,7 +155,7 @@ def test_an_older_dataset_folder_and_its_shard_still_open(written, tmp_path):
             assert torch.equal(r.embedding, new[r.source].embedding)
     alone = tmp_path / "alone.safetensors"
     shutil.copy(shard, alone)
-    with pytest.raises(records.FormatError, match="older bivit.*open it inside that folder"):
+    with pytest.raises(FormatError, match="older bivit.*open it inside that folder"):
         bivit.load_embeddings(alone)
 
 
@@ -162,24 +163,24 @@ def test_other_files_fail_naming_what_they_are(tmp_path):
     newer = tmp_path / "newer.safetensors"
     save_file({"0": torch.zeros(1, 2)}, str(newer), metadata={"format": "bivit.embeddings/3", "encoder": "{}",
                                                                "items": "[]"})
-    with pytest.raises(records.FormatError, match=r"format 'bivit.embeddings/3', which this bivit does not read "
+    with pytest.raises(FormatError, match=r"format 'bivit.embeddings/3', which this bivit does not read "
                                                   r"\(it reads bivit.embeddings/2, bivit.embeddings/1, bivit.encode/1, "
                                                   r"bivit.response/1\)"):
         bivit.load_embeddings(newer)
     plain = tmp_path / "weights.safetensors"
     save_file({"w": torch.zeros(2)}, str(plain))
-    with pytest.raises(records.FormatError, match="not a bivit embedding file"):
+    with pytest.raises(FormatError, match="not a bivit embedding file"):
         bivit.load_embeddings(plain)
     text = tmp_path / "notes.safetensors"
     text.write_text("hello, this is not a safetensors file at all\n")
-    with pytest.raises(records.FormatError, match="not a safetensors file"):
+    with pytest.raises(FormatError, match="not a safetensors file"):
         bivit.load_embeddings(text)
     with pytest.raises(bivit.BivitError, match="does not exist"):
         bivit.load_embeddings(tmp_path / "missing.safetensors")
 
 
 def test_media_given_as_an_embedding_file_is_named_for_what_it_is(tmp_path):
-    """An image or video passed to `load_embeddings` is said to be one (bivit's own sniffing, `bivit.kinds`),
+    """An image or video passed to `load_embeddings` is said to be one (bivit's own sniffing, `bivit.media.kinds`),
     whatever its name, not read as a safetensors header of absurd length."""
     make_image(tmp_path / "a.png", (28, 28), seed=1)
     make_image(tmp_path / "b.jpg", (28, 28), seed=2)
@@ -187,7 +188,7 @@ def test_media_given_as_an_embedding_file_is_named_for_what_it_is(tmp_path):
     make_video(tmp_path / "d.mp4", frames=4, fps=4, size=(28, 28))
     for name, what in (("a.png", "a PNG image"), ("b.jpg", "a JPEG image"), ("c.safetensors", "a JPEG image"),
                        ("d.mp4", "a video")):
-        with pytest.raises(records.FormatError) as e:
+        with pytest.raises(FormatError) as e:
             bivit.load_embeddings(tmp_path / name)
         assert str(e.value) == f"{tmp_path / name}: {what}, not an embedding file (encode it first: bivit encode " \
                                f"{tmp_path / name})"
@@ -226,7 +227,7 @@ def test_a_damaged_file_is_refused_naming_file_and_tensor(written, tmp_path, wri
         read()  # undamaged: read back, and checked
     _flip_tensor_bits(damaged)
     for read in readers:
-        with pytest.raises(records.FormatError, match=rf"{damaged.name}: tensor '\w+' of '[\w.]+': its bytes do not "
+        with pytest.raises(FormatError, match=rf"{damaged.name}: tensor '\w+' of '[\w.]+': its bytes do not "
                                                       "match the checksum its record holds"):
             read()
 
@@ -317,7 +318,7 @@ def _resealed(src: Path, dst: Path, edit=None, fmt: str = records.FORMAT) -> Pat
     from safetensors import safe_open
     from safetensors.torch import load_file
 
-    from bivit.integrity import CHECKSUM_KEY, metadata_sha256
+    from bivit.core.integrity import CHECKSUM_KEY, metadata_sha256
 
     with safe_open(str(src), "pt") as f:
         meta = f.metadata()
@@ -355,10 +356,10 @@ def test_the_checksum_cannot_be_dropped_to_pass_as_an_older_file(small, tmp_path
     downgraded = bytearray(data.replace(b'\\"tensor_sha256\\"', b'\\"uensor_sha256\\"', 1))
     downgraded[start + 4] ^= 0x10
     (tmp_path / "a.safetensors").write_bytes(downgraded)
-    with pytest.raises(records.FormatError, match="does not match the checksum it holds"):
+    with pytest.raises(FormatError, match="does not match the checksum it holds"):
         bivit.load_embeddings(tmp_path / "a.safetensors")
     stripped = _resealed(small, tmp_path / "b.safetensors")
-    from bivit.integrity import CHECKSUM_KEY
+    from bivit.core.integrity import CHECKSUM_KEY
 
     raw = stripped.read_bytes()
     n = int.from_bytes(raw[:8], "little")
@@ -367,7 +368,7 @@ def test_the_checksum_cannot_be_dropped_to_pass_as_an_older_file(small, tmp_path
     text = json.dumps(header).encode()
     text += b" " * (-len(text) % 8)
     stripped.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n:])
-    with pytest.raises(records.FormatError, match=f"{stripped}: format 'bivit.embeddings/2' without its "
+    with pytest.raises(FormatError, match=f"{stripped}: format 'bivit.embeddings/2' without its "
                                                   f"'{CHECKSUM_KEY}'"):
         bivit.load_embeddings(stripped)
 
@@ -376,7 +377,7 @@ def test_the_checksum_cannot_be_dropped_to_pass_as_an_older_file(small, tmp_path
         return items
 
     old = _resealed(small, tmp_path / "c.safetensors", rename, fmt=records.FORMAT_1)
-    with pytest.raises(records.FormatError, match="names tensor '0' without its 'tensor_sha256'"):
+    with pytest.raises(FormatError, match="names tensor '0' without its 'tensor_sha256'"):
         bivit.load_embeddings(old)
     # The checksum is what docs/formats.md says, computed without bivit.
     import hashlib
@@ -424,7 +425,7 @@ def test_a_record_that_contradicts_itself_is_refused_naming_file_and_field(small
     want = bivit.load_embeddings(small)
     assert (want[0].tokens, want[0].grid_thw, want[0].chunk_tokens) == (108, [[1, 18, 24]], [108])
     bad = _resealed(small, tmp_path / "bad.safetensors", edit)
-    with pytest.raises(records.FormatError) as e:
+    with pytest.raises(FormatError) as e:
         [r.embedding for r in bivit.load_embeddings(bad)]
     assert str(e.value).startswith(f"{bad}: record ") and f": {field!r} " in str(e.value), str(e.value)
     assert _identical(bivit.load_embeddings(_resealed(small, tmp_path / "good.safetensors")), want)
@@ -438,7 +439,7 @@ def test_a_record_at_odds_with_its_tensor_is_refused(small, tmp_path):
                     lambda items: [{**(r := one(items)[0]), "placeholders": [{**r["placeholders"][0], "tokens": 1}]},
                                    items[1]])
     opened = bivit.load_embeddings(bad)
-    with pytest.raises(records.FormatError, match=rf"{bad}: tensor '0' of '.*sample.png': a tensor of shape "
+    with pytest.raises(FormatError, match=rf"{bad}: tensor '0' of '.*sample.png': a tensor of shape "
                                                   r"\[108, 128\], its record says 1 rows"):
         opened[0].embedding  # noqa: B018 - reads it
     assert torch.equal(opened[1].embedding, bivit.load_embeddings(small)[1].embedding)  # the control

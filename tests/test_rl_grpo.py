@@ -1,5 +1,5 @@
 """TRL's GRPOTrainer on a tiny Kimi-K2.5 (transformers' model class, random weights), 2 optimizer steps on CPU, with
-bivit's `rollout_func` (`bivit.engines.rl.Rollout`: bivit's Encoder, transformers' `generate` fed bivit's rows).
+bivit's `rollout_func` (`bivit.integrations.rl.Rollout`: bivit's Encoder, transformers' `generate` fed bivit's rows).
 
 What is proven, every step (the second one after a weight update, synced to the rollout encoder):
 * with bivit attached, the rows each trainer forward computed for an image are the bits the rollout generated
@@ -32,7 +32,7 @@ from support.media import png_bytes
 
 pytest.importorskip("trl")
 import bivit  # noqa: E402
-import bivit.hf as bh  # noqa: E402
+import bivit.integrations.hf as bh  # noqa: E402
 from support.grpo import STEPS, grpo_run  # noqa: E402
 
 @pytest.fixture(scope="module")

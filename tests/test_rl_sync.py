@@ -1,5 +1,5 @@
 """Weight sync from a trainer (transformers' Kimi-K2.5 with bivit attached) to a running `bivit serve` process
-(`POST /v1/weights` through `bivit.Client.update_weights`, as `bivit.engines.rl.Rollout` does with
+(`POST /v1/weights` through `bivit.Client.update_weights`, as `bivit.integrations.rl.Rollout` does with
 `push_to_server`): after one optimizer step and the sync, the server answers with the bits, and under the
 fingerprint, of a fresh encoder loaded from the checkpoint the trainer saved (control: before the sync it does
 not). The vLLM side (the same weights under vLLM's names, and the saved checkpoint loaded by vLLM) is in
@@ -13,8 +13,8 @@ import torch
 from PIL import Image
 
 import bivit
-from bivit.client import ServerError
-from bivit.media import MEDIA_PAD
+from bivit.media.pixels import MEDIA_PAD
+from bivit.serve.client import ServerError
 from support.media import png_bytes, random_image
 from support.server import ServerProcess
 
@@ -22,8 +22,8 @@ pytest.importorskip("transformers")
 pytest.importorskip("fastapi")
 from transformers import Kimi_K25ForConditionalGeneration  # noqa: E402
 
-import bivit.hf as bh  # noqa: E402
-from bivit.engines.rl import Rollout, push_to_server  # noqa: E402
+import bivit.integrations.hf as bh  # noqa: E402
+from bivit.integrations.rl import Rollout, push_to_server  # noqa: E402
 
 KEY = "sync-key-7"
 

@@ -24,7 +24,7 @@ from PIL import Image
 from safetensors.torch import load as st_load
 
 import bivit
-from bivit.client import Client, EncodeError, ServerError, parse_response
+from bivit.serve.client import Client, EncodeError, ServerError, parse_response
 from support.server import ServerProcess, free_port
 from support.media import make_video, png_bytes
 

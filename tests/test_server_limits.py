@@ -517,7 +517,7 @@ def test_json_answers_are_streamed(small):
     """A 145 MB `?format=json` answer was one json.dumps call: 12 s under the interpreter lock (/health stalled
     5.2 s), +1.06 GB. It is now made a row at a time as it is sent (no Content-Length); the values are the
     safetensors answer's, exactly."""
-    from bivit.client import parse_response
+    from bivit.serve.client import parse_response
 
     files = [("file", ("a.png", one_bit_png(896, 3), "image/png"))] * 4
     r, _ = measured(small, "a 4-copy JSON answer", lambda: httpx.post(f"{small.url}/v1/encode?format=json",
@@ -552,8 +552,8 @@ def test_names_of_any_characters_reach_the_records(small):
     r = httpx.post(f"{small.url}/v1/encode", content=body.encode(), headers={"Content-Type": "application/json"},
                    timeout=60)
     assert r.status_code == 200, r.text[:300]
-    from bivit.client import parse_response
-    from bivit.names import unescape
+    from bivit.serve.client import parse_response
+    from bivit.media.names import unescape
 
     recs = parse_response(r.content)[1]
     assert [rec.source for rec in recs[:5]] == ["\\ud800.png", "nul\x00.png", "new\nline.png", "\u202egnp.exe",
@@ -604,8 +604,8 @@ def test_a_planted_encoder_cache_file_is_replaced(tmp_path):
     reused only when it holds exactly the rows; otherwise it is replaced atomically."""
     from safetensors.torch import load_file, save_file
 
-    from bivit.client import parse_response
-    from bivit.encoder_cache import EC_FILE, EC_KEY, ec_id
+    from bivit.serve.client import parse_response
+    from bivit.core.encoder_cache import EC_FILE, EC_KEY, ec_id
 
     ec = tmp_path / "ec"
     with ServerProcess(["--ec-dir", str(ec), "--cache-mb", "0"], tmp_path) as srv:

@@ -14,8 +14,8 @@ from torch.autograd import gradcheck
 
 import bivit
 from bivit import ops
-from bivit.checkpoint import from_transformers_layout
-from bivit.media import MediaBatch, preprocess_images
+from bivit.checkpoint.state_dict import from_transformers_layout
+from bivit.media.pixels import MediaBatch, preprocess_images
 from support.controls import row_count_dependent_gemms
 from support.media import random_image
 from support.checkpoints import load_hf
@@ -342,7 +342,7 @@ def _optimizer_step(trainer, items, lr=1e-2):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_update_weights_serves_the_trainers_new_bits(paths, dtype, tmp_path):
-    from bivit.checkpoint import save_checkpoint
+    from bivit.checkpoint.state_dict import save_checkpoint
 
     enc = bivit.load_encoder(paths["kimi"], dtype=dtype)
     trainer = bivit.load_model(paths["kimi"], dtype=dtype)

@@ -20,16 +20,11 @@ import torch
 import bivit
 from bivit import MediaError
 from bivit.errors import ConfigError
-from bivit.media import frames_to_item, image_token_count, padded_grid
-from bivit.video import (
-    VideoChunk,
-    chunk_timestamp,
-    is_video_path,
-    preprocess_video,
-    probe_video,
-    sample_frame_indices,
-    video_chunks,
-)
+from bivit.media.grids import image_token_count, padded_grid
+from bivit.media.kinds import is_video_path
+from bivit.media.pixels import frames_to_item
+from bivit.media.video import (VideoChunk, chunk_timestamp, preprocess_video, probe_video, sample_frame_indices,
+                               video_chunks)
 from support import reference
 from support.media import (
     frame_pattern,
@@ -56,7 +51,7 @@ def reference_timestamp(frame_index: int, fps: float) -> str:
 
 
 def decode_all(path) -> list:
-    """Every frame of a video as PIL RGB, decoded the plain way (independent of bivit.video)."""
+    """Every frame of a video as PIL RGB, decoded the plain way (independent of bivit.media.video)."""
     with av.open(str(path)) as c:
         return [f.to_image().convert("RGB") for f in c.decode(video=0)]
 
@@ -464,7 +459,7 @@ def test_bad_options_raise_config_error(vids, option, value):
 
 
 def test_default_limits():
-    import bivit.video as v
+    import bivit.media.video as v
 
     assert (v.MAX_FRAMES, v.MAX_DURATION_S, v.MAX_FRAME_PIXELS) == (1024, 14400.0, 7680 * 4320)
     # 1024 sampled frames at 2 fps is 512 s: the frame cap is what binds first for ordinary video.

@@ -17,8 +17,8 @@ import torch
 from safetensors.torch import save as safetensors_bytes
 
 import bivit
-from bivit.client import parse_response
-from bivit.media import preprocess_images
+from bivit.media.pixels import preprocess_images
+from bivit.serve.client import parse_response
 from support.server import ServerProcess
 from support.media import png_bytes
 
@@ -184,7 +184,7 @@ def test_encoder_cache_ids_follow_the_weights(tmp_path):
     files under the old ids still hold the old rows, the new ids the new ones."""
     from safetensors.torch import load_file
 
-    from bivit.encoder_cache import ec_id
+    from bivit.core.encoder_cache import ec_id
 
     ec = tmp_path / "ec"
     images = [png_bytes(84, 56, 3)]

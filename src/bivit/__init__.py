@@ -17,22 +17,22 @@ from .errors import BivitError, CheckpointError, ConfigError, MediaError
 
 # public name -> module that defines it
 _LAZY = {
-    "Client": ".client",
+    "Client": ".serve.client",
     "open_dataset": ".dataset.reader",
-    "load_embeddings": ".embeddings",
-    "Record": ".records",
-    "Encoder": ".encoder",
-    "EncoderSpec": ".spec",
-    "ItemResult": ".items",
-    "VideoFrames": ".items",
-    "load_encoder": ".encoder",
-    "load_model": ".train",
-    "TrainableModel": ".train",
-    "MediaBatch": ".media",
-    "image_token_count": ".grids",
-    "Placeholder": ".media",
-    "ProcessorConfig": ".preprocess_config",
-    "VideoChunk": ".video",
+    "load_embeddings": ".dataset.embeddings",
+    "Record": ".core.records",
+    "Encoder": ".core.encoder",
+    "EncoderSpec": ".core.spec",
+    "ItemResult": ".core.items",
+    "VideoFrames": ".core.items",
+    "load_encoder": ".core.encoder",
+    "load_model": ".integrations.train",
+    "TrainableModel": ".integrations.train",
+    "MediaBatch": ".media.pixels",
+    "image_token_count": ".media.grids",
+    "Placeholder": ".media.pixels",
+    "ProcessorConfig": ".checkpoint.preprocess_config",
+    "VideoChunk": ".media.video",
 }
 
 __all__ = ["BivitError", "CheckpointError", "ConfigError", "MediaError", *_LAZY]

@@ -4,7 +4,7 @@
 Items are packed along the row axis: `pixel_values` is `[L, 3, p, p]` and `grid_thw[i] = (t, h, w)` says item i
 owns the next t*h*w rows (frame-major, row-major). Reductions go through `bivit.ops`; this file never needs to
 know whether invariant mode is on. Module and parameter names are the Moonshot checkpoint's, so its weights
-load without renaming; other layouts are converted in `bivit.checkpoint`.
+load without renaming; other layouts are converted in `bivit.checkpoint.state_dict`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 from . import ops
-from .config import ModelConfig
+from .checkpoint.config import ModelConfig
 
 
 class Linear(nn.Linear):

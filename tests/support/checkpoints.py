@@ -6,8 +6,8 @@ from pathlib import Path
 
 import torch
 
-from bivit.checkpoint import random_state_dict, save_checkpoint, transformers_config_dict as hf_config_dict
-from bivit.config import ModelConfig
+from bivit.checkpoint.config import ModelConfig
+from bivit.checkpoint.state_dict import random_state_dict, save_checkpoint, transformers_config_dict as hf_config_dict
 
 # Small but Kimi-shaped: head dim 72 like the real model; an 8x8 position table so that a 112x112 image
 # uses it as is and every other size interpolates. The projector input width 4*288 = 1152 is the real tower

@@ -4,8 +4,8 @@ import contextlib
 
 import torch
 
-from bivit.media import MediaBatch
-from bivit.verify import encode_cut
+from bivit.diagnose.verify import encode_cut
+from bivit.media.pixels import MediaBatch
 
 
 @contextlib.contextmanager

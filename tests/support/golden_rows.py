@@ -1,4 +1,4 @@
-"""`python -m support.golden_rows LAYOUTS MODEL:DTYPE...`: the golden inputs' rows (`bivit.golden`) under this
+"""`python -m support.golden_rows LAYOUTS MODEL:DTYPE...`: the golden inputs' rows (`bivit.diagnose.golden`) under this
 process's kernels (steered by BIVIT_ATTENTION / BIVIT_GEMM / BIVIT_ARITH, as a test sets them), as one JSON line:
 {"MODEL:DTYPE": {"bits": class, "kernels": {...}, "rows": {layout: {input: sha256}}}}. MODEL: "demo" or a
 checkpoint directory. LAYOUTS: comma-separated `alone|packed|reversed@THREADS`: each input encoded alone, all in
@@ -10,7 +10,7 @@ import sys
 import torch
 
 import bivit
-from bivit import golden
+from bivit.diagnose import golden
 
 
 def rows(encoder, layouts: list[str]) -> dict:

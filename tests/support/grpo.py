@@ -1,5 +1,5 @@
 """GRPO runs for the RL tests (tests/test_rl_grpo.py, tests/vllm_engine/test_vllm_rl.py): TRL's GRPOTrainer on a
-tiny Kimi-K2.5 (transformers' model class) with a `bivit.engines.rl.Rollout`, recording what the rollout and the
+tiny Kimi-K2.5 (transformers' model class) with a `bivit.integrations.rl.Rollout`, recording what the rollout and the
 trainer saw.
 
 `grpo_run` trains; its `Record` holds, by step and image (`image_key`: the item's pixels), the rows the rollout
@@ -22,11 +22,11 @@ from transformers.modeling_outputs import BaseModelOutputWithPooling
 from trl import GRPOConfig, GRPOTrainer
 
 import bivit
-import bivit.hf as bh
-from bivit.engines.rows import Media
-from bivit.engines.vllm import Target
-from bivit.items import prepare
-from bivit.engines.rl import Rollout
+import bivit.integrations.hf as bh
+from bivit.core.items import prepare
+from bivit.integrations.rl import Rollout
+from bivit.integrations.rows import Media
+from bivit.integrations.vllm import Target
 from support.media import random_image
 
 SIZES = [(112, 112), (60, 250), (203, 97)]  # (h, w): three prompts, one image each

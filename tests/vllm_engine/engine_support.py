@@ -33,7 +33,7 @@ from typing import Any, Iterator, Optional
 import torch
 from safetensors.torch import load_file
 
-from bivit.encoder_cache import EC_FILE, EC_KEY
+from bivit.core.encoder_cache import EC_FILE, EC_KEY
 
 HERE = Path(__file__).resolve().parent
 DTYPES = ("bfloat16", "float32")

@@ -45,8 +45,9 @@ from support import doc_code  # noqa: E402
 from support.media import make_video, random_image  # noqa: E402
 
 import bivit  # noqa: E402
-from bivit.engines import vllm as bv  # noqa: E402
-from bivit.video import sample_frame_indices  # noqa: E402
+from bivit.integrations import vllm as bv  # noqa: E402
+from bivit.integrations.rows import Media, encode  # noqa: E402
+from bivit.media.video import sample_frame_indices  # noqa: E402
 
 LOGPROB_ATOL = 1e-4  # (2), float32: the rows differ by ~1e-6 relative; through two layers the log-probs move less
 MAX_TOKENS = 8
@@ -109,7 +110,7 @@ PROMPTS = {  # name -> the inputs it shows, in order (one <|media_pad|> per imag
 @pytest.fixture(scope="module")
 def media(encoder, inputs):
     names = list(inputs)
-    return dict(zip(names, bv.encode(encoder, [inputs[n][0] for n in names])))
+    return dict(zip(names, encode(encoder, [inputs[n][0] for n in names])))
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +153,7 @@ def own(llm, inputs, media, ec_dir):
 
 def test_bivit_does_not_import_vllm():
     """Here vLLM is installed, so this can fail: bivit's vLLM module builds plain dicts and tensors."""
-    code = "import sys, bivit, bivit.engines.vllm; print('vllm' in sys.modules)"
+    code = "import sys, bivit, bivit.integrations.vllm; print('vllm' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out == "False\n"
 
@@ -196,7 +197,7 @@ def test_rows_match_vllms_own_vision_tower(own, media, inputs, tiny_kimi, dtype,
 def test_vllms_own_rows_as_prompt_embeds_reproduce_its_run(llm, own, media, target):
     """Control for (2): the prompt-embeds path is exact, so any difference in (2) comes from the rows."""
     for pname, (tokens, logprobs, rows, ids) in own.items():
-        theirs = [bv.Media(rows[n], media[n].placeholders, media[n].fingerprint, media[n].sha256, media[n].kind,
+        theirs = [Media(rows[n], media[n].placeholders, media[n].fingerprint, media[n].sha256, media[n].kind,
                            media[n].sizes, media[n].frames, n) for n in PROMPTS[pname]]
         prompt = bv.build_prompt(ids, theirs, target=target, tokenizer=llm.get_tokenizer())
         assert greedy(llm, prompt.embeds_prompt()) == (tokens, logprobs), pname
@@ -242,7 +243,7 @@ def test_encoder_cache_consumer_never_runs_the_tower(llm, own, media, target, ec
         assert consumed == as_embeds, pname  # the same bits into the language model, the same bits out
     # The files are what is read: other rows under another id change the output.
     m = media["square"]
-    other = bv.Media(torch.zeros_like(m.embedding), m.placeholders, "zeroed-" + m.fingerprint, m.sha256, m.kind,
+    other = Media(torch.zeros_like(m.embedding), m.placeholders, "zeroed-" + m.fingerprint, m.sha256, m.kind,
                      m.sizes, m.frames, "zeroed")
     bv.write_encoder_cache(ec_dir, [other])
     ids = own["one image"][3]
@@ -269,7 +270,7 @@ def test_batched_requests_get_the_same_rows(llm, own, media, target, ec_dir, inp
     nudged = m.embedding.clone()
     bits = nudged.view({torch.float32: torch.int32, torch.bfloat16: torch.int16}[nudged.dtype])
     bits[0, 0] += 1  # the next representable value (one ulp away)
-    twin = bv.Media(nudged, m.placeholders, "nudged-" + m.fingerprint, m.sha256, m.kind, m.sizes, m.frames, "nudged")
+    twin = Media(nudged, m.placeholders, "nudged-" + m.fingerprint, m.sha256, m.kind, m.sizes, m.frames, "nudged")
     bv.write_encoder_cache(ec_dir, [twin])
     others = [bv.ec_prompt(tok.encode(text_of(PROMPTS[p], media), add_special_tokens=False),
                            [media[n] for n in PROMPTS[p]], target=target, ec_dir=ec_dir, tokenizer=tok)

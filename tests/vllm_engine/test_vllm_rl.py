@@ -1,5 +1,5 @@
 """bivit in an RL stack whose rollout engine is vLLM: TRL 1.16's GRPOTrainer training transformers' Kimi-K2.5 with
-bivit attached, `bivit.engines.rl.Rollout(engine=VllmGenerate(llm))` generating in a real vLLM (CPU) from bivit's
+bivit attached, `bivit.integrations.rl.Rollout(engine=VllmGenerate(llm))` generating in a real vLLM (CPU) from bivit's
 rows as prompt embeddings, on the tiny checkpoint, one engine per dtype (bfloat16, float32). In order:
 
 1. Control, while the engine still holds the checkpoint's weights: one GRPO step where vLLM encodes the images
@@ -7,8 +7,8 @@ rows as prompt embeddings, on the tiny checkpoint, one engine per dtype (bfloat1
    reads them) and the trainer with HF's tower. The rows differ, and the trainer's log-probs move when vLLM's rows
    replace its own.
 2. GRPO, 2 steps: vLLM generates from bivit's rows, the trainer's weights are loaded into vLLM under its names
-   before each rollout (`bivit.hf.checkpoint_state_dict`). Every trainer forward computes the rows the rollout
-   used, bit for bit, so the rows add nothing to the rollout-vs-trainer log-prob gap.
+   before each rollout (`bivit.integrations.hf.checkpoint_state_dict`). Every trainer forward computes the rows the
+   rollout used, bit for bit, so the rows add nothing to the rollout-vs-trainer log-prob gap.
 3. float32: the trained model saved with `save_pretrained`; vLLM with the synced weights and a vLLM started on
    the saved checkpoint give the same tokens and log-probs bit for bit; vLLM's own tower on the saved weights
    matches a fresh bivit encoder of the saved checkpoint within ROWS_RTOL (the checkpoint's original weights do
@@ -35,11 +35,12 @@ from support.grpo import Record, image_key, grpo_run  # noqa: E402
 from support.media import random_image  # noqa: E402
 
 import bivit  # noqa: E402
-import bivit.hf as bh  # noqa: E402
-from bivit.engines import vllm as bv  # noqa: E402
-from bivit.engines.rows import Media  # noqa: E402
-from bivit.items import prepare  # noqa: E402
-from bivit.engines.rl import Rollout, Sampling, VllmGenerate, prompt_images  # noqa: E402
+import bivit.integrations.hf as bh  # noqa: E402
+from bivit.core.items import prepare  # noqa: E402
+from bivit.integrations import vllm as bv  # noqa: E402
+from bivit.integrations.rl import Rollout, Sampling, VllmGenerate, prompt_images  # noqa: E402
+from bivit.integrations.rows import encode  # noqa: E402
+from bivit.integrations.rows import Media  # noqa: E402
 
 RESULTS: dict = {}  # (dtype, mode) -> (record, info): the runs, for the tests after them and the report
 
@@ -129,7 +130,7 @@ def test_the_saved_checkpoint_and_pushed_weights_reach_vllm(llm, tiny_kimi, ec_d
     model.save_pretrained(saved)
     bh.Processor.from_pretrained(tiny_kimi).save_pretrained(saved)
     image = random_image(98, 154, 77)
-    (media,) = bv.encode(bivit.load_encoder(str(saved), dtype=dtype), [image])
+    (media,) = encode(bivit.load_encoder(str(saved), dtype=dtype), [image])
     want = media.embedding
     original = bivit.load_encoder(str(tiny_kimi), dtype=dtype).encode([image])[0]
     tok = llm.get_tokenizer()

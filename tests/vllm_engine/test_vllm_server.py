@@ -31,7 +31,8 @@ from engine_support import engine_environment, server_options  # noqa: E402
 from support import doc_code  # noqa: E402
 from support.media import random_image  # noqa: E402
 
-from bivit.engines import vllm as bv  # noqa: E402
+from bivit.integrations import vllm as bv  # noqa: E402
+from bivit.integrations.rows import encode  # noqa: E402
 
 LOGPROB_ATOL = 1e-4  # as in test_vllm_offline
 STARTUP_S = 900  # a generous bound on the server's start on a loaded 2-core machine (not a timing assertion)
@@ -111,7 +112,7 @@ def test_openai_server_takes_bivit_rows(server, tiny_kimi, encoders, dtype):
     url, ec_dir, _ = server
     encoder = encoders(dtype)
     img = Image.fromarray(random_image(97, 203, 7), "RGB")
-    (m,) = bv.encode(encoder, [img])
+    (m,) = encode(encoder, [img])
     target = bv.Target.from_checkpoint(tiny_kimi, dtype, fingerprint=encoder.fingerprint)
     model = str(tiny_kimi)
 

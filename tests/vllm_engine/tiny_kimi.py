@@ -2,7 +2,7 @@
 
 One directory that both bivit and vLLM load without conversion:
 
-* vision tower + projector: bivit's own writers (`bivit.checkpoint`), Moonshot weight names, the transformers
+* vision tower + projector: bivit's own writers (`bivit.checkpoint.state_dict`), Moonshot weight names, the transformers
   config layout (plain key names, which is what vLLM's Kimi-K2.5 model reads);
 * language model: a 2-layer DeepSeek-V3 (multi-head latent attention with `kv_lora_rank` 512 and
   `qk_rope_head_dim` 64, the only MLA head size vLLM's CPU kernel takes; layer 0 dense, layer 1 a small
@@ -21,9 +21,9 @@ from typing import Optional
 
 import torch
 
-from bivit.checkpoint import random_state_dict, save_checkpoint, transformers_config_dict
-from bivit.config import ModelConfig
-from bivit.preprocess_config import K25_PROCESSING, preprocessor_config_dict
+from bivit.checkpoint.config import ModelConfig
+from bivit.checkpoint.preprocess_config import K25_PROCESSING, preprocessor_config_dict
+from bivit.checkpoint.state_dict import random_state_dict, save_checkpoint, transformers_config_dict
 
 # Vision: head dim 72 like the real tower; an 8x8 position table (112x112 images use it as is, other sizes
 # interpolate). The projector writes the language model's width.

@@ -9,7 +9,7 @@ import statistics
 from pathlib import Path
 from typing import Callable
 
-from ..fileio import write_atomic
+from ..base.fileio import write_atomic
 from .roofline import roofline_s
 from .run import fmt_load, machine_line
 from .workload import BIVIT_IMPLS, HF_IMPL
@@ -267,7 +267,7 @@ def save_figure(fig, path: Path) -> None:
 
 
 def write_text(path: Path, text: str) -> None:
-    """`text` to `path` atomically (the one atomic write of `bivit.fileio`), creating its folder."""
+    """`text` to `path` atomically (the one atomic write of `bivit.base.fileio`), creating its folder."""
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(path, text.encode())
 

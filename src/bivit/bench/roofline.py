@@ -32,8 +32,8 @@ import torch
 import torch.nn.functional as F
 
 from .. import ops
+from ..checkpoint.config import ModelConfig
 from ..errors import BivitError
-from ..config import ModelConfig
 from ..model import VisionModel
 from ..ops import gemms
 from .workload import Case

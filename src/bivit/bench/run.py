@@ -28,9 +28,10 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from .. import kernels, notices, ops
-from ..config import PRESETS
-from ..dtypes import dtype_option
+from .. import kernels, ops
+from ..base import notices
+from ..base.dtypes import dtype_option
+from ..checkpoint.config import PRESETS
 from ..errors import BivitError, ConfigError
 from ..kernels import cpu
 from .roofline import (PEAK_ROWS, attention_flops_per_item, attention_gflops, case_flops, gemm_gflops, gemm_shapes,
@@ -127,7 +128,7 @@ def script_args(description: str, *, dtype: str = "bfloat16", dtypes: Sequence[s
 
 def script_dtype(dtypes: Sequence[str]) -> Callable[[str], str]:
     """A script's --dtype parser: "both" (where `dtypes` lists it), or one of `dtypes` in any spelling the commands
-    accept, as its canonical name; refused in the commands' words (`bivit.dtypes.dtype_option`)."""
+    accept, as its canonical name; refused in the commands' words (`bivit.base.dtypes.dtype_option`)."""
     runs = [d for d in dtypes if d != "both"]
 
     def parse(value: str) -> str:

@@ -27,11 +27,11 @@ from typing import Any, Callable
 import torch
 
 from .. import ops
-from ..allocator import tune
-from ..config import ModelConfig
-from ..encoder import load_encoder
+from ..base.allocator import tune
+from ..checkpoint.config import ModelConfig
+from ..core.encoder import load_encoder
 from ..errors import BivitError
-from ..media import MediaBatch
+from ..media.pixels import MediaBatch
 from .workload import BIVIT_IMPLS, HF_IMPL, TORCH_DTYPES, hf_supports, load_cases
 
 

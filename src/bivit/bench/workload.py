@@ -14,11 +14,11 @@ from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ..checkpoint import random_state_dict, save_checkpoint, transformers_config_dict
-from ..config import PRESETS, ModelConfig
-from ..dtypes import dtype_option, parse_dtype
+from ..base.dtypes import dtype_option, parse_dtype
+from ..checkpoint.config import PRESETS, ModelConfig
+from ..checkpoint.state_dict import random_state_dict, save_checkpoint, transformers_config_dict
 from ..errors import BivitError
-from ..media import MediaBatch, frames_to_item
+from ..media.pixels import MediaBatch, frames_to_item
 
 IMPLS = ("bivit-invariant", "bivit-default", "hf-sdpa")
 BIVIT_IMPLS = IMPLS[:2]
@@ -30,7 +30,7 @@ TORCH_DTYPES = {name: parse_dtype(name, "--dtype") for name in BENCH_DTYPES}
 
 def bench_dtypes(value: str, option: str = "--dtype") -> tuple[str, ...]:
     """The dtypes a `--dtype` of bench (or a benchmark script) names: "both", or one in any spelling every
-    command accepts (`bivit.dtypes`)."""
+    command accepts (`bivit.base.dtypes`)."""
     return BENCH_DTYPES if value == "both" else (dtype_option(value, option, BENCH_DTYPES),)
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 
-from ..allocator import tune
+from ..base.allocator import tune
 from . import encode, verify, serve, dataset, bench, doctor  # noqa: F401  (registers the commands, in help order)
 from .common import app
 
@@ -39,7 +39,7 @@ class _Once(logging.Filter):
 def main() -> None:
     tune()  # this process is bivit's own: keep freed activation memory for the next forward pass
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    # The library's warnings (the demo notice, a fast path that is off and why: bivit.notices) are one line each
+    # The library's warnings (the demo notice, a fast path that is off and why: bivit.base.notices) are one line each
     # on stderr, said once; `bivit serve` replaces this with its JSON log lines.
     for handler in logging.getLogger().handlers:
         handler.addFilter(_Once())

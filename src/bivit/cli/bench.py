@@ -7,8 +7,8 @@ from typing import List, Optional
 
 import typer
 
+from ..base.options import whole
 from ..errors import BivitError
-from ..options import whole
 from .common import FAILURE, command, fail, writable
 
 

@@ -17,10 +17,10 @@ from typing import Any, Callable, Optional
 import typer
 
 from .. import __version__
-from ..dtypes import CHOICES as DTYPE_CHOICES, DEFAULT_DTYPE, canonical_name
+from ..base.dtypes import CHOICES as DTYPE_CHOICES, DEFAULT_DTYPE, canonical_name
+from ..base.fileio import check_writable
+from ..core.spec import EncoderSpec
 from ..errors import BivitError
-from ..fileio import check_writable
-from ..spec import EncoderSpec
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="bivit: batch-invariant vision encoding for Kimi-K2.5/K2.6/K3.")
@@ -119,7 +119,7 @@ def writable(path: Path, inputs: Any = (), option: str = "--out") -> None:
 def encoder_spec(model: Optional[str] = None, dtype: Optional[str] = None, projector_dtype: Optional[str] = None,
                  output_dtype: Optional[str] = None, alpha: str = "model", device: str = "cpu",
                  max_batch_patches: Optional[int] = None, batch_invariant: bool = True) -> EncoderSpec:
-    """The encoder a command was given, as its spec (`bivit.options.EncoderSpec`), checked before its inputs are
+    """The encoder a command was given, as its spec (`bivit.base.options.EncoderSpec`), checked before its inputs are
     read, before any output is created and before the model loads (ConfigError naming the flag: one line, exit 2).
     The command hands it whole to `load_encoder`."""
     return EncoderSpec(model, dtype=dtype, projector_dtype=projector_dtype, output_dtype=output_dtype, alpha=alpha,

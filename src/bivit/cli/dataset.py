@@ -45,7 +45,7 @@ def encode_dataset(
     Every image and video under SRC goes into sharded safetensors in --out (resumable, crash-safe). Inputs that
     cannot be encoded are listed in OUT/errors.jsonl (and `open_dataset(OUT).errors`) until they are encoded; the
     exit status is then 1 unless --allow-failures. With --ec-dir, each input this run encodes also goes to vLLM's
-    encoder cache as it is encoded (ids: `bivit.engines.vllm.load_media(OUT)`)."""
+    encoder cache as it is encoded (ids: `bivit.integrations.rows.load_media(OUT)`)."""
     spec = encoder_spec(model, dtype, projector_dtype, output_dtype, alpha, device, max_batch_patches)
     # torch (the job's and the listing's media rules): loaded once the encoder options are good
     from ..dataset import job, sources
@@ -66,7 +66,7 @@ def encode_dataset(
     typer.echo(_summary_line(summary))
     if ec_dir is not None:
         typer.echo(f"encoder cache: {plural(summary.ec_written, 'item')} in {ec_dir} "
-                   "(ids: bivit.engines.vllm.load_media(OUT))")
+                   "(ids: bivit.integrations.rows.load_media(OUT))")
     if summary.ec_failed:
         typer.echo(f"bivit: error: --ec-dir {ec_dir}: {plural(len(summary.ec_failed), 'input')} not written there, "
                    f"{summary.ec_failed[0]} ({out} holds every embedding)", err=True)

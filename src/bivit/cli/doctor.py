@@ -31,7 +31,7 @@ def doctor(
     demo) at --dtype, and the demo model's rows for bivit's golden inputs are compared with the committed ones
     ("bits bivit-arith/1: match"); exit 1 where invariant mode is refused here or the rows differ."""
     spec = encoder_spec(model, dtype, projector_dtype)  # refused as every command refuses them, --prove or not
-    from ..doctor import format_report, prove as run_proof, report  # torch and the kernels: not for --help
+    from ..diagnose.doctor import format_report, prove as run_proof, report  # torch and the kernels: not for --help
 
     logging.getLogger("bivit").setLevel(logging.ERROR)  # every fallback is in the report itself
     r = report()

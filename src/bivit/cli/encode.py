@@ -1,4 +1,4 @@
-"""`bivit encode`: files in, one embedding file (`bivit.records`, format bivit.embeddings/1) out."""
+"""`bivit encode`: files in, one embedding file (`bivit.core.records`, format bivit.embeddings/1) out."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from typing import Any, List, Optional
 
 import typer
 
-from .. import records as rec
+from ..core import records as rec
 from ..errors import BivitError
-from ..kinds import media_kind
-from ..names import label, shown, stored, too_long
+from ..media.kinds import media_kind
+from ..media.names import label, shown, stored, too_long
 from .common import (EC_PROBE, FAILURE, AlphaOpt, DeviceOpt, DtypeOpt, EcDirOpt, MaxBatchPatchesOpt, ModelOpt,
                      OutDtypeOpt, ProjDtypeOpt, command, encoder_spec, fail, plural, progress_shown, writable)
 
@@ -46,7 +46,7 @@ def encode(
     if ec_dir is not None:
         writable(ec_dir / EC_PROBE, option="--ec-dir")
     # torch (the media pipeline, the encoder cache's writer): loaded once the options are good
-    from .. import encoder, encoder_cache, items
+    from ..core import encoder, encoder_cache, items
 
     results: list[Any] = [None] * len(files)  # per input: its record, or its error before any model loaded
     # How each input is named in the file (a name that is not UTF-8 escaped; one too long to keep, cut)

@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from ..options import whole
+from ..base.options import whole
 from ..serve.settings import ServerSettings as Limits  # light: no web framework
 from .common import (EC_PROBE, AlphaOpt, DeviceOpt, DtypeOpt, EcDirOpt, MaxBatchPatchesOpt, ModelOpt, OutDtypeOpt,
                      ProjDtypeOpt, command, encoder_spec, fail, need_extra, writable)
@@ -86,7 +86,7 @@ def serve(
     spec = encoder_spec(model, dtype, projector_dtype, output_dtype, alpha, device, max_batch_patches, batch_invariant)
     if ec_dir is not None:
         writable(ec_dir / EC_PROBE, option="--ec-dir")
-    from ..encoder import load_encoder  # torch and the model, as below
+    from ..core.encoder import load_encoder  # torch and the model, as below
     from ..serve.logs import configure_logging  # the serve folder: once the options are good
     from ..serve.transport import run  # FastAPI, uvicorn and torch: once the options are good
 

@@ -8,12 +8,13 @@ from typing import List, Optional
 
 import typer
 
-from ..dtypes import dtype_name
+from ..base.dtypes import dtype_name
+from ..base.dtypes import CHOICES as DTYPE_CHOICES
+from ..base.options import whole
 from ..errors import BivitError
-from ..names import shown
-from ..options import whole
-from .common import (DTYPE_CHOICES, FAILURE, DeviceOpt, ModelOpt, OutDtypeOpt, ProjDtypeOpt, command, encoder_spec,
-                     need_extra, plural, writable)
+from ..media.names import shown
+from .common import (FAILURE, DeviceOpt, ModelOpt, OutDtypeOpt, ProjDtypeOpt, command, encoder_spec, need_extra, plural,
+                     writable)
 
 # Why float32: stock float32 GEMMs (MKL/oneDNN, AVX2 or AVX-512; float32 never runs on AMX tiles, so AMX Xeons
 # behave like AVX-512 CPUs here) compute a single row (a 1-token item alone: M = 1) with another kernel and
@@ -45,7 +46,9 @@ def verify(
 
     Encodes each item alone and inside random batch layouts, in invariant and default mode, and prints per item
     "bit-identical" or the max difference; exit 1 unless invariant mode is bit-stable."""
-    from .. import encoder, items, verify as v  # torch and the model: loaded once the options are good
+    # torch and the model: loaded once the options are good
+    from ..core import encoder, items
+    from ..diagnose import verify as v  # the same
 
     spec = encoder_spec(model, dtype, projector_dtype, output_dtype, device=device)  # before --plot's folder is made
     whole(layouts, "--layouts", 1, 10_000)

@@ -22,7 +22,7 @@ from typing import Any
 from .format import ERRORS, HEADER, MANIFEST
 from .reader import EncodedDataset, open_dataset
 
-# Its records are `bivit.Record`s (`bivit.records`), as every file bivit writes holds.
+# Its records are `bivit.Record`s (`bivit.core.records`), as every file bivit writes holds.
 __all__ = ["ERRORS", "HEADER", "MANIFEST", "EncodedDataset", "encode_dataset", "open_dataset"]
 
 

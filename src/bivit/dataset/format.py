@@ -3,7 +3,7 @@
     DIR/dataset.json              header: format, format_version, bivit version, the encoder
                                   (`Encoder.describe()`: model name + fingerprint, dtypes, width, preprocessing,
                                   kernels), and its checksum `header_sha256`
-    DIR/manifest.jsonl            one line per encoded input: its record (`bivit.records.Record`, as files list
+    DIR/manifest.jsonl            one line per encoded input: its record (`bivit.core.records.Record`, as files list
                                   it: tensor, source, kind, sha256, tokens, grid_thw, chunk_tokens, sizes,
                                   timestamps, placeholders) with the dataset's keys `shard` (the tensor's
                                   file), size, mtime_ns and seq
@@ -11,7 +11,7 @@
                                   error_kind, sha256 when it could be read) with the dataset's key `seq`;
                                   lines of older folders hold source, error, sha256 and seq only
     DIR/shard-000000.safetensors  embeddings keyed by the sha256 of the input's bytes; an embedding file of
-                                  its own (`bivit.records`: format, encoder, the records committed with it)
+                                  its own (`bivit.core.records`: format, encoder, the records committed with it)
 
 `bivit.load_embeddings` opens the folder (records in manifest order) or any one shard. Folders written before
 manifest lines carried chunk_tokens and placeholders, and before shards carried records, still open: their
@@ -21,7 +21,7 @@ Both files of lines are append-only, and each line carries `seq`, a number that 
 for a source, whichever of its manifest or error lines has the larger `seq` says what it is now (encoded, or
 failed since). A trailing partial line (a writer killed mid-append) is not a line.
 
-Every line and the header carry their checksum (`line_sha256`, `header_sha256`: `bivit.integrity.sealed`),
+Every line and the header carry their checksum (`line_sha256`, `header_sha256`: `bivit.core.integrity.sealed`),
 checked by every reader: from `format_version` 2 on they must (the version is covered by the header's), and
 folders of version 1 read unverified, said once per file. Both files are read within bounds (`MAX_HEADER_BYTES`,
 `MAX_LINES_BYTES`, `MAX_LINE_BYTES`).
@@ -37,10 +37,10 @@ import re
 from pathlib import Path
 from typing import Any, Optional
 
-from .. import records
+from ..base.fileio import open_regular, parse_json, read_regular
+from ..core import records
+from ..core.integrity import sealed, unsealed
 from ..errors import FormatError
-from ..fileio import open_regular, parse_json, read_regular
-from ..integrity import sealed, unsealed
 
 # The default shard size of a dataset job (`encode_dataset`, `bivit encode-dataset`), here so the CLI reads it
 # cheaply.
@@ -63,11 +63,11 @@ SHARD_RE = re.compile(r"^shard-(\d{6,})\.safetensors$")
 
 
 def manifest_record(obj: Any, where: str = MANIFEST, checked: bool = False) -> records.Record:
-    """A manifest line (of file `where`) as its record (`bivit.records.Record`; the dataset's own keys `shard`,
+    """A manifest line (of file `where`) as its record (`bivit.core.records.Record`; the dataset's own keys `shard`,
     `size`, `mtime_ns`, `seq` in `extra`, readable as attributes), checked: its checksum (`checked`: required),
     its shard a file name of this folder (`shard-N.safetensors`: no `..`, no path, so nothing outside the folder
     is ever read as an embedding), its tensor key and seq of their types, the record itself
-    (`bivit.integrity.check_record`); FormatError naming the file otherwise. Lines of older folders name the
+    (`bivit.core.integrity.check_record`); FormatError naming the file otherwise. Lines of older folders name the
     tensor `key`."""
     if not isinstance(obj, dict):
         raise FormatError(f"{where}: a manifest line that is not an object: {str(obj)[:200]}")

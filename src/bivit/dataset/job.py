@@ -19,12 +19,12 @@ from typing import Any, Optional
 
 from tqdm import tqdm
 
-from ..encoder import load_encoder
-from ..encoder_cache import Sink
+from ..base.options import BYTE_IN_MIB, size_mb, whole
+from ..core.encoder import load_encoder
+from ..core.encoder_cache import Sink
+from ..core.records import Record
+from ..core.spec import EncoderSpec
 from ..errors import BivitError, ConfigError
-from ..options import BYTE_IN_MIB, size_mb, whole
-from ..records import Record
-from ..spec import EncoderSpec
 from .format import DEFAULT_SHARD_MB
 from .local import run_local
 from .sources import list_sources, plan
@@ -71,9 +71,9 @@ def encode_dataset(src: str | os.PathLike, out: str | os.PathLike, spec: Optiona
     The encoder: `spec` (`bivit.EncoderSpec`; invariant mode), or its fields as keywords (`model`, `dtype`,
     `projector_dtype`, `output_dtype`, `device`, `alpha`, `max_batch_patches`, ...), as `load_encoder` takes
     them; refused naming the command's flags (`--dtype`). `max_batch_patches`: patches per forward pass
-    (`bivit.packing`: a memory bound, results do not depend on it). `device`: where the local engine's model
+    (`bivit.core.packing`: a memory bound, results do not depend on it). `device`: where the local engine's model
     runs (the Ray engine's workers encode on CPU). `ec_dir`: also
-    write each input this run encodes to vLLM's encoder cache there (`bivit.encoder_cache`), as it is encoded;
+    write each input this run encodes to vLLM's encoder cache there (`bivit.core.encoder_cache`), as it is encoded;
     one whose files cannot be written keeps its embedding and is listed in `Summary.ec_failed`.
     `follow_symlinks`: read the files that symbolic links in a `src` folder point to outside it (by default
     such a link is a failed input: `bivit.dataset.sources.list_sources`).

@@ -25,11 +25,11 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
-from .. import records
-from ..dtypes import dtype_name, parse_dtype
+from ..base.dtypes import dtype_name, parse_dtype
+from ..base.fileio import open_regular, parse_json
+from ..core import records
+from ..core.integrity import embedding_sha256, sealed, unsealed
 from ..errors import BivitError
-from ..fileio import open_regular, parse_json
-from ..integrity import embedding_sha256, sealed, unsealed
 
 JOURNAL = "journal.bin"
 ENTRY_KEY = "entry_sha256"

@@ -7,8 +7,8 @@ import queue
 import threading
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
-from ..items import Prepared
-from ..records import Record
+from ..core.items import Prepared
+from ..core.records import Record
 from .pipeline import Work, prepare, record_of
 
 

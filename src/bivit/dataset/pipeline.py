@@ -1,8 +1,8 @@
 """The per-item stages of encode-dataset, the same for both engines: what an item is (`Source`, `Work`), reading
 it with its planned hash checked (`prepare`), encoding prepared items (`encode_prepared`), and the one conversion
-of an encoded item into what the job commits (`record_of`). Both stages are the core's (`bivit.items`, `Encoder.encode_stream`);
-this module adds only the dataset's policies: the bytes decoded are the bytes planned, and nothing an input
-does stops the job.
+of an encoded item into what the job commits (`record_of`). Both stages are the core's (`bivit.core.items`,
+`Encoder.encode_stream`); this module adds only the dataset's policies: the bytes decoded are the bytes planned, and
+nothing an input does stops the job.
 
 Why the result does not depend on how the work is cut (engine, worker count, --batch-patches): every item is
 encoded by a batch-invariant Encoder, whose output for an item is bit-identical whatever shares the pass, and
@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from .. import records
+from ..base.fileio import read_regular, sha256_file
+from ..core import records
+from ..core.items import ItemResult, Prepared, prepare as prepare_input
 from ..errors import BivitError
-from ..fileio import read_regular, sha256_file
-from ..items import ItemResult, Prepared, prepare as prepare_input
 
 # Videos up to this size are decoded from the very bytes that were hashed; larger ones from the path after a
 # streamed hash check (holding a multi-GB file in memory is worse than a file swapped mid-job, which is rare).

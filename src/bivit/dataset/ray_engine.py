@@ -7,7 +7,7 @@ crash-safety rules of `bivit.dataset.writer` hold unchanged). Imports only the p
 (`bivit.dataset.pipeline`), never the writer or the job. Workers need the input files at the same absolute paths
 (a shared filesystem on a cluster) and bivit installed.
 
-Every row crosses process boundaries on its own, as its record (`bivit.records.Record` JSON: the one shape of an
+Every row crosses process boundaries on its own, as its record (`bivit.core.records.Record` JSON: the one shape of an
 item outside memory) and raw bytes plus their stated dtype and shape, under one fixed Arrow schema, also for an
 empty batch: Ray Data's rows are Arrow values, not Python objects. Going in, a prepared item is its record and its
 pixels, made a `Prepared` again in the actor (the core encodes those); coming out, the actor converts each result
@@ -33,23 +33,23 @@ import ray
 import ray.data
 import torch
 
-from .. import records
-from ..allocator import tune
-from ..dtypes import dtype_name, parse_dtype
-from ..encoder import load_encoder
+from ..base.allocator import tune
+from ..base.dtypes import dtype_name, parse_dtype
+from ..core import records
+from ..core.encoder import load_encoder
+from ..core.items import Prepared
+from ..core.spec import EncoderSpec
 from ..errors import BivitError
-from ..items import Prepared
-from ..media import MediaBatch
-from ..spec import EncoderSpec
+from ..media.pixels import MediaBatch
 from .pipeline import Work, encode_prepared, prepare
 
-# Rows entering the encoders: one per distinct file (a `bivit.items.Prepared`: its record, and its pixels).
+# Rows entering the encoders: one per distinct file (a `bivit.core.items.Prepared`: its record, and its pixels).
 PREPARED_SCHEMA = pa.schema([
-    ("record", pa.string()),  # `bivit.records.Record` JSON: metadata per chunk, or the reason preparing failed
+    ("record", pa.string()),  # `bivit.core.records.Record` JSON: metadata per chunk, or the reason preparing failed
     ("pixels", pa.large_binary()),  # float32 [L, 3, p, p], C order
     ("patch", pa.int64()),  # p
 ])
-# Rows leaving the encoders (a `bivit.records.Record`: its JSON, and its embedding).
+# Rows leaving the encoders (a `bivit.core.records.Record`: its JSON, and its embedding).
 ENCODED_SCHEMA = pa.schema([
     ("record", pa.string()),
     ("data", pa.large_binary()),  # the embedding's raw bytes
@@ -97,7 +97,7 @@ class EncodeActor:
         # actor saying them again would only repeat them, prefixed by Ray, on the driver's terminal.
         logging.getLogger("bivit").setLevel(logging.ERROR)
         torch.set_num_threads(threads)
-        tune()  # an actor process is bivit's own (see bivit.allocator)
+        tune()  # an actor process is bivit's own (see bivit.base.allocator)
         self.encoder = load_encoder(spec)
         if bits is not None and self.encoder.bits != bits:
             # Another CPU kind or install whose kernels do not compute the driver's arithmetic (bivit.ops.bits):

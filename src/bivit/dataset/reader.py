@@ -14,12 +14,12 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 from safetensors import safe_open
 
-from .. import records
-from ..dtypes import dtype_name, parse_dtype
+from ..base.dtypes import dtype_name, parse_dtype
+from ..core import records
+from ..core.integrity import check_embedding
+from ..core.records import Record
 from ..errors import BivitError, FormatError
-from ..integrity import check_embedding
-from ..kinds import media_kind
-from ..records import Record
+from ..media.kinds import media_kind
 from .format import FORMAT, HEADER, MANIFEST, current_state, encoder_of, read_header
 
 if TYPE_CHECKING:  # type hints only
@@ -125,7 +125,7 @@ class EncodedDataset:
         return t.numpy()
 
     def embeddings(self, shard: Optional[str] = None) -> Any:
-        """The folder as `bivit.records.Embeddings` (what `bivit.load_embeddings` gives for it): its records in
+        """The folder as `bivit.core.records.Embeddings` (what `bivit.load_embeddings` gives for it): its records in
         manifest order, each reading its embedding on first use, then its failed inputs (`errors`) in the order
         they failed, each a record with `error` set and no embedding, as a `bivit encode` file keeps a failed
         input; `shard`: only the records stored in that shard (in the order they were committed)."""

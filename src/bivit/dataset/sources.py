@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
+from ..base.fileio import check_regular, file_kind, parse_json, read_regular, sha256_file
 from ..errors import BivitError
-from ..fileio import check_regular, file_kind, parse_json, read_regular, sha256_file
-from ..kinds import media_kind
-from ..names import label, stored, too_long
+from ..media.kinds import media_kind
+from ..media.names import label, stored, too_long
 from .pipeline import Source, Work
 from .writer import DatasetWriter, source_line
 
@@ -30,7 +30,7 @@ def list_sources(src: str | os.PathLike, exclude: Optional[os.PathLike] = None,
     manifest's folder. Blank lines and lines starting with `#` are ignored. A manifest may name files with any
     extension (an unknown one is treated as an image). `exclude` (the output directory) is never listed.
 
-    Names of any bytes: a source is named as `bivit.names.stored` keeps it (a file name that is not UTF-8 is
+    Names of any bytes: a source is named as `bivit.media.names.stored` keeps it (a file name that is not UTF-8 is
     escaped) and read at its real path; a manifest path with a NUL or longer than `MAX_NAME_BYTES` is a source
     that failed, with its reason. In a folder, a symbolic link whose target is outside SRC is a source that
     failed ("not followed"), unless `follow_symlinks`: what SRC names is what the job reads.
@@ -163,7 +163,7 @@ def plan(sources: Sequence[Source], writer: DatasetWriter, hash_threads: int = 4
             return e
 
     works: dict[str, Work] = {}
-    dup_lines: list = []  # manifest records (`bivit.records.Record`)
+    dup_lines: list = []  # manifest records (`bivit.core.records.Record`)
     with ThreadPoolExecutor(max(1, hash_threads)) as pool:  # hashing is I/O and hashlib releases the GIL
         for (s, st), sha in zip(to_hash, pool.map(digest, to_hash)):
             if isinstance(sha, OSError):

@@ -25,11 +25,12 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from safetensors.torch import save
 
-from .. import __version__, records
-from ..dtypes import dtype_name
+from .. import __version__
+from ..base.dtypes import dtype_name
+from ..base.fileio import append_lines, fsync_dir, temp_target, write_atomic
+from ..core import records
+from ..core.integrity import sealed
 from ..errors import BivitError, ErrorKind
-from ..fileio import append_lines, fsync_dir, temp_target, write_atomic
-from ..integrity import sealed
 from .format import (DEFAULT_SHARD_MB, ERRORS, FORMAT, FORMAT_VERSION, HEADER, HEADER_KEY, LOCK, MANIFEST,
                      SHARD_RE, checked, encoder_of, manifest_line, manifest_record, read_header, read_jsonl,
                      state_from_rows)
@@ -282,7 +283,7 @@ class DatasetWriter:
         self._next_shard += 1
         tensors = {k: t for k, (t, _) in self._pending.items()}
         lines = [with_keys(r, shard=name) for _, pending in self._pending.values() for r in pending]
-        # The shard is an embedding file of its own: the records committed with it (`bivit.records`). Serialised
+        # The shard is an embedding file of its own: the records committed with it (`bivit.core.records`). Serialised
         # in memory (one shard, --shard-mb) so that a full disk is an OSError naming the shard.
         encoder = encoder_of(self.header)
         meta = records.metadata(encoder, lines)

@@ -35,7 +35,7 @@ from typing import Sequence
 
 import torch
 
-from .. import notices, state
+from ..base import notices, state
 from . import abi
 from .abi import CONSTS, AttentionArgs, KernelUnavailable, NormArgs, RopeArgs, fill
 from .build import VARIANTS, Variant
@@ -375,7 +375,7 @@ def rope() -> Rope | None:
 @state.memo(state.FIXED)
 def attention() -> Attention | None:
     """The compiled attention for this process, or None (PyTorch's fused attention is used instead; why is said
-    once: `bivit.notices`)."""
+    once: `bivit.base.notices`)."""
     lib, lost = _loaded()
     if lost is not None:
         if lost.chosen:

@@ -6,7 +6,7 @@ from the variants' needs).
 
 from __future__ import annotations
 
-from .. import state
+from ..base import state
 from .build import VARIANTS
 
 # AMX tiles (the avx512 variant's `amx` GEMMs and bf16 attention) need both.

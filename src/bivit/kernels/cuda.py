@@ -28,7 +28,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from .. import notices, state
+from ..base import notices, state
 from ..errors import ConfigError
 
 if sys.version_info >= (3, 11):
@@ -108,7 +108,7 @@ def require_interpreter() -> None:
     """What running the launches on CPU tensors needs: triton, in its interpreter, with a dot in fixed order."""
     require()
     if not interpreting():
-        raise ConfigError("bivit.gpu.interpreted() needs Triton's interpreter: set TRITON_INTERPRET=1 before "
+        raise ConfigError("bivit.ops.dispatch.interpreted() needs Triton's interpreter: set TRITON_INTERPRET=1 before "
                           "triton is imported")
     _fixed_order_interpreter_dot()
 
@@ -187,7 +187,7 @@ def describe(batch_invariant: bool) -> dict:
 
 @dataclass(frozen=True)
 class Launch:
-    """One kernel launch as the JIT sees it: what `bivit.gpu.build` compiles to show what runs."""
+    """One kernel launch as the JIT sees it: what `bivit.diagnose.gpu_build` compiles to show what runs."""
 
     kernel: object
     args: tuple
@@ -200,7 +200,7 @@ _recorder: ContextVar[list | None] = ContextVar("bivit_gpu_recorder", default=No
 @contextlib.contextmanager
 def recording() -> Iterator[list[Launch]]:
     """Record every launch instead of running it (the outputs stay unwritten): the exact arguments, constexprs
-    and options a forward launches, for compiling them ahead (`bivit.gpu.build`)."""
+    and options a forward launches, for compiling them ahead (`bivit.diagnose.gpu_build`)."""
     launches: list[Launch] = []
     token = _recorder.set(launches)
     try:

@@ -41,7 +41,8 @@ from .gemm import gemms, pack_weights
 from .mode import batch_invariant, checkpoint, is_batch_invariant, trace
 from .pointwise import POINTWISE_CHUNK, gelu
 from .positions import resample, temporal_embedding
-from .proof import InvarianceError, Proof, prove
+from ..errors import InvarianceError
+from .proof import Proof, prove
 from .rotary import rope, rope_tables
 from .selection import attention_kernel, gemm_kernel, norm_kernel, require
 

@@ -23,7 +23,7 @@ problems whose results' SHA-256 are committed here (`CONFORMANCE`: GEMMs at odd 
 over 1, 17, 37 and 300 keys with the rotary tables, both norms; float32 and bfloat16, float16 GEMMs) and must
 give exactly those bits. A numpy transcription of the arithmetic, independent of the kernels, checks the hashes
 (tests/support/arith_reference.py), and `bivit doctor --prove` checks whole encoded rows against committed
-ones (`bivit.golden`).
+ones (`bivit.diagnose.golden`).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .. import notices, state
+from ..base import notices, state
 from ..kernels.cpu import cpu_info
 
 ARITH = "bivit-arith/1"

@@ -8,7 +8,7 @@
   (`load`), pack the weights and prove invariance (`pack_and_prove`), describe the kernels and name the class of
   bits.
 * `interpreted()` / `recording()`: CPU tensors take the CUDA table too, under Triton's interpreter (the GPU
-  path's tests and its CPU dry run) or with every launch recorded instead of run (`bivit.gpu.build`).
+  path's tests and its CPU dry run) or with every launch recorded instead of run (`bivit.diagnose.gpu_build`).
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from .. import kernels, state
-from ..dtypes import dtype_name
+from .. import kernels
+from ..base import state
+from ..base.dtypes import dtype_name
 from ..errors import ConfigError
 from ..kernels import cuda
 from . import attend, gemm, norms, pointwise

@@ -10,7 +10,7 @@ from typing import Callable, Hashable, TypeVar
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .. import state
+from ..base import state
 
 T = TypeVar("T")
 

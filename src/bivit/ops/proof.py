@@ -32,8 +32,8 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from .. import state
-from ..dtypes import dtype_name
+from ..base import state
+from ..base.dtypes import dtype_name
 from ..errors import InvarianceError
 from .attend import attention
 from .gemm import gemms, linear

@@ -26,8 +26,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .. import kernels, notices, state
-from ..dtypes import dtype_name
+from .. import kernels
+from ..base import notices, state
+from ..base.dtypes import dtype_name
 from ..errors import BivitError, ConfigError, InvarianceError
 from ..kernels.gemm import self_test
 from . import bits
@@ -41,7 +42,7 @@ _refused: dict[tuple[str, str], str] = state.table(state.PROOFS)
 
 def refuse(op: str, path: str, why: str) -> None:
     """Never use `path` for `op` again in this process: the proof found it not invariant here. Said once; every
-    kernel choice is made again without it (`bivit.state.CHOICES`)."""
+    kernel choice is made again without it (`bivit.base.state.CHOICES`)."""
     if (op, path) in _refused:
         return
     _refused[(op, path)] = why

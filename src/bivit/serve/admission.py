@@ -9,7 +9,7 @@ of their own, images in another, images whose header says they are heavy (`HEAVY
 thread and light ones (`LIGHT_IMAGE_SIZE`) in a fourth of one thread, so a heavy item never makes a small one
 wait for a thread; each pool takes its work round-robin across requests (`FairPool`).
 
-A request's videos share one decoding budget (`max_video_mpixels`, `bivit.container.DecodeBudget`), charged from
+A request's videos share one decoding budget (`max_video_mpixels`, `bivit.media.container.DecodeBudget`), charged from
 their headers before anything is decoded and then frame by frame.
 """
 
@@ -18,12 +18,12 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator, NamedTuple, Optional
 
-from ..container import FRAME_MIN_PIXELS, DecodeBudget
-from ..decode import image_header, image_work_bytes
+from ..checkpoint.preprocess_config import ProcessorConfig
 from ..errors import ErrorKind, MediaError
-from ..grids import PATCH_SIZE, grid_tokens, image_grid
-from ..preprocess_config import ProcessorConfig
-from ..video import decode_work
+from ..media.container import FRAME_MIN_PIXELS, DecodeBudget
+from ..media.decode import image_header, image_work_bytes
+from ..media.grids import PATCH_SIZE, grid_tokens, image_grid
+from ..media.video import decode_work
 from .metrics import Metrics
 from .pools import FairPool
 from .protocol import UploadItem
@@ -37,7 +37,7 @@ JSON_BYTES_PER_VALUE = 20
 # message): keys, sha256, grid, placeholders, a reason. Counted for every item, failed and cached ones too.
 RECORD_BYTES = 1024
 # An image whose decoding and preprocessing takes more memory than an RGB photo of this size does (as the model
-# preprocesses it; `bivit.decode.image_work_bytes`) is heavy: decoded in the one-thread heavy pool, so at most one
+# preprocesses it; `bivit.media.decode.image_work_bytes`) is heavy: decoded in the one-thread heavy pool, so at most one
 # such image is in memory at a time and none holds a thread a small image needs. A 64 MP PNG decodes in about 2 s
 # on one core; the 14000x14000 PNGs that starved small requests take 5-7 s each.
 HEAVY_IMAGE_SIZE = (8192, 8192)
@@ -45,7 +45,7 @@ HEAVY_IMAGE_SIZE = (8192, 8192)
 # (in tens of milliseconds), so a small request never waits for a thread that decodes a large image (two
 # requests of 13 7500x7500 PNGs held both image threads for ~10 s at a time on 2 busy cores).
 LIGHT_IMAGE_SIZE = (1024, 1024)
-# A video whose decoding work (`bivit.video.decode_work`, from its header) is above this, or not known before
+# A video whose decoding work (`bivit.media.video.decode_work`, from its header) is above this, or not known before
 # decoding, is heavy: decoded in a one-thread pool of its own, so a short clip never waits for a thread that
 # decodes a long video (two 200,000-frame videos held both video threads until the small ones' deadline).
 # About 500 frames of 1080p, or 60,000 tiny frames: a few seconds of decoding on one core.
@@ -55,7 +55,7 @@ HEAVY_VIDEO_WORK = 10**9
 class Cost(NamedTuple):
     """What an item costs, from its header, before anything is decoded: preprocessed pixel bytes and tokens (an
     image; a video's are counted once decoded: None), and the work of decoding it (an image: the memory
-    `image_work_bytes` estimates; a video: `bivit.video.decode_work`), None where the header does not say."""
+    `image_work_bytes` estimates; a video: `bivit.media.video.decode_work`), None where the header does not say."""
 
     pixels: Optional[int] = None
     tokens: Optional[int] = None

@@ -4,7 +4,7 @@ its client is gone.
 An answer made whole was a file of every copy of every item (safetensors' writer cloning each copy's rows),
 then copied twice more (by h11, then into the socket's write buffer) and kept while the client did not read:
 four clients that asked for ~210 MB answers (200 copies of one image) and read nothing took a server from 280
-MB to 2.9 GB. Made in pieces (`bivit.records.file_pieces`: the header, then each tensor's bytes; copies of an
+MB to 2.9 GB. Made in pieces (`bivit.core.records.file_pieces`: the header, then each tensor's bytes; copies of an
 item read from its one tensor), each sent when the previous one has left the write buffer, an answer costs its
 embeddings and about one piece. A JSON answer (`?format=json`, ~20 bytes a value) was one `json.dumps` call of
 12 s under the interpreter lock for 145 MB; it is made a few rows at a time (`bivit.serve.protocol.json_chunks`).

@@ -1,5 +1,5 @@
 """The batching worker: one thread owns the Encoder (it is not re-entrant) and coalesces queued items (images and
-video chunks) from all requests into forward passes, by the packing rule (`bivit.packing`).
+video chunks) from all requests into forward passes, by the packing rule (`bivit.core.packing`).
 
 Anything else that touches the encoder (a weight update) runs on the same thread, between forward passes
 (`Batcher.call`), so no forward pass ever sees half-updated weights.
@@ -14,8 +14,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from ..media import MediaBatch
-from ..packing import Pass
+from ..core.packing import Pass
+from ..media.pixels import MediaBatch
 from .metrics import Metrics
 
 HELD_POLL_S = 0.005  # how often a worker with items queued asks `held` again

@@ -6,7 +6,7 @@ import collections
 import threading
 from typing import Optional
 
-from ..records import Record
+from ..core.records import Record
 
 
 class EmbeddingCache:

@@ -8,7 +8,7 @@ import sys
 import time
 import traceback
 
-from ..names import SHOWN_CHARS, shown
+from ..media.names import SHOWN_CHARS, shown
 
 log = logging.getLogger("bivit.server")
 

@@ -1,14 +1,14 @@
 """The wire format of `POST /v1/encode`: reading a request's items, writing its answer or an error.
 
 Request: multipart `file` parts, or JSON `{"items": [{"data": "<base64>", "name": ..., "kind": ...}]}`.
-Response: an embedding file (`bivit.records`, format bivit.embeddings/1: `format`, `encoder`, `items` in its
+Response: an embedding file (`bivit.core.records`, format bivit.embeddings/1: `format`, `encoder`, `items` in its
 header metadata, tensor "i" for input i that has an embedding), the same file `bivit encode` writes and
 `bivit.load_embeddings` reads; or the same as JSON with each item's `embedding` as nested float lists
 (`?format=json`). A record carries its `error_kind` when it failed, the service's own `cached` (and `ec_ids`
 with --ec-dir). An error is `{"error": {"kind", "message"}, ...}`, its kind and status from
 `bivit.errors.ErrorKind`.
 
-Imports neither torch nor PyAV: `bivit.client` stays light; torch loads when a body is (de)serialised.
+Imports neither torch nor PyAV: `bivit.serve.client` stays light; torch loads when a body is (de)serialised.
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ import json
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
-from .. import records
+from ..base.fileio import TooManyElements, parse_json
+from ..core import records
 from ..errors import ErrorKind, RequestError
-from ..fileio import TooManyElements, parse_json
-from ..kinds import media_kind
-from ..names import label, shown, stored, too_long
+from ..media.kinds import media_kind
+from ..media.names import label, shown, stored, too_long
 
 SAFETENSORS_MEDIA_TYPE = "application/vnd.bivit.safetensors"
 
@@ -32,7 +32,7 @@ SAFETENSORS_MEDIA_TYPE = "application/vnd.bivit.safetensors"
 class UploadItem:
     """One uploaded item.
 
-    It is a video when `bivit.kinds.media_kind` says so from its name or its first bytes (exactly how offline
+    It is a video when `bivit.media.kinds.media_kind` says so from its name or its first bytes (exactly how offline
     encoding decides for a path, `.gif` included), or when the client says so (part Content-Type `video/*`,
     JSON `"kind": "video"`); JSON `"kind": "image"` forces the image path. Otherwise an image.
     """
@@ -57,8 +57,8 @@ ITEM_ELEMENTS = 8
 
 
 def upload_name(raw: Optional[str], i: int) -> tuple[str, Optional[str]]:
-    """An upload's name as its record stores it (`bivit.names.stored`: lone surrogates escaped; `item{i}` when
-    it has none), and why the item is refused (a name longer than `bivit.names.MAX_NAME_BYTES`: its record then
+    """An upload's name as its record stores it (`bivit.media.names.stored`: lone surrogates escaped; `item{i}` when
+    it has none), and why the item is refused (a name longer than `bivit.media.names.MAX_NAME_BYTES`: its record then
     holds the name's start and length), or None."""
     if not raw:
         return f"item{i}", None
@@ -76,7 +76,7 @@ def parse_json_request(body: bytes | bytearray, max_items: int) -> list[UploadIt
     it holds more JSON elements than `max_items` items need (counted before parsing: nothing is built).
 
     A key repeated in one object is refused (which one counts differs between parsers), and so is nesting
-    deeper than `bivit.fileio.MAX_JSON_DEPTH`; base64 may be split into lines (MIME's 76 columns), any other
+    deeper than `bivit.base.fileio.MAX_JSON_DEPTH`; base64 may be split into lines (MIME's 76 columns), any other
     non-alphabet character is an error.
     """
     most = ITEM_ELEMENTS * max_items + 64

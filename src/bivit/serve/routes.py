@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..encoder import Encoder
+from ..core.encoder import Encoder
 from ..errors import ErrorKind, RequestError
 from .answers import CLIENT_RECEIVE, Answer
 from .bodies import content_type

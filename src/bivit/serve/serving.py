@@ -8,7 +8,7 @@
    never started).
 3. Each prepared item's chunks (one for an image) go to the Batcher, whose single worker coalesces queued
    chunks from all concurrent requests into forward passes by the packing rule.
-4. Each item's result is `bivit.items.assemble`'s (a video: its chunks joined), answered in input order; the
+4. Each item's result is `bivit.core.items.assemble`'s (a video: its chunks joined), answered in input order; the
    answer's bytes are held against `max_answers_mb` from admission until it is written (`bivit.serve.answers`).
 
 Requests hold the weights gate shared (`bivit.serve.weights`): a weight update waits for them, and they for it.
@@ -28,12 +28,12 @@ import hashlib
 import time
 from typing import Callable, Optional
 
-from .. import records
-from ..container import DecodeBudget
-from ..encoder import Encoder
-from ..encoder_cache import Sink
+from ..core import records
+from ..core.encoder import Encoder
+from ..core.encoder_cache import Sink
+from ..core.items import ItemResult, Prepared, assemble
 from ..errors import BadItem, BivitError, EncodeFailed, ErrorKind
-from ..items import ItemResult, Prepared, assemble
+from ..media.container import DecodeBudget
 from .admission import JSON_BYTES_PER_VALUE, Admission, Budget, Cost
 from .batcher import Batcher
 from .bodies import BodyReader

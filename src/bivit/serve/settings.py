@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..options import KIB_IN_MIB, TIB_IN_MIB, number, size_mb_words, whole
+from ..base.options import KIB_IN_MIB, TIB_IN_MIB, number, size_mb_words, whole
 
 
 # The range of each number option, and how a message says it: a value outside is refused at start (`bivit serve`
@@ -33,7 +33,7 @@ WHOLE = ("max_queue", "preprocess_threads", "retry_after_s")
 @dataclass
 class ServerSettings:
     """Operational limits of the service (the `bivit serve` options); every one is checked here (`RANGES`).
-    Forward passes are cut by the encoder's own `max_batch_patches` (`bivit.packing`), as in every front end.
+    Forward passes are cut by the encoder's own `max_batch_patches` (`bivit.core.packing`), as in every front end.
 
     Memory the service holds for requests is bounded by `max_queue_pixels_mb` (preprocessed pixels of every
     admitted request) plus what is being decoded (one item per preprocessing thread: `preprocess_threads` for
@@ -54,7 +54,7 @@ class ServerSettings:
     max_queue_pixels_mb: float = 2048.0  # the same over all admitted requests (429 above)
     max_response_mb: float = 256.0  # one response, every copy of an item counted (JSON: ~20 bytes a value)
     max_answers_mb: Optional[float] = None  # answers being computed or written, all requests (None: 4 x the above)
-    max_video_mpixels: float = 65536.0  # decoding work of one request's videos (`bivit.container.DecodeBudget`), millions
+    max_video_mpixels: float = 65536.0  # decoding work of one request's videos (`bivit.media.container.DecodeBudget`), millions
     cache_mb: float = 256.0
     preprocess_threads: int = field(default_factory=lambda: max(1, min(4, os.cpu_count() or 1)))
     retry_after_s: int = 1

@@ -17,7 +17,7 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol  # private: pinned and checked (UVICORN_TESTED)
 
-from ..encoder import Encoder
+from ..core.encoder import Encoder
 from ..errors import ErrorKind
 from .logs import log
 from .protocol import error_body
