@@ -163,7 +163,7 @@ def kernel_peak_gflops(dtype: torch.dtype) -> float | None:
         kernel = ops.gemm_kernel(dtype)
     except BivitError:
         return None
-    return kernel.peak_gflops() if hasattr(kernel, "peak_gflops") else None
+    return kernel.peak_gflops()
 
 
 def roofline_s(gemm_flops: float, attention_flops: Iterable[tuple[int, float]], gemm_rate: float,

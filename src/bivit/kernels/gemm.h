@@ -112,8 +112,9 @@ struct gemm_kernel {
     void (*leave)(void);
     void (*block)(const struct gemm_call *G, int64_t i0, int64_t rows, int64_t p0, int64_t p1, void *scratch);
     /* Optional: a kernel that reads its rows in another layout (bf16 pairs swapped) gets every row rewritten once
-     * per call, before any block runs: row i into row_bytes(K) bytes at dst. Per block instead, a row would be
-     * rewritten again for every group of column panels (24 times in a 1152-column GEMM). */
+     * per call, row i into row_bytes(K) bytes at dst: a block's rows by the first task that needs them
+     * (gemm_rows_ready). Per task instead, a row would be rewritten again for every group of column panels (24
+     * times in a 1152-column GEMM). */
     size_t (*row_bytes)(int64_t K);
     void (*prep_row)(const struct gemm_call *C, int64_t i, void *dst);
     /* Optional: the kernel's multiply-add instruction at its peak on one core (GEMM_PEAK_DEF); FLOPs done. */
@@ -146,6 +147,13 @@ struct gemm_kernel {
         for (int i = 0; i < (ACC); i++) PEAK_KEEP(acc[i]);                                                       \
         return (double)steps * (ACC) * (FLOPS);                                                                  \
     }
+
+/* A spin-wait's hint to the core (gemm_rows_ready). */
+#if defined(__x86_64__) || defined(__i386__)
+#define CPU_RELAX() __builtin_ia32_pause()
+#else
+#define CPU_RELAX() ((void)0)
+#endif
 
 static inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -185,6 +193,23 @@ static char *rows_buffer(size_t bytes) {
     return buf;
 }
 
+/* Row block b's rows in the kernel's layout (`prep_row`), rewritten once per call by whichever task needs them
+ * first, while the others that need them wait. The block is claimed (0 -> 1) before it is written and published
+ * (2) after, so a thread only ever waits for one that is writing: no order of handing out tasks can deadlock.
+ * Written by the task about to multiply them, the rows are still in that core's cache when it does; a separate
+ * pass before the tasks cost a GEMM 1-2% more here (every row through memory once more, and a barrier). */
+static void gemm_rows_ready(const struct gemm_kernel *G, const struct gemm_call *C, int *state, int64_t b) {
+    int s = __atomic_load_n(&state[b], __ATOMIC_ACQUIRE), unclaimed = 0;
+    if (s == 2) return;
+    if (s == 0 && __atomic_compare_exchange_n(&state[b], &unclaimed, 1, 0, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED)) {
+        const int64_t i1 = (b + 1) * G->mb < C->M ? (b + 1) * G->mb : C->M;
+        for (int64_t i = b * G->mb; i < i1; i++) G->prep_row(C, i, (char *)C->xp + i * C->xp_row);
+        __atomic_store_n(&state[b], 2, __ATOMIC_RELEASE);
+        return;
+    }
+    while (__atomic_load_n(&state[b], __ATOMIC_ACQUIRE) != 2) CPU_RELAX();
+}
+
 /* Returns RC_OK, RC_NO_MEMORY when scratch memory could not be allocated, RC_BAD_SIZES for bad sizes. */
 static int gemm_run(const struct gemm_kernel *G, const struct gemm_call *C, int threads) {
     if (C->M < 0 || C->N <= 0 || C->K <= 0) return RC_BAD_SIZES;
@@ -194,21 +219,17 @@ static int gemm_run(const struct gemm_kernel *G, const struct gemm_call *C, int 
     if (threads > tasks) threads = (int)tasks;
     const size_t scratch = G->scratch_bytes(C->K);
     struct gemm_call P = *C;
-    char *rows = NULL;
+    int *state = NULL;  /* per row block, gemm_rows_ready's */
     if (G->prep_row) {
         P.xp_row = (int64_t)G->row_bytes(C->K);
-        if (!(rows = rows_buffer((size_t)C->M * (size_t)P.xp_row))) return RC_NO_MEMORY;
-        P.xp = rows;
+        if (!(P.xp = rows_buffer((size_t)C->M * (size_t)P.xp_row)) || !(state = calloc((size_t)mblocks, sizeof *state)))
+            return RC_NO_MEMORY;
     }
     C = &P;
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
         const fp_state fp = fp_enter(C->flush);
-        if (G->prep_row) {
-#pragma omp for schedule(static)
-            for (int64_t i = 0; i < C->M; i++) G->prep_row(C, i, rows + i * C->xp_row);
-        }
         void *buf = alloc64(scratch);
         if (!buf) {
 #pragma omp atomic write
@@ -223,12 +244,14 @@ static int gemm_run(const struct gemm_kernel *G, const struct gemm_call *C, int 
             const int64_t g = t / mblocks, b = t % mblocks;
             const int64_t i0 = b * G->mb, rows = C->M - i0 < G->mb ? C->M - i0 : G->mb;
             const int64_t p0 = g * pt, p1 = p0 + pt < panels ? p0 + pt : panels;
+            if (state) gemm_rows_ready(G, C, state, b);
             G->block(C, i0, rows, p0, p1, buf);
         }
         if (buf && G->leave) G->leave();
         free(buf);
         fp_leave(fp);
     }
+    free(state);
     return failed;
 }
 
