@@ -4,6 +4,10 @@ The performance numbers themselves come from `bivit bench` on the full-size mode
 """
 
 import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -170,3 +174,44 @@ def test_bench_results_that_cannot_be_written_are_a_failure_not_a_usage_error(tm
                                       "--repeats", "1", "--warmup", "0", "--out-dir", str(tmp_path)])
     assert result.exit_code == 1, result.output
     assert "cannot write results" in result.output and "No space left" in result.output
+
+
+def test_a_real_time_run_says_its_roofline_reads_low():
+    """Under `chrt -f` Linux runs a process at most sched_rt_runtime_us of each sched_rt_period_us (95%), so a
+    multi-second encode pauses while the short GEMM probes do not: a run measured so put 32 x 112x112 at 86-88% of
+    the roofline where the same code at normal priority measured 91-94%. The report now says so, and the
+    machine line names the cap. Control: the same record at normal priority says nothing of it."""
+    cases = [bench.make_case("one 56x56", [[bench.noise_image(56, 56, 0)]])]
+    record = bench.run_benchmark(preset="demo", dtypes=["float32"], repeats=1, warmup=0, isolate=False, cases=cases,
+                                 log=lambda s: None)
+    assert record["env"]["rt_share"] is None  # this test runs at a normal priority
+
+    def lines(share):
+        record["env"]["rt_share"] = share
+        return bench.format_report(record, bench.summarize(record)).splitlines()
+
+    capped, normal = lines(0.95), lines(None)
+    said = [ln for ln in capped if ln.startswith("Real-time priority")]
+    assert len(said) == 1 and "at most 95% of each second" in said[0] and "up to 5 points low" in said[0], said
+    assert "real-time priority: capped at 95% of each second" in capped[0]
+    assert not [ln for ln in normal if "eal-time priority" in ln]
+
+
+def test_the_real_time_cap_is_read_from_the_running_process():
+    """`rt_share` in a process started under `chrt -f 1`: the kernel's own cap (runtime / period), or None where
+    real-time tasks are not capped; at a normal priority, None."""
+    from bivit.bench.run import rt_share
+
+    assert rt_share() is None
+    if shutil.which("chrt") is None:
+        pytest.skip("no chrt here")
+    run = subprocess.run(["chrt", "-f", "1", sys.executable, "-c",
+                          "from bivit.bench.run import rt_share; print(rt_share())"],
+                         capture_output=True, text=True, timeout=120)
+    if run.returncode != 0 and "Operation not permitted" in run.stderr:
+        pytest.skip("this user may not set a real-time priority")
+    assert run.returncode == 0, run.stderr
+    runtime = int(Path("/proc/sys/kernel/sched_rt_runtime_us").read_text())
+    period = int(Path("/proc/sys/kernel/sched_rt_period_us").read_text())
+    expected = runtime / period if 0 <= runtime < period else None
+    assert run.stdout.strip() == str(expected)

@@ -43,6 +43,22 @@ from .workload import BIVIT_IMPLS, HF_IMPL, IMPLS, TORCH_DTYPES, Case, bench_dty
 
 # ------------------------------------------------------------------------------------------- the machine
 
+def rt_share() -> float | None:
+    """The share of each second Linux lets this process run when it runs at a real-time priority (`chrt -f`):
+    kernel.sched_rt_runtime_us / sched_rt_period_us (95% by default). A timed call longer than the rest of a period
+    stalls until the next one, so it reads up to 5% slow, while the short rate probes beside it do not: a
+    roofline ratio measured so is low by that much (and "CPU use" reads 95%, not 100%). None at a normal
+    priority, or where nothing caps real-time tasks."""
+    try:
+        if os.sched_getscheduler(0) not in (os.SCHED_FIFO, os.SCHED_RR):
+            return None
+        runtime = int(Path("/proc/sys/kernel/sched_rt_runtime_us").read_text())
+        period = int(Path("/proc/sys/kernel/sched_rt_period_us").read_text())
+    except (AttributeError, OSError, ValueError):  # not Linux
+        return None
+    return runtime / period if 0 <= runtime < period else None
+
+
 def environment(threads: int) -> dict:
     """The machine and software a run measured (recorded in every result)."""
     model, present = cpu.cpu_info()
@@ -69,7 +85,7 @@ def environment(threads: int) -> dict:
             "attention": f"bivit compiled ({attention.name})" if attention else "PyTorch SDPA",  # invariant mode
             "bits": {name: ops.bits_class((dt, dt), torch.device("cpu"), True) for name, dt in TORCH_DTYPES.items()},
             "gemm": gemm, "fallbacks": notices.warnings(),
-            "cpu_count": os.cpu_count(), "threads": threads,
+            "cpu_count": os.cpu_count(), "threads": threads, "rt_share": rt_share(),
             "loadavg": os.getloadavg() if hasattr(os, "getloadavg") else None}
 
 
@@ -84,6 +100,8 @@ def machine_line(env: dict) -> str:
              f"PyTorch {env.get('torch_capability', '?')} kernels", f"attention: {env.get('attention', '?')}"]
     if limits:
         parts.append(f"restricted by {limits} (an emulation of that CPU kind)")
+    if env.get("rt_share"):
+        parts.append(f"real-time priority: capped at {100 * env['rt_share']:.0f}% of each second")
     return (f"CPU {env['cpu']} ({'; '.join(parts)}), {env['threads']} threads, torch {env['torch']}, "
             f"load average {fmt_load(env.get('loadavg'))}")
 
