@@ -132,9 +132,9 @@ def format_report(record: dict, summary: dict | None = None) -> str:
     if env.get("rt_share"):
         lost = 100 * (1 - env["rt_share"])
         lines.append(f"Real-time priority (chrt): Linux ran this run's processes at most {100 * env['rt_share']:.0f}% "
-                     f"of each second (kernel.sched_rt_runtime_us): timed calls of a second or more lost up to {lost:.0f}% "
-                     f"to its pauses and the short rate probes did not, so % of roofline and of peak read up to "
-                     f"{lost:.0f} points low. Measure at normal priority on a quiet machine")
+                     f"of each second (kernel.sched_rt_runtime_us): timed calls of a second or more lost up to "
+                     f"{lost:.0f}% to its pauses and the short rate probes did not, so % of roofline and of peak read "
+                     f"up to {lost:.0f} points low. Measure at normal priority on a quiet machine")
     for name, reason in record["skipped"].items():
         lines.append(f"{name} skipped: {reason}")
     lines.append("")
