@@ -8,7 +8,9 @@ Every implementation runs in a process of its own (the other checkout's bivit fr
 on the same seeded checkpoint and the same float32 pixels (`bivit bench`'s cases: a 448x448 image, 32 images of
 112x112 in one call, an 896x672 image); rounds are interleaved, the first implementation rotating per round, so a
 shared machine's noise lands on all alike; times are medians of the timed rounds (one untimed warm-up round
-first). Prints the command, the CPU (model name and flags) and a Markdown table of seconds and ratios.
+first). Prints the command, the CPU (model name and flags) and a Markdown table of seconds and ratios, then the
+same encodes split into the time inside bivit's GEMM calls and the rest (each checkout's own GEMM wrapper, timed
+around every call), which says whether a difference is the GEMMs' or everything else's.
 """
 
 from __future__ import annotations
@@ -39,14 +41,26 @@ if kind == "hf":
     run = lambda c: runner(MediaBatch(c["pixels"], c["grid"], None, ["x"] * len(c["grid"])))
 else:
     import bivit
+    from bivit.kernels.gemm import GemmKernel
     enc = bivit.load_encoder(ckpt, dtype=dtype, batch_invariant=kind != "default")
     run = lambda c: enc.encode_pixels(c["pixels"], c["grid"])
+    gemm_call = GemmKernel.__call__
+    def timed_gemm(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return gemm_call(*a, **k)
+        finally:
+            gemm_s[0] += time.perf_counter() - t0
+    GemmKernel.__call__ = timed_gemm
+gemm_s = [0.0]
 print(json.dumps({"ready": True, "bits": getattr(enc, "bits", None) if kind != "hf" else None}), flush=True)
 for line in sys.stdin:
     i = int(line)
+    gemm_s[0] = 0.0
     t0 = time.perf_counter()
     out = run(cases[i])
-    print(json.dumps({"seconds": time.perf_counter() - t0, "items": len(out)}), flush=True)
+    print(json.dumps({"seconds": time.perf_counter() - t0, "gemm_seconds": gemm_s[0] if kind != "hf" else None,
+                      "items": len(out)}), flush=True)
 """
 
 
@@ -72,9 +86,11 @@ class Impl:
             raise SystemExit(f"{self.name}: the worker died (exit code {self.proc.wait()})")
         return json.loads(line)
 
-    def run(self, i: int) -> float:
+    def run(self, i: int) -> tuple[float, float | None]:
+        """(seconds of the encode, of it inside GEMM calls: None for the port)"""
         self.proc.stdin.write(f"{i}\n")
-        return self._read()["seconds"]
+        got = self._read()
+        return got["seconds"], got["gemm_seconds"]
 
     def close(self) -> None:
         self.proc.stdin.close()
@@ -109,14 +125,17 @@ def main() -> None:
         for impl in impls:
             print(f"  {impl.name}: bits {impl.info.get('bits')}", flush=True)
         times: dict[tuple[str, str], list[float]] = {}
+        gemm: dict[tuple[str, str], list[float]] = {}
         try:
             for r in range(args.repeats + 1):
                 for i, case in enumerate(cases):
                     order = impls[r % len(impls):] + impls[:r % len(impls)]
                     for impl in order:
-                        t = impl.run(i)
+                        t, g = impl.run(i)
                         if r:  # round 0: warm-up
                             times.setdefault((impl.name, case.name), []).append(t)
+                            if g is not None:
+                                gemm.setdefault((impl.name, case.name), []).append(g)
                 print(f"  round {r} done: " + ", ".join(f"{i.name} {sum(times.get((i.name, c.name), [0])[-1:]):.1f} s"
                                                         for i in impls for c in cases[:1]), flush=True)
         finally:
@@ -130,6 +149,16 @@ def main() -> None:
         med = [statistics.median(times[(i.name, case.name)]) for i in impls]
         print(f"| {case.name} | " + " | ".join(f"{m:.3f} s" for m in med) + " | "
               + " | ".join(f"{m / med[0]:.3f}" for m in med[1:]) + " |")
+    split = [i for i in impls if (i.name, cases[0].name) in gemm]
+    print(f"\n| case ({args.dtype}): in GEMM calls / the rest, medians | "
+          + " | ".join(i.name for i in split) + " |")
+    print("|---" * (len(split) + 1) + "|")
+    for case in cases:
+        cells = []
+        for i in split:
+            g, t = gemm[(i.name, case.name)], times[(i.name, case.name)]
+            cells.append(f"{statistics.median(g):.3f} s / {statistics.median(x - y for x, y in zip(t, g)):.3f} s")
+        print(f"| {case.name} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":
