@@ -193,17 +193,18 @@ static char *rows_buffer(size_t bytes) {
     return buf;
 }
 
-/* Row block b's rows in the kernel's layout (`prep_row`), rewritten once per call by whichever task needs them
- * first, while the others that need them wait. The block is claimed (0 -> 1) before it is written and published
- * (2) after, so a thread only ever waits for one that is writing: no order of handing out tasks can deadlock.
+/* Row block b's rows (`rows` of them from i0) in the kernel's layout (`prep_row`), rewritten once per call by
+ * whichever task needs them first, while the others that need them wait. The block is claimed (0 -> 1) before it
+ * is written and published (2) after, so a thread only ever waits for one that is writing: no order of handing
+ * out tasks can deadlock.
  * Written by the task about to multiply them, the rows are still in that core's cache when it does; a separate
  * pass before the tasks cost a GEMM 1-2% more here (every row through memory once more, and a barrier). */
-static void gemm_rows_ready(const struct gemm_kernel *G, const struct gemm_call *C, int *state, int64_t b) {
+static void gemm_rows_ready(const struct gemm_kernel *G, const struct gemm_call *C, int *state, int64_t b,
+                            int64_t i0, int64_t rows) {
     int s = __atomic_load_n(&state[b], __ATOMIC_ACQUIRE), unclaimed = 0;
     if (s == 2) return;
     if (s == 0 && __atomic_compare_exchange_n(&state[b], &unclaimed, 1, 0, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED)) {
-        const int64_t i1 = (b + 1) * G->mb < C->M ? (b + 1) * G->mb : C->M;
-        for (int64_t i = b * G->mb; i < i1; i++) G->prep_row(C, i, (char *)C->xp + i * C->xp_row);
+        for (int64_t i = i0; i < i0 + rows; i++) G->prep_row(C, i, (char *)C->xp + i * C->xp_row);
         __atomic_store_n(&state[b], 2, __ATOMIC_RELEASE);
         return;
     }
@@ -244,7 +245,7 @@ static int gemm_run(const struct gemm_kernel *G, const struct gemm_call *C, int 
             const int64_t g = t / mblocks, b = t % mblocks;
             const int64_t i0 = b * G->mb, rows = C->M - i0 < G->mb ? C->M - i0 : G->mb;
             const int64_t p0 = g * pt, p1 = p0 + pt < panels ? p0 + pt : panels;
-            if (state) gemm_rows_ready(G, C, state, b);
+            if (state) gemm_rows_ready(G, C, state, b, i0, rows);
             G->block(C, i0, rows, p0, p1, buf);
         }
         if (buf && G->leave) G->leave();
