@@ -65,8 +65,6 @@ struct gemm_call {
     int flush;          /* bf16 arithmetic: the whole call runs flushed (arith.h), and an odd K's chain ends with
                            one product 0 x 0, as bf16 pairs compute it */
     int64_t M, N, K;
-    const char *xp;     /* the rows as the kernel's `prep_row` rewrote them (xp_row bytes apart), or NULL */
-    int64_t xp_row;
 };
 
 /* GELU after the GEMM (arith.h's ACT_*), on the fp32 sum, in the kernel's own vector code: every element takes
@@ -111,12 +109,6 @@ struct gemm_kernel {
     void (*enter)(void);  /* per thread, before its first block (AMX: load the tile configuration) */
     void (*leave)(void);
     void (*block)(const struct gemm_call *G, int64_t i0, int64_t rows, int64_t p0, int64_t p1, void *scratch);
-    /* Optional: a kernel that reads its rows in another layout (bf16 pairs swapped) gets every row rewritten once
-     * per call, row i into row_bytes(K) bytes at dst: a block's rows by the first task that needs them
-     * (gemm_rows_ready). Per task instead, a row would be rewritten again for every group of column panels (24
-     * times in a 1152-column GEMM). */
-    size_t (*row_bytes)(int64_t K);
-    void (*prep_row)(const struct gemm_call *C, int64_t i, void *dst);
     /* Optional: the kernel's multiply-add instruction at its peak on one core (GEMM_PEAK_DEF); FLOPs done. */
     double (*peak)(int64_t steps);
 };
@@ -148,13 +140,6 @@ struct gemm_kernel {
         return (double)steps * (ACC) * (FLOPS);                                                                  \
     }
 
-/* A spin-wait's hint to the core (gemm_rows_ready). */
-#if defined(__x86_64__) || defined(__i386__)
-#define CPU_RELAX() __builtin_ia32_pause()
-#else
-#define CPU_RELAX() ((void)0)
-#endif
-
 static inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 /* Pack w ([N] rows of K elements of type wt, w_row apart) panel by panel into out (packed_bytes(N, K) bytes). */
@@ -178,39 +163,6 @@ static inline int64_t panels_per_task(const struct gemm_kernel *G, int64_t K, in
     return pt < panels ? pt : panels;
 }
 
-/* The calling thread's buffer for prepared rows, at least `bytes`, kept for its next call: a fresh one per
- * call (megabytes) would be mapped and zeroed by the OS each time wherever malloc hands large blocks back to it.
- * Per thread, so calls from several threads never share one; a thread keeps its largest until the process ends. */
-static char *rows_buffer(size_t bytes) {
-    static __thread char *buf;
-    static __thread size_t cap;
-    if (bytes > cap) {
-        free(buf);
-        cap = 0;
-        if (!(buf = alloc64(bytes))) return NULL;
-        cap = bytes;
-    }
-    return buf;
-}
-
-/* Row block b's rows (`rows` of them from i0) in the kernel's layout (`prep_row`), rewritten once per call by
- * whichever task needs them first, while the others that need them wait. The block is claimed (0 -> 1) before it
- * is written and published (2) after, so a thread only ever waits for one that is writing: no order of handing
- * out tasks can deadlock.
- * Written by the task about to multiply them, the rows are still in that core's cache when it does; a separate
- * pass before the tasks cost a GEMM 1-2% more here (every row through memory once more, and a barrier). */
-static void gemm_rows_ready(const struct gemm_kernel *G, const struct gemm_call *C, int *state, int64_t b,
-                            int64_t i0, int64_t rows) {
-    int s = __atomic_load_n(&state[b], __ATOMIC_ACQUIRE), unclaimed = 0;
-    if (s == 2) return;
-    if (s == 0 && __atomic_compare_exchange_n(&state[b], &unclaimed, 1, 0, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED)) {
-        for (int64_t i = i0; i < i0 + rows; i++) G->prep_row(C, i, (char *)C->xp + i * C->xp_row);
-        __atomic_store_n(&state[b], 2, __ATOMIC_RELEASE);
-        return;
-    }
-    while (__atomic_load_n(&state[b], __ATOMIC_ACQUIRE) != 2) CPU_RELAX();
-}
-
 /* Returns RC_OK, RC_NO_MEMORY when scratch memory could not be allocated, RC_BAD_SIZES for bad sizes. */
 static int gemm_run(const struct gemm_kernel *G, const struct gemm_call *C, int threads) {
     if (C->M < 0 || C->N <= 0 || C->K <= 0) return RC_BAD_SIZES;
@@ -219,14 +171,6 @@ static int gemm_run(const struct gemm_kernel *G, const struct gemm_call *C, int 
     const int64_t mblocks = ceil_div(C->M, G->mb), pgroups = ceil_div(panels, pt), tasks = mblocks * pgroups;
     if (threads > tasks) threads = (int)tasks;
     const size_t scratch = G->scratch_bytes(C->K);
-    struct gemm_call P = *C;
-    int *state = NULL;  /* per row block, gemm_rows_ready's */
-    if (G->prep_row) {
-        P.xp_row = (int64_t)G->row_bytes(C->K);
-        if (!(P.xp = rows_buffer((size_t)C->M * (size_t)P.xp_row)) || !(state = calloc((size_t)mblocks, sizeof *state)))
-            return RC_NO_MEMORY;
-    }
-    C = &P;
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
@@ -245,14 +189,12 @@ static int gemm_run(const struct gemm_kernel *G, const struct gemm_call *C, int 
             const int64_t g = t / mblocks, b = t % mblocks;
             const int64_t i0 = b * G->mb, rows = C->M - i0 < G->mb ? C->M - i0 : G->mb;
             const int64_t p0 = g * pt, p1 = p0 + pt < panels ? p0 + pt : panels;
-            if (state) gemm_rows_ready(G, C, state, b, i0, rows);
             G->block(C, i0, rows, p0, p1, buf);
         }
         if (buf && G->leave) G->leave();
         free(buf);
         fp_leave(fp);
     }
-    free(state);
     return failed;
 }
 

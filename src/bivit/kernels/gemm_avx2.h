@@ -91,7 +91,7 @@ GEMM_F32_BLOCK
 GEMM_PEAK_DEF(f32_peak, __m256, _mm256_setzero_ps(), __m256, _mm256_set1_ps(1e-3f), F32_FMA8, MR2 * 2, 16)
 
 static const struct gemm_kernel KERNEL_F32 = {MB2, NR2, 512 * 1024, f32_packed_bytes, f32_pack_panel, f32_scratch, NULL, NULL,
-                                            f32_block, NULL, NULL, f32_peak};
+                                            f32_block, f32_peak};
 
 static const struct gemm_kernel *gemm_kernel_of(int kind) { return kind == GEMM_FP32 ? &KERNEL_F32 : NULL; }
 

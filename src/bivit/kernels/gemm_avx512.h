@@ -90,7 +90,7 @@ static inline __attribute__((always_inline)) void f32_micro(const struct gemm_ca
 
 /* ---- kind 1: bf16 pairs. Panel p: [ceil(K/2)][48] words, each the pair (w[k], w[k + 1]) of a column swapped
  * (w[k + 1] in the lower half: vdpbf16ps adds the upper product first); an odd K's last pair is (w[K - 1], 0).
- * The block's rows are copied into the thread's scratch as words swapped the same way. ---- */
+ * The rows' pairs are swapped the same way as they are read (dp_word). ---- */
 
 static size_t dp_packed_bytes(int64_t N, int64_t K) { return (size_t)ceil_div(N, NR512) * ceil_div(K, 2) * NR512 * 4; }
 
@@ -106,40 +106,54 @@ static void dp_pack_panel(const char *w, int64_t w_row, int wt, int64_t N, int64
             }
 }
 
-/* Row r of x (K bf16) as ceil(K/2) swapped pair words at dst (an odd K's last word (x[K - 1], 0)). */
+/* The pair (x[k], x[k + 1]) of a row as one swapped word (x[k + 1] in the lower half), or for an odd K's last
+ * pair (`last`), (x[k], 0). Swapped in a general register between the load and the broadcast, where it takes
+ * no vector port from vdpbf16ps: a vector rotate per broadcast made the GEMM 22% slower here (AMD EPYC, AVX-512
+ * BF16), and a swapped copy of the rows, once per call, 0.5-1% (its memory traffic). */
+static inline uint32_t dp_word(const bf16 *x, int64_t k, const int last) {
+    if (last) return (uint32_t)x[k] << 16;
+    const uint32_t u = load_u32(x + k);
+    return (u >> 16) | (u << 16);
+}
+
+/* Row r of x (K bf16) as ceil(K/2) swapped pair words at dst (an odd K's last word (x[K - 1], 0)): AMX kind 3's
+ * rows. */
 static inline void dp_swap_row(const bf16 *x, int64_t K, uint32_t *dst) {
     const int64_t pairs = K / 2;
     int64_t q = 0;
     for (; q + 16 <= pairs; q += 16)
         _mm512_storeu_si512(dst + q, _mm512_rol_epi32(_mm512_loadu_si512(x + 2 * q), 16));
-    for (; q < pairs; q++) dst[q] = (load_u32(x + 2 * q) >> 16) | (load_u32(x + 2 * q) << 16);
-    if (K % 2) dst[pairs] = (uint32_t)x[K - 1] << 16;
+    for (; q < pairs; q++) dst[q] = dp_word(x, 2 * q, 0);
+    if (K % 2) dst[pairs] = dp_word(x, K - 1, 1);
 }
 
-/* acc[r] += the pair words xs[r][q] . the 48 column words at b (vdpbf16ps: x[k] w[k], then x[k + 1] w[k + 1]). */
-static inline __attribute__((always_inline)) void dp_step(__m512 acc[MR512][3], const int R, const uint32_t *xs,
-                                                           int64_t xw, int64_t q, const bf16 *b) {
+/* acc[r] += row r's pair at k (x0 + r x_row) . the 48 column words at b (vdpbf16ps: x[k] w[k], then x[k + 1]
+ * w[k + 1]). */
+static inline __attribute__((always_inline)) void dp_step(__m512 acc[MR512][3], const int R, const bf16 *x0,
+                                                           int64_t x_row, int64_t k, const bf16 *b, const int last) {
     const __m512i b0 = _mm512_loadu_si512(b), b1 = _mm512_loadu_si512(b + 32), b2 = _mm512_loadu_si512(b + 64);
 #pragma GCC unroll 8
     for (int r = 0; r < MR512; r++) {
         if (r >= R) break;
-        const __m512i a = _mm512_set1_epi32((int)xs[r * xw + q]);
+        const __m512i a = _mm512_set1_epi32((int)dp_word(x0 + r * x_row, k, last));
         acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)a, (__m512bh)b0);
         acc[r][1] = _mm512_dpbf16_ps(acc[r][1], (__m512bh)a, (__m512bh)b1);
         acc[r][2] = _mm512_dpbf16_ps(acc[r][2], (__m512bh)a, (__m512bh)b2);
     }
 }
 
-/* R rows of swapped words xs (xw words apart) against the panel bp. */
+/* R rows from row i0 against the panel bp. */
 static inline __attribute__((always_inline)) void dp_micro(const struct gemm_call *C, int64_t i0, const int R,
-                                                            const uint32_t *xs, int64_t xw, const bf16 *bp,
-                                                            int64_t j0) {
+                                                            const bf16 *bp, int64_t j0) {
+    const bf16 *x0 = (const bf16 *)C->x + i0 * C->x_row;
+    const int64_t pairs = C->K / 2;
     __m512 acc[MR512][3];
 #pragma GCC unroll 8
     for (int r = 0; r < MR512; r++)
 #pragma GCC unroll 3
         for (int c = 0; c < 3; c++) acc[r][c] = _mm512_setzero_ps();
-    for (int64_t q = 0; q < xw; q++) dp_step(acc, R, xs, xw, q, bp + q * NR512 * 2);
+    for (int64_t q = 0; q < pairs; q++) dp_step(acc, R, x0, C->x_row, 2 * q, bp + q * NR512 * 2, 0);
+    if (C->K % 2) dp_step(acc, R, x0, C->x_row, C->K - 1, bp + pairs * NR512 * 2, 1);
 #pragma GCC unroll 8
     for (int r = 0; r < MR512; r++)
         if (r < R) store_row(C, i0 + r, j0, acc[r], 3);
@@ -159,24 +173,15 @@ GEMM_F32_BLOCK
 
 static size_t dp_scratch(int64_t K) { (void)K; return 64; }
 
-static size_t dp_row_bytes(int64_t K) { return (size_t)ceil_div(K, 2) * 4; }
-
-static void dp_prep_row(const struct gemm_call *C, int64_t i, void *dst) {
-    dp_swap_row((const bf16 *)C->x + i * C->x_row, C->K, dst);
-}
-
-/* Rows come swapped from dp_prep_row (gemm_run rewrites each once per call). */
 static void dp_block(const struct gemm_call *C, int64_t i0, int64_t rows, int64_t p0, int64_t p1, void *scratch) {
     (void)scratch;
-    const int64_t xw = ceil_div(C->K, 2);
-    const uint32_t *xs = (const uint32_t *)(C->xp + i0 * C->xp_row);
-    const size_t panel = (size_t)xw * NR512 * 2;
+    const size_t panel = (size_t)ceil_div(C->K, 2) * NR512 * 2;
     for (int64_t p = p0; p < p1; p++)
         for (int64_t r0 = 0; r0 < rows; r0 += MR512) {
             const int R = rows - r0 < MR512 ? (int)(rows - r0) : MR512;
             const bf16 *bp = (const bf16 *)C->w + p * panel;
-            if (R == MR512) dp_micro(C, i0 + r0, MR512, xs + r0 * xw, xw, bp, p * NR512);  /* as in GEMM_F32_BLOCK */
-            else dp_micro(C, i0 + r0, R, xs + r0 * xw, xw, bp, p * NR512);
+            if (R == MR512) dp_micro(C, i0 + r0, MR512, bp, p * NR512);  /* as in GEMM_F32_BLOCK */
+            else dp_micro(C, i0 + r0, R, bp, p * NR512);
         }
 }
 
@@ -186,9 +191,9 @@ GEMM_PEAK_DEF(f32_peak, __m512, _mm512_setzero_ps(), __m512, _mm512_set1_ps(1e-3
 GEMM_PEAK_DEF(dp_peak, __m512, _mm512_setzero_ps(), __m512i, _mm512_set1_epi32(0x3A833A83), DP_BF16, MR512 * 3, 64)
 
 static const struct gemm_kernel KERNEL_F32 = {MB512, NR512, 512 * 1024, f32_packed_bytes, f32_pack_panel, f32_scratch, NULL, NULL,
-                                            f32_block, NULL, NULL, f32_peak};
+                                            f32_block, f32_peak};
 static const struct gemm_kernel KERNEL_DP = {MB512, NR512, 512 * 1024, dp_packed_bytes, dp_pack_panel, dp_scratch, NULL, NULL,
-                                           dp_block, dp_row_bytes, dp_prep_row, dp_peak};
+                                           dp_block, dp_peak};
 
 /* ---- kind 2: AMX. 32 rows x 32 columns per step of 32 k: C tiles 0-3 (2 x 2 of 16 x 16 fp32), A tiles 4-5
  * (16 rows x 32 bf16), B tiles 6-7 (16 pairs of k x 16 columns). Panel p: [ceil(K/32)][2 halves][16 pairs][16
