@@ -109,7 +109,7 @@ static void dp_pack_panel(const char *w, int64_t w_row, int wt, int64_t N, int64
 /* The pair (x[k], x[k + 1]) of a row as one swapped word (x[k + 1] in the lower half), or for an odd K's last
  * pair (`last`), (x[k], 0). Swapped in a general register between the load and the broadcast, where it takes
  * no vector port from vdpbf16ps: a vector rotate per broadcast made the GEMM 22% slower here (AMD EPYC, AVX-512
- * BF16), and a swapped copy of the rows, once per call, 0.5-1% (its memory traffic). */
+ * BF16), and a swapped copy of the rows, once per call, 0.5-3% in the model (its memory traffic). */
 static inline uint32_t dp_word(const bf16 *x, int64_t k, const int last) {
     if (last) return (uint32_t)x[k] << 16;
     const uint32_t u = load_u32(x + k);
